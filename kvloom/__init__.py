@@ -1,0 +1,35 @@
+"""kvloom: an LLM inference and serving engine with vLLM's API.
+
+Names load on first use, so ``kvloom --help`` and light imports do not pay for torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "kvloom.llm",
+    "SamplingParams": "kvloom.sampling_params",
+    "RequestOutput": "kvloom.outputs",
+    "CompletionOutput": "kvloom.outputs",
+    "Logprob": "kvloom.outputs",
+    "EngineConfig": "kvloom.config",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+if TYPE_CHECKING:
+    from kvloom.config import EngineConfig
+    from kvloom.llm import LLM
+    from kvloom.outputs import CompletionOutput, Logprob, RequestOutput
+    from kvloom.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvloom' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,58 @@
+"""Reference attention: one request at a time, fp32, every key gathered by its slot. Slow, obvious."""
+
+from __future__ import annotations
+
+import torch
+
+from kvloom.attention.metadata import AttentionMetadata
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key, value: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def causal_mask(query_len: int, seq_len: int, sliding_window: int | None, device: torch.device
+                ) -> torch.Tensor:
+    """[query_len, seq_len] bool, True where query i (at position seq_len - query_len + i) may attend."""
+    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    key_pos = torch.arange(seq_len, device=device)[None, :]
+    mask = key_pos <= query_pos
+    if sliding_window is not None:
+        mask &= key_pos > query_pos - sliding_window
+    return mask
+
+
+def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len positions of one request's K or V: [seq_len, Hkv, D]."""
+    block_size = cache.shape[1]
+    positions = torch.arange(seq_len, device=cache.device)
+    slots = block_row[positions // block_size] * block_size + positions % block_size
+    return cache.view(-1, cache.shape[2], cache.shape[3]).index_select(0, slots)
+
+
+def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query: [T, Hq, D]; key, value: [T, Hkv, D] (this step's); returns [T, Hq, D]."""
+    write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    group = num_heads // key.shape[1]
+    out = torch.empty_like(query)
+    for i in range(metadata.num_requests):
+        start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
+        seq_len = metadata.seq_lens_host[i]
+        k = gather_sequence(key_cache, metadata.block_table[i], seq_len).float()
+        v = gather_sequence(value_cache, metadata.block_table[i], seq_len).float()
+        k = k.repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        q = query[start:end].float()  # [Q, Hq, D]
+        scores = torch.einsum("qhd,shd->hqs", q, k) * scale
+        mask = causal_mask(end - start, seq_len, metadata.sliding_window, query.device)
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hqs,shd->qhd", probs, v).to(query.dtype)
+    return out.view(-1, num_heads, head_dim)

@@ -1,0 +1,285 @@
+"""The one engine configuration.
+
+``EngineConfig`` is a dataclass that validates itself. ``LLM(**kwargs)``, the CLI flags of
+``kvloom serve`` / ``kvloom generate`` and the server all come from its fields, so a knob is
+declared once. Backend knobs (shape buckets, compilation, attention backend, int8 weights) live in
+``BackendConfig`` and are set through ``override_backend_config`` (a dict, or JSON on the command
+line) — the seeds' ``override_neuron_config``; documented ``KVLOOM_*`` variables are aliases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvloom import envs
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "half": "float16"}
+
+
+@dataclass
+class BackendConfig:
+    """Backend knobs, set through ``override_backend_config``."""
+
+    # Prefill (context encoding) token counts a step is padded up to; None: powers of two.
+    context_length_buckets: list[int] | None = None
+    # Decode (token generation) batch sizes a step is padded up to; None: powers of two.
+    token_gen_buckets: list[int] | None = None
+    # Where compiled graphs are cached across restarts (None: no on-disk cache).
+    compiled_artifacts: str | None = None
+    # Compile the decode step with torch.compile (buckets keep the shapes few).
+    enable_compile: bool = False
+    # "auto" picks the fast path of the platform; "reference" the plain-torch one.
+    attention_backend: str = "auto"
+    # "s8": store linear weights as int8 with per-channel scales.
+    quant_dtype: str | None = None
+    # torch intra-op threads on the CPU (None: all cores).
+    num_threads: int | None = None
+
+    @classmethod
+    def from_overrides(cls, overrides: dict[str, Any] | str | None) -> BackendConfig:
+        """Defaults, then KVLOOM_* variables, then the explicit overrides (highest)."""
+        values: dict[str, Any] = {}
+        for key, var in (("context_length_buckets", "KVLOOM_CONTEXT_LENGTH_BUCKETS"),
+                         ("token_gen_buckets", "KVLOOM_TOKEN_GEN_BUCKETS")):
+            env_value = envs.get_int_list(var)
+            if env_value is not None:
+                values[key] = env_value
+        if envs.get("KVLOOM_COMPILED_ARTIFACTS"):
+            values["compiled_artifacts"] = envs.get("KVLOOM_COMPILED_ARTIFACTS")
+        if envs.get("KVLOOM_QUANT_DTYPE"):
+            values["quant_dtype"] = envs.get("KVLOOM_QUANT_DTYPE")
+        if envs.get("KVLOOM_NUM_THREADS"):
+            values["num_threads"] = int(envs.get("KVLOOM_NUM_THREADS") or 0)
+        values.update(parse_overrides(overrides))
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - allowed)
+        if unknown:
+            raise ValueError(f"override_backend_config: unknown key(s) {unknown}; "
+                             f"allowed: {sorted(allowed)}")
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        for name in ("context_length_buckets", "token_gen_buckets"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if (not isinstance(value, (list, tuple)) or not value
+                    or any(not isinstance(v, int) or isinstance(v, bool) or v <= 0 for v in value)):
+                raise ValueError(f"override_backend_config: {name} must be a non-empty list of "
+                                 f"positive integers, got {value!r}")
+            setattr(self, name, sorted(set(value)))
+        if self.attention_backend not in ("auto", "reference", "native"):
+            raise ValueError(f"override_backend_config: attention_backend must be one of "
+                             f"'auto', 'reference', 'native', got {self.attention_backend!r}")
+        if self.quant_dtype not in (None, "s8", "int8"):
+            raise ValueError(f"override_backend_config: quant_dtype must be 's8' (int8 weights) or "
+                             f"null, got {self.quant_dtype!r}")
+        if not isinstance(self.enable_compile, bool):
+            raise ValueError(f"override_backend_config: enable_compile must be true or false, "
+                             f"got {self.enable_compile!r}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int)
+                                             or self.num_threads < 1):
+            raise ValueError(f"override_backend_config: num_threads must be a positive integer, "
+                             f"got {self.num_threads!r}")
+
+
+def parse_overrides(overrides: dict[str, Any] | str | None) -> dict[str, Any]:
+    """A dict, a JSON object, or the seeds' ``key:value,key:value`` shorthand."""
+    if overrides is None or overrides == "":
+        return {}
+    if isinstance(overrides, dict):
+        return dict(overrides)
+    if not isinstance(overrides, str):
+        raise ValueError(f"override_backend_config must be a dict or a JSON string, "
+                         f"got {type(overrides).__name__}")
+    text = overrides.strip()
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError:
+        parsed = None
+        if ":" in text and not text.startswith("{"):
+            parsed = {}
+            for item in text.split(","):
+                key, _, raw = item.partition(":")
+                try:
+                    parsed[key.strip()] = json.loads(raw.strip().lower()
+                                                     if raw.strip() in ("True", "False") else raw)
+                except json.JSONDecodeError:
+                    parsed[key.strip()] = raw.strip()
+    if not isinstance(parsed, dict):
+        raise ValueError(f"override_backend_config must be a JSON object such as "
+                         f'\'{{"enable_compile": true}}\', got {overrides!r}')
+    return parsed
+
+
+def parse_memory(value: int | float | str | None) -> int | None:
+    """Bytes from an int, or a string such as '2GiB', '512MiB', '1.5GB'."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"kv_cache_memory must be a byte count or a size like '2GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        number = int(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*", str(value), re.IGNORECASE)
+        if not match:
+            raise ValueError(f"kv_cache_memory must be a byte count or a size like '2GiB', "
+                             f"got {value!r}")
+        unit = (match.group(2) or "B").upper().rstrip("B").rstrip("I")
+        scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
+        number = int(float(match.group(1)) * scale)
+    if number <= 0:
+        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
+    return number
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class EngineConfig:
+    """What ``LLM(...)`` and ``kvloom serve`` accept, with vLLM's names and meanings."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata=_help(
+        "a HF model directory, a .gguf file, or 'SmolLM2-135M-Instruct' (the default model)"))
+    tokenizer: str | None = field(default=None, metadata=_help(
+        "tokenizer directory or .gguf file (default: the model's)"))
+    dtype: str = field(default="auto", metadata=_help(
+        "weight and activation dtype: auto, float32, bfloat16, float16 (auto: bfloat16 on the CPU "
+        "when the model is stored in 16 bits, else the checkpoint's dtype)"))
+    device: str = field(default="auto", metadata=_help("auto, cpu, cuda or cuda:N"))
+    seed: int = field(default=0, metadata=_help("seed of the global sampling generator"))
+    max_model_len: int | None = field(default=None, metadata=_help(
+        "longest sequence (prompt + output) in tokens (default: the model's context length)"))
+    max_num_seqs: int = field(default=256, metadata=_help("most requests in one batch"))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_help(
+        "most tokens computed in one step (default: max(2048, max_model_len) capped at 8192)"))
+    block_size: int = field(default=16, metadata=_help(
+        "tokens per KV cache block; block_size == max_model_len gives one contiguous block per "
+        "sequence"))
+    enable_prefix_caching: bool = field(default=True, metadata=_help(
+        "reuse the KV blocks of shared prompt prefixes"))
+    kv_cache_memory: int | str | None = field(default=None, metadata=_help(
+        "bytes for the KV cache, e.g. 2GiB (default: 2 GiB on the CPU, 90%% of free memory on "
+        "CUDA, never less than one full-length sequence)"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help(
+        "fraction of GPU memory kvloom may use on CUDA"))
+    tensor_parallel_size: int = field(default=1, metadata=_help("number of tensor-parallel ranks"))
+    enforce_eager: bool = field(default=False, metadata=_help("never compile graphs"))
+    override_backend_config: dict[str, Any] | str | None = field(default=None, metadata=_help(
+        "backend knobs as JSON, e.g. '{\"context_length_buckets\": [128, 512]}'"))
+    trust_remote_code: bool = field(default=False, metadata=_help(
+        "accepted for vLLM compatibility; kvloom never runs model code from a checkpoint"))
+
+    backend: BackendConfig = field(init=False, repr=False, default_factory=BackendConfig)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a path or a model name, got {self.model!r}")
+        dtype = str(self.dtype).replace("torch.", "").lower()
+        dtype = _DTYPE_ALIASES.get(dtype, dtype)
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        self.dtype = dtype
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device {self.device!r} is not supported: kvloom runs on 'cpu' or "
+                             f"'cuda' (or 'auto'); hardware such as 'neuron' is not available here")
+        _check_int("seed", self.seed, minimum=0)
+        _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        _check_int("block_size", self.block_size, minimum=1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, minimum=1)
+        if self.max_num_batched_tokens is not None:
+            _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not (
+                0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization!r}")
+        for name in ("enable_prefix_caching", "enforce_eager", "trust_remote_code"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self.backend = BackendConfig.from_overrides(self.override_backend_config)
+        if self.enforce_eager:
+            self.backend.enable_compile = False
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        allowed = sorted(cls.field_names())
+        unknown = sorted(set(kwargs) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {allowed}")
+        return cls(**kwargs)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.init]
+
+    def resolve_max_num_batched_tokens(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return min(max(2048, max_model_len), 8192)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.field_names()}
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, include_model: bool = True) -> None:
+    """Add a vLLM-named flag (``--max-num-seqs``, ...) for every EngineConfig field."""
+    for f in fields(EngineConfig):
+        if not f.init or (f.name == "model" and not include_model):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.name == "override_backend_config":
+            parser.add_argument(flag, "--override-neuron-config", dest=f.name, default=None,
+                                help=help_text)
+        elif isinstance(default, bool):
+            parser.add_argument(flag, dest=f.name, nargs="?", const=True, default=default,
+                                type=_parse_bool, help=f"{help_text} (default {default})")
+            if default:
+                parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name,
+                                    action="store_false", help=f"turn off {f.name}")
+        elif f.name in ("seed", "max_num_seqs", "block_size", "max_model_len",
+                        "max_num_batched_tokens", "tensor_parallel_size"):
+            parser.add_argument(flag, dest=f.name, type=int, default=default, help=help_text)
+        elif f.name == "gpu_memory_utilization":
+            parser.add_argument(flag, dest=f.name, type=float, default=default, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, default=default, help=help_text)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
+    return EngineConfig.from_kwargs(**values)

@@ -1,0 +1,183 @@
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, no tensors.
+
+Blocks are numbered 1..num_blocks-1; block 0 is the null block, never handed out, that pads
+block tables (its KV stays zero, so padded attention reads finite values).
+
+Prefix caching: a full block is named by a chained hash of (previous block's hash, its token ids).
+A freed block keeps its hash and stays findable until it is handed out again; free blocks are
+reused in LRU order (the least recently freed first), so hot prefixes survive longest. A request
+frees its blocks tail first, so its unshared tail is reused before its shared head.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvloom.engine.request import Request
+
+NULL_BLOCK_ID = 0
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        # The tokens of a hashed block, checked on a hit so a hash collision cannot alias blocks.
+        self.token_ids: tuple[int, ...] | None = None
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks[1:])
+        self.cached: dict[int, KVCacheBlock] = {}
+        # Prefix-cache counters (in tokens), read by the metrics.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- queries ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (free cached blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache ----------------------------------------------------------------------
+    def _update_block_hashes(self, request: Request) -> None:
+        """Extend request.block_hashes to cover every full block of its known tokens."""
+        tokens = request.all_token_ids
+        size = self.block_size
+        while (len(request.block_hashes) + 1) * size <= len(tokens):
+            i = len(request.block_hashes)
+            parent = request.block_hashes[-1] if i else None
+            request.block_hashes.append(hash_block_tokens(parent, tokens[i * size:(i + 1) * size]))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks that prefixes the request, and its token count.
+
+        The last token is never served from the cache: it must be computed to give logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            block = self.cached.get(block_hash)
+            tokens = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
+            if block is None or block.token_ids != tokens:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    # ---- allocation ------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVCacheBlock] | None = None) -> bool:
+        """Make request.block_ids cover num_computed_tokens + num_new_tokens. False if out of blocks.
+
+        computed_blocks are prefix-cache hits (from get_computed_blocks) for a request with no
+        blocks yet; they are shared, not copied.
+        """
+        computed_blocks = computed_blocks or []
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        if computed_blocks:
+            num_tokens += len(computed_blocks) * self.block_size
+        num_new_blocks = self.blocks_needed(num_tokens) - len(request.block_ids) - len(computed_blocks)
+        # Hits that sit in the free queue must come out of it too.
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_count == 0)
+        if num_new_blocks > self.num_free_blocks - num_evictable_hits:
+            return False
+        for block in computed_blocks:
+            if block.ref_count == 0:
+                del self.free_queue[block.block_id]
+            block.ref_count += 1
+            request.block_ids.append(block.block_id)
+        for _ in range(max(num_new_blocks, 0)):
+            block = self._pop_free_block()
+            block.ref_count = 1
+            request.block_ids.append(block.block_id)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, num_tokens)
+        return True
+
+    def _pop_free_block(self) -> KVCacheBlock:
+        _, block = self.free_queue.popitem(last=False)
+        if block.block_hash is not None:
+            # Evict: the block's contents are about to be overwritten.
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+        return block
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Name the blocks that are full once num_tokens are computed, so others can share them."""
+        self._update_block_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        for i in range(num_full):
+            block = self.blocks[request.block_ids[i]]
+            if block.block_hash is not None:
+                continue
+            block_hash = request.block_hashes[i]
+            block.block_hash = block_hash
+            block.token_ids = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
+            self.cached.setdefault(block_hash, block)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so shared heads stay cached longest."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None or not self.enable_prefix_caching:
+                    # Unnamed blocks hold nothing reusable: hand them out first.
+                    self.free_queue[block_id] = block
+                    self.free_queue.move_to_end(block_id, last=False)
+                else:
+                    self.free_queue[block_id] = block
+        request.block_ids = []
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            block.block_hash = None
+            block.token_ids = None
+        self.cached.clear()
+
+    def check_integrity(self) -> None:
+        """Raise if the bookkeeping is inconsistent (used by tests)."""
+        for block in self.blocks[1:]:
+            in_free = block.block_id in self.free_queue
+            if (block.ref_count == 0) != in_free:
+                raise RuntimeError(f"block {block.block_id}: ref_count {block.ref_count}, free={in_free}")
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {block.block_id}: negative ref_count")
+        for block_hash, block in self.cached.items():
+            if block.block_hash != block_hash:
+                raise RuntimeError(f"cached map names block {block.block_id} under a stale hash")

@@ -1,0 +1,125 @@
+"""Request: one sequence's state as the scheduler sees it (token ids, progress, blocks)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+from kvloom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvloom.engine.detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """A single sequence to generate. Parallel sampling (n > 1) makes one Request per completion.
+
+    The scheduler's one rule: close the gap between ``num_computed_tokens`` and ``num_tokens``.
+    A new request's gap is its prompt (minus prefix-cache hits); a decoding request's gap is the
+    token sampled last step; after preemption the gap is everything again.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: set[int] | None = None,
+        max_model_len: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = set() if sampling_params.ignore_eos else set(eos_token_ids or ())
+        self.max_model_len = max_model_len
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hits at first scheduling; -1 until then
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        # KV cache state, owned by the KVCacheManager.
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+
+        # Output state, owned by the engine.
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
+        self.prompt_logprobs: list[dict | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.output_text = ""
+        self.parent_id = request_id
+        self.index = 0  # which of the parent's n completions this is
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens allowed: max_tokens, and never past max_model_len."""
+        limit = self.sampling_params.max_tokens
+        room = (self.max_model_len - self.num_prompt_tokens) if self.max_model_len else None
+        if limit is None:
+            return room if room is not None else 1 << 30
+        return limit if room is None else min(limit, room)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """Token-level stop checks after a new token; sets status and stop_reason. True if done.
+
+        Stop strings are checked by the engine on the detokenized text, not here.
+        """
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.all_stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if self.num_output_tokens >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,61 @@
+"""Rotary position embeddings (HF's rotate-half layout), with Llama-3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    # fp32 throughout, as HF computes it, so positions match the oracle bit for bit in fp32.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type")
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_len / low_freq_factor
+        high_freq_wavelen = old_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(medium, smoothed, scaled).float()
+    if kind == "linear":
+        return (inv_freq / float(scaling["factor"])).float()
+    raise ValueError(f"rope scaling type {kind!r} is not supported; supported: llama3, linear")
+
+
+def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, head_dim // 2]. Computed in fp32."""
+    dtype = x.dtype
+    x = x.float()
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[:, None, :].float(), sin[:, None, :].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # [max_position, head_dim // 2] each; kept fp32 for accuracy at long positions.
+        self.register_buffer("cos_cache", angles.cos(), persistent=False)
+        self.register_buffer("sin_cache", angles.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]."""
+        cos = self.cos_cache.index_select(0, positions)
+        sin = self.sin_cache.index_select(0, positions)
+        return apply_rotary_reference(q, cos, sin), apply_rotary_reference(k, cos, sin)

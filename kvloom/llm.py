@@ -1,0 +1,115 @@
+"""LLM: vLLM's offline API — ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvloom.config import DEFAULT_MODEL, EngineConfig
+from kvloom.engine.llm_engine import LLMEngine, PromptInput
+from kvloom.loader.tokenizer import Tokenizer
+from kvloom.outputs import RequestOutput
+from kvloom.sampling_params import SamplingParams
+
+# vLLM generate() keywords that kvloom accepts when they ask for nothing it lacks.
+_IGNORED_GENERATE_KWARGS = ("lora_request", "priority", "prompt_adapter_request")
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    >>> llm = LLM(model="SmolLM2-135M-Instruct", max_model_len=512)
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, **kwargs: Any) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in input order."""
+        for key, value in kwargs.items():
+            if key not in _IGNORED_GENERATE_KWARGS or value is not None:
+                raise ValueError(f"generate() got an unsupported keyword argument {key!r}; it takes "
+                                 f"prompts, sampling_params and use_tqdm")
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, with the model's chat template."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts "
+                             "(or a list of such lists)")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptInput] = []
+        texts: list[str] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template)
+            texts.append(text)
+            # The template already wrote any BOS it wants.
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self._run(prompts, sampling_params, use_tqdm, prompt_texts=texts)
+
+    def _run(self, prompts: list[PromptInput],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool,
+             prompt_texts: list[str] | None = None) -> list[RequestOutput]:
+        engine = self.llm_engine
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
+                                 f"give one SamplingParams or one per prompt")
+        # Validate everything before queueing anything, so a bad prompt leaves no half-done batch.
+        for prompt, params in zip(prompts, params_list):
+            _, token_ids = engine.process_prompt(prompt)
+            engine.validate_request(token_ids, params)
+        request_ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                request_id = engine.next_request_id()
+                engine.add_request(request_id, prompt, params,
+                                   prompt_text=prompt_texts[i] if prompt_texts else None)
+                request_ids.append(request_id)
+            return self._run_engine(request_ids, use_tqdm)
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while len(finished) < len(wanted) and engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+        return [finished[r] for r in request_ids]

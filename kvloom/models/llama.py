@@ -1,0 +1,168 @@
+"""Llama (and Mistral, which differs only in its sliding window): the architecture, top to bottom.
+
+Tokens arrive flat: [T] ids for every scheduled request end to end, with their positions and the
+attention metadata that says which request each token belongs to. No device code lives here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvloom.attention import AttentionMetadata
+from kvloom.attention.registry import AttentionFn
+from kvloom.layers.activation import silu_and_mul
+from kvloom.layers.embedding import LMHead, VocabEmbedding
+from kvloom.layers.linear import Linear
+from kvloom.layers.norm import RMSNorm
+from kvloom.layers.rotary import RotaryEmbedding
+from kvloom.loader.model_config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                               bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, [config.hidden_size], bias=config.attention_bias)
+        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, config.rope_theta,
+                                      config.rope_scaling)
+        self.attention = attention
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=config.mlp_bias)
+        self.down_proj = Linear(size, [config.hidden_size], bias=config.mlp_bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, attention)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF tensor name suffix -> (our parameter suffix, row block of the fused weight)
+    FUSED = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+        "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata
+                ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, H]."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> fp32 logits [N, V]."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters; every parameter must be covered."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            shard_target = None
+            for hf_part, (our_part, shard) in self.FUSED.items():
+                if f".{hf_part}." in f".{name}":
+                    shard_target = (name.replace(hf_part, our_part), shard)
+                    break
+            if shard_target is not None:
+                target_name, shard = shard_target
+                module_name, _, kind = target_name.rpartition(".")
+                module = self.get_submodule(module_name)
+                module.load_shard(kind, shard, tensor)
+                loaded.add(f"{target_name}#{shard}")
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}")
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            loaded.add(name)
+        missing = []
+        for name, module in self.named_modules():
+            if isinstance(module, Linear) and len(module.output_sizes) > 1:
+                for shard in range(len(module.output_sizes)):
+                    if f"{name}.weight#{shard}" not in loaded:
+                        missing.append(f"{name}.weight[{shard}]")
+        for name in params:
+            is_fused = any(our in name for our, _ in self.FUSED.values())
+            if not is_fused and name not in loaded and not (
+                    name == "lm_head.weight" and self.config.tie_word_embeddings):
+                if name.endswith(".bias"):
+                    continue
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:4]}")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama with an optional sliding attention window (handled by the attention mask)."""

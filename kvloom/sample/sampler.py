@@ -1,0 +1,152 @@
+"""Batched sampling on the device.
+
+The steps, in order, for logits [B, V] (fp32):
+  1. logprobs (if asked) from the raw logits, as vLLM returns them;
+  2. min_tokens: EOS and stop tokens masked until a request has produced enough tokens;
+  3. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
+  4. greedy rows take the argmax here;
+  5. temperature, then top-k, top-p and min-p filtering;
+  6. a sample by the exponential race: argmax(p / q), q ~ Exp(1). Rows with a seed draw q from
+     their own generator, so a seeded request samples the same whatever shares its batch.
+No host sync happens before the token ids exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [B] fp32, 0 for greedy rows
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None  # [B] int64, vocab size where off; None when no row filters
+    top_p: torch.Tensor | None  # [B] fp32, 1.0 where off
+    min_p: torch.Tensor | None  # [B] fp32, 0.0 where off
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
+    # Penalties (None when no row has any):
+    presence_penalty: torch.Tensor | None = None  # [B]
+    frequency_penalty: torch.Tensor | None = None  # [B]
+    repetition_penalty: torch.Tensor | None = None  # [B]
+    output_token_ids: torch.Tensor | None = None  # [B, max_out] int64, padded with vocab_size
+    prompt_token_ids: torch.Tensor | None = None  # [B, max_prompt] int64, padded with vocab_size
+    # min_tokens: (row, token ids to mask) pairs
+    min_tokens_masks: list[tuple[int, list[int]]] = field(default_factory=list)
+    max_num_logprobs: int | None = None  # most top logprobs any row asked for; None: none asked
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    # When logprobs were asked: top ids/logprobs [B, K+1] (the sampled token first) and its rank [B]
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
+
+
+def compute_logprobs_top(logprobs: torch.Tensor, token_ids: torch.Tensor, num: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logprobs: [N, V]; token_ids: [N]. Returns ids [N, num+1], values [N, num+1] and ranks [N].
+
+    Column 0 is the given token; columns 1.. are the top-num tokens in order.
+    """
+    token_logprobs = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs > token_logprobs).sum(-1) + 1
+    if num > 0:
+        top_values, top_ids = logprobs.topk(num, dim=-1)
+        ids = torch.cat([token_ids[:, None], top_ids], dim=1)
+        values = torch.cat([token_logprobs, top_values], dim=1)
+    else:
+        ids, values = token_ids[:, None], token_logprobs
+    return ids, values, ranks
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator  # draws for rows without a seed of their own
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self.apply_min_tokens(logits, metadata)
+        logits = self.apply_penalties(logits, metadata)
+        greedy = logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            sampled = greedy
+        else:
+            random = self.sample_random(logits, metadata, self.generator)
+            sampled = random if metadata.all_random else torch.where(
+                metadata.temperature == 0, greedy, random)
+        out = SamplerOutput(sampled_token_ids=sampled)
+        if raw_logprobs is not None:
+            out.logprob_token_ids, out.logprobs, out.sampled_ranks = compute_logprobs_top(
+                raw_logprobs, sampled, metadata.max_num_logprobs)
+        return out
+
+    @staticmethod
+    def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        if not metadata.min_tokens_masks:
+            return logits
+        logits = logits.clone()
+        for row, token_ids in metadata.min_tokens_masks:
+            logits[row, token_ids] = float("-inf")
+        return logits
+
+    @staticmethod
+    def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        if metadata.repetition_penalty is None:
+            return logits
+        batch, vocab = logits.shape
+        # Count tensors get one spare column for the padding id (vocab), dropped afterwards.
+        output_counts = torch.zeros(batch, vocab + 1, device=logits.device, dtype=logits.dtype)
+        output_counts.scatter_add_(1, metadata.output_token_ids,
+                                   torch.ones_like(metadata.output_token_ids, dtype=logits.dtype))
+        output_counts = output_counts[:, :vocab]
+        seen = torch.zeros(batch, vocab + 1, device=logits.device, dtype=torch.bool)
+        seen.scatter_(1, metadata.prompt_token_ids, True)
+        seen = seen[:, :vocab] | (output_counts > 0)
+        repetition = metadata.repetition_penalty[:, None].expand_as(logits)
+        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalized, logits)
+        logits = logits - metadata.frequency_penalty[:, None] * output_counts
+        logits = logits - metadata.presence_penalty[:, None] * (output_counts > 0).to(logits.dtype)
+        return logits
+
+    @staticmethod
+    def sample_random(logits: torch.Tensor, metadata: SamplingMetadata,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+        temperature = torch.where(metadata.temperature == 0, torch.ones_like(metadata.temperature),
+                                  metadata.temperature)
+        logits = logits / temperature[:, None]
+        if metadata.top_k is not None or metadata.top_p is not None:
+            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if metadata.min_p is not None:
+            max_prob = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < metadata.min_p[:, None] * max_prob, 0.0)
+        q = torch.empty_like(probs)
+        if len(metadata.generators) < probs.shape[0]:
+            q.exponential_(generator=generator)
+        for row, row_generator in metadata.generators.items():
+            q[row].exponential_(generator=row_generator)
+        return probs.div(q).argmax(dim=-1)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+                      ) -> torch.Tensor:
+    """Mask (to -inf) what falls outside each row's top-k and its top-p nucleus. logits: [B, V]."""
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep a token when the mass strictly before it is below top_p: the first always stays.
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, sorted_ids, sorted_logits)

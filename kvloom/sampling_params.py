@@ -1,0 +1,140 @@
+"""SamplingParams: vLLM's fields, defaults and validation."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completions (vLLM's names, defaults and meanings).
+
+    temperature 0 means greedy; top_k -1 or 0 means off; top_p 1 means off; min_p 0 means off.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    # Filled in by the engine: the tokenizer's end-of-sequence ids.
+    all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the other knobs would not change the argmax.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """Build from keyword arguments, dropping the ones that are None (OpenAI requests)."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    def _verify(self) -> None:
+        _int("n", self.n, 1)
+        _num("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _num("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
+        _num("temperature", self.temperature, 0.0, None)
+        _num("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k!r}")
+        _num("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _int("seed", self.seed, None)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, 1)
+        _int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
+                                 f"got {self.stop!r}")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.init)
+        return f"SamplingParams({shown})"
+
+
+def _int(name: str, value: Any, minimum: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+
+
+def _num(name: str, value: Any, low: float | None, high: float | None, low_open: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        bound = f"greater than {low}" if low_open else f"at least {low}"
+        raise ValueError(f"{name} must be {bound}" + (f" and at most {high}" if high is not None else "")
+                         + f", got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be at most {high}, got {value}")
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams) if f.init)
+_dataclass_init = SamplingParams.__init__
+
+
+def _init_rejecting_unknown(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+    # An unknown keyword is a user error with a clear message, not a TypeError from dataclasses.
+    unknown = sorted(set(kwargs) - _FIELD_NAMES)
+    if unknown:
+        raise ValueError(f"SamplingParams got unknown argument(s) {unknown}; allowed: {sorted(_FIELD_NAMES)}")
+    _dataclass_init(self, *args, **kwargs)
+
+
+SamplingParams.__init__ = _init_rejecting_unknown  # type: ignore[method-assign]
