@@ -104,9 +104,7 @@ class ModelRunner:
     # ---- the step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        # Decodes first: they share one batched attention call.
-        items = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, metadata = self._prepare_inputs(items)
+        items, input_ids, positions, metadata = self._prepare_inputs(scheduler_output.scheduled)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
 
         output = ModelRunnerOutput()
@@ -136,8 +134,11 @@ class ModelRunner:
                     output.prompt_logprobs[item.request.request_id] = rows
         return output
 
-    def _prepare_inputs(self, items: list[ScheduledRequest]
-                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare_inputs(self, scheduled: list[ScheduledRequest]
+                        ) -> tuple[list[ScheduledRequest], torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat input ids and positions [T], and the attention metadata, decodes first."""
+        # Decodes first: they share one batched attention call.
+        items = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -186,7 +187,7 @@ class ModelRunner:
             if self.sliding_window is not None:
                 mask &= key_pos > lens - 1 - self.sliding_window
             metadata.decode_mask = mask[:, None, None, :]
-        return (torch.tensor(input_ids, dtype=torch.long, device=device),
+        return (items, torch.tensor(input_ids, dtype=torch.long, device=device),
                 torch.tensor(positions, dtype=torch.long, device=device), metadata)
 
     def _generator_for(self, request: Request) -> torch.Generator | None:

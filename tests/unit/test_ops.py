@@ -1,0 +1,82 @@
+"""Every fast op against its plain-torch reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvloom.attention.metadata import AttentionMetadata
+from kvloom.attention.native import attention_native
+from kvloom.attention.reference import attention_reference
+from kvloom.layers.norm import rms_norm_fast, rms_norm_reference
+
+
+def build_batch(query_lens: list[int], context_lens: list[int], block_size: int, num_blocks: int,
+                sliding_window: int | None, seed: int = 0):
+    """A random paged cache holding each request's context, and this step's new tokens."""
+    rng = random.Random(seed)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    block_tables, slots, seq_lens = [], [], []
+    for q, c in zip(query_lens, context_lens):
+        total = q + c
+        blocks = [free.pop() for _ in range(-(-total // block_size))]
+        block_tables.append(blocks)
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(c, total))
+        seq_lens.append(total)
+    width = max(len(b) for b in block_tables)
+    num_decodes = sum(1 for q in query_lens if q == 1)
+    decode_blocks = width if num_decodes else 0
+    table = torch.tensor([b + [0] * (width - len(b)) for b in block_tables])
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_table=table, seq_lens=torch.tensor(seq_lens),
+        query_start_loc=starts, seq_lens_host=seq_lens, num_decodes=num_decodes, block_size=block_size,
+        sliding_window=sliding_window, decode_num_blocks=decode_blocks)
+    if num_decodes:
+        key_pos = torch.arange(decode_blocks * block_size)[None, :]
+        lens = metadata.seq_lens[:num_decodes, None]
+        mask = key_pos < lens
+        if sliding_window is not None:
+            mask &= key_pos > lens - 1 - sliding_window
+        metadata.decode_mask = mask[:, None, None, :]
+    return metadata
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_native_attention_matches_reference(dtype: torch.dtype, sliding_window: int | None) -> None:
+    torch.manual_seed(0)
+    block_size, num_blocks, heads, kv_heads, dim = 4, 64, 4, 2, 16
+    # Decodes first (one new token), then a fresh prefill and a chunk that continues a context.
+    query_lens = [1, 1, 1, 7, 6]
+    context_lens = [3, 12, 0, 0, 9]
+    metadata = build_batch(query_lens, context_lens, block_size, num_blocks, sliding_window)
+    total = sum(query_lens)
+    cache_shape = (num_blocks, block_size, kv_heads, dim)
+    key_cache = torch.randn(cache_shape, dtype=dtype)
+    value_cache = torch.randn(cache_shape, dtype=dtype)
+    key_cache[0] = 0
+    value_cache[0] = 0
+    q = torch.randn(total, heads, dim, dtype=dtype)
+    k = torch.randn(total, kv_heads, dim, dtype=dtype)
+    v = torch.randn(total, kv_heads, dim, dtype=dtype)
+    ref_caches = (key_cache.clone(), value_cache.clone())
+    expected = attention_reference(q, k, v, *ref_caches, metadata, dim ** -0.5)
+    got = attention_native(q, k, v, key_cache, value_cache, metadata, dim ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(key_cache, ref_caches[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_fast_matches_reference(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(7, 64, dtype=dtype) * 3
+    weight = torch.randn(64, dtype=dtype)
+    torch.testing.assert_close(rms_norm_fast(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5),
+                               atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-3)
