@@ -1,7 +1,7 @@
 """Fast attention through torch's fused scaled_dot_product_attention (CPU flash kernel, CUDA flash).
 
-Decodes are one batched call over keys gathered by block table up to a bucketed length (the null
-block pads shorter rows, the mask hides it). A prefill with no earlier context attends to its own
+Decodes are one batched product over keys gathered by block table up to a bucketed length (the
+null block pads shorter rows, the mask hides it). A prefill with no earlier context attends to its own
 new keys directly (no cache read); a chunk that continues a sequence gathers its context.
 """
 
@@ -44,15 +44,20 @@ def attention_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-    """query: [B, Hq, D] (one token per request) -> [B, Hq, D]."""
+    """query: [B, Hq, D] (one token per request) -> [B, Hq, D].
+
+    Grouped matmuls rather than SDPA: torch's fused kernels are slow for one query row with a
+    mask on the CPU. The g query heads that share a KV head form one [g, D] x [D, L] product.
+    """
     batch, num_heads, head_dim = query.shape
-    num_blocks = metadata.decode_num_blocks
-    block_table = metadata.block_table[:batch, :num_blocks]
     num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_table = metadata.block_table[:batch, :metadata.decode_num_blocks]
     # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
     k = key_cache[block_table].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     v = value_cache[block_table].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-    q = query.unsqueeze(2)  # [B, Hq, 1, D]
-    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=metadata.decode_mask,
-                                       scale=scale, enable_gqa=True)
-    return o.squeeze(2)
+    q = query.view(batch, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, k.transpose(2, 3).to(q.dtype)).float() * scale  # [B, Hkv, g, L]
+    scores = scores.masked_fill(~metadata.decode_mask.view(batch, 1, 1, -1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    return torch.matmul(probs, v.to(query.dtype)).view(batch, num_heads, head_dim)

@@ -18,12 +18,13 @@ from kvloom.engine.detokenizer import IncrementalDetokenizer
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.scheduler import Scheduler
+from kvloom.executor import build_executor
 from kvloom.loader.tokenizer import Tokenizer, load_tokenizer
 from kvloom.loader.weights import load_model_config, resolve_model
 from kvloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvloom.platform import configure_host, resolve_device, resolve_dtype
 from kvloom.sampling_params import SamplingParams
-from kvloom.worker.model_runner import LogprobsRow, ModelRunner
+from kvloom.worker.model_runner import LogprobsRow
 
 logger = logging.getLogger("kvloom")
 
@@ -56,9 +57,6 @@ class LLMEngine:
         self.model_config = load_model_config(self.source)
         tokenizer_source = resolve_model(config.tokenizer) if config.tokenizer else self.source
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer_source)
-        if config.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} is not supported yet; "
-                             f"kvloom runs one rank (tensor_parallel_size=1)")
         self.device = resolve_device(config.device)
         configure_host(config, self.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
@@ -71,11 +69,10 @@ class LLMEngine:
         self.block_size = config.block_size
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
 
-        self.runner = ModelRunner(config, self.model_config, self.device, self.dtype,
-                                  self.block_size, self.max_model_len)
-        self.runner.load_model(self.source)
+        self.executor = build_executor(config, self.model_config, self.source, self.device, self.dtype,
+                                       self.block_size, self.max_model_len)
         num_blocks = self._num_kv_blocks()
-        self.runner.init_kv_cache(num_blocks)
+        self.executor.init_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.max_model_len)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
@@ -95,7 +92,7 @@ class LLMEngine:
         return cls(EngineConfig.from_kwargs(**kwargs))
 
     def _num_kv_blocks(self) -> int:
-        per_block = self.runner.kv_bytes_per_block()
+        per_block = self.executor.kv_bytes_per_block()
         budget = self.config.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
@@ -114,6 +111,9 @@ class LLMEngine:
         return num_blocks + 1  # + the null block
 
     # ---- requests --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
@@ -209,7 +209,7 @@ class LLMEngine:
             if parent is not None:
                 child_ids.extend(c.request_id for c in parent.children)
         finished = self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-        self.runner.release_requests([r.request_id for r in finished])
+        self.executor.release_requests([r.request_id for r in finished])
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents) or self.scheduler.has_unfinished_requests()
@@ -222,7 +222,7 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        runner_output = self.runner.execute(scheduler_output)
+        runner_output = self.executor.execute(scheduler_output)
         self.num_prompt_tokens_total += sum(
             max(0, min(s.num_computed_tokens + s.num_new_tokens, s.request.num_prompt_tokens)
                 - s.num_computed_tokens) for s in scheduler_output.scheduled)
@@ -258,7 +258,7 @@ class LLMEngine:
                 touched[parent.request_id] = parent
         if stopped_by_string:
             finished += self.scheduler.finish_requests(stopped_by_string, RequestStatus.FINISHED_STOPPED)
-        self.runner.release_requests([r.request_id for r in finished])
+        self.executor.release_requests([r.request_id for r in finished])
 
         outputs = []
         for parent in touched.values():

@@ -8,6 +8,7 @@ token is sampled (or prompt logprobs were asked), and samples.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -31,6 +32,15 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, LogprobsRow] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[LogprobsRow]] = field(default_factory=dict)
+
+
+@dataclass
+class ModelInputs:
+    """One step's model inputs: all a tensor-parallel worker needs to run its shard."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
 
 
 @contextmanager
@@ -72,6 +82,8 @@ class ModelRunner:
         self.sampler = Sampler(self.generator)
         self.request_generators: dict[str, torch.Generator] = {}
         self.load_seconds = 0.0
+        # Set by a tensor-parallel executor: sends each step's inputs to the other ranks.
+        self.broadcast_inputs: Callable[[ModelInputs], None] | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self, source: ModelSource) -> None:
@@ -104,8 +116,11 @@ class ModelRunner:
     # ---- the step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        items, input_ids, positions, metadata = self._prepare_inputs(scheduler_output.scheduled)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        items, inputs = self._prepare_inputs(scheduler_output.scheduled)
+        if self.broadcast_inputs is not None:
+            self.broadcast_inputs(inputs)
+        hidden = self.forward(inputs)
+        metadata = inputs.metadata
 
         output = ModelRunnerOutput()
         sampling_rows = [i for i, item in enumerate(items) if item.samples]
@@ -134,8 +149,13 @@ class ModelRunner:
                     output.prompt_logprobs[item.request.request_id] = rows
         return output
 
+    @torch.inference_mode()
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """Final hidden states [T, H]; every tensor-parallel rank runs this on the same inputs."""
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+
     def _prepare_inputs(self, scheduled: list[ScheduledRequest]
-                        ) -> tuple[list[ScheduledRequest], torch.Tensor, torch.Tensor, AttentionMetadata]:
+                        ) -> tuple[list[ScheduledRequest], ModelInputs]:
         """Flat input ids and positions [T], and the attention metadata, decodes first."""
         # Decodes first: they share one batched attention call.
         items = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
@@ -162,8 +182,10 @@ class ModelRunner:
         max_blocks = max(-(-n // block_size) for n in seq_lens)
         decode_num_blocks = 0
         if num_decodes:
+            # Round the longest decode context up to 64 tokens, so few distinct shapes occur.
             needed = -(-max(seq_lens[:num_decodes]) // block_size)
-            decode_num_blocks = min(bucket(needed, None), self.max_blocks_per_seq)
+            step = max(1, 64 // block_size)
+            decode_num_blocks = min(-(-needed // step) * step, self.max_blocks_per_seq)
             max_blocks = max(max_blocks, decode_num_blocks)
         block_table = [request_blocks + [0] * (max_blocks - len(request_blocks))
                        for request_blocks in (item.request.block_ids[:max_blocks] for item in items)]
@@ -187,8 +209,8 @@ class ModelRunner:
             if self.sliding_window is not None:
                 mask &= key_pos > lens - 1 - self.sliding_window
             metadata.decode_mask = mask[:, None, None, :]
-        return (items, torch.tensor(input_ids, dtype=torch.long, device=device),
-                torch.tensor(positions, dtype=torch.long, device=device), metadata)
+        return items, ModelInputs(torch.tensor(input_ids, dtype=torch.long, device=device),
+                                  torch.tensor(positions, dtype=torch.long, device=device), metadata)
 
     def _generator_for(self, request: Request) -> torch.Generator | None:
         seed = request.sampling_params.seed

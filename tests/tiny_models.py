@@ -1,0 +1,327 @@
+"""Tiny random checkpoints and tokenizers for tests, built on the spot; nothing is downloaded.
+
+    build_tiny_checkpoint(path, arch="llama")            # Llama, GQA 4/2 heads, tied, fp32
+    build_tiny_checkpoint(path, arch="llama3")           # untied, Llama-3 rope scaling
+    build_tiny_checkpoint(path, arch="mistral", sliding_window=32)
+    build_tiny_checkpoint(path, max_shard_size="100KB")  # sharded, with model.safetensors.index.json
+    write_tiny_gguf(path, checkpoint_dir)                # the same weights as a quantized llama GGUF
+
+The tokenizer is a byte-level BPE trained deterministically on TRAINING_TEXT, with SmolLM2's special
+tokens and ChatML template, so transformers' AutoTokenizer loads it too (it is the tests' oracle).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+TOKENIZER_VOCAB_SIZE = 400
+
+# SmolLM2-Instruct's template: ChatML with a default system prompt.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+    "trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+TRAINING_TEXT = """\
+The quick brown fox jumps over the lazy dog. The dog sleeps in the sun while the fox runs away.
+Once upon a time, there was a little robot who wanted to learn how to read and write stories.
+It read every book in the library, from the first page to the last, and then it wrote its own.
+def fibonacci(n: int) -> int:
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+for i in range(10):
+    print(i, fibonacci(i))
+The numbers 0 1 2 3 4 5 6 7 8 9 10 42 100 2024 3.14159 and 1,000,000 appear in text.
+User: What is the capital of France? Assistant: The capital of France is Paris.
+Café, naïve, résumé, façade, jalapeño, Zürich, São Paulo, Ångström, crème brûlée.
+日本語のテキスト、中文文本、한국어 텍스트。 東京 北京 서울.
+Emoji: 😀 🎉 🚀 👍🏽 ❤️ 🇫🇷 and symbols like → ∑ ≤ ≥ ± × ÷ € £ ¥.
+    Indented lines,\ttabs,\t\tand   runs   of   spaces.
+<html><body><p>Hello, world!</p></body></html>
+{"key": "value", "list": [1, 2, 3], "nested": {"a": true, "b": null}}
+"""
+
+
+def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Tokenizer:
+    """A byte-level BPE like GPT-2's / SmolLM2's, trained on TRAINING_TEXT (deterministic)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Repeated lines make word frequencies uneven, so merges are not decided by ties alone.
+    lines = TRAINING_TEXT.splitlines(keepends=True)
+    tokenizer.train_from_iterator(lines * 3 + lines[:4] * 5, trainer=trainer)
+    return tokenizer
+
+
+def save_tokenizer(path: str, *, add_bos_token: bool = False) -> int:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json into path; returns the vocab size.
+
+    add_bos_token puts BOS in tokenizer.json's post-processor (transformers 5 ignores tokenizer_config's
+    add_bos_token when there is a tokenizer.json).
+    """
+    os.makedirs(path, exist_ok=True)
+    tokenizer = train_tokenizer()
+    if add_bos_token:
+        bos = SPECIAL_TOKENS[BOS_ID]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, BOS_ID)])
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    special = {
+        "bos_token": SPECIAL_TOKENS[BOS_ID],
+        "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "pad_token": SPECIAL_TOKENS[EOS_ID],
+        "unk_token": SPECIAL_TOKENS[UNK_ID],
+    }
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 512,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHATML_TEMPLATE,
+        **special,
+    }
+    _write_json(os.path.join(path, "tokenizer_config.json"), config)
+    _write_json(os.path.join(path, "special_tokens_map.json"), special)
+    return tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"tie_word_embeddings": True},
+    "llama3": {
+        "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        "rope_theta": 500000.0,
+    },
+    "mistral": {"tie_word_embeddings": False, "sliding_window": None},
+}
+
+
+def build_tiny_checkpoint(
+    path: str,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    add_bos_token: bool = False,
+    generation_eos_token_ids: list[int] | None = None,
+    **config_overrides: Any,
+) -> str:
+    """A tiny random model + tokenizer saved like a HF checkpoint (fp32 safetensors); returns path.
+
+    arch: "llama" (tied), "llama3" (untied, llama3 rope scaling) or "mistral". config_overrides go to
+    the transformers config (e.g. sliding_window=32, num_hidden_layers=4).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    if arch not in _ARCH_DEFAULTS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {sorted(_ARCH_DEFAULTS)}")
+    vocab_size = save_tokenizer(path, add_bos_token=add_bos_token)
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID, dtype="float32",
+    )
+    # Deep copies: transformers writes into the rope dicts it is given.
+    kwargs.update(copy.deepcopy(_ARCH_DEFAULTS[arch]))
+    kwargs.update(copy.deepcopy(config_overrides))
+    config_class, model_class = ((MistralConfig, MistralForCausalLM) if arch == "mistral"
+                                 else (LlamaConfig, LlamaForCausalLM))
+    config = config_class(**kwargs)
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    # The default init (std 0.02) makes every logit ~0; wider weights give peaked, seed-specific
+    # distributions, so greedy/sampling tests notice mistakes.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.normal_(0.0, 0.3 if "embed" in name else 0.1)
+    save_kwargs: dict[str, Any] = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **save_kwargs)
+    if generation_eos_token_ids is not None:
+        generation_path = os.path.join(path, "generation_config.json")
+        with open(generation_path, encoding="utf-8") as f:
+            generation = json.load(f)
+        generation["eos_token_id"] = generation_eos_token_ids
+        _write_json(generation_path, generation)
+    return path
+
+
+def write_tiny_gguf(path: str, checkpoint_dir: str, *, types: dict[str, int] | None = None) -> str:
+    """The checkpoint's weights and tokenizer as a llama GGUF, written the way llama.cpp's converter does.
+
+    Q/K rows are permuted to llama.cpp's rotary order, and each weight is quantized to a ggml type
+    chosen by tensor kind (types overrides: "embed", "attn", "ffn", "output", "norm" -> ggml type id),
+    so one file exercises Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and F16.
+    """
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(checkpoint_dir, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    q = gguf.GGMLQuantizationType
+    chosen = {"embed": q.Q8_0, "attn": q.Q5_0, "ffn": q.Q4_1, "output": q.Q5_1, "norm": q.F32,
+              "attn_o": q.Q4_0, "ffn_down": q.F16}
+    chosen.update({key: q(value) for key, value in (types or {}).items()})
+    weights: dict[str, np.ndarray] = {}
+    for name in sorted(os.listdir(checkpoint_dir)):
+        if name.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(checkpoint_dir, name)))
+
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name("tiny-llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"]))
+    writer.add_file_type(q.Q4_1)
+    _add_gguf_tokenizer(writer, checkpoint_dir)
+
+    def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+        # llama.cpp's convert_hf_to_gguf.py LlamaModel.permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    gguf_names = {"model.embed_tokens.weight": ("token_embd.weight", "embed"),
+                  "model.norm.weight": ("output_norm.weight", "norm"),
+                  "lm_head.weight": ("output.weight", "output")}
+    parts = {"input_layernorm": ("attn_norm", "norm"), "post_attention_layernorm": ("ffn_norm", "norm"),
+             "self_attn.q_proj": ("attn_q", "attn"), "self_attn.k_proj": ("attn_k", "attn"),
+             "self_attn.v_proj": ("attn_v", "attn"), "self_attn.o_proj": ("attn_output", "attn_o"),
+             "mlp.gate_proj": ("ffn_gate", "ffn"), "mlp.up_proj": ("ffn_up", "ffn"),
+             "mlp.down_proj": ("ffn_down", "ffn_down")}
+    for i in range(config["num_hidden_layers"]):
+        for hf_part, (gguf_part, kind) in parts.items():
+            gguf_names[f"model.layers.{i}.{hf_part}.weight"] = (f"blk.{i}.{gguf_part}.weight", kind)
+    for hf_name, (gguf_name, kind) in gguf_names.items():
+        if hf_name not in weights:
+            continue
+        w = weights[hf_name].astype(np.float32)
+        if hf_name.endswith("q_proj.weight"):
+            w = permute(w, heads)
+        elif hf_name.endswith("k_proj.weight"):
+            w = permute(w, kv_heads)
+        ggml_type = chosen[kind]
+        writer.add_tensor(gguf_name, gguf.quants.quantize(w, ggml_type), raw_dtype=ggml_type)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(config))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _llama3_rope_factors(config: dict[str, Any]) -> Any:
+    """llama.cpp's rope_freqs tensor for llama3 rope scaling (convert_hf_to_gguf.py, LlamaModel)."""
+    import math
+
+    import numpy as np
+
+    rope = config.get("rope_parameters") or config["rope_scaling"]
+    base = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _add_gguf_tokenizer(writer: Any, checkpoint_dir: str) -> None:
+    """The byte-level BPE of checkpoint_dir as llama.cpp's "gpt2" tokenizer metadata."""
+    with open(os.path.join(checkpoint_dir, "tokenizer.json"), encoding="utf-8") as f:
+        spec = json.load(f)
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    special = {added["content"] for added in spec["added_tokens"] if added["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token in special else 1 for token in tokens])  # 3: control, 1: normal
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_unk_token_id(UNK_ID)
+    writer.add_pad_token_id(EOS_ID)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+
+def _write_json(path: str, value: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+SENTENCEPIECE_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
+USER_DEFINED_TOKEN = "<|tool|>"
+
+
+def write_sentencepiece_gguf(path: str, vocab_size: int = 400) -> str:
+    """A GGUF holding only a Llama-2-style tokenizer (llama.cpp's "llama" model: sentencepiece BPE with
+    byte fallback, merges implied by scores), trained on TRAINING_TEXT; no chat template, no tensors."""
+    import gguf
+
+    trainer_tokenizer = Tokenizer(models.BPE())
+    trainer_tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False)
+    lines = TRAINING_TEXT.splitlines()
+    trainer_tokenizer.train_from_iterator(lines * 3 + lines[:4] * 5, trainer=trainer)
+    pieces = [piece for piece, _ in sorted(trainer_tokenizer.get_vocab().items(), key=lambda item: item[1])]
+
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tokens = [*SENTENCEPIECE_SPECIAL_TOKENS, *byte_tokens, *pieces, USER_DEFINED_TOKEN]
+    # sentencepiece scores: pieces learned earlier score higher; specials and bytes score 0.
+    scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(pieces))] + [0.0]
+    token_types = [2, 3, 3] + [6] * 256 + [1] * len(pieces) + [4]  # unknown, control, byte, normal, user
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name("tiny-sentencepiece")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(token_types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
