@@ -7,7 +7,8 @@ so the first output token is decoded as a continuation: SentencePiece tokenizers
 space (" Paris", not "Paris"), the way vLLM streams.
 
 Invariant: "".join(step(...) for each step) + flush() == decode(prompt + output)[len(decode(prompt)):],
-which for byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM) is simply decode(output).
+which for byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM) is simply decode(output) (and so is it
+for a prompt, given as ids, that ends inside a character).
 """
 
 from __future__ import annotations

@@ -275,8 +275,13 @@ class LLMEngine:
         params = request.sampling_params
         stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED
         if stopped_by_token and not params.include_stop_str_in_output:
-            return False  # the EOS / stop token's text is not part of the output
+            # The EOS / stop token's text is not part of the output; what came before it is.
+            request.output_text += request.detokenizer.flush()
+            return False
         new_text = request.detokenizer.step([token_id])
+        if request.is_finished:
+            # An output that ends inside a multi-byte character still shows its tail (as U+FFFD).
+            new_text += request.detokenizer.flush()
         if not new_text:
             return False
         previous_length = len(request.output_text)

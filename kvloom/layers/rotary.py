@@ -43,6 +43,14 @@ def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
 
 
+def apply_rotary_fast(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The same in x's dtype (as HF computes it in bf16): no fp32 round trip. cos, sin in x's dtype."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None = None) -> None:
@@ -52,10 +60,19 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim // 2] each; kept fp32 for accuracy at long positions.
         self.register_buffer("cos_cache", angles.cos(), persistent=False)
         self.register_buffer("sin_cache", angles.sin(), persistent=False)
+        # Copies in the model's dtype for the fast path, made at first use.
+        self.cos_cache_low: torch.Tensor | None = None
+        self.sin_cache_low: torch.Tensor | None = None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]."""
-        cos = self.cos_cache.index_select(0, positions)
-        sin = self.sin_cache.index_select(0, positions)
-        return apply_rotary_reference(q, cos, sin), apply_rotary_reference(k, cos, sin)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions: [T]; x: [T, heads, D] (queries and keys side by side) -> rotated x."""
+        if x.dtype == torch.float32:
+            cos = self.cos_cache.index_select(0, positions)
+            sin = self.sin_cache.index_select(0, positions)
+            return apply_rotary_reference(x, cos, sin)
+        if self.cos_cache_low is None or self.cos_cache_low.dtype != x.dtype:
+            self.cos_cache_low = self.cos_cache.to(x.dtype)
+            self.sin_cache_low = self.sin_cache.to(x.dtype)
+        cos = self.cos_cache_low.index_select(0, positions)
+        sin = self.sin_cache_low.index_select(0, positions)
+        return apply_rotary_fast(x, cos, sin)

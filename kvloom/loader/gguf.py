@@ -54,7 +54,7 @@ _BLOCK_NAMES = {
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama-3.1-style checkpoints carry their rope scaling as this tensor of per-frequency divisors;
-# load_gguf_config turns it back into HF's rope_scaling, so it is not a weight.
+# gguf_config_dict turns it back into HF's rope_scaling, so it is not a weight.
 ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -82,12 +82,17 @@ def read_gguf(path: str) -> GGUFFile:
 
 @lru_cache(maxsize=4)
 def _read_gguf_cached(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    if size < 24:
+        raise ValueError(f"{path} is not a GGUF file (too short for a GGUF header)")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        return _parse(path, buf, size)
+        try:
+            return _parse(path, buf, size)
+        except (struct.error, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: GGUF metadata is truncated or corrupt ({e})") from None
 
 
 def _parse(path: str, buf: mmap.mmap, size: int) -> GGUFFile:
-    if size < 24 or buf[:4] != GGUF_MAGIC:
+    if buf[:4] != GGUF_MAGIC:
         raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
     version, tensor_count, kv_count = struct.unpack_from("<IQQ", buf, 4)
     if version not in (2, 3):
@@ -303,26 +308,21 @@ def reverse_rotary_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor
 
 def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight of a llama-architecture GGUF as (HF name, float32 tensor in HF layout)."""
-    gguf = read_gguf(path)
-    with open(path, "rb") as f:
-        for info in gguf.tensors.values():
-            name = hf_tensor_name(info.name)
-            if name is None:
-                if info.name == ROPE_FREQS:
-                    continue
-                raise ValueError(f"{path}: GGUF tensor {info.name!r} has no counterpart in a Llama model; "
-                                 "only llama-architecture GGUF files are supported")
-            data = bytearray(info.nbytes)
-            f.seek(info.offset)
-            if f.readinto(data) != info.nbytes:
-                raise ValueError(f"{path}: could not read tensor {info.name} (is the file truncated?)")
-            with _single_thread():
-                weight = dequantize(torch.frombuffer(data, dtype=torch.uint8), info.ggml_type, info.shape)
-                if ".attn_q." in info.name:
-                    weight = reverse_rotary_permute(weight, num_heads)
-                elif ".attn_k." in info.name:
-                    weight = reverse_rotary_permute(weight, num_kv_heads)
-            yield name, weight
+    for info in read_gguf(path).tensors.values():
+        name = hf_tensor_name(info.name)
+        if name is None:
+            if info.name == ROPE_FREQS:
+                continue
+            raise ValueError(f"{path}: GGUF tensor {info.name!r} has no counterpart in a Llama model; "
+                             "only llama-architecture GGUF files are supported")
+        raw = read_tensor_bytes(path, info)
+        with _single_thread():
+            weight = dequantize(raw, info.ggml_type, info.shape)
+            if ".attn_q." in info.name:
+                weight = reverse_rotary_permute(weight, num_heads)
+            elif ".attn_k." in info.name:
+                weight = reverse_rotary_permute(weight, num_kv_heads)
+        yield name, weight
 
 
 @contextmanager
