@@ -29,18 +29,8 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp
 class BackendConfig:
     """Backend knobs, set through ``override_backend_config``."""
 
-    # Prefill (context encoding) token counts a step is padded up to; None: powers of two.
-    context_length_buckets: list[int] | None = None
-    # Decode (token generation) batch sizes a step is padded up to; None: powers of two.
-    token_gen_buckets: list[int] | None = None
-    # Where compiled graphs are cached across restarts (None: no on-disk cache).
-    compiled_artifacts: str | None = None
-    # Compile the decode step with torch.compile (buckets keep the shapes few).
-    enable_compile: bool = False
     # "auto" picks the fast path of the platform; "reference" the plain-torch one.
     attention_backend: str = "auto"
-    # "s8": store linear weights as int8 with per-channel scales.
-    quant_dtype: str | None = None
     # torch intra-op threads on the CPU (None: all cores).
     num_threads: int | None = None
 
@@ -48,17 +38,8 @@ class BackendConfig:
     def from_overrides(cls, overrides: dict[str, Any] | str | None) -> BackendConfig:
         """Defaults, then KVLOOM_* variables, then the explicit overrides (highest)."""
         values: dict[str, Any] = {}
-        for key, var in (("context_length_buckets", "KVLOOM_CONTEXT_LENGTH_BUCKETS"),
-                         ("token_gen_buckets", "KVLOOM_TOKEN_GEN_BUCKETS")):
-            env_value = envs.get_int_list(var)
-            if env_value is not None:
-                values[key] = env_value
-        if envs.get("KVLOOM_COMPILED_ARTIFACTS"):
-            values["compiled_artifacts"] = envs.get("KVLOOM_COMPILED_ARTIFACTS")
-        if envs.get("KVLOOM_QUANT_DTYPE"):
-            values["quant_dtype"] = envs.get("KVLOOM_QUANT_DTYPE")
         if envs.get("KVLOOM_NUM_THREADS"):
-            values["num_threads"] = int(envs.get("KVLOOM_NUM_THREADS") or 0)
+            values["num_threads"] = envs.get_int("KVLOOM_NUM_THREADS")
         values.update(parse_overrides(overrides))
         allowed = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - allowed)
@@ -70,26 +51,11 @@ class BackendConfig:
         return config
 
     def validate(self) -> None:
-        for name in ("context_length_buckets", "token_gen_buckets"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if (not isinstance(value, (list, tuple)) or not value
-                    or any(not isinstance(v, int) or isinstance(v, bool) or v <= 0 for v in value)):
-                raise ValueError(f"override_backend_config: {name} must be a non-empty list of "
-                                 f"positive integers, got {value!r}")
-            setattr(self, name, sorted(set(value)))
-        if self.attention_backend not in ("auto", "reference", "native"):
+        if self.attention_backend not in ("auto", "reference", "native", "cpu"):
             raise ValueError(f"override_backend_config: attention_backend must be one of "
-                             f"'auto', 'reference', 'native', got {self.attention_backend!r}")
-        if self.quant_dtype not in (None, "s8", "int8"):
-            raise ValueError(f"override_backend_config: quant_dtype must be 's8' (int8 weights) or "
-                             f"null, got {self.quant_dtype!r}")
-        if not isinstance(self.enable_compile, bool):
-            raise ValueError(f"override_backend_config: enable_compile must be true or false, "
-                             f"got {self.enable_compile!r}")
+                             f"'auto', 'reference', 'native', 'cpu', got {self.attention_backend!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int)
-                                             or self.num_threads < 1):
+                                             or isinstance(self.num_threads, bool) or self.num_threads < 1):
             raise ValueError(f"override_backend_config: num_threads must be a positive integer, "
                              f"got {self.num_threads!r}")
 
@@ -119,7 +85,7 @@ def parse_overrides(overrides: dict[str, Any] | str | None) -> dict[str, Any]:
                     parsed[key.strip()] = raw.strip()
     if not isinstance(parsed, dict):
         raise ValueError(f"override_backend_config must be a JSON object such as "
-                         f'\'{{"enable_compile": true}}\', got {overrides!r}')
+                         f'\'{{"attention_backend": "reference"}}\', got {overrides!r}')
     return parsed
 
 
@@ -177,9 +143,10 @@ class EngineConfig:
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
         "fraction of GPU memory kvloom may use on CUDA"))
     tensor_parallel_size: int = field(default=1, metadata=_help("number of tensor-parallel ranks"))
-    enforce_eager: bool = field(default=False, metadata=_help("never compile graphs"))
+    enforce_eager: bool = field(default=False, metadata=_help(
+        "accepted for vLLM compatibility; kvloom runs eagerly (it compiles no graphs yet)"))
     override_backend_config: dict[str, Any] | str | None = field(default=None, metadata=_help(
-        "backend knobs as JSON, e.g. '{\"context_length_buckets\": [128, 512]}'"))
+        "backend knobs as JSON, e.g. '{\"attention_backend\": \"reference\"}'"))
     trust_remote_code: bool = field(default=False, metadata=_help(
         "accepted for vLLM compatibility; kvloom never runs model code from a checkpoint"))
 
@@ -216,8 +183,6 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self.backend = BackendConfig.from_overrides(self.override_backend_config)
-        if self.enforce_eager:
-            self.backend.enable_compile = False
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -9,16 +9,11 @@ from __future__ import annotations
 import os
 
 ENVIRONMENT_VARIABLES: dict[str, str] = {
-    "KVLOOM_CONTEXT_LENGTH_BUCKETS": "comma-separated prefill token-count buckets, e.g. '128,512,1024' "
-    "(the seeds' NEURON_CONTEXT_LENGTH_BUCKETS)",
-    "KVLOOM_TOKEN_GEN_BUCKETS": "comma-separated decode batch-size buckets, e.g. '1,8,64' "
-    "(the seeds' NEURON_TOKEN_GEN_BUCKETS)",
-    "KVLOOM_COMPILED_ARTIFACTS": "folder where compiled graphs are saved and reloaded at the next start "
-    "(the seeds' NEURON_COMPILED_ARTIFACTS)",
-    "KVLOOM_QUANT_DTYPE": "'s8' stores linear weights as int8 (the seeds' NEURON_QUANT_DTYPE)",
     "KVLOOM_API_KEY": "API key the server requires on /v1/* (same as --api-key)",
     "KVLOOM_NUM_THREADS": "torch intra-op threads on the CPU (default: all cores)",
     "KVLOOM_LOGGING_LEVEL": "log level of the kvloom logger (default INFO)",
+    "KVLOOM_CACHE_DIR": "folder for kvloom's on-disk caches; compiled CPU kernels go to its extensions/ "
+    "(default ~/.cache/kvloom)",
 }
 
 
@@ -42,3 +37,17 @@ def get_int_list(name: str) -> list[int] | None:
     if not values or any(v <= 0 for v in values):
         raise ValueError(f"{name}={raw!r} must list one or more positive integers")
     return sorted(set(values))
+
+
+def get_int(name: str) -> int | None:
+    """A positive integer, or None when unset."""
+    raw = get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} must be a positive integer") from None
+    if value < 1:
+        raise ValueError(f"{name}={raw!r} must be a positive integer")
+    return value

@@ -26,6 +26,7 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self.llm_engine.final_outputs_only = True
 
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer

@@ -78,6 +78,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len)
         self.parents: dict[str, ParentRequest] = {}
+        # Offline generate() reads only finished outputs; streaming callers want every step's.
+        self.final_outputs_only = False
         self._request_counter = itertools.count()
         # Counters for the metrics (tokens computed, tokens generated).
         self.num_prompt_tokens_total = 0
@@ -262,8 +264,11 @@ class LLMEngine:
 
         outputs = []
         for parent in touched.values():
+            finished_parent = parent.finished
+            if self.final_outputs_only and not finished_parent:
+                continue
             output = self._make_output(parent)
-            if output.finished:
+            if finished_parent:
                 del self.parents[parent.request_id]
             outputs.append(output)
         return outputs
