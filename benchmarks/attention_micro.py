@@ -1,0 +1,115 @@
+"""One attention layer call, backend against backend: ms per call, median of interleaved repeats.
+
+    .venv/bin/python benchmarks/attention_micro.py [--threads 2] [--repeats 30] [--backends native,cpu]
+
+Two batches with SmolLM2-135M's shapes (9 query heads, 3 KV heads, head size 64, bf16, blocks of 16):
+a decode batch (64 requests, ~384 cached tokens each) and a prefill batch (16 fresh prompts of ~150
+tokens). Each call reads a different layer's cache in turn, as a model would, so the K/V come from
+memory rather than from a cache the previous call warmed. The metadata is built as the model
+runner builds it (decodes padded to a 64-token bucket for 'native').
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvloom.attention.metadata import AttentionMetadata  # noqa: E402
+from kvloom.attention.registry import ATTENTION_BACKENDS, get_attention_backend  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+def build_step(batch: list[tuple[int, int]], layers: int, dtype: torch.dtype, seed: int = 0):
+    """(metadata, q, k, v, per-layer caches) for requests of (new tokens, cached context)."""
+    rng = random.Random(seed)
+    blocks_per_request = [-(-(q + c) // BLOCK_SIZE) for q, c in batch]
+    num_blocks = 1 + sum(blocks_per_request)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables, slots, seq_lens, starts = [], [], [], [0]
+    for (new, context), count in zip(batch, blocks_per_request):
+        blocks = [free.pop() for _ in range(count)]
+        tables.append(blocks)
+        slots.extend(blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(context, context + new))
+        seq_lens.append(new + context)
+        starts.append(starts[-1] + new)
+    num_decodes = sum(1 for q, _ in batch if q == 1)
+    width = max(blocks_per_request)
+    decode_blocks = 0
+    if num_decodes:  # the model runner's 64-token bucket
+        step = max(1, 64 // BLOCK_SIZE)
+        decode_blocks = -(-max(blocks_per_request[:num_decodes]) // step) * step
+        width = max(width, decode_blocks)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        seq_lens=torch.tensor(seq_lens), query_start_loc=starts, seq_lens_host=seq_lens, num_decodes=num_decodes,
+        block_size=BLOCK_SIZE, decode_num_blocks=decode_blocks)
+    if num_decodes:
+        key_pos = torch.arange(decode_blocks * BLOCK_SIZE)[None, :]
+        metadata.decode_mask = (key_pos < metadata.seq_lens[:num_decodes, None])[:, None, None, :]
+    tokens = starts[-1]
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    caches = [(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)) for _ in range(layers)]
+    q = torch.randn(tokens, HEADS, HEAD_DIM, dtype=dtype)
+    k = torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=dtype)
+    v = torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=dtype)
+    return metadata, q, k, v, caches
+
+
+def time_backends(name: str, backends: list[str], step, repeats: int) -> None:
+    metadata, q, k, v, caches = step
+    scale = HEAD_DIM ** -0.5
+    times: dict[str, list[float]] = {b: [] for b in backends}
+    outputs = {}
+    for b in backends:  # warm-up, and the outputs to compare
+        outputs[b] = ATTENTION_BACKENDS[b](q, k, v, *caches[0], metadata, scale)
+    for i in range(repeats):
+        for b in backends:
+            layer = caches[i % len(caches)]
+            start = time.perf_counter()
+            ATTENTION_BACKENDS[b](q, k, v, *layer, metadata, scale)
+            times[b].append(time.perf_counter() - start)
+    tokens, contexts = q.shape[0], metadata.seq_lens_host
+    print(f"{name}: {metadata.num_requests} requests, {tokens} new tokens, "
+          f"context {min(contexts)}..{max(contexts)}")
+    base = statistics.median(times[backends[0]])
+    for b in backends:
+        ms = statistics.median(times[b]) * 1e3
+        error = (outputs[b].float() - outputs[backends[0]].float()).abs().max().item()
+        print(f"  {b:>9}: {ms:8.3f} ms/call  x{base * 1e3 / ms:5.1f} vs {backends[0]}   "
+              f"max |diff| {error:.1e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--layers", type=int, default=8, help="caches the calls cycle through")
+    parser.add_argument("--backends", default="reference,native,cpu")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    backends = args.backends.split(",")
+    if "cpu" in backends and get_attention_backend("cpu") is not ATTENTION_BACKENDS["cpu"]:
+        backends.remove("cpu")  # the kernel could not be built (the warning said why)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"Hq={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} bf16, block size {BLOCK_SIZE}")
+    rng = random.Random(0)
+    with torch.inference_mode():
+        decode = [(1, rng.randint(352, 416)) for _ in range(64)]
+        time_backends("decode", backends, build_step(decode, args.layers, torch.bfloat16), args.repeats)
+        prefill = [(rng.randint(120, 180), 0) for _ in range(16)]
+        time_backends("prefill", backends, build_step(prefill, args.layers, torch.bfloat16), args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""kvloom against a peer on the offline throughput benchmark: alternated runs, medians, ratios.
+
+Each run is a fresh subprocess (so every start-up is measured) of ``benchmarks/throughput.py`` —
+or, for llama.cpp, ``benchmarks/peers/llamacpp_throughput.py`` — in the engine's own environment.
+Runs alternate A B B A A B ... so slow drift of the machine (other work on the two cores) falls on
+both engines alike. Prints the median of each figure and the ratio kvloom / peer.
+
+    .venv/bin/python benchmarks/compare.py --peer vllm            # N=64, 3 repeats each
+    .venv/bin/python benchmarks/compare.py --peer llamacpp -n 8 --repeats 5 --json cmp.json
+    .venv/bin/python benchmarks/compare.py --base hf --peer vllm   # two peers, no kvloom
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _bootstrap import ROOT, bench_module
+
+common = bench_module("common", need_engine=False)
+
+ENGINES = ("kvloom", "vllm", "hf", "llamacpp")
+# (result key, label, higher is better)
+METRICS = (
+    ("output_tok_s", "output tok/s", True),
+    ("total_tok_s", "total tok/s", True),
+    ("gflops", "GFLOP/s (matmul)", True),
+    ("elapsed_s", "generate wall s", False),
+    ("startup_s", "start-up s (-> ready)", False),
+    ("startup_to_first_token_s", "start-up s (-> 1st token)", False),
+    ("peak_rss_tree_mib", "peak RSS MiB (tree)", False),
+)
+
+
+def engine_command(engine: str, num_prompts: int, json_path: str, extra: list[str]) -> list[str]:
+    """The subprocess that measures ``engine`` once and writes its JSON result."""
+    main_python = ROOT / ".venv" / "bin" / "python"
+    python = str(main_python) if main_python.exists() else sys.executable
+    common_args = ["-n", str(num_prompts), "--json", json_path, *extra]
+    if engine == "llamacpp":
+        return [python, str(ROOT / "benchmarks" / "peers" / "llamacpp_throughput.py"), *common_args]
+    if engine == "vllm":
+        python = str(ROOT / ".peers" / "vllm" / "bin" / "python")
+        if not Path(python).exists():
+            raise SystemExit(f"{python} is missing: run bash benchmarks/peers/setup_vllm.sh")
+    return [python, str(ROOT / "benchmarks" / "throughput.py"), "--engine", engine, *common_args]
+
+
+def run_once(engine: str, num_prompts: int, extra: list[str], timeout: float,
+             log_dir: Path) -> dict[str, Any] | None:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        json_path = f.name
+    command = engine_command(engine, num_prompts, json_path, extra)
+    log_path = log_dir / f"{engine}-{time.strftime('%H%M%S')}.log"
+    print(f"  $ {' '.join(command)}", flush=True)
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                                  cwd=ROOT)
+        if proc.returncode != 0:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+            print(f"  {engine} failed (exit {proc.returncode}, log {log_path}):", *tail, sep="\n    ")
+            return None
+        result = json.loads(Path(json_path).read_text())
+        print(f"  {engine}: {result['output_tok_s']:.1f} output tok/s, {result['elapsed_s']:.2f} s, "
+              f"start-up {result['startup_s']:.1f} s, load {result['machine']['loadavg']}", flush=True)
+        return result
+    except subprocess.TimeoutExpired:
+        print(f"  {engine} timed out after {timeout:.0f} s (log {log_path})")
+        return None
+    finally:
+        if os.path.exists(json_path):
+            os.unlink(json_path)
+
+
+def medians(results: list[dict[str, Any]]) -> dict[str, float]:
+    out = {}
+    for key, _, _ in METRICS:
+        values = [r[key] for r in results if isinstance(r.get(key), (int, float))]
+        out[key] = common.median(values) if values else float("nan")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peer", choices=ENGINES[1:], default="vllm")
+    parser.add_argument("--base", choices=ENGINES, default="kvloom",
+                        help="the engine whose ratio to the peer is reported (default kvloom)")
+    parser.add_argument("-n", "--num-prompts", type=int, default=64)
+    parser.add_argument("-r", "--repeats", type=int, default=3)
+    parser.add_argument("--base-arg", action="append", default=[],
+                        help="extra argument for the base engine's script, repeatable "
+                             "(e.g. --base-arg=--engine-arg=enforce_eager=true)")
+    parser.add_argument("--peer-arg", action="append", default=[],
+                        help="extra argument for the peer's script, repeatable")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument("--json", metavar="PATH", help="write every run and the medians as JSON")
+    args = parser.parse_args(argv)
+    if args.base == args.peer:
+        raise SystemExit("--base and --peer must differ")
+
+    log_dir = ROOT / ".peers" / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, Any]]] = {args.base: [], args.peer: []}
+    extras = {args.base: args.base_arg, args.peer: args.peer_arg}
+    for repeat in range(args.repeats):
+        order = [args.base, args.peer] if repeat % 2 == 0 else [args.peer, args.base]
+        print(f"repeat {repeat + 1}/{args.repeats}", flush=True)
+        for engine in order:
+            result = run_once(engine, args.num_prompts, extras[engine], args.timeout, log_dir)
+            if result is not None:
+                runs[engine].append(result)
+
+    base, peer = medians(runs[args.base]), medians(runs[args.peer])
+    print(f"\n== {args.base} vs {args.peer}: N={args.num_prompts}, medians of "
+          f"{len(runs[args.base])} and {len(runs[args.peer])} runs ==")
+    print(f"{'':<26} {args.base:>12} {args.peer:>12} {'ratio':>8}")
+    ratios = {}
+    for key, label, _ in METRICS:
+        a, b = base[key], peer[key]
+        ratio = a / b if b and a == a and b == b else float("nan")
+        ratios[key] = ratio
+        print(f"{label:<26} {common.format_value(a):>12} {common.format_value(b):>12} "
+              f"{common.format_value(ratio):>8}")
+    print(f"(ratio = {args.base} / {args.peer}; higher is better for tok/s and GFLOP/s, "
+          f"lower for seconds and MiB)")
+    common.write_json(args.json, {"base": args.base, "peer": args.peer, "num_prompts": args.num_prompts,
+                                  "runs": runs, "medians": {args.base: base, args.peer: peer},
+                                  "ratios": ratios, "machine": common.machine_info()})
+    return 0 if runs[args.base] and runs[args.peer] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

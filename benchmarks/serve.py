@@ -1,0 +1,54 @@
+"""Serving benchmark against an OpenAI-compatible /v1/completions endpoint; see kvloom/bench/serve.py.
+
+Against a running server:
+    .venv/bin/python benchmarks/serve.py --base-url http://127.0.0.1:8000 --concurrency 64
+Starting the server too (stopped at the end; its start-up time is printed):
+    .venv/bin/python benchmarks/serve.py --server vllm --concurrency 64
+    .venv/bin/python benchmarks/serve.py --server llamacpp --request-rate 4
+    .venv/bin/python benchmarks/serve.py --server kvloom --concurrency 8
+Every other flag is kvloom.bench.serve's (--help lists them).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from _bootstrap import bench_module
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+
+
+def main() -> int:
+    launcher = argparse.ArgumentParser(add_help=False)
+    launcher.add_argument("--server", choices=("kvloom", "vllm", "llamacpp"), default=None)
+    launcher.add_argument("--port", type=int, default=8000)
+    launcher.add_argument("--num-seqs", type=int, default=64, help="server's concurrent sequences")
+    launcher.add_argument("--gguf", default=None, help="llamacpp: bf16 (default), q4_1 or a path")
+    launcher.add_argument("--server-arg", action="append", default=[],
+                          help="extra server command-line argument, repeatable")
+    args, rest = launcher.parse_known_args()
+    serve = bench_module("serve", need_engine=False)
+    if "-h" in rest or "--help" in rest:
+        print(__doc__)
+        return serve.main(rest)
+    if args.server is None:
+        return serve.main(rest)
+
+    from servers import Server
+
+    with Server(args.server, port=args.port, num_seqs=args.num_seqs, gguf=args.gguf,
+                extra=args.server_arg) as server:
+        print(f"{args.server} server ready in {server.startup_s:.1f} s at {server.base_url} "
+              f"(log {server.log_path})", flush=True)
+        extra_body = []
+        if args.server == "llamacpp" and "--extra-body" not in rest:
+            # llama-server reuses a slot's cached prompt prefix by default; measure full prefills.
+            extra_body = ["--extra-body", '{"cache_prompt": false}']
+        code = serve.main(["--base-url", server.base_url, *extra_body, *rest])
+        rss = server.peak_rss_mib()
+        print(f"server peak RSS {rss:.0f} MiB" if rss else "server peak RSS n/a")
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

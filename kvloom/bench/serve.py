@@ -1,0 +1,351 @@
+"""Serving load generator for any OpenAI-compatible ``/v1/completions`` endpoint.
+
+    kvloom bench serve --base-url http://127.0.0.1:8000 --request-rate 4
+    kvloom bench serve --base-url http://127.0.0.1:8000 --concurrency 8
+    python benchmarks/serve.py --server vllm --concurrency 64     # starts the server too
+
+Requests: the standard workload's prompts as token ids (``"prompt": [ids]``), ``max_tokens``
+128, ``temperature`` 0, ``ignore_eos`` true (an extra field that vLLM, kvloom and llama-server
+accept), ``stream`` true. Arrivals are a Poisson process at ``--request-rate`` requests/s
+(``inf``: all at once), and ``--concurrency N`` caps the requests in flight, so
+``--concurrency N`` alone is N closed-loop clients.
+
+Measured per request, from the client: TTFT (send -> first streamed token), TPOT ((end - first
+token) / (output tokens - 1)), ITL (gaps between streamed chunks that carry tokens) and end-to-end
+latency. Output tokens are the server's ``usage.completion_tokens`` when it sends usage
+(``stream_options.include_usage``), else the number of token-carrying chunks. Reported: p50 / p90 /
+p99 and mean of each, request and token throughput over the whole run, and errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvloom.bench import common
+from kvloom.bench.workload import make_workload
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvloom bench serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_client_options(parser)
+    parser.add_argument("--json", metavar="PATH", help="also write the result as JSON ('-': stdout)")
+    return parser
+
+
+def add_client_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="server root (the /v1/... paths are added)")
+    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--model", default=None, help="model name to send (default: the first of "
+                        "/v1/models)")
+    parser.add_argument("-n", "--num-prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="Poisson arrival rate in requests/s (default inf: all at once)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="most requests in flight (N closed-loop clients with the default rate)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    parser.add_argument("--no-stream", dest="stream", action="store_false",
+                        help="ask for whole responses (no TTFT / ITL then)")
+    parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    parser.add_argument("--extra-body", default=None,
+                        help='JSON merged into every request, e.g. \'{"cache_prompt": false}\'')
+    parser.add_argument("--num-warmup", type=int, default=1,
+                        help="short requests sent (with other prompts) before the measured run")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--percentiles", default="50,90,99")
+
+
+@dataclass
+class RequestResult:
+    """What the client saw of one request; times in seconds from its send."""
+
+    prompt_tokens: int
+    ok: bool = False
+    error: str = ""
+    ttft: float = math.nan
+    latency: float = math.nan
+    output_tokens: int = 0
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each token-carrying chunk
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
+
+    @property
+    def tpot(self) -> float:
+        if self.output_tokens < 2 or math.isnan(self.ttft):
+            return math.nan
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Server-sent events
+# ---------------------------------------------------------------------------------------------
+
+async def iter_sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The ``data:`` payloads of a server-sent-event stream, one per event, until ``[DONE]``.
+
+    Multi-line data fields are joined with newlines; comments (``:``) and other fields are
+    skipped.
+    """
+    data: list[str] = []
+    async for raw in lines:
+        line = raw.rstrip("\r\n")
+        if not line:
+            if data:
+                payload = "\n".join(data)
+                data = []
+                if payload.strip() == "[DONE]":
+                    return
+                yield payload
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        if name == "data":
+            data.append(value[1:] if value.startswith(" ") else value)
+    if data:
+        payload = "\n".join(data)
+        if payload.strip() != "[DONE]":
+            yield payload
+
+
+def chunk_carries_tokens(chunk: dict[str, Any]) -> bool:
+    """A streamed completion chunk with new output: non-empty text, or a choice not yet finished.
+
+    (A usage-only chunk has no choices; a final chunk may carry only the finish reason. A token
+    whose bytes do not yet decode to text arrives as an empty, unfinished choice.)
+    """
+    choices = chunk.get("choices") or []
+    if not choices:
+        return False
+    choice = choices[0]
+    return bool(choice.get("text")) or choice.get("finish_reason") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The client
+# ---------------------------------------------------------------------------------------------
+
+def request_body(model: str, prompt: list[int], max_tokens: int, stream: bool, ignore_eos: bool,
+                 extra: dict[str, Any] | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0.0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    body.update(extra or {})
+    return body
+
+
+async def send_request(client: Any, url: str, body: dict[str, Any], headers: dict[str, str],
+                       timeout: float) -> RequestResult:
+    """One completion request; never raises (failures become ``ok=False`` with the error)."""
+    result = RequestResult(prompt_tokens=len(body["prompt"]))
+    usage_tokens = None
+    start = time.perf_counter()
+    try:
+        if body.get("stream"):
+            async with client.stream("POST", url, json=body, headers=headers, timeout=timeout) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")
+                    result.error = f"HTTP {resp.status_code}: {text[:300]}"
+                    return result
+                async for payload in iter_sse_data(resp.aiter_lines()):
+                    now = time.perf_counter() - start
+                    chunk = json.loads(payload)
+                    if "error" in chunk:
+                        result.error = f"stream error: {str(chunk['error'])[:300]}"
+                        return result
+                    if chunk.get("usage"):
+                        usage_tokens = chunk["usage"].get("completion_tokens")
+                    if chunk_carries_tokens(chunk):
+                        if math.isnan(result.ttft):
+                            result.ttft = now
+                        result.chunk_times.append(now)
+        else:
+            resp = await client.post(url, json=body, headers=headers, timeout=timeout)
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
+                return result
+            usage_tokens = (resp.json().get("usage") or {}).get("completion_tokens")
+    except Exception as e:  # noqa: BLE001 - any transport failure is a failed request
+        result.error = f"{type(e).__name__}: {e}"[:300]
+        return result
+    result.latency = time.perf_counter() - start
+    result.output_tokens = int(usage_tokens) if usage_tokens is not None else len(result.chunk_times)
+    result.ok = result.output_tokens > 0
+    if not result.ok:
+        result.error = "no output tokens"
+    return result
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Send times (s from the start) of a Poisson process at ``rate``; all zero for inf."""
+    if math.isinf(rate):
+        return [0.0] * n
+    if rate <= 0:
+        raise ValueError(f"--request-rate must be positive, got {rate}")
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(n):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+async def fetch_model_name(client: Any, base_url: str, headers: dict[str, str]) -> str:
+    resp = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    resp.raise_for_status()
+    models = resp.json().get("data") or []
+    if not models:
+        raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
+    return models[0]["id"]
+
+
+async def run_load(base_url: str, prompts: Sequence[list[int]], *, model: str | None = None,
+                   endpoint: str = "/v1/completions", max_tokens: int = 128,
+                   request_rate: float = math.inf, concurrency: int | None = None, seed: int = 0,
+                   stream: bool = True, ignore_eos: bool = True, extra_body: dict[str, Any] | None = None,
+                   num_warmup: int = 0, timeout: float = 600.0,
+                   api_key: str | None = None) -> tuple[list[RequestResult], float, str]:
+    """Send every prompt on the arrival schedule; returns (results, seconds, model name)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + endpoint
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        if model is None:
+            model = await fetch_model_name(client, base_url, headers)
+        # Warm-up on prompts the run does not use, so no prefix cache helps the measured requests.
+        for prompt in make_workload(num_warmup, seed=seed + 1000) if num_warmup else []:
+            await send_request(client, url, request_body(model, prompt, 4, stream, ignore_eos,
+                                                         extra_body), headers, timeout)
+        semaphore = asyncio.Semaphore(concurrency) if concurrency else None
+        delays = arrival_times(len(prompts), request_rate, seed)
+        start = time.perf_counter()
+
+        async def one(prompt: list[int], delay: float) -> RequestResult:
+            wait = start + delay - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            body = request_body(model, prompt, max_tokens, stream, ignore_eos, extra_body)
+            if semaphore is None:
+                return await send_request(client, url, body, headers, timeout)
+            async with semaphore:
+                return await send_request(client, url, body, headers, timeout)
+
+        results = await asyncio.gather(*(one(p, d) for p, d in zip(prompts, delays, strict=True)))
+        duration = time.perf_counter() - start
+    return list(results), duration, model
+
+
+def summarize_results(results: Sequence[RequestResult], duration: float,
+                      percentiles: Sequence[float] = (50, 90, 99)) -> dict[str, Any]:
+    """Throughput over the run and latency distributions (milliseconds) of the successful requests."""
+    done = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in done)
+    prompt_tokens = sum(r.prompt_tokens for r in done)
+
+    def ms(values: list[float]) -> dict[str, float]:
+        values = [v * 1e3 for v in values if not math.isnan(v)]
+        return common.summarize(values, percentiles)
+
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    return {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": errors,
+        "duration_s": duration,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "request_throughput": len(done) / duration if duration > 0 else math.nan,
+        "output_tok_s": output_tokens / duration if duration > 0 else math.nan,
+        "total_tok_s": (output_tokens + prompt_tokens) / duration if duration > 0 else math.nan,
+        "ttft_ms": ms([r.ttft for r in done]),
+        "tpot_ms": ms([r.tpot for r in done]),
+        "itl_ms": ms([x for r in done for x in r.itls]),
+        "e2e_ms": ms([r.latency for r in done]),
+    }
+
+
+def report(result: dict[str, Any]) -> None:
+    rate = result["request_rate"]
+    title = (f"serve: {result['base_url']} model {result['model']}, rate "
+             f"{'inf' if rate is None else rate} req/s, concurrency {result['concurrency'] or 'unbounded'}")
+    rows: list[tuple[str, Any]] = [
+        ("completed / failed", f"{result['completed']} / {result['failed']}"),
+        ("duration s", result["duration_s"]),
+        ("request throughput req/s", result["request_throughput"]),
+        ("output tok/s", result["output_tok_s"]),
+        ("total tok/s", result["total_tok_s"]),
+        ("output tokens", result["output_tokens"]),
+    ]
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        stats = result[f"{name}_ms"]
+        rows.append((f"{name.upper()} ms", "  ".join(f"{k} {common.format_value(v)}"
+                                                     for k, v in stats.items())))
+    common.print_result(title, rows)
+    for error, count in result["errors"].items():
+        print(f"  error x{count}: {error}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        percentiles = [float(q) for q in args.percentiles.split(",")]
+        extra = json.loads(args.extra_body) if args.extra_body else None
+    except ValueError as e:
+        raise SystemExit(f"bad --percentiles or --extra-body: {e}") from None
+    if args.concurrency is not None and args.concurrency < 1:
+        raise SystemExit("--concurrency must be positive")
+    result = run(args, percentiles, extra)
+    report(result)
+    common.write_json(args.json, result)
+    return 0 if result["completed"] else 1
+
+
+def run(args: argparse.Namespace, percentiles: Sequence[float] = (50, 90, 99),
+        extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    machine = common.machine_info()
+    prompts = make_workload(args.num_prompts)
+    results, duration, model = asyncio.run(run_load(
+        args.base_url, prompts, model=args.model, endpoint=args.endpoint, max_tokens=args.max_tokens,
+        request_rate=args.request_rate, concurrency=args.concurrency, seed=args.seed,
+        stream=args.stream, ignore_eos=args.ignore_eos, extra_body=extra,
+        num_warmup=args.num_warmup, timeout=args.timeout, api_key=args.api_key))
+    summary = summarize_results(results, duration, percentiles)
+    return {
+        "benchmark": "serve",
+        "base_url": args.base_url,
+        "model": model,
+        "num_prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "request_rate": None if math.isinf(args.request_rate) else args.request_rate,  # None: inf
+        "concurrency": args.concurrency,
+        "stream": args.stream,
+        **summary,
+        "requests": [{k: v for k, v in asdict(r).items() if k != "chunk_times"} for r in results],
+        "machine": machine,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
