@@ -1,0 +1,129 @@
+"""Tensor parallelism applied to a built, loaded model (gpt-fast's way: the model file knows nothing).
+
+Megatron's split, per decoder layer, with one all-reduce after attention and one after the MLP:
+
+    qkv_proj   column-parallel: rank r keeps its q heads, k heads and v heads (rows of each block)
+    o_proj     row-parallel:    rank r keeps the input columns of its q heads; output all-reduced
+    gate_up    column-parallel: rank r keeps its rows of gate and its rows of up
+    down_proj  row-parallel:    rank r keeps the matching input columns; output all-reduced
+
+A GQA group stays whole on one rank: q head h reads kv head h // (heads / kv_heads), and rank r
+holds q heads [r * heads/N, (r+1) * heads/N) and kv heads [r * kv/N, (r+1) * kv/N), which is the
+same group range. The embedding, the final norm and the LM head stay replicated (every rank holds
+the whole vocabulary: fine for small models; a vocab-parallel embedding is the next step for big
+ones), so every rank ends a step with the same hidden states and only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kvloom.layers.linear import Linear
+from kvloom.loader.model_config import ModelConfig
+
+# A torch.distributed process group, or a c10d backend object such as dist.ProcessGroupGloo(...)
+# (anything dist.all_reduce accepts as its group).
+ProcessGroupLike = Any
+
+
+def validate_tensor_parallel(model_config: ModelConfig, world_size: int, device: torch.device) -> None:
+    """ValueError, before any process starts, when the model or the machine cannot be split N ways."""
+    if device.type == "cuda":
+        first = device.index or 0
+        available = torch.cuda.device_count() - first
+        if world_size > available:
+            raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs from "
+                             f"cuda:{first} on, but torch sees {available} there")
+    else:
+        cores = os.cpu_count() or 1
+        if world_size > cores:
+            raise ValueError(f"tensor_parallel_size={world_size} is larger than this machine's "
+                             f"{cores} CPU cores; one rank per core at most")
+
+    counts = {"attention heads": model_config.num_attention_heads,
+              "key-value heads": model_config.num_key_value_heads,
+              "MLP intermediate size": model_config.intermediate_size}
+    for name, count in counts.items():
+        if count % world_size:
+            valid = [n for n in range(1, model_config.num_key_value_heads + 1)
+                     if all(c % n == 0 for c in counts.values())]
+            raise ValueError(f"the model's {name} ({count}) must be divisible by tensor_parallel_size "
+                             f"({world_size}): each rank takes a whole share; tensor_parallel_size "
+                             f"can be one of {valid} for this model")
+
+
+def sharded_model_config(model_config: ModelConfig, world_size: int) -> ModelConfig:
+    """One rank's view: its share of the heads (what its KV cache holds) and of the MLP."""
+    return dataclasses.replace(
+        model_config,
+        num_attention_heads=model_config.num_attention_heads // world_size,
+        num_key_value_heads=model_config.num_key_value_heads // world_size,
+        intermediate_size=model_config.intermediate_size // world_size)
+
+
+def shard_model_for_tensor_parallel(model: nn.Module, rank: int, world_size: int,
+                                    group: ProcessGroupLike | None = None) -> nn.Module:
+    """Keep rank's share of every decoder layer's projections; all-reduce the row-parallel outputs.
+
+    ``model`` is a loaded LlamaForCausalLM-like model (layers[i].self_attn / .mlp); ``group`` is the
+    tensor-parallel process group (None: the default group). Returns the model, changed in place.
+    """
+    if world_size == 1:
+        return model
+    for layer in model.layers:
+        attention = layer.self_attn
+        for linear in (attention.qkv_proj, attention.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if type(linear) is not Linear:
+                raise ValueError(f"tensor parallelism supports plain Linear layers, not "
+                                 f"{type(linear).__name__} (e.g. int8 weights); use tensor_parallel_size=1")
+        heads, kv_heads = attention.num_heads // world_size, attention.num_kv_heads // world_size
+        head_dim = attention.head_dim
+        # [q | k | v] rows, each block cut into world_size equal slices of whole heads.
+        _shard_columns_out(attention.qkv_proj, rank, world_size)
+        attention.num_heads, attention.num_kv_heads = heads, kv_heads
+        attention.q_size, attention.kv_size = heads * head_dim, kv_heads * head_dim
+        _shard_rows_in(attention.o_proj, rank, world_size, group)
+        # [gate | up] rows: silu_and_mul pairs gate column j with up column j, so both keep the same j's.
+        _shard_columns_out(layer.mlp.gate_up_proj, rank, world_size)
+        _shard_rows_in(layer.mlp.down_proj, rank, world_size, group)
+    return model
+
+
+def _shard_columns_out(linear: Linear, rank: int, world_size: int) -> None:
+    """Column-parallel: keep slice ``rank`` of each row block (output_sizes); biases sliced alike."""
+    sizes = [size // world_size for size in linear.output_sizes]
+    starts = [sum(linear.output_sizes[:i]) + rank * size for i, size in enumerate(sizes)]
+
+    def keep(tensor: torch.Tensor) -> nn.Parameter:
+        parts = [tensor[start:start + size] for start, size in zip(starts, sizes)]
+        return nn.Parameter(torch.cat(parts).contiguous(), requires_grad=False)
+
+    linear.weight = keep(linear.weight.data)
+    if linear.bias is not None:
+        linear.bias = keep(linear.bias.data)
+    linear.output_sizes = sizes
+
+
+def _shard_rows_in(linear: Linear, rank: int, world_size: int, group: ProcessGroupLike | None) -> None:
+    """Row-parallel: keep input columns ``rank``; the partial outputs are summed over the ranks.
+
+    The bias is added once: rank 0 keeps it, the others drop it.
+    """
+    size = linear.in_features // world_size
+    linear.weight = nn.Parameter(linear.weight.data[:, rank * size:(rank + 1) * size].contiguous(),
+                                 requires_grad=False)
+    linear.in_features = size
+    if linear.bias is not None and rank != 0:
+        linear.bias = None
+
+    def all_reduce(_module: nn.Module, _inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group)
+        return output
+
+    linear.register_forward_hook(all_reduce)
