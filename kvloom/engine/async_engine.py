@@ -1,0 +1,345 @@
+"""AsyncLLM: the synchronous LLMEngine driven by one thread, consumed from asyncio.
+
+The engine step is blocking torch compute, so it cannot run on the event loop. One dedicated
+thread owns the engine: it drains a thread-safe queue of commands (add, abort, stop), calls
+``step()`` while there is work, sleeps on the queue when idle, and hands each request's outputs to
+that request's asyncio queue with ``loop.call_soon_threadsafe`` (one call per step and loop). Only
+that thread mutates the engine; the event loop reads the tokenizer and the read-only validators.
+
+    engine = AsyncLLM(LLMEngine(config))
+    async for output in engine.generate("Hello", SamplingParams(max_tokens=8), "req-0"):
+        ...  # cumulative RequestOutputs, as vLLM's; the last one has finished=True
+
+A consumer that stops early (a client that disconnects) aborts its request, which frees its KV
+blocks at the engine's next turn. If a step raises, the engine is dead: every pending and later
+request fails with EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvloom.config import EngineConfig
+from kvloom.engine.llm_engine import LLMEngine, PromptInput
+from kvloom.metrics import EngineMetrics, EngineStats, StatLogger
+from kvloom.outputs import CompletionOutput, RequestOutput
+from kvloom.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvloom")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (a step failed, or the engine was shut down)."""
+
+
+@dataclass
+class _Stream:
+    """One request's way back to its caller; the fields below the queue belong to the engine thread."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    prompt_token_ids: list[int]
+    n: int
+    last_output: RequestOutput | None = None
+    num_tokens: int = 0
+    last_token_time: float | None = None
+
+
+@dataclass
+class _Add:
+    stream: _Stream
+    prompt: PromptInput
+    params: SamplingParams
+    prompt_text: str | None
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str] = field(default_factory=list)
+
+
+class _Stop:
+    pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+class AsyncLLM:
+    """An LLMEngine stepped by its own thread, with an asyncio ``generate`` per request."""
+
+    def __init__(self, engine: LLMEngine, *, model_name: str | None = None, stats_interval: float = 10.0,
+                 log_requests: bool = True) -> None:
+        self.engine = engine
+        engine.final_outputs_only = False  # streams want every step's output
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.log_requests = log_requests
+        self._stats = self._snapshot()
+        self.metrics = EngineMetrics(model_name or engine.config.model, engine.max_model_len,
+                                     self.get_stats)
+        self._stat_logger = StatLogger(stats_interval) if stats_interval > 0 else None
+        self._idle_wait = stats_interval if stats_interval > 0 else None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # owned by the engine thread
+        self._lock = threading.Lock()  # orders submissions against the engine's death
+        self._dead_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvloom-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLM:
+        return cls(LLMEngine(config), **kwargs)
+
+    # ---- state -----------------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error
+
+    def check_health(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead_error}") from self._dead_error
+
+    def get_stats(self) -> EngineStats:
+        """The engine's state after its latest step (safe to call from any thread)."""
+        return self._stats
+
+    # ---- requests --------------------------------------------------------------------------
+    def validate(self, prompt: PromptInput, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Tokenize and check a request without queueing it; ValueError says what is wrong.
+
+        Reads only the tokenizer and fixed limits, so it is safe next to a running step.
+        """
+        text, token_ids = self.engine.process_prompt(prompt)
+        self.engine.validate_request(token_ids, params)
+        return text, token_ids
+
+    async def generate(self, prompt: PromptInput, sampling_params: SamplingParams, request_id: str, *,
+                       prompt_text: str | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its cumulative outputs until it finishes.
+
+        ValueError (a bad prompt or parameters) and EngineDeadError are raised before any output.
+        Outputs that pile up while the caller is busy are merged: only the newest is yielded.
+        """
+        self.check_health()
+        text, token_ids = self.validate(prompt, sampling_params)
+        stream = _Stream(request_id, asyncio.get_running_loop(), asyncio.Queue(), token_ids,
+                         sampling_params.n)
+        self._submit(_Add(stream, {"prompt_token_ids": token_ids}, sampling_params,
+                          text if prompt_text is None else prompt_text,
+                          time.time() if arrival_time is None else arrival_time))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                while not stream.queue.empty() and not isinstance(item, BaseException):
+                    item = stream.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Stop requests and free their KV blocks (at the engine's next turn); unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._lock:
+            if self._dead_error is None:
+                self._commands.put(_Abort(ids))
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread; requests still running fail with EngineDeadError."""
+        if self._thread.is_alive():
+            self._commands.put(_Stop())
+            self._thread.join(timeout)
+
+    def _submit(self, command: _Add) -> None:
+        with self._lock:
+            if self._dead_error is not None:
+                raise EngineDeadError(f"the engine is dead: {self._dead_error}")
+            self._commands.put(command)
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                if not self._process_commands(block=not engine.has_unfinished_requests()):
+                    self._die(EngineDeadError("the engine was shut down"))
+                    return
+                if engine.has_unfinished_requests():
+                    self._deliver(engine.step())
+                self._stats = self._snapshot()
+                if self._stat_logger is not None:
+                    self._stat_logger.maybe_log(self._stats)
+        except BaseException as e:  # noqa: BLE001 - whatever killed the step fails every request
+            logger.exception("kvloom engine loop failed; the engine is dead")
+            self._die(e)
+
+    def _process_commands(self, block: bool) -> bool:
+        """Apply queued commands; when block, first wait for one (or for the stats interval).
+
+        False when told to stop.
+        """
+        commands = []
+        if block:
+            try:
+                commands.append(self._commands.get(timeout=self._idle_wait))
+            except queue.Empty:
+                return True
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for command in commands:
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                self._abort(command.request_ids)
+        return True
+
+    def _add(self, command: _Add) -> None:
+        stream = command.stream
+        try:
+            if stream.request_id in self._streams:
+                raise ValueError(f"request id {stream.request_id!r} is already in use")
+            self.engine.add_request(stream.request_id, command.prompt, command.params,
+                                    arrival_time=command.arrival_time, prompt_text=command.prompt_text)
+        except ValueError as e:
+            self._send(stream, e)
+            return
+        except Exception as e:  # noqa: BLE001 - a bug, but one request's: fail it, not the engine
+            logger.exception("adding request %s failed", stream.request_id)
+            self._send(stream, e)
+            return
+        self._streams[stream.request_id] = stream
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self.engine.abort_request(request_ids)
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is None:
+                continue
+            output = self._aborted_output(stream)
+            self.metrics.observe_finished(output, "abort")
+            if self.log_requests:
+                logger.info("Aborted request %s: prompt %d tokens, output %d tokens, after %.2fs",
+                            request_id, len(stream.prompt_token_ids), stream.num_tokens,
+                            time.time() - output.metrics.arrival_time if output.metrics else 0.0)
+            # A caller still listening (an abort from elsewhere) gets a last, finished output.
+            self._send(stream, output)
+
+    def _aborted_output(self, stream: _Stream) -> RequestOutput:
+        last = stream.last_output
+        if last is None:
+            completions = [CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None,
+                                            logprobs=None, finish_reason="abort") for i in range(stream.n)]
+            return RequestOutput(stream.request_id, None, stream.prompt_token_ids, None, completions,
+                                 finished=True)
+        completions = [CompletionOutput(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs,
+                                        c.finish_reason or "abort", c.stop_reason) for c in last.outputs]
+        return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, last.prompt_logprobs,
+                             completions, finished=True, metrics=last.metrics,
+                             num_cached_tokens=last.num_cached_tokens)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            self.metrics.observe_output(output, stream.num_tokens, stream.last_token_time)
+            stream.num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            if output.metrics is not None:
+                stream.last_token_time = output.metrics.last_token_time
+            stream.last_output = output
+            if output.finished:
+                del self._streams[output.request_id]
+                self._finished(output)
+            batches.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                pass
+
+    def _finished(self, output: RequestOutput) -> None:
+        reasons = sorted({c.finish_reason or "stop" for c in output.outputs})
+        self.metrics.observe_finished(output, reasons[0] if len(reasons) == 1 else "stop")
+        if not self.log_requests:
+            return
+        metrics = output.metrics
+        latency = ttft = float("nan")
+        if metrics is not None:
+            latency = (metrics.finished_time or time.time()) - metrics.arrival_time
+            if metrics.first_token_time is not None:
+                ttft = metrics.first_token_time - metrics.arrival_time
+        logger.info("Finished request %s (%s): prompt %d tokens (%d cached), output %d tokens, "
+                    "latency %.2fs, TTFT %.3fs", output.request_id, ",".join(reasons),
+                    len(output.prompt_token_ids), output.num_cached_tokens,
+                    sum(len(c.token_ids) for c in output.outputs), latency, ttft)
+
+    def _send(self, stream: _Stream, item: RequestOutput | BaseException) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:
+            pass
+
+    def _die(self, error: BaseException) -> None:
+        """Fail every request, queued or running, and refuse new ones."""
+        with self._lock:
+            self._dead_error = error
+        dead = (error if isinstance(error, EngineDeadError)
+                else EngineDeadError(f"the engine is dead: {error!r}"))
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                self._send(command.stream, dead)
+        for stream in self._streams.values():
+            self._send(stream, dead)
+        self._streams.clear()
+        try:
+            self.engine.abort_request(list(self.engine.parents))
+        except Exception:  # noqa: BLE001 - best effort after a failed step
+            pass
+
+    def _snapshot(self) -> EngineStats:
+        engine = self.engine
+        stats = engine.scheduler.stats()
+        return EngineStats(
+            num_running=stats.num_running, num_waiting=stats.num_waiting,
+            kv_cache_usage=stats.kv_cache_usage, num_preemptions=stats.num_preemptions,
+            prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
+            prompt_tokens=engine.num_prompt_tokens_total,
+            generation_tokens=engine.num_generation_tokens_total, timestamp=time.monotonic())

@@ -1,0 +1,217 @@
+"""Serving metrics: vLLM's Prometheus metrics under a ``kvloom:`` prefix, and the periodic log line.
+
+Two kinds of numbers:
+- engine state (requests running and waiting, KV cache usage, token / preemption / prefix-cache
+  counters) is read from an ``EngineStats`` snapshot that the engine thread publishes after every
+  step, so a scrape never touches the scheduler while it runs;
+- per-request latencies (time to first token, inter-token latency, end-to-end latency, queue
+  time) are observed by the engine thread as outputs leave the engine.
+
+Every metric carries a ``model_name`` label, as vLLM's do. ``kvloom:kv_cache_usage_perc`` is
+exactly 0 when no request holds a block (cached prefix blocks that are free count as free), which
+is how the tests check that an aborted request gave its blocks back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvloom.outputs import RequestOutput
+
+logger = logging.getLogger("kvloom")
+
+# vLLM's buckets, so dashboards built for vLLM read kvloom's histograms the same way.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0]
+_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+FINISH_REASONS = ("stop", "length", "abort")
+
+# No "<name>_created" series next to every counter and histogram (as vLLM).
+disable_created_metrics()
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's state after a step; counters are totals since start-up."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks held by requests, 0..1
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+    prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    generation_tokens: int = 0
+    timestamp: float = 0.0
+
+
+def _token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's build_1_2_5_buckets)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_model_len:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges and counters read from the latest EngineStats at scrape time."""
+
+    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats]) -> None:
+        self.model_name = model_name
+        self.get_stats = get_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.get_stats()
+        labels = [self.model_name]
+
+        def gauge(name: str, documentation: str, value: float) -> Metric:
+            family = GaugeMetricFamily(f"kvloom:{name}", documentation, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        def counter(name: str, documentation: str, value: float) -> Metric:
+            family = CounterMetricFamily(f"kvloom:{name}", documentation, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge("num_requests_running", "Number of requests in model execution batches.",
+                    stats.num_running)
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.",
+                    stats.num_waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    stats.kv_cache_usage)
+        yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
+                      stats.num_preemptions)
+        yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+                      "tokens.", stats.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      stats.prefix_cache_hits)
+        yield counter("prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
+        yield counter("generation_tokens", "Number of generation tokens processed.",
+                      stats.generation_tokens)
+
+
+class EngineMetrics:
+    """The Prometheus registry of one served model.
+
+    ``observe_output`` and ``observe_finished`` are called by the engine thread; ``render`` by the
+    server. prometheus_client's histograms and counters are thread-safe.
+    """
+
+    def __init__(self, model_name: str, max_model_len: int, get_stats: Callable[[], EngineStats]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineStatsCollector(model_name, get_stats))
+
+        def histogram(name: str, documentation: str, buckets: list[float]) -> Histogram:
+            metric = Histogram(f"kvloom:{name}", documentation, labelnames=["model_name"],
+                               buckets=buckets, registry=self.registry)
+            return metric.labels(model_name)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
+        self.time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Histogram of time per output token in seconds, per request.", _ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+            _LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+            _LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed, per request.",
+            _token_buckets(max_model_len))
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Number of generation tokens processed, per request.",
+            _token_buckets(max_model_len))
+        request_success = Counter("kvloom:request_success", "Count of finished requests, by reason "
+                                  "(stop, length, abort).", labelnames=["model_name", "finished_reason"],
+                                  registry=self.registry)
+        self.request_success = {reason: request_success.labels(model_name, reason)
+                                for reason in FINISH_REASONS}
+
+    def observe_output(self, output: RequestOutput, previous_num_tokens: int,
+                       previous_token_time: float | None) -> None:
+        """One step's output of a request: its first token, or the gap since its last token."""
+        metrics = output.metrics
+        if metrics is None or metrics.last_token_time is None:
+            return
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if num_tokens <= previous_num_tokens:
+            return
+        if previous_token_time is None:
+            if metrics.first_token_time is not None:
+                self.time_to_first_token.observe(max(0.0, metrics.first_token_time - metrics.arrival_time))
+        else:
+            self.inter_token_latency.observe(max(0.0, metrics.last_token_time - previous_token_time))
+
+    def observe_finished(self, output: RequestOutput, finish_reason: str) -> None:
+        self.request_success[finish_reason if finish_reason in FINISH_REASONS else "stop"].inc()
+        metrics = output.metrics
+        if finish_reason == "abort" or metrics is None:
+            return
+        finished = metrics.finished_time or time.time()
+        num_generated = sum(len(c.token_ids) for c in output.outputs)
+        self.e2e_request_latency.observe(max(0.0, finished - metrics.arrival_time))
+        if metrics.first_scheduled_time is not None:
+            self.request_queue_time.observe(max(0.0, metrics.first_scheduled_time - metrics.arrival_time))
+        if metrics.first_token_time is not None and num_generated > 1:
+            self.time_per_output_token.observe(
+                max(0.0, finished - metrics.first_token_time) / (num_generated - 1))
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(num_generated)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class StatLogger:
+    """Logs one engine line every ``interval`` seconds while the engine has work, as vLLM does."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.last: EngineStats | None = None
+        self.logged_idle = True
+
+    def maybe_log(self, stats: EngineStats) -> None:
+        if self.last is None:
+            self.last = stats
+            return
+        elapsed = stats.timestamp - self.last.timestamp
+        if elapsed < self.interval:
+            return
+        busy = (stats.num_running or stats.num_waiting
+                or stats.generation_tokens != self.last.generation_tokens
+                or stats.prompt_tokens != self.last.prompt_tokens)
+        if busy or not self.logged_idle:
+            queries = stats.prefix_cache_queries - self.last.prefix_cache_queries
+            hits = stats.prefix_cache_hits - self.last.prefix_cache_hits
+            logger.info(
+                "Engine: running %d reqs, waiting %d reqs, KV cache usage %.1f%%, prefix cache hit rate "
+                "%.1f%%, prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s",
+                stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage,
+                100 * hits / queries if queries else 0.0,
+                (stats.prompt_tokens - self.last.prompt_tokens) / elapsed,
+                (stats.generation_tokens - self.last.generation_tokens) / elapsed)
+            # One more line once it goes idle, so the last line shows the engine at rest.
+            self.logged_idle = not busy
+        self.last = stats
