@@ -1,5 +1,7 @@
 """One attention layer call, backend against backend: ms per call, median of interleaved repeats.
 
+Wall time is what a step waits; process CPU time (every thread's) is steadier on a shared host.
+
     .venv/bin/python benchmarks/attention_micro.py [--threads 2] [--repeats 30] [--backends native,cpu]
 
 Two batches with SmolLM2-135M's shapes (9 query heads, 3 KV heads, head size 64, bf16, blocks of 16):
@@ -69,15 +71,17 @@ def time_backends(name: str, backends: list[str], step, repeats: int) -> None:
     metadata, q, k, v, caches = step
     scale = HEAD_DIM ** -0.5
     times: dict[str, list[float]] = {b: [] for b in backends}
+    cpu_times: dict[str, list[float]] = {b: [] for b in backends}
     outputs = {}
     for b in backends:  # warm-up, and the outputs to compare
         outputs[b] = ATTENTION_BACKENDS[b](q, k, v, *caches[0], metadata, scale)
     for i in range(repeats):
         for b in backends:
             layer = caches[i % len(caches)]
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             ATTENTION_BACKENDS[b](q, k, v, *layer, metadata, scale)
             times[b].append(time.perf_counter() - start)
+            cpu_times[b].append(time.process_time() - cpu_start)
     tokens, contexts = q.shape[0], metadata.seq_lens_host
     print(f"{name}: {metadata.num_requests} requests, {tokens} new tokens, "
           f"context {min(contexts)}..{max(contexts)}")
@@ -85,8 +89,9 @@ def time_backends(name: str, backends: list[str], step, repeats: int) -> None:
     for b in backends:
         ms = statistics.median(times[b]) * 1e3
         error = (outputs[b].float() - outputs[backends[0]].float()).abs().max().item()
+        cpu_ms = statistics.median(cpu_times[b]) * 1e3
         print(f"  {b:>9}: {ms:8.3f} ms/call  x{base * 1e3 / ms:5.1f} vs {backends[0]}   "
-              f"max |diff| {error:.1e}")
+              f"(cpu {cpu_ms:7.3f} ms, all threads)   max |diff| {error:.1e}")
 
 
 def main() -> None:

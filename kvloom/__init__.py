@@ -22,10 +22,10 @@ _EXPORTS = {
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:
-    from kvloom.config import EngineConfig
-    from kvloom.llm import LLM
-    from kvloom.outputs import CompletionOutput, Logprob, RequestOutput
-    from kvloom.sampling_params import SamplingParams
+    from kvloom.config import EngineConfig  # noqa: F401
+    from kvloom.llm import LLM  # noqa: F401
+    from kvloom.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: F401
+    from kvloom.sampling_params import SamplingParams  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -50,6 +50,8 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 1 << 31:
+            self.top_k = 0  # larger than any vocabulary: no filtering
         self._verify()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other knobs would not change the argmax.
@@ -77,6 +79,8 @@ class SamplingParams:
         _num("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             _int("seed", self.seed, None)
+            if not -(1 << 63) <= self.seed < (1 << 63):
+                raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, 1)
         _int("min_tokens", self.min_tokens, 0)

@@ -29,6 +29,8 @@ class AttentionMetadata:
     # Decode fast path, built once per step and shared by every layer:
     decode_num_blocks: int = 0  # block-table columns the decodes need (a bucketed length)
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, L] bool, True = attend
+    # query_start_loc as a [B + 1] int64 tensor on the device (kernels that take the whole batch)
+    query_start_loc_tensor: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:

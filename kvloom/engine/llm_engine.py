@@ -142,7 +142,10 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("the prompt is empty; give at least one character or token")
             text = prompt
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            try:
+                token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            except TypeError:  # the tokenizers library's answer to lone surrogates
+                raise ValueError("the prompt is not valid Unicode text (it holds a lone surrogate)") from None
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
             vocab = self.model_config.vocab_size

@@ -219,7 +219,7 @@ class ModelRunner:
         generator = self.request_generators.get(request.request_id)
         if generator is None:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
+            generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # negative seeds map into uint64
             self.request_generators[request.request_id] = generator
         return generator
 
@@ -228,7 +228,7 @@ class ModelRunner:
         params = [r.sampling_params for r in requests]
         temperature = [0.0 if p.greedy else float(p.temperature) for p in params]
         all_greedy = all(t == 0.0 for t in temperature)
-        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+        top_k = [p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in params]
         top_p = [float(p.top_p) for p in params]
         min_p = [float(p.min_p) for p in params]
         metadata = SamplingMetadata(

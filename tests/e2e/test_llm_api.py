@@ -113,6 +113,8 @@ def test_chat_uses_the_chat_template(llm: LLM) -> None:
     (lambda llm: llm.generate("hi", SamplingParams(bogus=1)), "bogus"),
     (lambda llm: llm.generate("hi", use_tqdm=False, bogus=1), "bogus"),
     (lambda llm: llm.generate(["a", "b"], [SamplingParams()]), "one per prompt"),
+    (lambda llm: llm.generate("bad \ud800 text"), "Unicode"),
+    (lambda llm: llm.generate("hi", SamplingParams(seed=2 ** 64)), "seed"),
 ])
 def test_bad_input_is_a_clear_value_error_and_the_engine_keeps_working(llm: LLM, call, match: str) -> None:
     with pytest.raises(ValueError, match=match):
