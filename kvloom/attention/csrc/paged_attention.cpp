@@ -1,0 +1,647 @@
+// Paged attention on the CPU: a step's whole flat batch (decodes and prefill chunks) in one call.
+//
+// Request i owns query rows [query_start_loc[i], query_start_loc[i+1]); they are the last q_len
+// positions of its seq_lens[i]-long sequence and attend causally (and within the sliding window)
+// to keys read in place from the paged cache:
+//
+//     slot(pos) = block_table[i, pos / block_size] * block_size + pos % block_size
+//
+// A work item is (request, range of kv heads, tile of query positions). Its rows are the tile's
+// positions times the g query heads of each kv head, so one pass over the keys serves all of them
+// and each cached K/V row is read once per item, never copied out of the cache. A decode item
+// takes every kv head of its request when there are enough requests to keep the threads busy:
+// it then reads whole slots, which the memory system streams much faster than one head's rows.
+//
+// Keys go by in tiles of kKeyTile. Per kv head: the K tile is transposed into a small buffer so
+// that S = Q K^T is broadcast FMAs (no horizontal sums), then an online softmax per row, then
+// O += P V with V read straight from the cache. Everything accumulates in fp32.
+
+// at::vec picks its implementation from the flags this file is compiled with (-march=native when
+// the compiler allows it); its inline namespace gets our own name so that nothing can collide
+// with libtorch's copies of the same functions.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY kvloom_avx512
+#if defined(__AVX512BF16__)
+#define KVLOOM_BF16_DOT  // vdpbf16ps: bf16 pairs multiplied exactly and summed in fp32
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY kvloom_avx2
+#else
+#define CPU_CAPABILITY kvloom_default
+#endif
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+// Fixed-count loops over register arrays must be unrolled completely, or GCC keeps the arrays in
+// memory and reloads them every iteration.
+#define KVLOOM_UNROLL _Pragma("GCC unroll 16")
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int kVecSize = Vec::size();
+constexpr int kKeyVecs = 4;                                // vectors per row of a key tile
+constexpr int kKeyTile = kKeyVecs * kVecSize;              // keys per tile; S and K tiles stay in L1
+constexpr int kTargetRows = 32;                            // rows (positions x group) per prefill item
+constexpr int kMaxHeadDim = 256;
+constexpr int kRegisters = kVecSize >= 16 ? 32 : 16;       // vector registers
+constexpr int kRowBlock = kVecSize >= 16 ? 8 : 4;          // rows in registers at once for O += P V
+constexpr int kAccumulators = kRegisters / 2;              // registers a block of O += P V accumulates in
+constexpr int kScoreRows = std::max(1, (kRegisters - kKeyVecs - 2) / kKeyVecs);  // the same for S = Q K^T
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+inline Vec load_float(const T* p) {
+  Vec v;
+  at::vec::load_to_float<T>(p, v);
+  return v;
+}
+
+template <>
+inline Vec load_float<float>(const float* p) {
+  return Vec::loadu(p);
+}
+
+// Calls fn(std::integral_constant<int, R>()) for R = rows, 1 <= rows <= kRowBlock.
+template <typename F>
+inline void with_row_count(int rows, F&& fn) {
+  switch (rows) {
+    case 1: fn(std::integral_constant<int, 1>()); break;
+    case 2: fn(std::integral_constant<int, 2>()); break;
+    case 3: fn(std::integral_constant<int, 3>()); break;
+    case 4: fn(std::integral_constant<int, 4>()); break;
+#if defined(CPU_CAPABILITY_AVX512)
+    case 5: fn(std::integral_constant<int, 5>()); break;
+    case 6: fn(std::integral_constant<int, 6>()); break;
+    case 7: fn(std::integral_constant<int, 7>()); break;
+    case 8: fn(std::integral_constant<int, 8>()); break;
+#endif
+    default: break;
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// r[i] = row i of a 16 x 16 block of 32-bit words in, column i out.
+inline void transpose_16x16(__m512 r[16]) {
+  __m512 t[16];
+  KVLOOM_UNROLL
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);      // per 128-bit lane: a0 b0 a1 b1
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);  // a2 b2 a3 b3
+  }
+  const auto lo = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  const auto hi = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  KVLOOM_UNROLL
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = lo(t[i], t[i + 2]);          // lane L: column 4L of rows i..i+3
+    r[i + 1] = hi(t[i], t[i + 2]);      // column 4L + 1
+    r[i + 2] = lo(t[i + 1], t[i + 3]);  // column 4L + 2
+    r[i + 3] = hi(t[i + 1], t[i + 3]);  // column 4L + 3
+  }
+  KVLOOM_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);  // lanes 0, 2 of each
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);  // lanes 1, 3
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  KVLOOM_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+#endif
+
+// ---- S = Q K^T: two layouts of the K tile, both with the keys along the vectors ---------------
+
+// Any dtype: key_t[d][j] = K[j][d] as fp32, and query rows as fp32.
+struct FloatKeys {
+  static int words(int head_dim) { return head_dim; }  // 32-bit words per query row
+
+  template <typename T>
+  static void pack_query(const T* q, int head_dim, float* words) {
+    for (int d = 0; d < head_dim; ++d) words[d] = static_cast<float>(q[d]);
+  }
+
+  template <typename T>
+  static void pack_keys(const T* const* rows, int head_dim, float* key_t) {
+    int d = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+    for (; d + 16 <= head_dim; d += 16) {
+      for (int j0 = 0; j0 < kKeyTile; j0 += 16) {
+        __m512 r[16];
+        KVLOOM_UNROLL
+        for (int j = 0; j < 16; ++j) r[j] = load_float(rows[j0 + j] + d);
+        transpose_16x16(r);
+        KVLOOM_UNROLL
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(key_t + (d + i) * kKeyTile + j0, r[i]);
+      }
+    }
+#endif
+    for (; d < head_dim; ++d)
+      for (int j = 0; j < kKeyTile; ++j) key_t[d * kKeyTile + j] = static_cast<float>(rows[j][d]);
+  }
+
+  // query: R rows of head_dim words; scores: R rows of kKeyTile.
+  template <int R>
+  static void score(const float* query, const float* key_t, int head_dim, float* scores) {
+    Vec acc[R][kKeyVecs];
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r)
+      KVLOOM_UNROLL
+      for (int v = 0; v < kKeyVecs; ++v) acc[r][v] = Vec(0.0f);
+    for (int d = 0; d < head_dim; ++d) {
+      Vec k[kKeyVecs];
+      KVLOOM_UNROLL
+      for (int v = 0; v < kKeyVecs; ++v) k[v] = Vec::loadu(key_t + d * kKeyTile + v * kVecSize);
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const Vec q(query[r * head_dim + d]);
+        KVLOOM_UNROLL
+        for (int v = 0; v < kKeyVecs; ++v) acc[r][v] = at::vec::fmadd(q, k[v], acc[r][v]);
+      }
+    }
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r)
+      KVLOOM_UNROLL
+      for (int v = 0; v < kKeyVecs; ++v) acc[r][v].store(scores + r * kKeyTile + v * kVecSize);
+  }
+};
+
+#if defined(KVLOOM_BF16_DOT)
+// bf16 with vdpbf16ps: key_t[p][j] = the pair K[j][2p], K[j][2p+1] as one 32-bit word, and query
+// rows as pairs too. Half the transposing and half the multiply instructions of FloatKeys, and
+// no conversions; the products are exact and summed in fp32. Needs head_dim % 32 == 0.
+struct PairKeys {
+  static int words(int head_dim) { return head_dim / 2; }
+
+  static void pack_query(const c10::BFloat16* q, int head_dim, float* words) {
+    std::memcpy(words, q, head_dim * sizeof(c10::BFloat16));
+  }
+
+  static void pack_keys(const c10::BFloat16* const* rows, int head_dim, float* key_t) {
+    for (int p = 0; p < head_dim / 2; p += 16) {
+      for (int j0 = 0; j0 < kKeyTile; j0 += 16) {
+        __m512 r[16];
+        KVLOOM_UNROLL
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(rows[j0 + j] + 2 * p);
+        transpose_16x16(r);
+        KVLOOM_UNROLL
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(key_t + (p + i) * kKeyTile + j0, r[i]);
+      }
+    }
+  }
+
+  template <int R>
+  static void score(const float* query, const float* key_t, int head_dim, float* scores) {
+    const auto* q = reinterpret_cast<const int32_t*>(query);
+    const int pairs = head_dim / 2;
+    __m512 acc[R][kKeyVecs];
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r)
+      KVLOOM_UNROLL
+      for (int v = 0; v < kKeyVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; ++p) {
+      __m512bh k[kKeyVecs];
+      KVLOOM_UNROLL
+      for (int v = 0; v < kKeyVecs; ++v) k[v] = (__m512bh)_mm512_loadu_ps(key_t + p * kKeyTile + v * 16);
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const auto qp = (__m512bh)_mm512_set1_epi32(q[r * pairs + p]);
+        KVLOOM_UNROLL
+        for (int v = 0; v < kKeyVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], qp, k[v]);
+      }
+    }
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r)
+      KVLOOM_UNROLL
+      for (int v = 0; v < kKeyVecs; ++v) _mm512_storeu_ps(scores + r * kKeyTile + v * 16, acc[r][v]);
+  }
+};
+#endif
+
+// ---- O += P V ---------------------------------------------------------------------------------
+
+// probs: R rows of kKeyTile; values: n row pointers, read at [column, column + C * kVecSize);
+// out: R rows of stride out_stride, the same columns.
+template <int R, int C, typename T>
+inline void value_block(const float* probs, const T* const* values, int n, int column, float* out,
+                        int out_stride) {
+  Vec acc[R][C];
+  KVLOOM_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVLOOM_UNROLL
+    for (int c = 0; c < C; ++c) acc[r][c] = Vec::loadu(out + r * out_stride + column + c * kVecSize);
+  for (int j = 0; j < n; ++j) {
+    Vec v[C];
+    KVLOOM_UNROLL
+    for (int c = 0; c < C; ++c) v[c] = load_float(values[j] + column + c * kVecSize);
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const Vec p(probs[r * kKeyTile + j]);
+      KVLOOM_UNROLL
+      for (int c = 0; c < C; ++c) acc[r][c] = at::vec::fmadd(p, v[c], acc[r][c]);
+    }
+  }
+  KVLOOM_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVLOOM_UNROLL
+    for (int c = 0; c < C; ++c) acc[r][c].store(out + r * out_stride + column + c * kVecSize);
+}
+
+template <typename T>
+void add_probs_times_values(const float* probs, int rows, const T* const* values, int n, int head_dim,
+                            float* out, int out_stride) {
+  const int full_columns = head_dim / kVecSize * kVecSize;
+  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const int block = std::min(kRowBlock, rows - r0);
+    const float* p = probs + r0 * kKeyTile;
+    float* o = out + r0 * out_stride;
+    with_row_count(block, [&](auto r) {
+      constexpr int R = decltype(r)::value;
+      constexpr int C = R * 4 <= kAccumulators ? 4 : kAccumulators / R;  // column vectors at once
+      int column = 0;
+      for (; column + C * kVecSize <= full_columns; column += C * kVecSize)
+        value_block<R, C>(p, values, n, column, o, out_stride);
+      for (; column < full_columns; column += kVecSize) value_block<R, 1>(p, values, n, column, o, out_stride);
+    });
+    // Head sizes that are not a multiple of the vector width: the last columns one by one.
+    for (int r = 0; r < block; ++r)
+      for (int j = 0; j < n; ++j)
+        for (int d = full_columns; d < head_dim; ++d)
+          o[r * out_stride + d] += p[r * kKeyTile + j] * static_cast<float>(values[j][d]);
+  }
+}
+
+// ---- the work ---------------------------------------------------------------------------------
+
+struct WorkItem {
+  int64_t request;
+  int64_t first_kv_head, num_kv_heads;
+  int64_t first_query, num_queries;  // the tile, as indices into the request's queries
+  int64_t cost;                      // rows x visible keys, to hand out the longest items first
+};
+
+struct Problem {
+  int64_t group, head_dim, block_size;
+  int64_t sliding_window;  // <= 0: none
+  float scale;
+  const int64_t* block_table;
+  int64_t block_table_stride;
+  const int64_t* seq_lens;
+  const int64_t* query_start_loc;
+  int64_t query_stride_token, query_stride_head;
+  int64_t out_stride_token, out_stride_head;
+  int64_t cache_stride_block, cache_stride_slot, cache_stride_head;  // the same for keys and values
+};
+
+// Per-thread buffers, kept across calls so that steady-state calls allocate nothing.
+struct Scratch {
+  std::vector<float> query, out, scores, key_t, row_max, row_sum, new_max, correction;
+  std::vector<const void*> key_rows, value_rows;
+};
+
+template <typename T>
+const T* zero_row() {
+  alignas(64) static const T zeros[kMaxHeadDim] = {};
+  return zeros;
+}
+
+// Online softmax over one tile for `rows` rows of raw scores (kKeyTile each): hides the keys a row
+// may not see, turns the scores into exp(scale * s - running max) in place, and rescales the
+// row's running sum and output where its max grew. Row r sees keys [lo, hi) of visible(r, lo, hi).
+template <typename Visible>
+inline void softmax_tile(float* scores, int rows, float scale, int64_t k0, Visible&& visible, float* row_max,
+                         float* row_sum, float* out, int out_stride, float* new_max, float* correction) {
+  for (int r = 0; r < rows; ++r) {
+    float* s = scores + r * kKeyTile;
+    int64_t lo, hi;
+    visible(r, lo, hi);
+    lo = std::min(std::max(lo, k0), k0 + kKeyTile);
+    hi = std::max(std::min(hi, k0 + kKeyTile), lo);
+    std::fill(s, s + (lo - k0), kNegInf);
+    std::fill(s + (hi - k0), s + kKeyTile, kNegInf);
+    Vec tile_max = Vec::loadu(s);
+    KVLOOM_UNROLL
+    for (int v = 1; v < kKeyVecs; ++v) tile_max = at::vec::maximum(tile_max, Vec::loadu(s + v * kVecSize));
+    const float max_score =
+        at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, tile_max);
+    new_max[r] = std::max(row_max[r], max_score * scale);  // -inf while the row has seen nothing
+  }
+  // correction = exp(old max - new max), for kVecSize rows at once; 1 where both are -inf.
+  for (int r = 0; r < rows; r += kVecSize) {
+    const int count = std::min(kVecSize, rows - r);
+    const Vec before = Vec::loadu(row_max + r, count), after = Vec::loadu(new_max + r, count);
+    const Vec seen = after != Vec(kNegInf);
+    Vec::blendv(Vec(0.0f), before - after, seen).exp_u20().store(correction + r, count);
+  }
+  for (int r = 0; r < rows; ++r) {
+    float* s = scores + r * kKeyTile;
+    if (new_max[r] == kNegInf) {
+      std::fill(s, s + kKeyTile, 0.0f);
+      continue;
+    }
+    const Vec scale_vec(scale), shift(-new_max[r]);
+    Vec sum(0.0f);
+    KVLOOM_UNROLL
+    for (int v = 0; v < kKeyVecs; ++v) {
+      const Vec p = at::vec::fmadd(Vec::loadu(s + v * kVecSize), scale_vec, shift).exp_u20();
+      p.store(s + v * kVecSize);
+      sum = sum + p;
+    }
+    row_sum[r] = row_sum[r] * correction[r] +
+                 at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
+    row_max[r] = new_max[r];
+    if (correction[r] != 1.0f) {
+      float* o = out + r * out_stride;
+      const Vec c(correction[r]);
+      for (int d = 0; d < out_stride; d += kVecSize) (Vec::loadu(o + d) * c).store(o + d);
+    }
+  }
+}
+
+template <typename T, typename Keys>
+void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* key_cache, const T* value_cache,
+              T* out, Scratch& scratch) {
+  const int head_dim = static_cast<int>(pb.head_dim);
+  const int group = static_cast<int>(pb.group);
+  const int words = Keys::words(head_dim);
+  const int head_rows = static_cast<int>(item.num_queries) * group;  // rows per kv head
+  const int rows = static_cast<int>(item.num_kv_heads) * head_rows;
+  const int out_stride = (head_dim + kVecSize - 1) / kVecSize * kVecSize;
+  scratch.query.resize(static_cast<size_t>(rows) * words);
+  scratch.out.assign(static_cast<size_t>(rows) * out_stride, 0.0f);
+  scratch.scores.resize(static_cast<size_t>(head_rows) * kKeyTile);
+  scratch.key_t.resize(static_cast<size_t>(words) * kKeyTile);
+  scratch.row_max.assign(rows, kNegInf);
+  scratch.row_sum.assign(rows, 0.0f);
+  scratch.new_max.resize(head_rows);
+  scratch.correction.resize(head_rows);
+  scratch.key_rows.resize(kKeyTile);
+  scratch.value_rows.resize(kKeyTile);
+  float* s_tile = scratch.scores.data();
+  auto key_rows = reinterpret_cast<const T**>(scratch.key_rows.data());
+  auto value_rows = reinterpret_cast<const T**>(scratch.value_rows.data());
+
+  const int64_t i = item.request;
+  const int64_t seq_len = pb.seq_lens[i];
+  const int64_t query_len = pb.query_start_loc[i + 1] - pb.query_start_loc[i];
+  const int64_t first_token = pb.query_start_loc[i] + item.first_query;
+  const int64_t first_pos = seq_len - query_len + item.first_query;
+  const int64_t window = pb.sliding_window;
+  const int64_t* blocks = pb.block_table + i * pb.block_table_stride;
+
+  // Row r: kv head first_kv_head + r / head_rows, query token first_token + (r % head_rows) / group,
+  // query head (kv head) * group + r % group.
+  const auto token_of = [&](int r) { return first_token + (r % head_rows) / group; };
+  const auto head_of = [&](int r) { return (item.first_kv_head + r / head_rows) * group + r % group; };
+  for (int r = 0; r < rows; ++r)
+    Keys::pack_query(query + token_of(r) * pb.query_stride_token + head_of(r) * pb.query_stride_head, head_dim,
+                     scratch.query.data() + static_cast<size_t>(r) * words);
+  // Every kv head has the same positions, hence the same visible keys (row r % head_rows of the first).
+  const auto visible = [&](int r, int64_t& lo, int64_t& hi) {
+    const int64_t pos = first_pos + r / group;
+    lo = window > 0 ? pos - window + 1 : 0;
+    hi = pos + 1;
+  };
+
+  // Element offsets of the slots of positions [k0, k0 + n) in the cache.
+  const auto find_slots = [&](int64_t k0, int n, int64_t* offsets) {
+    int64_t block = k0 / pb.block_size, slot = k0 % pb.block_size;
+    for (int j = 0; j < n; ++j) {
+      offsets[j] = blocks[block] * pb.cache_stride_block + slot * pb.cache_stride_slot;
+      if (++slot == pb.block_size) {
+        slot = 0;
+        ++block;
+      }
+    }
+  };
+  // Blocks lie scattered over the cache, too far apart for the hardware prefetcher: ask for the
+  // next tile's rows (the item's kv heads of each slot, contiguous) while this tile is computed.
+  const int64_t heads_offset = item.first_kv_head * pb.cache_stride_head;
+  const int64_t heads_length = (item.num_kv_heads - 1) * pb.cache_stride_head + head_dim;
+  const auto prefetch_slots = [&](const int64_t* offsets, int n) {
+    for (int j = 0; j < n; ++j) {
+      for (const T* cache : {key_cache, value_cache}) {
+        const T* start = cache + offsets[j] + heads_offset;
+        const auto first = reinterpret_cast<uintptr_t>(start) & ~uintptr_t{63};
+        const auto last = reinterpret_cast<uintptr_t>(start + heads_length) - 1;
+        for (uintptr_t line = first; line <= last; line += 64) __builtin_prefetch(reinterpret_cast<const void*>(line));
+      }
+    }
+  };
+
+  const int64_t key_begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  const int64_t key_end = first_pos + item.num_queries;
+  const auto tile_size = [&](int64_t k0) { return static_cast<int>(std::min<int64_t>(kKeyTile, key_end - k0)); };
+  int64_t offsets[2][kKeyTile];  // this tile's slots and the next's
+  find_slots(key_begin, tile_size(key_begin), offsets[0]);
+  prefetch_slots(offsets[0], tile_size(key_begin));
+  for (int64_t k0 = key_begin, t = 0; k0 < key_end; k0 += kKeyTile, ++t) {
+    const int n = tile_size(k0);
+    const int64_t* slots = offsets[t % 2];
+    if (k0 + kKeyTile < key_end) {
+      find_slots(k0 + kKeyTile, tile_size(k0 + kKeyTile), offsets[(t + 1) % 2]);
+      prefetch_slots(offsets[(t + 1) % 2], tile_size(k0 + kKeyTile));
+    }
+    for (int h = 0; h < item.num_kv_heads; ++h) {
+      const int64_t head_offset = (item.first_kv_head + h) * pb.cache_stride_head;
+      for (int j = 0; j < n; ++j) {
+        key_rows[j] = key_cache + slots[j] + head_offset;
+        value_rows[j] = value_cache + slots[j] + head_offset;
+      }
+      for (int j = n; j < kKeyTile; ++j) key_rows[j] = zero_row<T>();
+      Keys::pack_keys(key_rows, head_dim, scratch.key_t.data());
+
+      const float* q_head = scratch.query.data() + static_cast<size_t>(h) * head_rows * words;
+      for (int r0 = 0; r0 < head_rows; r0 += kScoreRows) {
+        with_row_count(std::min(kScoreRows, head_rows - r0), [&](auto r) {
+          Keys::template score<decltype(r)::value>(q_head + r0 * words, scratch.key_t.data(), head_dim,
+                                                   s_tile + r0 * kKeyTile);
+        });
+      }
+      float* o_head = scratch.out.data() + static_cast<size_t>(h) * head_rows * out_stride;
+      softmax_tile(s_tile, head_rows, pb.scale, k0, visible, scratch.row_max.data() + h * head_rows,
+                   scratch.row_sum.data() + h * head_rows, o_head, out_stride, scratch.new_max.data(),
+                   scratch.correction.data());
+      add_probs_times_values(s_tile, head_rows, value_rows, n, head_dim, o_head, out_stride);
+    }
+  }
+
+  for (int r = 0; r < rows; ++r) {
+    T* o = out + token_of(r) * pb.out_stride_token + head_of(r) * pb.out_stride_head;
+    const float* o_row = scratch.out.data() + static_cast<size_t>(r) * out_stride;
+    const float inverse = 1.0f / scratch.row_sum[r];
+    for (int d = 0; d < head_dim; ++d) o[d] = static_cast<T>(o_row[d] * inverse);
+  }
+}
+
+// The items on torch's OpenMP threads, longest first, handed out one at a time.
+template <typename T, typename Keys>
+void run_items(const Problem& pb, const std::vector<WorkItem>& items, int num_threads, const T* query,
+               const T* key_cache, const T* value_cache, T* out) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
+  for (int64_t n = 0; n < num_items; ++n) {
+    static thread_local Scratch scratch;
+    run_item<T, Keys>(pb, items[n], query, key_cache, value_cache, out, scratch);
+  }
+}
+
+void check_index(const at::Tensor& t, const char* name, int64_t dims) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == dims, "paged_attention: ", name,
+              " must be a CPU int64 tensor with ", dims, " dimension(s), got ", t.scalar_type(), " ", t.sizes(),
+              " on ", t.device());
+  TORCH_CHECK(t.stride(dims - 1) == 1, "paged_attention: ", name, " must be contiguous in its last dimension");
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.stride(-1) == 1, "paged_attention: ", name,
+              " must be a CPU tensor contiguous in its last dimension");
+}
+
+}  // namespace
+
+// out, query: [T, Hq, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, D];
+// block_table: [B, max_blocks]; seq_lens: [B]; query_start_loc: [B + 1]; sliding_window <= 0: none.
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "paged_attention: query and out must be "
+              "[num_tokens, num_heads, head_dim] of one shape, got ", query.sizes(), " and ", out.sizes());
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.strides() == value_cache.strides(),
+              "paged_attention: key_cache and value_cache must be [num_blocks, block_size, num_kv_heads, "
+              "head_dim] of one shape and layout, got ", key_cache.sizes(), " and ", value_cache.sizes());
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
+              "paged_attention: query, out and the caches must share one dtype");
+  check_rows(out, "out");
+  check_rows(query, "query");
+  check_rows(key_cache, "key_cache");
+  check_rows(value_cache, "value_cache");
+  check_index(block_table, "block_table", 2);
+  check_index(seq_lens, "seq_lens", 1);
+  check_index(query_start_loc, "query_start_loc", 1);
+  TORCH_CHECK(scale > 0, "paged_attention: scale must be positive, got ", scale);
+
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t batch = seq_lens.size(0);
+  TORCH_CHECK(key_cache.size(3) == head_dim && head_dim >= 1 && head_dim <= kMaxHeadDim,
+              "paged_attention: head_dim must match the cache and be in [1, ", kMaxHeadDim, "], got ", head_dim,
+              " and ", key_cache.size(3));
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_attention: num_heads (", num_heads,
+              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  TORCH_CHECK(query_start_loc.size(0) == batch + 1 && block_table.size(0) >= batch,
+              "paged_attention: need B + 1 query_start_loc entries and B block-table rows for B = ", batch);
+
+  Problem pb{};
+  pb.group = num_heads / num_kv_heads;
+  pb.head_dim = head_dim;
+  pb.block_size = block_size;
+  pb.sliding_window = sliding_window;
+  pb.scale = static_cast<float>(scale);
+  pb.block_table = block_table.data_ptr<int64_t>();
+  pb.block_table_stride = block_table.stride(0);
+  pb.seq_lens = seq_lens.data_ptr<int64_t>();
+  pb.query_start_loc = query_start_loc.data_ptr<int64_t>();
+  pb.query_stride_token = query.stride(0);
+  pb.query_stride_head = query.stride(1);
+  pb.out_stride_token = out.stride(0);
+  pb.out_stride_head = out.stride(1);
+  pb.cache_stride_block = key_cache.stride(0);
+  pb.cache_stride_slot = key_cache.stride(1);
+  pb.cache_stride_head = key_cache.stride(2);
+
+  // Check every index the items will follow (a bad one would read outside the cache).
+  const int64_t max_blocks = block_table.size(1);
+  int64_t num_decodes = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t begin = pb.query_start_loc[i], end = pb.query_start_loc[i + 1];
+    const int64_t query_len = end - begin, seq_len = pb.seq_lens[i];
+    TORCH_CHECK(begin >= 0 && query_len >= 0 && end <= num_tokens, "paged_attention: query_start_loc[", i, ":",
+                i + 2, "] = [", begin, ", ", end, ") is not a range of the ", num_tokens, " tokens");
+    TORCH_CHECK(seq_len >= query_len && seq_len <= max_blocks * block_size, "paged_attention: seq_lens[", i,
+                "] = ", seq_len, " must be at least the query length ", query_len, " and fit the block table");
+    const int64_t* blocks = pb.block_table + i * pb.block_table_stride;
+    for (int64_t b = 0; query_len > 0 && b < (seq_len + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(blocks[b] >= 0 && blocks[b] < num_blocks, "paged_attention: block_table[", i, ", ", b, "] = ",
+                  blocks[b], " is not a block of the cache (", num_blocks, " blocks)");
+    num_decodes += query_len == 1;
+  }
+
+  // A decode item takes every kv head of its request (whole slots) unless that leaves fewer than
+  // about four items per thread; then as many heads as still allow that.
+  const int num_threads = at::get_num_threads();
+  int64_t decode_heads = num_kv_heads;
+  while (decode_heads > 1 && num_decodes * (num_kv_heads / decode_heads) < 4 * num_threads) {
+    do --decode_heads; while (num_kv_heads % decode_heads != 0);
+  }
+  std::vector<WorkItem> items;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t query_len = pb.query_start_loc[i + 1] - pb.query_start_loc[i], seq_len = pb.seq_lens[i];
+    const int64_t tile = query_len == 1 ? 1 : std::max<int64_t>(1, kTargetRows / pb.group);
+    const int64_t heads = query_len == 1 ? decode_heads : 1;
+    for (int64_t first = 0; first < query_len; first += tile) {
+      const int64_t count = std::min(tile, query_len - first);
+      const int64_t first_pos = seq_len - query_len + first;
+      const int64_t first_key = sliding_window > 0 ? std::max<int64_t>(0, first_pos - sliding_window + 1) : 0;
+      const int64_t cost = heads * count * pb.group * (first_pos + count - first_key);
+      for (int64_t h = 0; h < num_kv_heads; h += heads) items.push_back({i, h, heads, first, count, cost});
+    }
+  }
+  if (items.empty()) return;
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  const int threads = static_cast<int>(std::min<int64_t>(num_threads, static_cast<int64_t>(items.size())));
+
+  const auto run = [&](auto zero, auto keys) {
+    using T = decltype(zero);
+    run_items<T, decltype(keys)>(pb, items, threads, query.data_ptr<T>(), key_cache.data_ptr<T>(),
+                                 value_cache.data_ptr<T>(), out.data_ptr<T>());
+  };
+  switch (dtype) {
+    case at::kFloat: run(float(), FloatKeys()); break;
+    case at::kBFloat16:
+#if defined(KVLOOM_BF16_DOT)
+      if (head_dim % 32 == 0) {
+        run(c10::BFloat16(), PairKeys());
+        break;
+      }
+#endif
+      run(c10::BFloat16(), FloatKeys());
+      break;
+    case at::kHalf: run(c10::Half(), FloatKeys()); break;
+    default: TORCH_CHECK(false, "paged_attention: dtype must be float32, bfloat16 or float16, got ", dtype);
+  }
+}
+
+TORCH_LIBRARY_FRAGMENT(kvloom, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+}
