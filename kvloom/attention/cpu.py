@@ -2,7 +2,7 @@
 
 The kernel reads each cached K/V row in place, once per group of query heads that share it,
 for decodes and prefill chunks alike, so the whole flat batch is one call. It is compiled at first
-use (-O3 -march=native, OpenMP; about a minute) into ``$KVLOOM_CACHE_DIR/extensions`` and loaded
+use (-O3 -march=native, OpenMP; 10-60 s) into ``$KVLOOM_CACHE_DIR/extensions`` and loaded
 from there by later processes without compiling. When it cannot be built, ``cpu_kernel_available()``
 is False (after one warning) and the registry falls back to the native backend.
 """
@@ -12,9 +12,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import re
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -56,6 +60,22 @@ def _build_key(flags: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
+@contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch runs `ninja` from PATH, where pip's ninja package is only in an activated venv."""
+    path = os.environ.get("PATH", "")
+    try:
+        import ninja
+
+        os.environ["PATH"] = os.pathsep.join([path, ninja.BIN_DIR])
+    except (ImportError, AttributeError):
+        pass
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
 def _load_or_build(variant: str, flags: list[str]) -> None:
     """Load the variant's library into torch.ops, compiling it first unless it is cached.
 
@@ -83,9 +103,10 @@ def _load_or_build(variant: str, flags: list[str]) -> None:
         (directory / "lock").unlink(missing_ok=True)
         logger.info("Compiling the CPU attention kernel (%s), once; cached in %s", variant, directory)
         start = time.perf_counter()
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
-                           extra_ldflags=["-fopenmp"], build_directory=str(directory),
-                           is_python_module=False, verbose=False)
+        with _ninja_on_path():
+            cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
+                               extra_ldflags=["-fopenmp"], build_directory=str(directory),
+                               is_python_module=False, verbose=False)
         logger.info("Compiled the CPU attention kernel in %.1f s", time.perf_counter() - start)
 
 
@@ -97,14 +118,23 @@ def load_cpu_kernel() -> str | None:
         try:
             _load_or_build(variant, flags)
         except Exception as e:  # a missing compiler or ninja, a failed build, a lock timeout
-            lines = str(e).strip().splitlines()
-            errors.append(f"{variant}: {lines[-1] if lines else type(e).__name__}")
+            errors.append(f"{variant}: {_build_error(e)}")
             continue
         _register_fake()
         return None
     error = "; ".join(errors)
     logger.warning("The CPU attention kernel could not be built, so attention falls back to 'native' (%s)", error)
     return error
+
+
+def _build_error(error: Exception) -> str:
+    """The line of a failed build that says why (a compiler's error, a missing program)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        if (re.search(r"\berror\b|not found|unrecognized|cannot|required", line, re.IGNORECASE)
+                and not line.startswith(("Error building extension", "FAILED", "["))):
+            return line
+    return lines[-1] if lines else type(error).__name__
 
 
 def cpu_kernel_available() -> bool:

@@ -88,7 +88,7 @@ class ModelRunner:
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self, source: ModelSource) -> None:
         start = time.perf_counter()
-        attention = get_attention_backend(self.config.backend.attention_backend)
+        attention = get_attention_backend(self.config.backend.attention_backend, self.device)
         with _default_dtype(self.dtype), torch.device(self.device):
             model = build_model(self.model_config, attention)
         model.load_weights(iter_weights(source))
@@ -196,6 +196,7 @@ class ModelRunner:
             block_table=torch.tensor(block_table, dtype=torch.long, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
             query_start_loc=query_start_loc,
+            query_start_loc_tensor=torch.tensor(query_start_loc, dtype=torch.long, device=device),
             seq_lens_host=seq_lens,
             num_decodes=num_decodes,
             block_size=block_size,

@@ -12,9 +12,10 @@
 // takes every kv head of its request when there are enough requests to keep the threads busy:
 // it then reads whole slots, which the memory system streams much faster than one head's rows.
 //
-// Keys go by in tiles of kKeyTile. Per kv head: the K tile is transposed into a small buffer so
-// that S = Q K^T is broadcast FMAs (no horizontal sums), then an online softmax per row, then
-// O += P V with V read straight from the cache. Everything accumulates in fp32.
+// Keys go by in tiles of kKeyTile (64 with AVX-512), the next tile prefetched. Per kv head: the
+// K tile is transposed into a small buffer so that S = Q K^T is broadcast FMAs (no horizontal
+// sums; bf16 pairs by vdpbf16ps where the CPU has AVX512-BF16), then an online softmax per row,
+// then O += P V with V read straight from the cache. Everything accumulates in fp32.
 
 // at::vec picks its implementation from the flags this file is compiled with (-march=native when
 // the compiler allows it); its inline namespace gets our own name so that nothing can collide
@@ -57,7 +58,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int kVecSize = Vec::size();
 constexpr int kKeyVecs = 4;                                // vectors per row of a key tile
 constexpr int kKeyTile = kKeyVecs * kVecSize;              // keys per tile; S and K tiles stay in L1
-constexpr int kTargetRows = 32;                            // rows (positions x group) per prefill item
+constexpr int kTargetRows = 48;                            // rows (positions x group) per prefill item
 constexpr int kMaxHeadDim = 256;
 constexpr int kRegisters = kVecSize >= 16 ? 32 : 16;       // vector registers
 constexpr int kRowBlock = kVecSize >= 16 ? 8 : 4;          // rows in registers at once for O += P V

@@ -1,0 +1,195 @@
+"""The C++ CPU attention kernel against the reference, over mixed flat batches of the paged cache."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from kvloom.attention import cpu
+from kvloom.attention.cpu import attention_cpu
+from kvloom.attention.metadata import AttentionMetadata
+from kvloom.attention.native import attention_native
+from kvloom.attention.reference import attention_reference
+from kvloom.attention.registry import get_attention_backend
+
+# (new tokens, context already cached): decodes first (one new token), then a fresh prompt, a chunk
+# that continues a cached context, and a prompt longer than one query tile of the kernel.
+MIXED_BATCH = [(1, 0), (1, 16), (1, 37), (1, 63), (7, 0), (20, 13), (45, 0)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    """Builds the kernel once for the module (cold: about a minute; then loaded from the cache)."""
+    error = cpu.load_cpu_kernel()
+    if error is not None:
+        pytest.skip(f"the CPU attention kernel cannot be built here: {error}")
+
+
+def build_batch(batch: list[tuple[int, int]], block_size: int, sliding_window: int | None,
+                seed: int = 0) -> tuple[AttentionMetadata, int]:
+    """Metadata for requests placed in shuffled blocks; returns it and the cache's block count."""
+    rng = random.Random(seed)
+    max_blocks = max(-(-(q + c) // block_size) for q, c in batch)
+    num_blocks = 1 + len(batch) * max_blocks  # block 0 is the null block
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables, slots, seq_lens, starts = [], [], [], [0]
+    for new, context in batch:
+        total = new + context
+        blocks = [free.pop() for _ in range(-(-total // block_size))]
+        tables.append(blocks + [0] * (max_blocks - len(blocks)))
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(context, total))
+        seq_lens.append(total)
+        starts.append(starts[-1] + new)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_table=torch.tensor(tables), seq_lens=torch.tensor(seq_lens),
+        query_start_loc=starts, seq_lens_host=seq_lens, num_decodes=sum(1 for q, _ in batch if q == 1),
+        block_size=block_size, sliding_window=sliding_window)
+    return metadata, num_blocks
+
+
+def random_step(batch: list[tuple[int, int]], block_size: int, sliding_window: int | None, heads: int,
+                kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0):
+    """Metadata, this step's q/k/v and a cache whose contexts hold random keys and values."""
+    torch.manual_seed(seed)
+    metadata, num_blocks = build_batch(batch, block_size, sliding_window, seed)
+    tokens = metadata.query_start_loc[-1]
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    key_cache[0] = 0
+    value_cache[0] = 0
+    qkv = (torch.randn(tokens, heads, head_dim, dtype=dtype), torch.randn(tokens, kv_heads, head_dim, dtype=dtype),
+           torch.randn(tokens, kv_heads, head_dim, dtype=dtype))
+    return metadata, qkv, key_cache, value_cache
+
+
+def assert_matches_reference(metadata, qkv, key_cache, value_cache, **tolerance) -> None:
+    head_dim = qkv[0].shape[-1]
+    ref_caches = (key_cache.clone(), value_cache.clone())
+    expected = attention_reference(*qkv, *ref_caches, metadata, head_dim ** -0.5)
+    got = attention_cpu(*qkv, key_cache, value_cache, metadata, head_dim ** -0.5)
+    torch.testing.assert_close(got, expected, **tolerance)
+    torch.testing.assert_close(key_cache, ref_caches[0], atol=0, rtol=0)
+    torch.testing.assert_close(value_cache, ref_caches[1], atol=0, rtol=0)
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [None, 6, 40])
+@pytest.mark.parametrize("block_size", [1, 16, 64])  # 64: every request fits one block
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (3, 3), (2, 4)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mixed_batch_matches_reference(dtype: torch.dtype, sliding_window: int | None, block_size: int,
+                                       kv_heads: int, group: int, head_dim: int) -> None:
+    step = random_step(MIXED_BATCH, block_size, sliding_window, kv_heads * group, kv_heads, head_dim, dtype)
+    assert_matches_reference(*step, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [None, 20])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("num_decodes", [1, 2, 5])
+def test_decodes_over_one_two_or_all_kv_heads_per_item(dtype: torch.dtype, sliding_window: int | None,
+                                                        block_size: int, num_decodes: int) -> None:
+    """With one thread, 1, 2 and 5 decodes over 4 kv heads make items of 1, 2 and 4 heads (whole slots)."""
+    batch = [(1, 11 + 29 * i) for i in range(num_decodes)] + [(9, 30)]
+    step = random_step(batch, block_size, sliding_window, 8, 4, 64, dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert_matches_reference(*step, **tolerance(dtype))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [8, 72, 80, 96, 256])
+def test_other_head_sizes(dtype: torch.dtype, head_dim: int) -> None:
+    """Sizes off the vector width (a scalar tail) and, in bf16, off the pair kernel's multiple of 32."""
+    step = random_step(MIXED_BATCH, 16, None, 4, 2, head_dim, dtype)
+    assert_matches_reference(*step, **tolerance(dtype))
+
+
+def test_only_decodes_and_only_prefills() -> None:
+    for batch in ([(1, c) for c in range(0, 90, 7)], [(q, 0) for q in (1, 2, 33, 64, 100)]):
+        step = random_step(batch, 16, None, 9, 3, 64, torch.bfloat16)
+        assert_matches_reference(*step, **tolerance(torch.bfloat16))
+
+
+def test_float16() -> None:
+    step = random_step(MIXED_BATCH, 16, 24, 6, 2, 64, torch.float16)
+    assert_matches_reference(*step, atol=2e-3, rtol=2e-3)
+
+
+def test_strided_query_and_cache_views() -> None:
+    """A query sliced out of a fused qkv output and caches that are views of one bigger tensor."""
+    metadata, (q, k, v), key_cache, value_cache = random_step(MIXED_BATCH, 16, None, 6, 2, 64, torch.float32)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    query = qkv[:, :6 * 64].view(-1, 6, 64)
+    assert not query.is_contiguous()
+    both = torch.stack([key_cache, value_cache], dim=2)  # [blocks, block_size, 2, Hkv, D]
+    got = attention_cpu(query, k, v, both[:, :, 0], both[:, :, 1], metadata, 0.125)
+    expected = attention_reference(q, k, v, key_cache, value_cache, metadata, 0.125)
+    torch.testing.assert_close(got, expected, **tolerance(torch.float32))
+
+
+def test_same_result_on_one_thread() -> None:
+    """Each output row is computed by one thread in a fixed order, so the thread count cannot change it."""
+    metadata, qkv, key_cache, value_cache = random_step(MIXED_BATCH, 16, 6, 9, 3, 64, torch.bfloat16)
+    many = attention_cpu(*qkv, key_cache, value_cache, metadata, 0.125)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = attention_cpu(*qkv, key_cache, value_cache, metadata, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one, many, atol=0, rtol=0)
+
+
+def test_query_start_loc_tensor_is_built_once_per_step() -> None:
+    metadata, qkv, key_cache, value_cache = random_step(MIXED_BATCH, 16, None, 4, 2, 64, torch.float32)
+    attention_cpu(*qkv, key_cache, value_cache, metadata, 0.125)
+    built = metadata.query_start_loc_tensor
+    assert built is not None and built.tolist() == metadata.query_start_loc
+    attention_cpu(*qkv, key_cache, value_cache, metadata, 0.125)
+    assert metadata.query_start_loc_tensor is built
+
+
+def test_bad_block_table_is_an_error_not_a_crash() -> None:
+    metadata, qkv, key_cache, value_cache = random_step([(1, 20)], 16, None, 4, 2, 64, torch.float32)
+    metadata.block_table[0, 1] = key_cache.shape[0]  # one past the last block
+    metadata.slot_mapping = torch.tensor([0])
+    with pytest.raises(RuntimeError, match="block_table"):
+        attention_cpu(*qkv, key_cache, value_cache, metadata, 0.125)
+
+
+def test_registry_picks_cpu_on_the_cpu_and_native_elsewhere() -> None:
+    assert get_attention_backend("auto") is attention_cpu
+    assert get_attention_backend("auto", torch.device("cpu")) is attention_cpu
+    assert get_attention_backend("cpu") is attention_cpu
+    assert get_attention_backend("auto", torch.device("cuda")) is attention_native
+    with pytest.raises(ValueError, match="CPU only"):
+        get_attention_backend("cpu", torch.device("cuda"))
+
+
+def test_failed_build_warns_once_and_falls_back_to_native(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu, "BUILD_VARIANTS", (("broken", ["-fno-such-compiler-flag"]),))
+    cpu.load_cpu_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvloom"):
+            assert get_attention_backend("cpu") is attention_native
+            assert get_attention_backend("auto") is attention_native
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "falls back to 'native'" in warnings[0].getMessage()
+    finally:
+        cpu.load_cpu_kernel.cache_clear()
+    monkeypatch.undo()
+    assert cpu.load_cpu_kernel() is None  # the real kernel, already loaded, comes back
