@@ -18,6 +18,8 @@ from kvloom.attention import AttentionMetadata, get_attention_backend
 from kvloom.config import EngineConfig
 from kvloom.engine.request import Request
 from kvloom.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvloom.layers.embedding import LMHead
+from kvloom.layers.linear import Linear, mkldnn_packing_available
 from kvloom.loader.model_config import ModelConfig
 from kvloom.loader.weights import ModelSource, iter_weights
 from kvloom.models.registry import build_model
@@ -92,6 +94,11 @@ class ModelRunner:
         with _default_dtype(self.dtype), torch.device(self.device):
             model = build_model(self.model_config, attention)
         model.load_weights(iter_weights(source))
+        if mkldnn_packing_available(self.dtype, self.device):
+            hint = min(self.config.max_num_seqs, 256)
+            for module in model.modules():
+                if isinstance(module, (Linear, LMHead)):
+                    module.pack_batch_hint = hint
         self.model = model.eval()
         self.load_seconds = time.perf_counter() - start
 
