@@ -30,6 +30,8 @@ from kvloom.attention.reference import write_kv_cache
 logger = logging.getLogger("kvloom")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# Compiled into the same library: fused norm / rotary / activation ops (kvloom/layers uses them).
+SOURCES = (SOURCE, Path(__file__).parent / "csrc" / "fused_ops.cpp")
 # Tried in order: tuned for this CPU, then portable (for compilers that reject -march=native).
 BUILD_VARIANTS = (("native", ["-march=native"]), ("portable", []))
 BUILD_LOCK_TIMEOUT_S = 900
@@ -53,7 +55,7 @@ def _cpu_identity() -> str:
 
 def _build_key(flags: list[str]) -> str:
     """Everything the binary depends on: a change in any of them builds a new one beside the old."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     for part in (" ".join(flags), torch.__version__, sys.version, platform.machine(),
                  _cpu_identity() if "-march=native" in flags else ""):
         digest.update(part.encode())
@@ -104,7 +106,7 @@ def _load_or_build(variant: str, flags: list[str]) -> None:
         logger.info("Compiling the CPU attention kernel (%s), once; cached in %s", variant, directory)
         start = time.perf_counter()
         with _ninja_on_path():
-            cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
+            cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
                                extra_ldflags=["-fopenmp"], build_directory=str(directory),
                                is_python_module=False, verbose=False)
         logger.info("Compiled the CPU attention kernel in %.1f s", time.perf_counter() - start)

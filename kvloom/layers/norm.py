@@ -26,10 +26,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
         self.impl = rms_norm_fast
+        # Set by the model runner when the fused C++ CPU ops are built (kvloom/attention/csrc).
+        self.fused_cpu = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H]. With a residual, returns (norm(x + residual), x + residual)."""
+        if self.fused_cpu:
+            if residual is None:
+                out = torch.empty_like(x)
+                torch.ops.kvloom.rms_norm(out, x, self.weight, self.eps)
+                return out
+            # In place: x (a fresh projection output) becomes the normed value, residual the sum.
+            torch.ops.kvloom.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
         if residual is None:
             return self.impl(x, self.weight, self.eps)
         residual = x + residual

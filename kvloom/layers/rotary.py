@@ -63,9 +63,14 @@ class RotaryEmbedding(nn.Module):
         # Copies in the model's dtype for the fast path, made at first use.
         self.cos_cache_low: torch.Tensor | None = None
         self.sin_cache_low: torch.Tensor | None = None
+        # Set by the model runner when the fused C++ CPU ops are built: rotate in place, in fp32.
+        self.fused_cpu = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions: [T]; x: [T, heads, D] (queries and keys side by side) -> rotated x."""
+        if self.fused_cpu:
+            torch.ops.kvloom.rotary_embedding(x, positions, self.cos_cache, self.sin_cache)
+            return x
         if x.dtype == torch.float32:
             cos = self.cos_cache.index_select(0, positions)
             sin = self.sin_cache.index_select(0, positions)

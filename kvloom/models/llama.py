@@ -13,7 +13,7 @@ from torch import nn
 
 from kvloom.attention import AttentionMetadata
 from kvloom.attention.registry import AttentionFn
-from kvloom.layers.activation import silu_and_mul
+from kvloom.layers.activation import SiluAndMul
 from kvloom.layers.embedding import LMHead, VocabEmbedding
 from kvloom.layers.linear import Linear
 from kvloom.layers.norm import RMSNorm
@@ -54,9 +54,10 @@ class LlamaMLP(nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=config.mlp_bias)
         self.down_proj = Linear(size, [config.hidden_size], bias=config.mlp_bias)
+        self.act = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(self.act(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):

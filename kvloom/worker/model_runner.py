@@ -94,6 +94,13 @@ class ModelRunner:
         with _default_dtype(self.dtype), torch.device(self.device):
             model = build_model(self.model_config, attention)
         model.load_weights(iter_weights(source))
+        if self.device.type == "cpu" and self.config.backend.attention_backend != "reference":
+            from kvloom.attention.cpu import cpu_kernel_available
+
+            if cpu_kernel_available():
+                for module in model.modules():
+                    if hasattr(module, "fused_cpu"):
+                        module.fused_cpu = True
         if mkldnn_packing_available(self.dtype, self.device):
             hint = min(self.config.max_num_seqs, 256)
             for module in model.modules():

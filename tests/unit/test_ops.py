@@ -113,3 +113,45 @@ def test_packed_bf16_linear_matches_f_linear() -> None:
         x = torch.randn(rows, 96, dtype=torch.bfloat16)
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias))
     assert layer.weight.numel() == 0  # the plain copy is released once packed
+
+
+@pytest.fixture(scope="module")
+def fused_ops() -> None:
+    from kvloom.attention.cpu import cpu_kernel_available, load_cpu_kernel
+
+    if not cpu_kernel_available():
+        pytest.skip(f"the CPU kernels could not be built: {load_cpu_kernel()}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cpu_norm_rotary_activation_match_references(fused_ops, dtype: torch.dtype) -> None:
+    from kvloom.layers.activation import SiluAndMul, silu_and_mul
+    from kvloom.layers.norm import RMSNorm
+    from kvloom.layers.rotary import RotaryEmbedding, apply_rotary_reference
+
+    torch.manual_seed(0)
+    exact = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1.6e-2)
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    norm.weight.data.normal_()
+    x, residual = torch.randn(13, 96, dtype=dtype), torch.randn(13, 96, dtype=dtype)
+    expected_sum = x + residual
+    expected = rms_norm_reference(expected_sum, norm.weight, 1e-5)
+    norm.fused_cpu = True
+    torch.testing.assert_close(norm(x.clone()), rms_norm_reference(x, norm.weight, 1e-5), **exact)
+    got, got_sum = norm(x.clone(), residual.clone())
+    torch.testing.assert_close(got_sum, expected_sum, atol=0, rtol=0)
+    torch.testing.assert_close(got, expected, **exact)
+
+    rotary = RotaryEmbedding(32, 256, 10000.0)
+    positions = torch.randint(0, 256, (13,))
+    qkv = torch.randn(13, 7, 32, dtype=dtype)
+    expected = apply_rotary_reference(qkv[:, :5], rotary.cos_cache[positions], rotary.sin_cache[positions])
+    rotary.fused_cpu = True
+    got = rotary(positions, qkv[:, :5])  # a strided view, rotated in place
+    torch.testing.assert_close(got, expected, **exact)
+    torch.testing.assert_close(qkv[:, :5], expected, **exact)
+
+    act = SiluAndMul()
+    x = torch.randn(13, 2 * 48, dtype=dtype)
+    act.fused_cpu = True
+    torch.testing.assert_close(act(x), silu_and_mul(x), **exact)

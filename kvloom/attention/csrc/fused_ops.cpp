@@ -1,0 +1,172 @@
+// Fused elementwise ops for the CPU: each is one pass over its rows instead of the 5-10 small
+// torch ops (and their dispatch overhead) that the plain-torch references take. Everything is
+// computed in fp32 and rounded once to the tensor's dtype; the references in kvloom/layers/ say
+// what each op means, and tests compare the two.
+
+// at::vec picks its implementation from the compile flags; its inline namespace gets our own
+// name (as in paged_attention.cpp) so nothing collides with libtorch's copies.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY kvloom_avx512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY kvloom_avx2
+#else
+#define CPU_CAPABILITY kvloom_default
+#endif
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+template <typename T, typename F>
+void dispatch(const at::Tensor& t, const char* name, F&& f) {
+  switch (t.scalar_type()) {
+    case at::kFloat: f(float()); break;
+    case at::kBFloat16: f(c10::BFloat16()); break;
+    case at::kHalf: f(c10::Half()); break;
+    default: TORCH_CHECK(false, name, ": dtype must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+// residual = x + residual; x = weight * rms_norm(residual). Both [T, H] contiguous, in place.
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
+              "fused_add_rms_norm: tensors must be contiguous");
+  const int64_t rows = x.numel() / x.size(-1), hidden = x.size(-1);
+  dispatch<void>(x, "fused_add_rms_norm", [&](auto zero) {
+    using T = decltype(zero);
+    T* xs = x.data_ptr<T>();
+    T* rs = residual.data_ptr<T>();
+    const T* ws = weight.data_ptr<T>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* xr = xs + r * hidden;
+        T* rr = rs + r * hidden;
+        float sum = 0.f;
+        for (int64_t i = 0; i < hidden; ++i) {
+          const T v = T(float(xr[i]) + float(rr[i]));  // rounded as torch's add rounds
+          rr[i] = v;
+          sum += float(v) * float(v);
+        }
+        const float scale = 1.f / std::sqrt(sum / hidden + static_cast<float>(eps));
+        for (int64_t i = 0; i < hidden; ++i) {
+          // HF rounds the normalized value to the dtype before the weight multiply.
+          xr[i] = T(float(ws[i]) * float(T(float(rr[i]) * scale)));
+        }
+      }
+    });
+  });
+}
+
+// out = weight * rms_norm(x), rows of [T, H].
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(),
+              "rms_norm: tensors must be contiguous");
+  const int64_t rows = x.numel() / x.size(-1), hidden = x.size(-1);
+  dispatch<void>(x, "rms_norm", [&](auto zero) {
+    using T = decltype(zero);
+    const T* xs = x.data_ptr<T>();
+    T* os = out.data_ptr<T>();
+    const T* ws = weight.data_ptr<T>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* xr = xs + r * hidden;
+        T* orow = os + r * hidden;
+        float sum = 0.f;
+        for (int64_t i = 0; i < hidden; ++i) sum += float(xr[i]) * float(xr[i]);
+        const float scale = 1.f / std::sqrt(sum / hidden + static_cast<float>(eps));
+        for (int64_t i = 0; i < hidden; ++i) orow[i] = T(float(ws[i]) * float(T(float(xr[i]) * scale)));
+      }
+    });
+  });
+}
+
+// Rotate-half rotary embedding in place. x: [T, heads, D] (last dim contiguous, rows may be
+// strided, e.g. the q|k part of a fused qkv); cos, sin: [max_pos, D/2] fp32; positions: [T].
+void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_embedding: x must be [T, heads, D] with D contiguous");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous(), "rotary_embedding: cos and sin must be contiguous float32");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  dispatch<void>(x, "rotary_embedding", [&](auto zero) {
+    using T = decltype(zero);
+    T* xs = x.data_ptr<T>();
+    at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = cs + pos[t] * half;
+        const float* s = sn + pos[t] * half;
+        for (int64_t h = 0; h < heads; ++h) {
+          T* row = xs + t * token_stride + h * head_stride;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = float(row[i]), x2 = float(row[i + half]);
+            row[i] = T(x1 * c[i] - x2 * s[i]);
+            row[i + half] = T(x2 * c[i] + x1 * s[i]);
+          }
+        }
+      }
+    });
+  });
+}
+
+// out[t] = silu(x[t, :I]) * x[t, I:], x: [T, 2I] contiguous, out: [T, I].
+void silu_and_mul(at::Tensor out, at::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "silu_and_mul: tensors must be contiguous");
+  const int64_t rows = x.numel() / x.size(-1), inner = x.size(-1) / 2;
+  dispatch<void>(x, "silu_and_mul", [&](auto zero) {
+    using T = decltype(zero);
+    const T* xs = x.data_ptr<T>();
+    T* os = out.data_ptr<T>();
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        using Vec = at::vec::Vectorized<float>;
+        const T* gate = xs + r * 2 * inner;
+        const T* up = gate + inner;
+        T* o = os + r * inner;
+        float g[Vec::size()], u[Vec::size()], y[Vec::size()];
+        int64_t i = 0;
+        for (; i + Vec::size() <= inner; i += Vec::size()) {
+          for (int k = 0; k < Vec::size(); ++k) {
+            g[k] = float(gate[i + k]);
+            u[k] = float(up[i + k]);
+          }
+          const Vec gv = Vec::loadu(g);
+          (gv / (Vec(1.f) + gv.neg().exp_u20()) * Vec::loadu(u)).store(y);
+          for (int k = 0; k < Vec::size(); ++k) o[i + k] = T(y[k]);
+        }
+        for (; i < inner; ++i) {
+          const float gi = float(gate[i]);
+          o[i] = T(gi / (1.f + std::exp(-gi)) * float(up[i]));
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvloom, m) {
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
