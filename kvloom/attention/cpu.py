@@ -106,8 +106,9 @@ def _load_or_build(variant: str, flags: list[str]) -> None:
         logger.info("Compiling the CPU attention kernel (%s), once; cached in %s", variant, directory)
         start = time.perf_counter()
         with _ninja_on_path():
-            cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
-                               extra_ldflags=["-fopenmp"], build_directory=str(directory),
+            cpp_extension.load(name=name, sources=[str(source) for source in SOURCES],
+                               extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
+                               build_directory=str(directory),
                                is_python_module=False, verbose=False)
         logger.info("Compiled the CPU attention kernel in %.1f s", time.perf_counter() - start)
 
@@ -162,7 +163,13 @@ def attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   key_cache: torch.Tensor, value_cache: torch.Tensor,
                   metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     """query: [T, Hq, D]; key, value: [T, Hkv, D] (this step's); returns [T, Hq, D]."""
-    write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+    if key_cache.is_contiguous() and value_cache.is_contiguous():
+        # The kernel copies rows with any token/head stride, but each row must be contiguous.
+        key = key if key.stride(-1) == 1 else key.contiguous()
+        value = value if value.stride(-1) == 1 else value.contiguous()
+        torch.ops.kvloom.write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+    else:
+        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
     out = torch.empty_like(query)
     torch.ops.kvloom.paged_attention(out, query, key_cache, value_cache, metadata.block_table,
                                      metadata.seq_lens, query_start_loc_tensor(metadata, query.device),

@@ -24,6 +24,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -155,6 +156,34 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
   });
 }
 
+// key, value: [T, Hkv, D] (rows may be strided views of a fused qkv; D contiguous);
+// caches: [num_blocks, block_size, Hkv, D] contiguous; slot_mapping: [T]. Row t goes to its slot.
+void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+                    at::Tensor slot_mapping) {
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.is_contiguous() &&
+                  value_cache.is_contiguous(), "write_kv_cache: bad layout");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
+              "write_kv_cache: the new keys and values must have the cache's dtype");
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t row_bytes = dim * key.element_size();
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const char* ks = static_cast<const char*>(key.data_ptr());
+  const char* vs = static_cast<const char*>(value.data_ptr());
+  const int64_t es = key.element_size();
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(kc + (slot * heads + h) * row_bytes, ks + (t * key.stride(0) + h * key.stride(1)) * es, row_bytes);
+        std::memcpy(vc + (slot * heads + h) * row_bytes, vs + (t * value.stride(0) + h * value.stride(1)) * es,
+                    row_bytes);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
@@ -162,6 +191,8 @@ TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
@@ -169,4 +200,5 @@ TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("write_kv_cache", &write_kv_cache);
 }
