@@ -27,9 +27,9 @@ class LMHead(nn.Module):
         self.packed_weight: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> logits [N, V] in fp32 (sampling and logprobs need the precision)."""
+        """hidden: [N, H] -> logits [N, V] in the model's dtype (the sampler upcasts what needs it)."""
         if self.pack_batch_hint is not None:
             if self.packed_weight is None:
                 self.packed_weight = pack_weight(self.weight.data, self.pack_batch_hint)
-            return packed_linear(hidden, self.packed_weight, None).float()
-        return F.linear(hidden, self.weight).float()
+            return packed_linear(hidden, self.packed_weight, None)
+        return F.linear(hidden, self.weight)

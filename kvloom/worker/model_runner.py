@@ -101,6 +101,7 @@ class ModelRunner:
                 for module in model.modules():
                     if hasattr(module, "fused_cpu"):
                         module.fused_cpu = True
+                self.sampler.fast_argmax = _argmax_rows_cpu
         if mkldnn_packing_available(self.dtype, self.device):
             hint = min(self.config.max_num_seqs, 256)
             for module in model.modules():
@@ -288,10 +289,16 @@ class ModelRunner:
         if end <= start:
             return []
         index = torch.arange(offset, offset + end - start, device=self.device)
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, index)), dim=-1)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, index)).float(), dim=-1)
         targets = torch.tensor(request.prompt_token_ids[start + 1:end + 1], device=self.device)
         ids, values, ranks = compute_logprobs_top(logprobs, targets, request.sampling_params.prompt_logprobs)
         return list(zip(ids.tolist(), values.tolist(), ranks.tolist()))
+
+
+def _argmax_rows_cpu(logits: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    torch.ops.kvloom.argmax_rows(out, logits.contiguous())
+    return out
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

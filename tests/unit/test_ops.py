@@ -155,3 +155,13 @@ def test_fused_cpu_norm_rotary_activation_match_references(fused_ops, dtype: tor
     x = torch.randn(13, 2 * 48, dtype=dtype)
     act.fused_cpu = True
     torch.testing.assert_close(act(x), silu_and_mul(x), **exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cpu_argmax_matches_torch(fused_ops, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(9, 1000).to(dtype)
+    logits[3, 10] = logits[3, 500] = 50.0  # ties go to the first index, as in torch
+    out = torch.empty(9, dtype=torch.long)
+    torch.ops.kvloom.argmax_rows(out, logits)
+    assert torch.equal(out, logits.float().argmax(dim=-1))

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace {
 
@@ -184,6 +185,32 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::
   });
 }
 
+// out[r] = the first index of the largest value of row r of x [N, V] (torch.argmax's answer).
+void argmax_rows(at::Tensor out, at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.scalar_type() == at::kLong, "argmax_rows: bad arguments");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  int64_t* os = out.data_ptr<int64_t>();
+  dispatch<void>(x, "argmax_rows", [&](auto zero) {
+    using T = decltype(zero);
+    const T* xs = x.data_ptr<T>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* row = xs + r * cols;
+        float best = -std::numeric_limits<float>::infinity();
+        int64_t index = 0;
+        for (int64_t i = 0; i < cols; ++i) {
+          const float v = float(row[i]);
+          if (v > best) {
+            best = v;
+            index = i;
+          }
+        }
+        os[r] = index;
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
@@ -191,6 +218,7 @@ TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
 }
@@ -200,5 +228,6 @@ TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("write_kv_cache", &write_kv_cache);
 }
