@@ -2,7 +2,7 @@
 
 ``EngineConfig`` is a dataclass that validates itself. ``LLM(**kwargs)``, the CLI flags of
 ``kvloom serve`` / ``kvloom generate`` and the server all come from its fields, so a knob is
-declared once. Backend knobs (shape buckets, compilation, attention backend, int8 weights) live in
+declared once. Backend knobs (the attention backend, CPU threads) live in
 ``BackendConfig`` and are set through ``override_backend_config`` (a dict, or JSON on the command
 line) — the seeds' ``override_neuron_config``; documented ``KVLOOM_*`` variables are aliases.
 """

@@ -25,20 +25,6 @@ def get(name: str) -> str | None:
     return value or None
 
 
-def get_int_list(name: str) -> list[int] | None:
-    """A comma-separated list of positive integers, or None when unset."""
-    raw = get(name)
-    if raw is None:
-        return None
-    try:
-        values = [int(part) for part in raw.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} must be a comma-separated list of integers") from None
-    if not values or any(v <= 0 for v in values):
-        raise ValueError(f"{name}={raw!r} must list one or more positive integers")
-    return sorted(set(values))
-
-
 def get_int(name: str) -> int | None:
     """A positive integer, or None when unset."""
     raw = get(name)
