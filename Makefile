@@ -21,7 +21,7 @@ $(BIN)/.installed: pyproject.toml
 setup: $(BIN)/.installed
 
 test: setup
-	$(BIN)/pytest -q -x tests
+	$(BIN)/pytest -q tests --durations=10
 
 lint: setup
 	$(BIN)/ruff check .

@@ -114,9 +114,12 @@ def test_dropped_stream_is_aborted_and_frees_its_blocks(server: Any, path: str) 
 
 def test_dropped_non_streaming_request_is_aborted(server: Any) -> None:
     before = server.wait_idle()
+    # 32 completions of 480 tokens: far more work than the client's 0.1 s patience, however fast
+    # the machine (one completion of the tiny model alone can finish inside 0.3 s).
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", timeout=0.3,
-                   json={"model": server.model, "prompt": "Hello", "max_tokens": 480, "ignore_eos": True})
+        httpx.post(server.url + "/v1/completions", timeout=0.1,
+                   json={"model": server.model, "prompt": "Hello", "max_tokens": 480, "n": 32,
+                         "ignore_eos": True})
     after = server.wait_idle(timeout=10)
     assert after["kvloom:kv_cache_usage_perc"] == 0.0
     assert after["kvloom:request_success_total[abort]"] - before["kvloom:request_success_total[abort]"] == 1
