@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvloom.attention import AttentionMetadata, get_attention_backend
+from kvloom.attention.native import attention_native
 from kvloom.config import EngineConfig
 from kvloom.engine.request import Request
 from kvloom.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -84,6 +85,7 @@ class ModelRunner:
         self.sampler = Sampler(self.generator)
         self.request_generators: dict[str, torch.Generator] = {}
         self.load_seconds = 0.0
+        self.builds_decode_mask = True
         # Set by a tensor-parallel executor: sends each step's inputs to the other ranks.
         self.broadcast_inputs: Callable[[ModelInputs], None] | None = None
 
@@ -91,6 +93,8 @@ class ModelRunner:
     def load_model(self, source: ModelSource) -> None:
         start = time.perf_counter()
         attention = get_attention_backend(self.config.backend.attention_backend, self.device)
+        # Only the 'native' backend's batched decode reads a padded block table and a mask.
+        self.builds_decode_mask = attention is attention_native
         with _default_dtype(self.dtype), torch.device(self.device):
             model = build_model(self.model_config, attention)
         model.load_weights(iter_weights(source))
@@ -196,7 +200,7 @@ class ModelRunner:
                 num_decodes += 1
         max_blocks = max(-(-n // block_size) for n in seq_lens)
         decode_num_blocks = 0
-        if num_decodes:
+        if num_decodes and self.builds_decode_mask:
             # Round the longest decode context up to 64 tokens, so few distinct shapes occur.
             needed = -(-max(seq_lens[:num_decodes]) // block_size)
             step = max(1, 64 // block_size)
@@ -218,7 +222,7 @@ class ModelRunner:
             sliding_window=self.sliding_window,
             decode_num_blocks=decode_num_blocks,
         )
-        if num_decodes:
+        if num_decodes and self.builds_decode_mask:
             key_pos = torch.arange(decode_num_blocks * block_size, device=device)[None, :]
             lens = metadata.seq_lens[:num_decodes, None]
             mask = key_pos < lens

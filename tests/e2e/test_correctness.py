@@ -104,6 +104,11 @@ BATCHING_MODES = {
     "every_prompt_chunked": {"max_num_batched_tokens": 7},
     "contiguous_blocks": {"block_size": 128},
     "block_size_1": {"block_size": 1},
+    # Every attention backend gives the oracle's tokens too ('auto' is the C++ kernel on the CPU).
+    "native_attention": {"override_backend_config": {"attention_backend": "native"}},
+    "reference_attention": {"override_backend_config": {"attention_backend": "reference"}},
+    "native_attention_chunked": {"override_backend_config": {"attention_backend": "native"},
+                                 "max_num_batched_tokens": 7},
 }
 
 
