@@ -106,7 +106,7 @@ class ModelRunner:
                     if hasattr(module, "fused_cpu"):
                         module.fused_cpu = True
                 self.sampler.fast_argmax = _argmax_rows_cpu
-        if mkldnn_packing_available(self.dtype, self.device):
+        if mkldnn_packing_available(self.dtype, self.device) and self.config.backend.attention_backend != "reference":
             hint = min(self.config.max_num_seqs, 256)
             for module in model.modules():
                 if isinstance(module, (Linear, LMHead)):

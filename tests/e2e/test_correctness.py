@@ -135,3 +135,30 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny_llama_dir: str, llama_expec
     assert kvloom_greedy(llm, prompts) == expected
     assert llm.llm_engine.kv_cache_manager.prefix_hits > hits_before
     assert_no_blocks_held(llm)
+
+
+TEXT_PROMPTS = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):",
+                "The quick brown fox jumps over the", "In 1492, Columbus", "Water boils at a temperature of"]
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "smollm2"])
+def test_bf16_fast_path_greedy_equals_the_reference_path(model: str, request: pytest.FixtureRequest) -> None:
+    """bf16 on the CPU: the C++ kernels and packed linears against plain torch everywhere.
+
+    SmolLM2 gets text prompts: on random token ids its next-token distributions are nearly flat,
+    and bf16 rounding alone (in either path) flips near-ties.
+    """
+    if model == "smollm2":
+        request.getfixturevalue("smollm2_gguf_path")
+        model_dir, prompts = "SmolLM2-135M-Instruct", TEXT_PROMPTS
+    else:
+        model_dir, prompts = request.getfixturevalue(model), mixed_prompts(400, count=16, seed=4)
+    results = []
+    for backend in ("auto", "reference"):
+        llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=128,
+                  override_backend_config={"attention_backend": backend})
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        outputs = llm.generate([p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in outputs])
+    assert results[0] == results[1]
