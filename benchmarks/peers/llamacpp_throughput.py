@@ -74,29 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r.error for r in results if not r.ok]
     if failed:
         raise SystemExit(f"{len(failed)} requests failed, e.g. {failed[0]}")
-    arch = common.model_arch(str(gguf))
-    fpt = common.flops_per_token(arch)
-    prompt_tokens = sum(len(p) for p in prompts)
-    output_tokens = sum(r.output_tokens for r in results)
-    total = prompt_tokens + output_tokens
-    attn = common.attention_flops(arch, [len(p) for p in prompts], args.output_len)
     result = {
         "benchmark": "throughput",
         "engine": "llamacpp",
         "engine_version": llamacpp_version(),
         "model": str(gguf),
         "engine_kwargs": {"argv": server.argv},
-        "requests": len(prompts),
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "expected_output_tokens": len(prompts) * args.output_len,
-        "elapsed_s": elapsed,
-        "requests_per_s": len(prompts) / elapsed,
-        "output_tok_s": output_tokens / elapsed,
-        "total_tok_s": total / elapsed,
-        "flops_per_token": fpt,
-        "gflops": fpt * total / elapsed / 1e9,
-        "gflops_with_attention": (fpt * total + attn) / elapsed / 1e9,
+        **common.throughput_figures(str(gguf), [len(p) for p in prompts],
+                                    sum(r.output_tokens for r in results), args.output_len, elapsed),
         "startup_s": startup,
         "startup_to_first_token_s": first_token,
         "peak_rss_mib": rss,

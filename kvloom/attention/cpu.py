@@ -32,6 +32,7 @@ logger = logging.getLogger("kvloom")
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 # Compiled into the same library: fused norm / rotary / activation ops (kvloom/layers uses them).
 SOURCES = (SOURCE, Path(__file__).parent / "csrc" / "fused_ops.cpp")
+HEADER = Path(__file__).parent / "csrc" / "cpu_capability.h"  # included by both
 # Tried in order: tuned for this CPU, then portable (for compilers that reject -march=native).
 BUILD_VARIANTS = (("native", ["-march=native"]), ("portable", []))
 BUILD_LOCK_TIMEOUT_S = 900
@@ -55,7 +56,7 @@ def _cpu_identity() -> str:
 
 def _build_key(flags: list[str]) -> str:
     """Everything the binary depends on: a change in any of them builds a new one beside the old."""
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, HEADER)))
     for part in (" ".join(flags), torch.__version__, sys.version, platform.machine(),
                  _cpu_identity() if "-march=native" in flags else ""):
         digest.update(part.encode())

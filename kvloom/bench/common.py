@@ -165,6 +165,29 @@ def attention_flops(arch: dict[str, int], prompt_lens: Sequence[int], output_len
 # Time and memory
 # ---------------------------------------------------------------------------------------------
 
+def throughput_figures(model: str, prompt_lens: Sequence[int], output_tokens: int, output_len: int,
+                       elapsed: float) -> dict[str, Any]:
+    """The throughput benchmark's counts, rates and FLOP figures, the same for every engine."""
+    arch = model_arch(model)
+    fpt = flops_per_token(arch)
+    prompt_tokens = sum(prompt_lens)
+    total_tokens = prompt_tokens + output_tokens
+    attn = attention_flops(arch, prompt_lens, output_len)
+    return {
+        "requests": len(prompt_lens),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "expected_output_tokens": len(prompt_lens) * output_len,
+        "elapsed_s": elapsed,
+        "requests_per_s": len(prompt_lens) / elapsed,
+        "output_tok_s": output_tokens / elapsed,
+        "total_tok_s": total_tokens / elapsed,
+        "flops_per_token": fpt,
+        "gflops": fpt * total_tokens / elapsed / 1e9,
+        "gflops_with_attention": (fpt * total_tokens + attn) / elapsed / 1e9,
+    }
+
+
 def process_start_time() -> float:
     """When this process started, in ``time.time()`` seconds (Linux: from /proc; else: now).
 

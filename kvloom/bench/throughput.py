@@ -215,29 +215,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peak_rss = common.peak_rss_mib()
     engine.shutdown()
 
-    arch = common.model_arch(args.model)
-    fpt = common.flops_per_token(arch)
-    prompt_tokens = sum(prompt_lens)
-    output_tokens = sum(generated)
-    total_tokens = prompt_tokens + output_tokens
-    attn = common.attention_flops(arch, prompt_lens, args.output_len)
     return {
         "benchmark": "throughput",
         "engine": engine.name,
         "engine_version": engine.version,
         "model": args.model,
         "engine_kwargs": engine.engine_kwargs,
-        "requests": len(prompts),
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "expected_output_tokens": len(prompts) * args.output_len,
-        "elapsed_s": elapsed,
-        "requests_per_s": len(prompts) / elapsed,
-        "output_tok_s": output_tokens / elapsed,
-        "total_tok_s": total_tokens / elapsed,
-        "flops_per_token": fpt,
-        "gflops": fpt * total_tokens / elapsed / 1e9,
-        "gflops_with_attention": (fpt * total_tokens + attn) / elapsed / 1e9,
+        **common.throughput_figures(args.model, prompt_lens, sum(generated), args.output_len, elapsed),
         "startup_s": ready - start,
         "startup_to_first_token_s": (first_token - start) if first_token else None,
         "peak_rss_mib": peak_rss,

@@ -56,16 +56,6 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def bucket(value: int, buckets: list[int] | None) -> int:
-    """The smallest bucket >= value (powers of two when no buckets are configured)."""
-    if buckets:
-        for b in buckets:
-            if b >= value:
-                return b
-        return value
-    return 1 << max(value - 1, 0).bit_length()
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device,
                  dtype: torch.dtype, block_size: int, max_model_len: int) -> None:

@@ -3,17 +3,7 @@
 // computed in fp32 and rounded once to the tensor's dtype; the references in kvloom/layers/ say
 // what each op means, and tests compare the two.
 
-// at::vec picks its implementation from the compile flags; its inline namespace gets our own
-// name (as in paged_attention.cpp) so nothing collides with libtorch's copies.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY_AVX512
-#define CPU_CAPABILITY kvloom_avx512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#define CPU_CAPABILITY kvloom_avx2
-#else
-#define CPU_CAPABILITY kvloom_default
-#endif
+#include "cpu_capability.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

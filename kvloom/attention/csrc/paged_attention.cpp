@@ -17,21 +17,7 @@
 // sums; bf16 pairs by vdpbf16ps where the CPU has AVX512-BF16), then an online softmax per row,
 // then O += P V with V read straight from the cache. Everything accumulates in fp32.
 
-// at::vec picks its implementation from the flags this file is compiled with (-march=native when
-// the compiler allows it); its inline namespace gets our own name so that nothing can collide
-// with libtorch's copies of the same functions.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY_AVX512
-#define CPU_CAPABILITY kvloom_avx512
-#if defined(__AVX512BF16__)
-#define KVLOOM_BF16_DOT  // vdpbf16ps: bf16 pairs multiplied exactly and summed in fp32
-#endif
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#define CPU_CAPABILITY kvloom_avx2
-#else
-#define CPU_CAPABILITY kvloom_default
-#endif
+#include "cpu_capability.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

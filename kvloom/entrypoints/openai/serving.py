@@ -321,6 +321,14 @@ class _ChoiceState:
         self.finished = False
         self.started = False
 
+    def advance(self, completion: CompletionOutput) -> str | None:
+        """Mark everything in `completion` as sent; returns its finish_reason (None while running)."""
+        self.text_length = len(completion.text)
+        self.num_tokens = len(completion.token_ids)
+        if completion.finish_reason is not None:
+            self.finished = True
+        return completion.finish_reason
+
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
@@ -489,11 +497,7 @@ class OpenAIServingCompletion(OpenAIServing):
             else:
                 for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
                     getattr(logprobs, name).extend(getattr(more, name))
-        state.text_length = len(completion.text)
-        state.num_tokens = len(completion.token_ids)
-        finish_reason = completion.finish_reason
-        if finish_reason is not None:
-            state.finished = True
+        finish_reason = state.advance(completion)
         if not text and logprobs is None and finish_reason is None:
             return None
         choice = CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
@@ -621,11 +625,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.logprobs and new_ids:
             logprobs = self._logprobs(new_ids, (completion.logprobs or [])[state.num_tokens:],
                                       request.top_logprobs or 0)
-        state.text_length = len(completion.text)
-        state.num_tokens = len(completion.token_ids)
-        finish_reason = completion.finish_reason
-        if finish_reason is not None:
-            state.finished = True
+        finish_reason = state.advance(completion)
         if not text and logprobs is None and finish_reason is None:
             return None
         choice = ChatCompletionResponseStreamChoice(

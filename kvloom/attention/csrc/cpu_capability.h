@@ -1,0 +1,19 @@
+// Included before any ATen header by every kvloom C++ source.
+//
+// at::vec picks its implementation from the flags a file is compiled with (-march=native when the
+// compiler allows it); its inline namespace gets our own name so that nothing can collide with
+// libtorch's copies of the same functions.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY kvloom_avx512
+#if defined(__AVX512BF16__)
+#define KVLOOM_BF16_DOT  // vdpbf16ps: bf16 pairs multiplied exactly and summed in fp32
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY kvloom_avx2
+#else
+#define CPU_CAPABILITY kvloom_default
+#endif
