@@ -30,8 +30,9 @@ from kvloom.attention.reference import write_kv_cache
 logger = logging.getLogger("kvloom")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-# Compiled into the same library: fused norm / rotary / activation ops (kvloom/layers uses them).
-SOURCES = (SOURCE, Path(__file__).parent / "csrc" / "fused_ops.cpp")
+# Compiled into the same library: fused norm / rotary / activation ops and the small-batch bf16 GEMM
+# (kvloom/layers uses them).
+SOURCES = (SOURCE, Path(__file__).parent / "csrc" / "fused_ops.cpp", Path(__file__).parent / "csrc" / "gemm.cpp")
 HEADER = Path(__file__).parent / "csrc" / "cpu_capability.h"  # included by both
 # Tried in order: tuned for this CPU, then portable (for compilers that reject -march=native).
 BUILD_VARIANTS = (("native", ["-march=native"]), ("portable", []))

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvloom.layers.linear import pack_weight, packed_linear
+from kvloom.layers.linear import PackedWeight
 
 
 class VocabEmbedding(nn.Module):
@@ -23,13 +23,14 @@ class LMHead(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         # As in Linear; the plain weight stays (it may be the embedding's too).
-        self.pack_batch_hint: int | None = None
-        self.packed_weight: torch.Tensor | None = None
+        self.fast_format: str | None = None
+        self.batch_hint = 64
+        self.packed: PackedWeight | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] in the model's dtype (the sampler upcasts what needs it)."""
-        if self.pack_batch_hint is not None:
-            if self.packed_weight is None:
-                self.packed_weight = pack_weight(self.weight.data, self.pack_batch_hint)
-            return packed_linear(hidden, self.packed_weight, None)
+        if self.fast_format is not None:
+            if self.packed is None:
+                self.packed = PackedWeight(self.weight.data, None, self.fast_format, self.batch_hint)
+            return self.packed(hidden)
         return F.linear(hidden, self.weight)

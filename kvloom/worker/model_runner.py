@@ -20,7 +20,7 @@ from kvloom.config import EngineConfig
 from kvloom.engine.request import Request
 from kvloom.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvloom.layers.embedding import LMHead
-from kvloom.layers.linear import Linear, mkldnn_packing_available
+from kvloom.layers.linear import Linear, fast_linear_format
 from kvloom.loader.model_config import ModelConfig
 from kvloom.loader.weights import ModelSource, iter_weights
 from kvloom.models.registry import build_model
@@ -96,11 +96,13 @@ class ModelRunner:
                     if hasattr(module, "fused_cpu"):
                         module.fused_cpu = True
                 self.sampler.fast_argmax = _argmax_rows_cpu
-        if mkldnn_packing_available(self.dtype, self.device) and self.config.backend.attention_backend != "reference":
-            hint = min(self.config.max_num_seqs, 256)
+        linear_format = (fast_linear_format(self.dtype, self.device)
+                         if self.config.backend.attention_backend != "reference" else None)
+        if linear_format is not None:
             for module in model.modules():
                 if isinstance(module, (Linear, LMHead)):
-                    module.pack_batch_hint = hint
+                    module.fast_format = linear_format
+                    module.batch_hint = min(self.config.max_num_seqs, 256)
         self.model = model.eval()
         self.load_seconds = time.perf_counter() - start
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvloom import LLM, SamplingParams
+from kvloom.outputs import Logprob
 
 MAX_TOKENS = 20
 
@@ -137,6 +138,7 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny_llama_dir: str, llama_expec
     assert_no_blocks_held(llm)
 
 
+_UNRANKED = Logprob(logprob=float("-inf"))  # a token outside the top two
 TEXT_PROMPTS = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):",
                 "The quick brown fox jumps over the", "In 1492, Columbus", "Water boils at a temperature of"]
 
@@ -145,20 +147,32 @@ TEXT_PROMPTS = ["The capital of France is", "Once upon a time, there was a", "de
 def test_bf16_fast_path_greedy_equals_the_reference_path(model: str, request: pytest.FixtureRequest) -> None:
     """bf16 on the CPU: the C++ kernels and packed linears against plain torch everywhere.
 
-    SmolLM2 gets text prompts: on random token ids its next-token distributions are nearly flat,
-    and bf16 rounding alone (in either path) flips near-ties.
+    SmolLM2 gets text prompts: on random token ids its next-token distributions are nearly flat.
+    Even on text, bf16 rounding (in either path: the sums run in another order) can flip a
+    near-tie, so a SmolLM2 prompt may part ways where both paths see the two candidates within
+    two bf16 steps of each other (0.25 at its logit scale), and only there; most must not part.
     """
     if model == "smollm2":
         request.getfixturevalue("smollm2_gguf_path")
-        model_dir, prompts = "SmolLM2-135M-Instruct", TEXT_PROMPTS
+        model_dir, prompts, near_tie = "SmolLM2-135M-Instruct", TEXT_PROMPTS, 0.25
     else:
-        model_dir, prompts = request.getfixturevalue(model), mixed_prompts(400, count=16, seed=4)
+        model_dir, prompts, near_tie = request.getfixturevalue(model), mixed_prompts(400, count=16, seed=4), 0.0
     results = []
     for backend in ("auto", "reference"):
         llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=128,
                   override_backend_config={"attention_backend": backend})
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
         outputs = llm.generate([p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts], params,
                                use_tqdm=False)
-        results.append([o.outputs[0].token_ids for o in outputs])
-    assert results[0] == results[1]
+        results.append([o.outputs[0] for o in outputs])
+    parted = 0
+    for fast, reference in zip(*results):
+        if fast.token_ids == reference.token_ids:
+            continue
+        parted += 1
+        step = next(i for i, (a, b) in enumerate(zip(fast.token_ids, reference.token_ids)) if a != b)
+        for ours, theirs in ((fast, reference), (reference, fast)):
+            chosen, other = ours.token_ids[step], theirs.token_ids[step]
+            gap = ours.logprobs[step][chosen].logprob - ours.logprobs[step].get(other, _UNRANKED).logprob
+            assert gap <= near_tie, f"the paths part at step {step} where one path's margin is {gap:.3f}"
+    assert parted <= len(prompts) // 4

@@ -98,23 +98,6 @@ def test_rotary_fast_matches_reference_in_bf16() -> None:
     torch.testing.assert_close(rotary(positions, x32), apply_rotary_reference(x32, cos, sin), atol=0, rtol=0)
 
 
-def test_packed_bf16_linear_matches_f_linear() -> None:
-    from kvloom.layers.linear import Linear, mkldnn_packing_available
-
-    if not mkldnn_packing_available(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("oneDNN bf16 packing is not available in this torch build")
-    torch.manual_seed(0)
-    layer = Linear(96, [64, 32], bias=True).to(torch.bfloat16)
-    layer.weight.data.normal_()
-    layer.bias.data.normal_()
-    weight, bias = layer.weight.data.clone(), layer.bias.data.clone()
-    layer.pack_batch_hint = 16
-    for rows in (1, 16, 333):
-        x = torch.randn(rows, 96, dtype=torch.bfloat16)
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias))
-    assert layer.weight.numel() == 0  # the plain copy is released once packed
-
-
 @pytest.fixture(scope="module")
 def fused_ops() -> None:
     from kvloom.attention.cpu import cpu_kernel_available, load_cpu_kernel

@@ -17,3 +17,7 @@
 #else
 #define CPU_CAPABILITY kvloom_default
 #endif
+
+// Fixed-count loops over register arrays must be unrolled completely, or GCC keeps the arrays in
+// memory and reloads them every iteration.
+#define KVLOOM_UNROLL _Pragma("GCC unroll 16")

@@ -34,10 +34,6 @@
 #include <type_traits>
 #include <vector>
 
-// Fixed-count loops over register arrays must be unrolled completely, or GCC keeps the arrays in
-// memory and reloads them every iteration.
-#define KVLOOM_UNROLL _Pragma("GCC unroll 16")
-
 namespace {
 
 using Vec = at::vec::Vectorized<float>;

@@ -1,0 +1,101 @@
+"""The packed bf16 linears (csrc/gemm.cpp and oneDNN's) against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvloom.layers.embedding import LMHead
+from kvloom.layers.linear import Linear, PackedWeight, fast_linear_format, pack_gemm_weight
+
+
+def _exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 sums of the bf16 products, rounded once: what every bf16 GEMM aims for."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
+
+
+def _assert_rounding_close(actual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None) -> None:
+    # Sums in another order may round to the neighbouring bf16 value: one ulp is 2^-7 relative.
+    torch.testing.assert_close(actual.float(), _exact(x, weight, bias).float(), rtol=8e-3, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def gemm_kernel() -> None:
+    if fast_linear_format(torch.bfloat16, torch.device("cpu")) != "kvloom":
+        pytest.skip("the kvloom GEMM needs AVX512-BF16 and the built CPU kernels")
+
+
+def test_pack_layout() -> None:
+    weight = torch.arange(50 * 5, dtype=torch.float32).view(50, 5).to(torch.bfloat16)
+    packed = pack_gemm_weight(weight)
+    assert packed.shape == (2, 3, 48, 2)
+    assert packed[0, 1, 7].tolist() == weight[7, 2:4].tolist()
+    assert packed[1, 2, 1].tolist() == [weight[49, 4].item(), 0.0]  # odd K: the pad half is zero
+    assert packed[1, :, 2:].abs().sum().item() == 0  # columns past N are zero
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64, 300])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (95, 50), (1536, 7), (64, 3072)])
+def test_gemm_matches_f_linear(gemm_kernel: None, rows: int, k: int, n: int) -> None:
+    torch.manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    weight = torch.randn(n, k, dtype=torch.bfloat16)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    # A tail of sentinels after y shows that the masked stores of the last panel stay inside it.
+    buffer = torch.full((rows * n + 64,), 7.0, dtype=torch.bfloat16)
+    out = buffer[:rows * n].view(rows, n)
+    torch.ops.kvloom.gemm_bf16(out, x, pack_gemm_weight(weight), bias.float())
+    _assert_rounding_close(out, x, weight, bias)
+    assert (buffer[rows * n:] == 7.0).all()
+    torch.ops.kvloom.gemm_bf16(out, x, pack_gemm_weight(weight), None)
+    _assert_rounding_close(out, x, weight, None)
+
+
+def test_gemm_reads_strided_rows_and_ignores_what_follows_an_odd_k(gemm_kernel: None) -> None:
+    torch.manual_seed(1)
+    wide = torch.randn(10, 40, dtype=torch.bfloat16)
+    wide[:, 33:] = float("inf")  # past K = 33: must not reach the sums (0 * inf would be NaN)
+    x = wide[:, :33]
+    weight = torch.randn(20, 33, dtype=torch.bfloat16)
+    out = torch.empty(10, 20, dtype=torch.bfloat16)
+    torch.ops.kvloom.gemm_bf16(out, x, pack_gemm_weight(weight), None)
+    _assert_rounding_close(out, x, weight, None)
+
+
+def test_gemm_rejects_a_weight_of_another_shape(gemm_kernel: None) -> None:
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    packed = pack_gemm_weight(torch.randn(96, 32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="packed weight does not match"):
+        torch.ops.kvloom.gemm_bf16(torch.empty(4, 96, dtype=torch.bfloat16), x, packed, None)
+
+
+@pytest.mark.parametrize("fmt", ["kvloom", "onednn"])
+def test_packed_linear_and_lm_head_match_f_linear(fmt: str) -> None:
+    available = fast_linear_format(torch.bfloat16, torch.device("cpu"))
+    if available is None or (fmt == "kvloom" and available != "kvloom"):
+        pytest.skip(f"the {fmt} GEMM is not available here")
+    torch.manual_seed(0)
+    layer = Linear(96, [64, 32], bias=True).to(torch.bfloat16)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    weight, bias = layer.weight.data.clone(), layer.bias.data.clone()
+    layer.fast_format = fmt
+    head = LMHead(200, 96).to(torch.bfloat16)
+    head.weight.data.normal_()
+    head.fast_format = fmt
+    for rows in (1, 16, 333):
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        _assert_rounding_close(layer(x), x, weight, bias)
+        _assert_rounding_close(head(x), x, head.weight.data, None)
+    assert layer.weight.numel() == 0  # the plain copy is released once packed
+    assert head.weight.numel() == 200 * 96  # the head's may be the embedding's too
+    # Leading dimensions pass through.
+    x = torch.randn(2, 5, 96, dtype=torch.bfloat16)
+    assert layer(x).shape == (2, 5, 96)
+
+
+def test_packed_weight_names_an_unknown_format() -> None:
+    with pytest.raises(ValueError, match="unknown packed weight format 'amx'"):
+        PackedWeight(torch.zeros(4, 4, dtype=torch.bfloat16), None, "amx", 1)
