@@ -1,7 +1,8 @@
 // Fused elementwise ops for the CPU: each is one pass over its rows instead of the 5-10 small
 // torch ops (and their dispatch overhead) that the plain-torch references take. Everything is
-// computed in fp32 and rounded once to the tensor's dtype; the references in kvloom/layers/ say
-// what each op means, and tests compare the two.
+// computed in fp32, a vector at a time (at::vec, for the ISA this file is compiled for), and rounded
+// once to the tensor's dtype; the references in kvloom/layers/ say what each op means, and tests
+// compare the two.
 
 #include "cpu_capability.h"
 
@@ -12,10 +13,12 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace {
 
@@ -28,6 +31,94 @@ void dispatch(const at::Tensor& t, const char* name, F&& f) {
     default: TORCH_CHECK(false, name, ": dtype must be float32, bfloat16 or float16, got ", t.scalar_type());
   }
 }
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVec = Vec::size();
+
+// kVec values of T at a time, computed on in fp32. narrow() rounds each value as T(float) does
+// (to nearest even; only a NaN's bit pattern may differ) into a Packed, widen() converts back
+// exactly: store(p, narrow(v)) is what `p[k] = T(v[k])` stores, widen(narrow(v)) is `float(T(v))`.
+template <typename T>
+struct Lanes;
+
+template <>
+struct Lanes<float> {
+  using Packed = Vec;
+  static Vec load(const float* p) { return Vec::loadu(p); }
+  static Packed narrow(const Vec& v) { return v; }
+  static Vec widen(const Packed& v) { return v; }
+  static void store(float* p, const Packed& v) { v.store(p); }
+};
+
+template <typename T>  // c10::BFloat16 or c10::Half
+struct Lanes16 {
+  static constexpr bool kBF16 = std::is_same_v<T, c10::BFloat16>;
+#if defined(CPU_CAPABILITY_AVX512)
+  using Packed = __m256i;
+  static Packed narrow(const Vec& v) {
+    if constexpr (kBF16) {
+#if defined(KVLOOM_BF16_DOT)
+      // vcvtneps2bf16 rounds to nearest even, as T(float) does, in one instruction; but it flushes
+      // denormals to zero, so a vector holding one takes the exact integer path.
+      if (C10_LIKELY(!_mm512_fpclass_ps_mask(__m512(v), 0x20))) return (__m256i)_mm512_cvtneps_pbh(__m512(v));
+#endif
+      return at::vec::cvtfp32_bf16(__m512(v));
+    } else {
+      return at::vec::cvtfp32_fp16(__m512(v));
+    }
+  }
+  static Vec widen(const Packed& b) {
+    __m512 v;
+    if constexpr (kBF16) at::vec::cvtbf16_fp32(b, v);
+    else at::vec::cvtfp16_fp32(b, v);
+    return v;
+  }
+  static Packed load_packed(const T* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void store(T* p, const Packed& b) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b); }
+#elif defined(CPU_CAPABILITY_AVX2)
+  using Packed = __m128i;
+  static Packed narrow(const Vec& v) {
+    if constexpr (kBF16) return at::vec::cvtfp32_bf16(__m256(v));
+    else return at::vec::cvtfp32_fp16(__m256(v));
+  }
+  static Vec widen(const Packed& b) {
+    __m256 v;
+    if constexpr (kBF16) at::vec::cvtbf16_fp32(b, v);
+    else at::vec::cvtfp16_fp32(b, v);
+    return v;
+  }
+  static Packed load_packed(const T* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  static void store(T* p, const Packed& b) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b); }
+#else  // no SIMD conversions: c10's scalar ones
+  struct Packed {
+    T v[kVec];
+  };
+  static Packed narrow(const Vec& v) {
+    float f[kVec];
+    v.store(f);
+    Packed b;
+    for (int64_t k = 0; k < kVec; ++k) b.v[k] = T(f[k]);
+    return b;
+  }
+  static Vec widen(const Packed& b) {
+    float f[kVec];
+    for (int64_t k = 0; k < kVec; ++k) f[k] = float(b.v[k]);
+    return Vec::loadu(f);
+  }
+  static Packed load_packed(const T* p) {
+    Packed b;
+    std::memcpy(b.v, p, sizeof(b.v));
+    return b;
+  }
+  static void store(T* p, const Packed& b) { std::memcpy(p, b.v, sizeof(b.v)); }
+#endif
+  static Vec load(const T* p) { return widen(load_packed(p)); }
+};
+
+template <>
+struct Lanes<c10::BFloat16> : Lanes16<c10::BFloat16> {};
+template <>
+struct Lanes<c10::Half> : Lanes16<c10::Half> {};
 
 // residual = x + residual; x = weight * rms_norm(residual). Both [T, H] contiguous, in place.
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
@@ -113,6 +204,22 @@ void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Te
   });
 }
 
+// o = silu(gate) * up, `inner` values each; up = gate + inner.
+template <typename T>
+void silu_and_mul_row(const T* gate, T* o, int64_t inner) {
+  using L = Lanes<T>;
+  const T* up = gate + inner;
+  int64_t i = 0;
+  for (; i + kVec <= inner; i += kVec) {
+    const Vec g = L::load(gate + i);
+    L::store(o + i, L::narrow(g / (Vec(1.f) + g.neg().exp_u20()) * L::load(up + i)));
+  }
+  for (; i < inner; ++i) {
+    const float gi = float(gate[i]);
+    o[i] = T(gi / (1.f + std::exp(-gi)) * float(up[i]));
+  }
+}
+
 // out[t] = silu(x[t, :I]) * x[t, I:], x: [T, 2I] contiguous, out: [T, I].
 void silu_and_mul(at::Tensor out, at::Tensor x) {
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "silu_and_mul: tensors must be contiguous");
@@ -122,27 +229,7 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
     const T* xs = x.data_ptr<T>();
     T* os = out.data_ptr<T>();
     at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        using Vec = at::vec::Vectorized<float>;
-        const T* gate = xs + r * 2 * inner;
-        const T* up = gate + inner;
-        T* o = os + r * inner;
-        float g[Vec::size()], u[Vec::size()], y[Vec::size()];
-        int64_t i = 0;
-        for (; i + Vec::size() <= inner; i += Vec::size()) {
-          for (int k = 0; k < Vec::size(); ++k) {
-            g[k] = float(gate[i + k]);
-            u[k] = float(up[i + k]);
-          }
-          const Vec gv = Vec::loadu(g);
-          (gv / (Vec(1.f) + gv.neg().exp_u20()) * Vec::loadu(u)).store(y);
-          for (int k = 0; k < Vec::size(); ++k) o[i + k] = T(y[k]);
-        }
-        for (; i < inner; ++i) {
-          const float gi = float(gate[i]);
-          o[i] = T(gi / (1.f + std::exp(-gi)) * float(up[i]));
-        }
-      }
+      for (int64_t r = begin; r < end; ++r) silu_and_mul_row(xs + r * 2 * inner, os + r * inner, inner);
     });
   });
 }
