@@ -204,6 +204,35 @@ void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Te
   });
 }
 
+// Vectorized<float>::exp_u20 for AVX-512, the same operations less three: the exponent's integer is
+// kept from the floor rather than recomputed from it, and the zeroing of underflows is folded into
+// the shift (checked equal, bit for bit, to exp_u20 over all 2^32 inputs). silu_and_mul's time is
+// mostly this function's.
+inline Vec exp_u20(const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 v = x;
+  const __m512 lo = _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50));  // ln(FLT_MIN)
+  const __m512 hi = _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218));  // ln(FLT_MAX)
+  const __mmask16 keep = _mm512_cmp_ps_mask(v, lo, _CMP_NLT_US);           // exp_u20 gives 0 below lo
+  const __m512 src = _mm512_max_ps(_mm512_min_ps(v, hi), lo);
+  // n = floor(x * log2(e) + 0.5); r = x - n * ln(2); exp(x) = 2^n * p(r) = 2^(n-1) * p(r) * 2
+  const __m512i n = _mm512_cvt_roundps_epi32(
+      _mm512_fmadd_ps(src, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b)), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(n), _mm512_castsi512_ps(_mm512_set1_epi32(0x3f317218)), src);
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.166676521f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.499991506f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.999999701f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.f));
+  const __m512i biased = _mm512_add_epi32(n, _mm512_set1_epi32(126));  // 2^(n-1)'s exponent field
+  const __m512 scale = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(keep, biased, 23));
+  return _mm512_mul_ps(_mm512_mul_ps(p, scale), _mm512_set1_ps(2.f));
+#else
+  return x.exp_u20();
+#endif
+}
+
 // o = silu(gate) * up, `inner` values each; up = gate + inner.
 template <typename T>
 void silu_and_mul_row(const T* gate, T* o, int64_t inner) {
@@ -212,7 +241,7 @@ void silu_and_mul_row(const T* gate, T* o, int64_t inner) {
   int64_t i = 0;
   for (; i + kVec <= inner; i += kVec) {
     const Vec g = L::load(gate + i);
-    L::store(o + i, L::narrow(g / (Vec(1.f) + g.neg().exp_u20()) * L::load(up + i)));
+    L::store(o + i, L::narrow(g / (Vec(1.f) + exp_u20(g.neg())) * L::load(up + i)));
   }
   for (; i < inner; ++i) {
     const float gi = float(gate[i]);
