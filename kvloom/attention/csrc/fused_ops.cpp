@@ -120,6 +120,67 @@ struct Lanes<c10::BFloat16> : Lanes16<c10::BFloat16> {};
 template <>
 struct Lanes<c10::Half> : Lanes16<c10::Half> {};
 
+inline float sum_lanes(const Vec& v) {
+  float f[kVec];
+  v.store(f);
+  float sum = 0.f;
+  for (int64_t k = 0; k < kVec; ++k) sum += f[k];
+  return sum;
+}
+
+// Sum of the squares of hidden values (fp32 accumulation in kVec * 2 lanes, then the scalar tail).
+// fused_add_rms_norm's first pass also stores T(x + residual) into the residual, and squares that.
+template <typename T, bool kAdd>
+float rms_first_pass(const T* xr, T* rr, int64_t hidden) {
+  using L = Lanes<T>;
+  auto value = [&](int64_t i) {
+    if constexpr (kAdd) {
+      const auto sum = L::narrow(L::load(xr + i) + L::load(rr + i));  // rounded as torch's add rounds
+      L::store(rr + i, sum);
+      return L::widen(sum);
+    } else {
+      return L::load(xr + i);
+    }
+  };
+  Vec acc0(0.f), acc1(0.f);
+  int64_t i = 0;
+  for (; i + 2 * kVec <= hidden; i += 2 * kVec) {
+    const Vec v0 = value(i), v1 = value(i + kVec);
+    acc0 = at::vec::fmadd(v0, v0, acc0);
+    acc1 = at::vec::fmadd(v1, v1, acc1);
+  }
+  for (; i + kVec <= hidden; i += kVec) {
+    const Vec v = value(i);
+    acc0 = at::vec::fmadd(v, v, acc0);
+  }
+  float sum = sum_lanes(acc0 + acc1);
+  for (; i < hidden; ++i) {
+    float v;
+    if constexpr (kAdd) {
+      const T t = T(float(xr[i]) + float(rr[i]));
+      rr[i] = t;
+      v = float(t);
+    } else {
+      v = float(xr[i]);
+    }
+    sum += v * v;
+  }
+  return sum;
+}
+
+// out = T(w * float(T(x * scale))): HF rounds the normalized value to the dtype before the weight multiply.
+template <typename T>
+void rms_second_pass(const T* xr, const T* ws, T* orow, float scale, int64_t hidden) {
+  using L = Lanes<T>;
+  const Vec sv(scale);
+  int64_t i = 0;
+  for (; i + kVec <= hidden; i += kVec) {
+    const Vec normed = L::widen(L::narrow(L::load(xr + i) * sv));
+    L::store(orow + i, L::narrow(L::load(ws + i) * normed));
+  }
+  for (; i < hidden; ++i) orow[i] = T(float(ws[i]) * float(T(float(xr[i]) * scale)));
+}
+
 // residual = x + residual; x = weight * rms_norm(residual). Both [T, H] contiguous, in place.
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
@@ -134,17 +195,9 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
       for (int64_t r = begin; r < end; ++r) {
         T* xr = xs + r * hidden;
         T* rr = rs + r * hidden;
-        float sum = 0.f;
-        for (int64_t i = 0; i < hidden; ++i) {
-          const T v = T(float(xr[i]) + float(rr[i]));  // rounded as torch's add rounds
-          rr[i] = v;
-          sum += float(v) * float(v);
-        }
+        const float sum = rms_first_pass<T, true>(xr, rr, hidden);
         const float scale = 1.f / std::sqrt(sum / hidden + static_cast<float>(eps));
-        for (int64_t i = 0; i < hidden; ++i) {
-          // HF rounds the normalized value to the dtype before the weight multiply.
-          xr[i] = T(float(ws[i]) * float(T(float(rr[i]) * scale)));
-        }
+        rms_second_pass<T>(rr, ws, xr, scale, hidden);
       }
     });
   });
@@ -163,11 +216,9 @@ void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* xr = xs + r * hidden;
-        T* orow = os + r * hidden;
-        float sum = 0.f;
-        for (int64_t i = 0; i < hidden; ++i) sum += float(xr[i]) * float(xr[i]);
+        const float sum = rms_first_pass<T, false>(xr, nullptr, hidden);
         const float scale = 1.f / std::sqrt(sum / hidden + static_cast<float>(eps));
-        for (int64_t i = 0; i < hidden; ++i) orow[i] = T(float(ws[i]) * float(T(float(xr[i]) * scale)));
+        rms_second_pass<T>(xr, ws, os + r * hidden, scale, hidden);
       }
     });
   });
