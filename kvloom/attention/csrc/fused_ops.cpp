@@ -224,6 +224,33 @@ void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
   });
 }
 
+// One token's heads, rotated in place: each head's row is [x1 | x2], halves of `half` values at
+// x + h * head_stride; c, s: the token's cos and sin, shared by its heads.
+template <typename T>
+void rotary_token(T* x, int64_t heads, int64_t head_stride, int64_t half, const float* c, const float* s) {
+  using L = Lanes<T>;
+  int64_t i = 0;
+  for (; i + kVec <= half; i += kVec) {
+    const Vec cv = Vec::loadu(c + i), sv = Vec::loadu(s + i);
+    for (int64_t h = 0; h < heads; ++h) {
+      T* row = x + h * head_stride + i;
+      const Vec x1 = L::load(row), x2 = L::load(row + half);
+      // The contractions GCC makes of the scalar loop below (and made of the loop before it was
+      // vectorized by hand): the first product is fused, the second rounded.
+      L::store(row, L::narrow(at::vec::fmsub(x1, cv, x2 * sv)));
+      L::store(row + half, L::narrow(at::vec::fmadd(x2, cv, x1 * sv)));
+    }
+  }
+  for (; i < half; ++i) {
+    for (int64_t h = 0; h < heads; ++h) {
+      T* row = x + h * head_stride;
+      const float x1 = float(row[i]), x2 = float(row[i + half]);
+      row[i] = T(x1 * c[i] - x2 * s[i]);
+      row[i + half] = T(x2 * c[i] + x1 * s[i]);
+    }
+  }
+}
+
 // Rotate-half rotary embedding in place. x: [T, heads, D] (last dim contiguous, rows may be
 // strided, e.g. the q|k part of a fused qkv); cos, sin: [max_pos, D/2] fp32; positions: [T].
 void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin) {
@@ -240,16 +267,7 @@ void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Te
     T* xs = x.data_ptr<T>();
     at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const float* c = cs + pos[t] * half;
-        const float* s = sn + pos[t] * half;
-        for (int64_t h = 0; h < heads; ++h) {
-          T* row = xs + t * token_stride + h * head_stride;
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = float(row[i]), x2 = float(row[i + half]);
-            row[i] = T(x1 * c[i] - x2 * s[i]);
-            row[i + half] = T(x2 * c[i] + x1 * s[i]);
-          }
-        }
+        rotary_token(xs + t * token_stride, heads, head_stride, half, cs + pos[t] * half, sn + pos[t] * half);
       }
     });
   });
