@@ -165,3 +165,38 @@ def test_fused_cpu_argmax_matches_torch(fused_ops, dtype: torch.dtype) -> None:
     out = torch.empty(9, dtype=torch.long)
     torch.ops.kvloom.argmax_rows(out, logits)
     assert torch.equal(out, logits.float().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_cpu_argmax_nan_infinities_and_ties_match_torch(fused_ops, dtype: torch.dtype) -> None:
+    """torch.argmax takes NaN for the largest value (the first NaN wins) and the first of equal maxima,
+    wherever they are: in the kernel's vector body, across its blocks, or in the tail after them."""
+    torch.manual_seed(0)
+    nan, inf = float("nan"), float("inf")
+    cols = 3 * 1024 + 37  # a few of the kernel's blocks, then a tail shorter than a vector
+    logits = torch.randn(13, cols).to(dtype)
+    logits[0, 2000] = nan  # after the block holding the largest number
+    logits[1, 5] = logits[1, 2500] = nan
+    logits[2, cols - 1] = nan  # in the tail
+    logits[3, 700] = -torch.tensor(nan)  # a NaN with its sign bit set, as 0 * inf gives on x86
+    logits[4].fill_(-inf)
+    logits[5].fill_(nan)
+    logits[6, 3000] = logits[6, 10] = inf
+    logits[7].zero_()
+    logits[7, :50] = -0.0  # -0 == +0: the first zero
+    logits[8, cols - 2] = 100.0  # the largest in the tail
+    logits[9, 1023] = logits[9, 1024] = 100.0  # a tie across a block boundary
+    logits[10, 2048] = logits[10, cols - 3] = 100.0  # a tie between the vector body and the tail
+    logits[11, 0] = -inf
+    logits[11, 1:] = -1e4  # the largest finite value comes after -inf
+    out = torch.empty(13, dtype=torch.long)
+    torch.ops.kvloom.argmax_rows(out, logits)
+    assert out.tolist() == logits.argmax(dim=-1).tolist()
+
+    for width in (1, 5, 16, 17, 33, 1024, 1025):  # shorter than a vector, one, one and a tail, ...
+        logits = torch.randint(-3, 4, (6, width)).to(dtype)  # small integers: many ties
+        logits[0, width // 2] = nan
+        out = torch.empty(6, dtype=torch.long)
+        torch.ops.kvloom.argmax_rows(out, logits)
+        assert out.tolist() == logits.argmax(dim=-1).tolist(), width
+

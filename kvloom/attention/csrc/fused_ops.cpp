@@ -360,7 +360,71 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::
   });
 }
 
-// out[r] = the first index of the largest value of row r of x [N, V] (torch.argmax's answer).
+// The first index of the largest value of row[0, cols), NaN counting as the largest (torch.argmax's
+// answer). One pass takes the maximum of each block of kArgmaxBlock values (NaN-propagating); the
+// first block whose maximum beats those before it (or holds a NaN) is then searched for it.
+template <typename T>
+int64_t argmax_row(const T* row, int64_t cols) {
+  using L = Lanes<T>;
+  constexpr int64_t kArgmaxBlock = 64 * kVec;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const int64_t vec_end = cols - cols % kVec;
+  float best = -kInf;
+  int64_t best_block = -1;
+  bool nan = false;
+  for (int64_t b = 0; b < vec_end; b += kArgmaxBlock) {
+    const int64_t e = std::min(b + kArgmaxBlock, vec_end);
+    Vec m0(-kInf), m1(-kInf), m2(-kInf), m3(-kInf);
+    int64_t i = b;
+    for (; i + 4 * kVec <= e; i += 4 * kVec) {
+      m0 = at::vec::maximum(m0, L::load(row + i));
+      m1 = at::vec::maximum(m1, L::load(row + i + kVec));
+      m2 = at::vec::maximum(m2, L::load(row + i + 2 * kVec));
+      m3 = at::vec::maximum(m3, L::load(row + i + 3 * kVec));
+    }
+    for (; i < e; i += kVec) m0 = at::vec::maximum(m0, L::load(row + i));
+    float lanes[kVec];
+    at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3)).store(lanes);
+    float m = lanes[0];
+    for (int64_t k = 1; k < kVec; ++k) m = (std::isnan(m) || m >= lanes[k]) ? m : lanes[k];
+    if (std::isnan(m)) {
+      best_block = b;
+      nan = true;
+      break;
+    }
+    if (m > best) {
+      best = m;
+      best_block = b;
+    }
+  }
+  if (!nan) {
+    // The scalar tail comes after every block: a value there wins only by being larger (or NaN).
+    int64_t index = -1;
+    for (int64_t i = vec_end; i < cols; ++i) {
+      const float v = float(row[i]);
+      if (std::isnan(v)) return i;
+      if (v > best) {
+        best = v;
+        index = i;
+      }
+    }
+    if (index >= 0) return index;
+    if (best_block < 0) return 0;  // every value is -inf
+  }
+  const Vec target(best);
+  const int64_t e = std::min(best_block + kArgmaxBlock, vec_end);
+  for (int64_t i = best_block; i < e; i += kVec) {
+    const Vec v = L::load(row + i);
+    // zero_mask: a bit for each lane that is 0.0; the compares give all-ones (NaN) lanes where true.
+    const int miss = (nan ? v.isnan() : (v == target)).zero_mask();
+    const int hit = ~miss & ((1 << kVec) - 1);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  TORCH_CHECK(false, "argmax_rows: the block's maximum was not found in it");
+}
+
+// out[r] = the first index of the largest value of row r of x [N, V] (torch.argmax's answer,
+// which takes a NaN for the largest value).
 void argmax_rows(at::Tensor out, at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.scalar_type() == at::kLong, "argmax_rows: bad arguments");
   const int64_t rows = x.size(0), cols = x.size(1);
@@ -369,19 +433,7 @@ void argmax_rows(at::Tensor out, at::Tensor x) {
     using T = decltype(zero);
     const T* xs = x.data_ptr<T>();
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const T* row = xs + r * cols;
-        float best = -std::numeric_limits<float>::infinity();
-        int64_t index = 0;
-        for (int64_t i = 0; i < cols; ++i) {
-          const float v = float(row[i]);
-          if (v > best) {
-            best = v;
-            index = i;
-          }
-        }
-        os[r] = index;
-      }
+      for (int64_t r = begin; r < end; ++r) os[r] = argmax_row(xs + r * cols, cols);
     });
   });
 }
