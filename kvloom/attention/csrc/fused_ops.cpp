@@ -128,6 +128,13 @@ inline float sum_lanes(const Vec& v) {
   return sum;
 }
 
+// These ops are small (a few us at decode batch sizes), and handing half of one to a second thread
+// costs about 1 us: rows are split between threads only when each gets at least min_elems / 2
+// values (a crossover measured on a Zen 4 core; argmax's rows are always big enough).
+inline int64_t grain_rows(int64_t row_elems, int64_t min_elems) {
+  return std::max<int64_t>(1, min_elems / std::max<int64_t>(1, row_elems));
+}
+
 // Sum of the squares of hidden values (fp32 accumulation in kVec * 2 lanes, then the scalar tail).
 // fused_add_rms_norm's first pass also stores T(x + residual) into the residual, and squares that.
 template <typename T, bool kAdd>
@@ -191,7 +198,7 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
     T* xs = x.data_ptr<T>();
     T* rs = residual.data_ptr<T>();
     const T* ws = weight.data_ptr<T>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain_rows(hidden, 16384), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         T* xr = xs + r * hidden;
         T* rr = rs + r * hidden;
@@ -213,7 +220,7 @@ void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
     const T* xs = x.data_ptr<T>();
     T* os = out.data_ptr<T>();
     const T* ws = weight.data_ptr<T>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain_rows(hidden, 16384), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* xr = xs + r * hidden;
         const float sum = rms_first_pass<T, false>(xr, nullptr, hidden);
@@ -265,7 +272,7 @@ void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Te
   dispatch<void>(x, "rotary_embedding", [&](auto zero) {
     using T = decltype(zero);
     T* xs = x.data_ptr<T>();
-    at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tokens, grain_rows(heads * dim, 16384), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         rotary_token(xs + t * token_stride, heads, head_stride, half, cs + pos[t] * half, sn + pos[t] * half);
       }
@@ -326,7 +333,7 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
     using T = decltype(zero);
     const T* xs = x.data_ptr<T>();
     T* os = out.data_ptr<T>();
-    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain_rows(inner, 8192), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) silu_and_mul_row(xs + r * 2 * inner, os + r * inner, inner);
     });
   });
@@ -432,7 +439,7 @@ void argmax_rows(at::Tensor out, at::Tensor x) {
   dispatch<void>(x, "argmax_rows", [&](auto zero) {
     using T = decltype(zero);
     const T* xs = x.data_ptr<T>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain_rows(cols, 16384), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) os[r] = argmax_row(xs + r * cols, cols);
     });
   });
