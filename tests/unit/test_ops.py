@@ -148,3 +148,74 @@ def test_fused_cpu_argmax_matches_torch(fused_ops, dtype: torch.dtype) -> None:
     out = torch.empty(9, dtype=torch.long)
     torch.ops.kvloom.argmax_rows(out, logits)
     assert torch.equal(out, logits.float().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_cpu_argmax_nan_infinities_and_ties_match_torch(fused_ops, dtype: torch.dtype) -> None:
+    """torch.argmax takes NaN for the largest value (the first NaN wins) and the first of equal maxima,
+    wherever they are: in the kernel's vector body, across its blocks, or in the tail after them."""
+    torch.manual_seed(0)
+    nan, inf = float("nan"), float("inf")
+    cols = 3 * 1024 + 37  # a few of the kernel's blocks, then a tail shorter than a vector
+    logits = torch.randn(13, cols).to(dtype)
+    logits[0, 2000] = nan  # after the block holding the largest number
+    logits[1, 5] = logits[1, 2500] = nan
+    logits[2, cols - 1] = nan  # in the tail
+    logits[3, 700] = -torch.tensor(nan)  # a NaN with its sign bit set, as 0 * inf gives on x86
+    logits[4].fill_(-inf)
+    logits[5].fill_(nan)
+    logits[6, 3000] = logits[6, 10] = inf
+    logits[7].zero_()
+    logits[7, :50] = -0.0  # -0 == +0: the first zero
+    logits[8, cols - 2] = 100.0  # the largest in the tail
+    logits[9, 1023] = logits[9, 1024] = 100.0  # a tie across a block boundary
+    logits[10, 2048] = logits[10, cols - 3] = 100.0  # a tie between the vector body and the tail
+    logits[11, 0] = -inf
+    logits[11, 1:] = -1e4  # the largest finite value comes after -inf
+    out = torch.empty(13, dtype=torch.long)
+    torch.ops.kvloom.argmax_rows(out, logits)
+    assert out.tolist() == logits.argmax(dim=-1).tolist()
+
+    for width in (1, 5, 16, 17, 33, 1024, 1025):  # shorter than a vector, one, one and a tail, ...
+        logits = torch.randint(-3, 4, (6, width)).to(dtype)  # small integers: many ties
+        logits[0, width // 2] = nan
+        out = torch.empty(6, dtype=torch.long)
+        torch.ops.kvloom.argmax_rows(out, logits)
+        assert out.tolist() == logits.argmax(dim=-1).tolist(), width
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, width", [(1, 7), (3, 100), (64, 576), (200, 48)])
+def test_fused_cpu_ops_match_references_at_any_width(fused_ops, dtype: torch.dtype, rows: int, width: int) -> None:
+    """Widths that are no multiple of the vector (a scalar tail after the vector body), a single row,
+    and enough rows for the ops to split them between threads."""
+    from kvloom.layers.activation import silu_and_mul
+    from kvloom.layers.rotary import apply_rotary_reference
+
+    torch.manual_seed(0)
+    tol = {torch.float32: dict(atol=1e-6, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
+           torch.float16: dict(atol=1e-3, rtol=2e-3)}[dtype]
+    weight = torch.randn(width, dtype=dtype)
+    x, residual = torch.randn(rows, width, dtype=dtype) * 3, torch.randn(rows, width, dtype=dtype)
+    out = torch.empty_like(x)
+    torch.ops.kvloom.rms_norm(out, x, weight, 1e-5)
+    torch.testing.assert_close(out, rms_norm_reference(x, weight, 1e-5), **tol)
+    got, got_sum = x.clone(), residual.clone()
+    torch.ops.kvloom.fused_add_rms_norm(got, got_sum, weight, 1e-5)
+    torch.testing.assert_close(got_sum, x + residual, atol=0, rtol=0)
+    torch.testing.assert_close(got, rms_norm_reference(x + residual, weight, 1e-5), **tol)
+
+    gate_up = torch.randn(rows, 2 * width, dtype=dtype) * 3
+    out = torch.empty(rows, width, dtype=dtype)
+    torch.ops.kvloom.silu_and_mul(out, gate_up)
+    torch.testing.assert_close(out, silu_and_mul(gate_up), **tol)
+
+    # Rotary over heads of 2 * width values (halves of `width`): a strided view of 3 of 4 heads.
+    angles = torch.outer(torch.arange(64, dtype=torch.float32), torch.rand(width))
+    positions = torch.randint(0, 64, (rows,))
+    qkv = torch.randn(rows, 4, 2 * width, dtype=dtype)
+    expected = apply_rotary_reference(qkv[:, :3], angles.cos()[positions], angles.sin()[positions])
+    untouched = qkv[:, 3].clone()
+    torch.ops.kvloom.rotary_embedding(qkv[:, :3], positions, angles.cos(), angles.sin())
+    torch.testing.assert_close(qkv[:, :3], expected, **tol)
+    assert torch.equal(qkv[:, 3], untouched)

@@ -1,7 +1,8 @@
 // Fused elementwise ops for the CPU: each is one pass over its rows instead of the 5-10 small
 // torch ops (and their dispatch overhead) that the plain-torch references take. Everything is
-// computed in fp32 and rounded once to the tensor's dtype; the references in kvloom/layers/ say
-// what each op means, and tests compare the two.
+// computed in fp32, a vector at a time (at::vec, for the ISA this file is compiled for), and rounded
+// once to the tensor's dtype; the references in kvloom/layers/ say what each op means, and tests
+// compare the two.
 
 #include "cpu_capability.h"
 
@@ -12,10 +13,12 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace {
 
@@ -29,6 +32,162 @@ void dispatch(const at::Tensor& t, const char* name, F&& f) {
   }
 }
 
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVec = Vec::size();
+
+// kVec values of T at a time, computed on in fp32. narrow() rounds each value as T(float) does
+// (to nearest even; only a NaN's bit pattern may differ) into a Packed, widen() converts back
+// exactly: store(p, narrow(v)) is what `p[k] = T(v[k])` stores, widen(narrow(v)) is `float(T(v))`.
+template <typename T>
+struct Lanes;
+
+template <>
+struct Lanes<float> {
+  using Packed = Vec;
+  static Vec load(const float* p) { return Vec::loadu(p); }
+  static Packed narrow(const Vec& v) { return v; }
+  static Vec widen(const Packed& v) { return v; }
+  static void store(float* p, const Packed& v) { v.store(p); }
+};
+
+template <typename T>  // c10::BFloat16 or c10::Half
+struct Lanes16 {
+  static constexpr bool kBF16 = std::is_same_v<T, c10::BFloat16>;
+#if defined(CPU_CAPABILITY_AVX512)
+  using Packed = __m256i;
+  static Packed narrow(const Vec& v) {
+    if constexpr (kBF16) {
+#if defined(KVLOOM_BF16_DOT)
+      // vcvtneps2bf16 rounds to nearest even, as T(float) does, in one instruction; but it flushes
+      // denormals to zero, so a vector holding one takes the exact integer path.
+      if (C10_LIKELY(!_mm512_fpclass_ps_mask(__m512(v), 0x20))) return (__m256i)_mm512_cvtneps_pbh(__m512(v));
+#endif
+      return at::vec::cvtfp32_bf16(__m512(v));
+    } else {
+      return at::vec::cvtfp32_fp16(__m512(v));
+    }
+  }
+  static Vec widen(const Packed& b) {
+    __m512 v;
+    if constexpr (kBF16) at::vec::cvtbf16_fp32(b, v);
+    else at::vec::cvtfp16_fp32(b, v);
+    return v;
+  }
+  static Packed load_packed(const T* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void store(T* p, const Packed& b) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b); }
+#elif defined(CPU_CAPABILITY_AVX2)
+  using Packed = __m128i;
+  static Packed narrow(const Vec& v) {
+    if constexpr (kBF16) return at::vec::cvtfp32_bf16(__m256(v));
+    else return at::vec::cvtfp32_fp16(__m256(v));
+  }
+  static Vec widen(const Packed& b) {
+    __m256 v;
+    if constexpr (kBF16) at::vec::cvtbf16_fp32(b, v);
+    else at::vec::cvtfp16_fp32(b, v);
+    return v;
+  }
+  static Packed load_packed(const T* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  static void store(T* p, const Packed& b) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b); }
+#else  // no SIMD conversions: c10's scalar ones
+  struct Packed {
+    T v[kVec];
+  };
+  static Packed narrow(const Vec& v) {
+    float f[kVec];
+    v.store(f);
+    Packed b;
+    for (int64_t k = 0; k < kVec; ++k) b.v[k] = T(f[k]);
+    return b;
+  }
+  static Vec widen(const Packed& b) {
+    float f[kVec];
+    for (int64_t k = 0; k < kVec; ++k) f[k] = float(b.v[k]);
+    return Vec::loadu(f);
+  }
+  static Packed load_packed(const T* p) {
+    Packed b;
+    std::memcpy(b.v, p, sizeof(b.v));
+    return b;
+  }
+  static void store(T* p, const Packed& b) { std::memcpy(p, b.v, sizeof(b.v)); }
+#endif
+  static Vec load(const T* p) { return widen(load_packed(p)); }
+};
+
+template <>
+struct Lanes<c10::BFloat16> : Lanes16<c10::BFloat16> {};
+template <>
+struct Lanes<c10::Half> : Lanes16<c10::Half> {};
+
+inline float sum_lanes(const Vec& v) {
+  float f[kVec];
+  v.store(f);
+  float sum = 0.f;
+  for (int64_t k = 0; k < kVec; ++k) sum += f[k];
+  return sum;
+}
+
+// These ops are small (a few us at decode batch sizes), and handing half of one to a second thread
+// costs about 1 us: rows are split between threads only when each gets at least min_elems / 2
+// values (a crossover measured on a Zen 4 core; argmax's rows are always big enough).
+inline int64_t grain_rows(int64_t row_elems, int64_t min_elems) {
+  return std::max<int64_t>(1, min_elems / std::max<int64_t>(1, row_elems));
+}
+
+// Sum of the squares of hidden values (fp32 accumulation in kVec * 2 lanes, then the scalar tail).
+// fused_add_rms_norm's first pass also stores T(x + residual) into the residual, and squares that.
+template <typename T, bool kAdd>
+float rms_first_pass(const T* xr, T* rr, int64_t hidden) {
+  using L = Lanes<T>;
+  auto value = [&](int64_t i) {
+    if constexpr (kAdd) {
+      const auto sum = L::narrow(L::load(xr + i) + L::load(rr + i));  // rounded as torch's add rounds
+      L::store(rr + i, sum);
+      return L::widen(sum);
+    } else {
+      return L::load(xr + i);
+    }
+  };
+  Vec acc0(0.f), acc1(0.f);
+  int64_t i = 0;
+  for (; i + 2 * kVec <= hidden; i += 2 * kVec) {
+    const Vec v0 = value(i), v1 = value(i + kVec);
+    acc0 = at::vec::fmadd(v0, v0, acc0);
+    acc1 = at::vec::fmadd(v1, v1, acc1);
+  }
+  for (; i + kVec <= hidden; i += kVec) {
+    const Vec v = value(i);
+    acc0 = at::vec::fmadd(v, v, acc0);
+  }
+  float sum = sum_lanes(acc0 + acc1);
+  for (; i < hidden; ++i) {
+    float v;
+    if constexpr (kAdd) {
+      const T t = T(float(xr[i]) + float(rr[i]));
+      rr[i] = t;
+      v = float(t);
+    } else {
+      v = float(xr[i]);
+    }
+    sum += v * v;
+  }
+  return sum;
+}
+
+// out = T(w * float(T(x * scale))): HF rounds the normalized value to the dtype before the weight multiply.
+template <typename T>
+void rms_second_pass(const T* xr, const T* ws, T* orow, float scale, int64_t hidden) {
+  using L = Lanes<T>;
+  const Vec sv(scale);
+  int64_t i = 0;
+  for (; i + kVec <= hidden; i += kVec) {
+    const Vec normed = L::widen(L::narrow(L::load(xr + i) * sv));
+    L::store(orow + i, L::narrow(L::load(ws + i) * normed));
+  }
+  for (; i < hidden; ++i) orow[i] = T(float(ws[i]) * float(T(float(xr[i]) * scale)));
+}
+
 // residual = x + residual; x = weight * rms_norm(residual). Both [T, H] contiguous, in place.
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
@@ -39,21 +198,13 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
     T* xs = x.data_ptr<T>();
     T* rs = residual.data_ptr<T>();
     const T* ws = weight.data_ptr<T>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain_rows(hidden, 16384), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         T* xr = xs + r * hidden;
         T* rr = rs + r * hidden;
-        float sum = 0.f;
-        for (int64_t i = 0; i < hidden; ++i) {
-          const T v = T(float(xr[i]) + float(rr[i]));  // rounded as torch's add rounds
-          rr[i] = v;
-          sum += float(v) * float(v);
-        }
+        const float sum = rms_first_pass<T, true>(xr, rr, hidden);
         const float scale = 1.f / std::sqrt(sum / hidden + static_cast<float>(eps));
-        for (int64_t i = 0; i < hidden; ++i) {
-          // HF rounds the normalized value to the dtype before the weight multiply.
-          xr[i] = T(float(ws[i]) * float(T(float(rr[i]) * scale)));
-        }
+        rms_second_pass<T>(rr, ws, xr, scale, hidden);
       }
     });
   });
@@ -69,17 +220,42 @@ void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
     const T* xs = x.data_ptr<T>();
     T* os = out.data_ptr<T>();
     const T* ws = weight.data_ptr<T>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain_rows(hidden, 16384), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* xr = xs + r * hidden;
-        T* orow = os + r * hidden;
-        float sum = 0.f;
-        for (int64_t i = 0; i < hidden; ++i) sum += float(xr[i]) * float(xr[i]);
+        const float sum = rms_first_pass<T, false>(xr, nullptr, hidden);
         const float scale = 1.f / std::sqrt(sum / hidden + static_cast<float>(eps));
-        for (int64_t i = 0; i < hidden; ++i) orow[i] = T(float(ws[i]) * float(T(float(xr[i]) * scale)));
+        rms_second_pass<T>(xr, ws, os + r * hidden, scale, hidden);
       }
     });
   });
+}
+
+// One token's heads, rotated in place: each head's row is [x1 | x2], halves of `half` values at
+// x + h * head_stride; c, s: the token's cos and sin, shared by its heads.
+template <typename T>
+void rotary_token(T* x, int64_t heads, int64_t head_stride, int64_t half, const float* c, const float* s) {
+  using L = Lanes<T>;
+  int64_t i = 0;
+  for (; i + kVec <= half; i += kVec) {
+    const Vec cv = Vec::loadu(c + i), sv = Vec::loadu(s + i);
+    for (int64_t h = 0; h < heads; ++h) {
+      T* row = x + h * head_stride + i;
+      const Vec x1 = L::load(row), x2 = L::load(row + half);
+      // The contractions GCC makes of the scalar loop below (and made of the loop before it was
+      // vectorized by hand): the first product is fused, the second rounded.
+      L::store(row, L::narrow(at::vec::fmsub(x1, cv, x2 * sv)));
+      L::store(row + half, L::narrow(at::vec::fmadd(x2, cv, x1 * sv)));
+    }
+  }
+  for (; i < half; ++i) {
+    for (int64_t h = 0; h < heads; ++h) {
+      T* row = x + h * head_stride;
+      const float x1 = float(row[i]), x2 = float(row[i + half]);
+      row[i] = T(x1 * c[i] - x2 * s[i]);
+      row[i + half] = T(x2 * c[i] + x1 * s[i]);
+    }
+  }
 }
 
 // Rotate-half rotary embedding in place. x: [T, heads, D] (last dim contiguous, rows may be
@@ -96,21 +272,57 @@ void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Te
   dispatch<void>(x, "rotary_embedding", [&](auto zero) {
     using T = decltype(zero);
     T* xs = x.data_ptr<T>();
-    at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tokens, grain_rows(heads * dim, 16384), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const float* c = cs + pos[t] * half;
-        const float* s = sn + pos[t] * half;
-        for (int64_t h = 0; h < heads; ++h) {
-          T* row = xs + t * token_stride + h * head_stride;
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = float(row[i]), x2 = float(row[i + half]);
-            row[i] = T(x1 * c[i] - x2 * s[i]);
-            row[i + half] = T(x2 * c[i] + x1 * s[i]);
-          }
-        }
+        rotary_token(xs + t * token_stride, heads, head_stride, half, cs + pos[t] * half, sn + pos[t] * half);
       }
     });
   });
+}
+
+// Vectorized<float>::exp_u20 for AVX-512, the same operations less three: the exponent's integer is
+// kept from the floor rather than recomputed from it, and the zeroing of underflows is folded into
+// the shift (checked equal, bit for bit, to exp_u20 over all 2^32 inputs). silu_and_mul's time is
+// mostly this function's.
+inline Vec exp_u20(const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 v = x;
+  const __m512 lo = _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50));  // ln(FLT_MIN)
+  const __m512 hi = _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218));  // ln(FLT_MAX)
+  const __mmask16 keep = _mm512_cmp_ps_mask(v, lo, _CMP_NLT_US);           // exp_u20 gives 0 below lo
+  const __m512 src = _mm512_max_ps(_mm512_min_ps(v, hi), lo);
+  // n = floor(x * log2(e) + 0.5); r = x - n * ln(2); exp(x) = 2^n * p(r) = 2^(n-1) * p(r) * 2
+  const __m512i n = _mm512_cvt_roundps_epi32(
+      _mm512_fmadd_ps(src, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b)), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(n), _mm512_castsi512_ps(_mm512_set1_epi32(0x3f317218)), src);
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.166676521f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.499991506f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.999999701f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.f));
+  const __m512i biased = _mm512_add_epi32(n, _mm512_set1_epi32(126));  // 2^(n-1)'s exponent field
+  const __m512 scale = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(keep, biased, 23));
+  return _mm512_mul_ps(_mm512_mul_ps(p, scale), _mm512_set1_ps(2.f));
+#else
+  return x.exp_u20();
+#endif
+}
+
+// o = silu(gate) * up, `inner` values each; up = gate + inner.
+template <typename T>
+void silu_and_mul_row(const T* gate, T* o, int64_t inner) {
+  using L = Lanes<T>;
+  const T* up = gate + inner;
+  int64_t i = 0;
+  for (; i + kVec <= inner; i += kVec) {
+    const Vec g = L::load(gate + i);
+    L::store(o + i, L::narrow(g / (Vec(1.f) + exp_u20(g.neg())) * L::load(up + i)));
+  }
+  for (; i < inner; ++i) {
+    const float gi = float(gate[i]);
+    o[i] = T(gi / (1.f + std::exp(-gi)) * float(up[i]));
+  }
 }
 
 // out[t] = silu(x[t, :I]) * x[t, I:], x: [T, 2I] contiguous, out: [T, I].
@@ -121,28 +333,8 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
     using T = decltype(zero);
     const T* xs = x.data_ptr<T>();
     T* os = out.data_ptr<T>();
-    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        using Vec = at::vec::Vectorized<float>;
-        const T* gate = xs + r * 2 * inner;
-        const T* up = gate + inner;
-        T* o = os + r * inner;
-        float g[Vec::size()], u[Vec::size()], y[Vec::size()];
-        int64_t i = 0;
-        for (; i + Vec::size() <= inner; i += Vec::size()) {
-          for (int k = 0; k < Vec::size(); ++k) {
-            g[k] = float(gate[i + k]);
-            u[k] = float(up[i + k]);
-          }
-          const Vec gv = Vec::loadu(g);
-          (gv / (Vec(1.f) + gv.neg().exp_u20()) * Vec::loadu(u)).store(y);
-          for (int k = 0; k < Vec::size(); ++k) o[i + k] = T(y[k]);
-        }
-        for (; i < inner; ++i) {
-          const float gi = float(gate[i]);
-          o[i] = T(gi / (1.f + std::exp(-gi)) * float(up[i]));
-        }
-      }
+    at::parallel_for(0, rows, grain_rows(inner, 8192), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) silu_and_mul_row(xs + r * 2 * inner, os + r * inner, inner);
     });
   });
 }
@@ -175,7 +367,71 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::
   });
 }
 
-// out[r] = the first index of the largest value of row r of x [N, V] (torch.argmax's answer).
+// The first index of the largest value of row[0, cols), NaN counting as the largest (torch.argmax's
+// answer). One pass takes the maximum of each block of kArgmaxBlock values (NaN-propagating); the
+// first block whose maximum beats those before it (or holds a NaN) is then searched for it.
+template <typename T>
+int64_t argmax_row(const T* row, int64_t cols) {
+  using L = Lanes<T>;
+  constexpr int64_t kArgmaxBlock = 64 * kVec;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const int64_t vec_end = cols - cols % kVec;
+  float best = -kInf;
+  int64_t best_block = -1;
+  bool nan = false;
+  for (int64_t b = 0; b < vec_end; b += kArgmaxBlock) {
+    const int64_t e = std::min(b + kArgmaxBlock, vec_end);
+    Vec m0(-kInf), m1(-kInf), m2(-kInf), m3(-kInf);
+    int64_t i = b;
+    for (; i + 4 * kVec <= e; i += 4 * kVec) {
+      m0 = at::vec::maximum(m0, L::load(row + i));
+      m1 = at::vec::maximum(m1, L::load(row + i + kVec));
+      m2 = at::vec::maximum(m2, L::load(row + i + 2 * kVec));
+      m3 = at::vec::maximum(m3, L::load(row + i + 3 * kVec));
+    }
+    for (; i < e; i += kVec) m0 = at::vec::maximum(m0, L::load(row + i));
+    float lanes[kVec];
+    at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3)).store(lanes);
+    float m = lanes[0];
+    for (int64_t k = 1; k < kVec; ++k) m = (std::isnan(m) || m >= lanes[k]) ? m : lanes[k];
+    if (std::isnan(m)) {
+      best_block = b;
+      nan = true;
+      break;
+    }
+    if (m > best) {
+      best = m;
+      best_block = b;
+    }
+  }
+  if (!nan) {
+    // The scalar tail comes after every block: a value there wins only by being larger (or NaN).
+    int64_t index = -1;
+    for (int64_t i = vec_end; i < cols; ++i) {
+      const float v = float(row[i]);
+      if (std::isnan(v)) return i;
+      if (v > best) {
+        best = v;
+        index = i;
+      }
+    }
+    if (index >= 0) return index;
+    if (best_block < 0) return 0;  // every value is -inf
+  }
+  const Vec target(best);
+  const int64_t e = std::min(best_block + kArgmaxBlock, vec_end);
+  for (int64_t i = best_block; i < e; i += kVec) {
+    const Vec v = L::load(row + i);
+    // zero_mask: a bit for each lane that is 0.0; the compares give all-ones (NaN) lanes where true.
+    const int miss = (nan ? v.isnan() : (v == target)).zero_mask();
+    const int hit = ~miss & ((1 << kVec) - 1);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  TORCH_CHECK(false, "argmax_rows: the block's maximum was not found in it");
+}
+
+// out[r] = the first index of the largest value of row r of x [N, V] (torch.argmax's answer,
+// which takes a NaN for the largest value).
 void argmax_rows(at::Tensor out, at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.scalar_type() == at::kLong, "argmax_rows: bad arguments");
   const int64_t rows = x.size(0), cols = x.size(1);
@@ -183,20 +439,8 @@ void argmax_rows(at::Tensor out, at::Tensor x) {
   dispatch<void>(x, "argmax_rows", [&](auto zero) {
     using T = decltype(zero);
     const T* xs = x.data_ptr<T>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const T* row = xs + r * cols;
-        float best = -std::numeric_limits<float>::infinity();
-        int64_t index = 0;
-        for (int64_t i = 0; i < cols; ++i) {
-          const float v = float(row[i]);
-          if (v > best) {
-            best = v;
-            index = i;
-          }
-        }
-        os[r] = index;
-      }
+    at::parallel_for(0, rows, grain_rows(cols, 16384), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) os[r] = argmax_row(xs + r * cols, cols);
     });
   });
 }
