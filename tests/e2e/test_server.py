@@ -438,10 +438,9 @@ def test_a_dead_engine_fails_requests_and_health(tiny_llama_dir: str) -> None:
 
     from kvloom.config import EngineConfig
     from kvloom.engine.async_engine import AsyncLLM, EngineDeadError
-    from kvloom.engine.llm_engine import LLMEngine
     from kvloom.entrypoints.openai.api_server import build_app
 
-    engine = AsyncLLM(LLMEngine(EngineConfig(model=tiny_llama_dir)), stats_interval=0)
+    engine = AsyncLLM.from_config(EngineConfig(model=tiny_llama_dir), stats_interval=0)
 
     def broken_step():
         raise RuntimeError("simulated device failure")
@@ -476,11 +475,10 @@ def test_api_key_from_the_environment(tiny_llama_dir: str, monkeypatch: pytest.M
 
     from kvloom.config import EngineConfig
     from kvloom.engine.async_engine import AsyncLLM
-    from kvloom.engine.llm_engine import LLMEngine
     from kvloom.entrypoints.openai.api_server import build_app
 
     monkeypatch.setenv("KVLOOM_API_KEY", "from-env")
-    engine = AsyncLLM(LLMEngine(EngineConfig(model=tiny_llama_dir)), stats_interval=0)
+    engine = AsyncLLM.from_config(EngineConfig(model=tiny_llama_dir), stats_interval=0)
     args = argparse.Namespace(model=tiny_llama_dir, served_model_name=None, chat_template=None, api_key=None)
     app = build_app(engine, args)
 
@@ -496,3 +494,35 @@ def test_api_key_from_the_environment(tiny_llama_dir: str, monkeypatch: pytest.M
         asyncio.run(run())
     finally:
         engine.shutdown()
+
+
+def test_async_engine_is_built_on_the_thread_that_steps_it(tiny_llama_dir: str) -> None:
+    """One thread loads and steps the model (two OpenMP pools would slow every parallel region),
+    and an engine that cannot be built fails the constructor with the build's error."""
+    import threading
+
+    from kvloom.config import EngineConfig
+    from kvloom.engine.async_engine import AsyncLLM
+    from kvloom.engine.llm_engine import LLMEngine
+
+    threads = []
+
+    def build() -> LLMEngine:
+        threads.append(threading.current_thread())
+        return LLMEngine(EngineConfig(model=tiny_llama_dir))
+
+    engine = AsyncLLM(build, stats_interval=0)
+    try:
+        assert threads == [engine._thread] and threads[0] is not threading.current_thread()
+
+        async def run() -> list[int]:
+            async for output in engine.generate("hi", SamplingParams(max_tokens=3, ignore_eos=True), "r"):
+                last = output
+            return last.outputs[0].token_ids
+
+        assert len(asyncio.run(run())) == 3
+    finally:
+        engine.shutdown()
+    config = EngineConfig(model=tiny_llama_dir + "-missing")
+    with pytest.raises(ValueError, match="is neither a directory"):
+        AsyncLLM.from_config(config, stats_interval=0)

@@ -288,7 +288,6 @@ def run_server(args: argparse.Namespace) -> int:
     """Load the engine, serve until SIGTERM / SIGINT, then stop the engine. Returns the exit code."""
     import uvicorn
 
-    from kvloom.engine.llm_engine import LLMEngine
 
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
@@ -299,7 +298,7 @@ def run_server(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     try:
         names = served_model_names(args)
-        engine = AsyncLLM(LLMEngine(config), model_name=names[0], stats_interval=args.stats_interval,
+        engine = AsyncLLM.from_config(config, model_name=names[0], stats_interval=args.stats_interval,
                           log_requests=not args.disable_log_requests)
     except BaseException:
         sock.close()
