@@ -92,25 +92,29 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submissions against the engine's death
         self._dead_error: BaseException | None = None
-        self._ready = threading.Event()  # set when __init__ has finished the rest of the set-up
         built = threading.Event()
         build_error: list[BaseException] = []
-        self._thread = threading.Thread(target=self._run, args=(engine, built, build_error), name="kvloom-engine",
-                                        daemon=True)
+
+        def build() -> None:
+            try:
+                built_engine = engine if isinstance(engine, LLMEngine) else engine()
+                self._set_up(built_engine, model_name, stats_interval, log_requests)
+            except BaseException as e:  # noqa: BLE001 - handed to the constructor, which raises it
+                build_error.append(e)
+            finally:
+                built.set()
+            if not build_error:
+                self._run()
+
+        self._thread = threading.Thread(target=build, name="kvloom-engine", daemon=True)
         self._thread.start()
         built.wait()
         if build_error:
             self._thread.join()
             raise build_error[0]
-        try:
-            self._set_up(self.engine, model_name, stats_interval, log_requests)
-        except BaseException:
-            self._commands.put(_Stop())
-            raise
-        finally:
-            self._ready.set()
 
     def _set_up(self, engine: LLMEngine, model_name: str | None, stats_interval: float, log_requests: bool) -> None:
+        self.engine = engine
         engine.final_outputs_only = False  # streams want every step's output
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -209,16 +213,7 @@ class AsyncLLM:
             self._commands.put(command)
 
     # ---- the engine thread -----------------------------------------------------------------
-    def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: threading.Event,
-             build_error: list[BaseException]) -> None:
-        try:
-            self.engine = engine if isinstance(engine, LLMEngine) else engine()
-        except BaseException as e:  # noqa: BLE001 - handed to the constructor, which raises it
-            build_error.append(e)
-            return
-        finally:
-            built.set()
-        self._ready.wait()
+    def _run(self) -> None:
         engine = self.engine
         try:
             while True:
