@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from kvloom.config import DEFAULT_MODEL, EngineConfig
-from kvloom.engine.llm_engine import LLMEngine, PromptInput
+from kvloom.engine.input_processor import EngineRequest, PromptInput
+from kvloom.engine.llm_engine import LLMEngine
 from kvloom.loader.tokenizer import Tokenizer
 from kvloom.outputs import RequestOutput
-from kvloom.sampling_params import SamplingParams
+from kvloom.sampling_params import RequestOutputKind, SamplingParams
 
 # vLLM generate() keywords that kvloom accepts when they ask for nothing it lacks.
 _IGNORED_GENERATE_KWARGS = ("lora_request", "priority", "prompt_adapter_request")
@@ -26,7 +28,6 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
-        self.llm_engine.final_outputs_only = True
 
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
@@ -55,19 +56,16 @@ class LLM:
                              "(or a list of such lists)")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
-        prompts: list[PromptInput] = []
-        texts: list[str] = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template)
-            texts.append(text)
-            # The template already wrote any BOS it wants.
-            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self._run(prompts, sampling_params, use_tqdm, prompt_texts=texts)
+        prompts: list[PromptInput] = [
+            tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                          chat_template=chat_template)
+            for conversation in conversations]
+        # The template already wrote any BOS it wants.
+        return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
     def _run(self, prompts: list[PromptInput],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool,
-             prompt_texts: list[str] | None = None) -> list[RequestOutput]:
+             add_special_tokens: bool = True) -> list[RequestOutput]:
         engine = self.llm_engine
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompts)
@@ -78,17 +76,23 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
                                  f"give one SamplingParams or one per prompt")
-        # Validate everything before queueing anything, so a bad prompt leaves no half-done batch.
-        for prompt, params in zip(prompts, params_list):
-            _, token_ids = engine.process_prompt(prompt)
-            engine.validate_request(token_ids, params)
+        # Each request's outputs come back once, whole, when it finishes. The caller's
+        # SamplingParams are left as they were: each distinct one is copied once.
+        final_params: dict[int, SamplingParams] = {}
+        for params in params_list:
+            if isinstance(params, SamplingParams) and id(params) not in final_params:
+                final_params[id(params)] = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        # Process everything before queueing anything, so a bad prompt leaves no half-done batch.
+        processor = engine.input_processor
+        requests: list[EngineRequest] = [
+            processor.process(engine.next_request_id(), prompt, final_params.get(id(params), params),
+                              add_special_tokens=add_special_tokens)
+            for prompt, params in zip(prompts, params_list)]
         request_ids = []
         try:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-                request_id = engine.next_request_id()
-                engine.add_request(request_id, prompt, params,
-                                   prompt_text=prompt_texts[i] if prompt_texts else None)
-                request_ids.append(request_id)
+            for request in requests:
+                engine.add_request(request.request_id, request)
+                request_ids.append(request.request_id)
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
             engine.abort_request(request_ids)

@@ -3,9 +3,10 @@
 Two kinds of numbers:
 - engine state (requests running and waiting, KV cache usage, token / preemption / prefix-cache
   counters) is read from an ``EngineStats`` snapshot that the engine thread publishes after every
-  step, so a scrape never touches the scheduler while it runs;
+  step (the scheduler's own ``SchedulerStats`` plus the token totals), so a scrape never touches
+  the scheduler while it runs;
 - per-request latencies (time to first token, inter-token latency, end-to-end latency, queue
-  time) are observed by the engine thread as outputs leave the engine.
+  time) are observed by the engine thread from the engine's ``IterationStats``.
 
 Every metric carries a ``model_name`` label, as vLLM's do. ``kvloom:kv_cache_usage_perc`` is
 exactly 0 when no request holds a block (cached prefix blocks that are free count as free), which
@@ -15,15 +16,15 @@ is how the tests check that an aborted request gave its blocks back.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvloom.outputs import RequestOutput
+from kvloom.engine.output_processor import FinishedRequestStats, IterationStats
+from kvloom.engine.scheduler import SchedulerStats
 
 logger = logging.getLogger("kvloom")
 
@@ -42,14 +43,9 @@ disable_created_metrics()
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The engine's state after a step; counters are totals since start-up."""
+    """The engine's state after a step: the scheduler's, and token totals since start-up."""
 
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of KV blocks held by requests, 0..1
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens found
+    scheduler: SchedulerStats = field(default_factory=SchedulerStats)
     prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     generation_tokens: int = 0
     timestamp: float = 0.0
@@ -77,6 +73,7 @@ class _EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.get_stats()
+        scheduler = stats.scheduler
         labels = [self.model_name]
 
         def gauge(name: str, documentation: str, value: float) -> Metric:
@@ -90,17 +87,17 @@ class _EngineStatsCollector(Collector):
             return family
 
         yield gauge("num_requests_running", "Number of requests in model execution batches.",
-                    stats.num_running)
+                    scheduler.num_running)
         yield gauge("num_requests_waiting", "Number of requests waiting to be processed.",
-                    stats.num_waiting)
+                    scheduler.num_waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    stats.kv_cache_usage)
+                    scheduler.kv_cache_usage)
         yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
-                      stats.num_preemptions)
+                      scheduler.num_preemptions)
         yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
-                      "tokens.", stats.prefix_cache_queries)
+                      "tokens.", scheduler.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                      stats.prefix_cache_hits)
+                      scheduler.prefix_cache_hits)
         yield counter("prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
         yield counter("generation_tokens", "Number of generation tokens processed.",
                       stats.generation_tokens)
@@ -148,35 +145,28 @@ class EngineMetrics:
         self.request_success = {reason: request_success.labels(model_name, reason)
                                 for reason in FINISH_REASONS}
 
-    def observe_output(self, output: RequestOutput, previous_num_tokens: int,
-                       previous_token_time: float | None) -> None:
-        """One step's output of a request: its first token, or the gap since its last token."""
-        metrics = output.metrics
-        if metrics is None or metrics.last_token_time is None:
-            return
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        if num_tokens <= previous_num_tokens:
-            return
-        if previous_token_time is None:
-            if metrics.first_token_time is not None:
-                self.time_to_first_token.observe(max(0.0, metrics.first_token_time - metrics.arrival_time))
-        else:
-            self.inter_token_latency.observe(max(0.0, metrics.last_token_time - previous_token_time))
+    def observe_iteration(self, stats: IterationStats) -> None:
+        """What the engine's steps did: first tokens, gaps between a request's steps, finished requests."""
+        for seconds in stats.time_to_first_tokens:
+            self.time_to_first_token.observe(max(0.0, seconds))
+        for seconds in stats.inter_token_latencies:
+            self.inter_token_latency.observe(max(0.0, seconds))
+        for finished in stats.finished_requests:
+            self.observe_finished(finished)
 
-    def observe_finished(self, output: RequestOutput, finish_reason: str) -> None:
-        self.request_success[finish_reason if finish_reason in FINISH_REASONS else "stop"].inc()
-        metrics = output.metrics
-        if finish_reason == "abort" or metrics is None:
+    def observe_finished(self, finished: FinishedRequestStats) -> None:
+        reason = finished.finish_reason
+        self.request_success[reason if reason in FINISH_REASONS else "stop"].inc()
+        if reason == "abort":
             return
-        finished = metrics.finished_time or time.time()
-        num_generated = sum(len(c.token_ids) for c in output.outputs)
-        self.e2e_request_latency.observe(max(0.0, finished - metrics.arrival_time))
-        if metrics.first_scheduled_time is not None:
-            self.request_queue_time.observe(max(0.0, metrics.first_scheduled_time - metrics.arrival_time))
-        if metrics.first_token_time is not None and num_generated > 1:
+        num_generated = finished.num_generation_tokens
+        self.e2e_request_latency.observe(max(0.0, finished.finished_time - finished.arrival_time))
+        if finished.first_scheduled_time is not None:
+            self.request_queue_time.observe(max(0.0, finished.first_scheduled_time - finished.arrival_time))
+        if finished.first_token_time is not None and num_generated > 1:
             self.time_per_output_token.observe(
-                max(0.0, finished - metrics.first_token_time) / (num_generated - 1))
-        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+                max(0.0, finished.finished_time - finished.first_token_time) / (num_generated - 1))
+        self.request_prompt_tokens.observe(finished.num_prompt_tokens)
         self.request_generation_tokens.observe(num_generated)
 
     def render(self) -> bytes:
@@ -199,16 +189,17 @@ class StatLogger:
         elapsed = stats.timestamp - self.last.timestamp
         if elapsed < self.interval:
             return
-        busy = (stats.num_running or stats.num_waiting
+        scheduler = stats.scheduler
+        busy = (scheduler.num_running or scheduler.num_waiting
                 or stats.generation_tokens != self.last.generation_tokens
                 or stats.prompt_tokens != self.last.prompt_tokens)
         if busy or not self.logged_idle:
-            queries = stats.prefix_cache_queries - self.last.prefix_cache_queries
-            hits = stats.prefix_cache_hits - self.last.prefix_cache_hits
+            queries = scheduler.prefix_cache_queries - self.last.scheduler.prefix_cache_queries
+            hits = scheduler.prefix_cache_hits - self.last.scheduler.prefix_cache_hits
             logger.info(
                 "Engine: running %d reqs, waiting %d reqs, KV cache usage %.1f%%, prefix cache hit rate "
                 "%.1f%%, prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s",
-                stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage,
+                scheduler.num_running, scheduler.num_waiting, 100 * scheduler.kv_cache_usage,
                 100 * hits / queries if queries else 0.0,
                 (stats.prompt_tokens - self.last.prompt_tokens) / elapsed,
                 (stats.generation_tokens - self.last.generation_tokens) / elapsed)

@@ -50,3 +50,33 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """Merge a later output of the same request into this one (vLLM's ``RequestOutput.add``).
+
+        ``aggregate``: the outputs are deltas (``RequestOutputKind.DELTA``), so each completion's
+        new text, token ids and logprobs are appended to this one's; otherwise the newer completion
+        replaces the older. A completion this output lacks (n > 1) is added.
+        """
+        self.finished = next_output.finished
+        self.metrics = next_output.metrics
+        self.num_cached_tokens = next_output.num_cached_tokens
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = next_output.prompt_logprobs
+        for next_completion in next_output.outputs:
+            for i, completion in enumerate(self.outputs):
+                if completion.index != next_completion.index:
+                    continue
+                if aggregate:
+                    completion.text += next_completion.text
+                    completion.token_ids = [*completion.token_ids, *next_completion.token_ids]
+                    if next_completion.logprobs is not None:
+                        completion.logprobs = [*(completion.logprobs or []), *next_completion.logprobs]
+                    completion.cumulative_logprob = next_completion.cumulative_logprob
+                    completion.finish_reason = next_completion.finish_reason
+                    completion.stop_reason = next_completion.stop_reason
+                else:
+                    self.outputs[i] = next_completion
+                break
+            else:
+                self.outputs.append(next_completion)

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import copy
+import enum
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 _SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far, at every step
+    DELTA = 1  # only what this step added: new token ids, new text, new logprobs
+    FINAL_ONLY = 2  # one output, the whole completion, when the request finishes
 
 
 @dataclass
@@ -34,11 +43,18 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
-    # Filled in by the engine: the tokenizer's end-of-sequence ids.
+    # stop_token_ids as a set, for the per-token stop check and the min_tokens mask.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> SamplingParams:
+        # An unknown keyword is a user error with a clear message, not a TypeError from dataclasses.
+        unknown = sorted(set(kwargs) - _FIELD_NAMES)
+        if unknown:
+            raise ValueError(f"SamplingParams got unknown argument(s) {unknown}; allowed: {sorted(_FIELD_NAMES)}")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -57,11 +73,6 @@ class SamplingParams:
             # Greedy: the other knobs would not change the argmax.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self.all_stop_token_ids = set(self.stop_token_ids)
-
-    @classmethod
-    def from_optional(cls, **kwargs: Any) -> SamplingParams:
-        """Build from keyword arguments, dropping the ones that are None (OpenAI requests)."""
-        return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
     @property
     def greedy(self) -> bool:
@@ -98,10 +109,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "spaces_between_special_tokens", "detokenize"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
@@ -130,15 +142,3 @@ def _num(name: str, value: Any, low: float | None, high: float | None, low_open:
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams) if f.init)
-_dataclass_init = SamplingParams.__init__
-
-
-def _init_rejecting_unknown(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
-    # An unknown keyword is a user error with a clear message, not a TypeError from dataclasses.
-    unknown = sorted(set(kwargs) - _FIELD_NAMES)
-    if unknown:
-        raise ValueError(f"SamplingParams got unknown argument(s) {unknown}; allowed: {sorted(_FIELD_NAMES)}")
-    _dataclass_init(self, *args, **kwargs)
-
-
-SamplingParams.__init__ = _init_rejecting_unknown  # type: ignore[method-assign]

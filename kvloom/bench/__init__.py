@@ -4,6 +4,7 @@
 - ``throughput``: offline ``LLM.generate`` over the workload; kvloom, vLLM or HF transformers.
 - ``latency``: one batch of B requests; time to first token and decode step time.
 - ``serve``: a load generator for any OpenAI-compatible ``/v1/completions`` endpoint.
+- ``stream_cost``: a streamed completion's output-path cost per token, at its start and at its end.
 - ``common``: FLOPs per token, peak memory, process start time, result printing.
 
 Each of ``throughput``, ``latency`` and ``serve`` has ``build_parser()`` and ``main(argv) -> int``

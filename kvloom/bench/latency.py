@@ -72,19 +72,12 @@ _request_counter = 0
 
 
 def measure_step(engine: VllmApiEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """One batch through ``llm_engine.add_request`` + ``step()``; times of every step."""
-    llm_engine = engine.llm.llm_engine
-    params = engine.params(max_tokens)
-    # kvloom's LLM asks its engine for finished outputs only (what generate() reads); per-step
-    # outputs are needed here. vLLM streams them by default (output_kind CUMULATIVE).
-    final_only = getattr(llm_engine, "final_outputs_only", None)
-    if final_only is not None:
-        llm_engine.final_outputs_only = False
-    try:
-        return _step_loop(llm_engine, params, prompts, max_tokens)
-    finally:
-        if final_only is not None:
-            llm_engine.final_outputs_only = final_only
+    """One batch through ``llm_engine.add_request`` + ``step()``; times of every step.
+
+    The requests ask for an output at every step (``output_kind`` CUMULATIVE, the default of both
+    kvloom's and vLLM's SamplingParams; ``LLM.generate`` asks only for the final one).
+    """
+    return _step_loop(engine.llm.llm_engine, engine.params(max_tokens), prompts, max_tokens)
 
 
 def _step_loop(llm_engine: Any, params: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:

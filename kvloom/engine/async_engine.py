@@ -8,8 +8,11 @@ that thread mutates the engine; the event loop reads the tokenizer and the read-
 
     engine = AsyncLLM.from_config(config)   # the engine is built on the thread that steps it
     async for output in engine.generate("Hello", SamplingParams(max_tokens=8), "req-0"):
-        ...  # cumulative RequestOutputs, as vLLM's; the last one has finished=True
+        ...  # RequestOutputs as SamplingParams.output_kind asks (cumulative by default, as vLLM's;
+             # DELTA: only what each step added); the last one has finished=True
 
+A prompt is tokenized and validated on the caller's thread by the engine's InputProcessor (or
+comes already processed, as an EngineRequest); the engine thread only queues it.
 A consumer that stops early (a client that disconnects) aborts its request, which frees its KV
 blocks at the engine's next turn. If a step raises, the engine is dead: every pending and later
 request fails with EngineDeadError.
@@ -18,6 +21,7 @@ request fails with EngineDeadError.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -27,10 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvloom.config import EngineConfig
-from kvloom.engine.llm_engine import LLMEngine, PromptInput
+from kvloom.engine.input_processor import EngineRequest, PromptInput
+from kvloom.engine.llm_engine import LLMEngine
+from kvloom.engine.output_processor import IterationStats
 from kvloom.metrics import EngineMetrics, EngineStats, StatLogger
-from kvloom.outputs import CompletionOutput, RequestOutput
-from kvloom.sampling_params import SamplingParams
+from kvloom.outputs import RequestOutput
+from kvloom.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kvloom")
 
@@ -41,25 +47,17 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class _Stream:
-    """One request's way back to its caller; the fields below the queue belong to the engine thread."""
+    """One request's way back to its caller."""
 
     request_id: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    prompt_token_ids: list[int]
-    n: int
-    last_output: RequestOutput | None = None
-    num_tokens: int = 0
-    last_token_time: float | None = None
 
 
 @dataclass
 class _Add:
     stream: _Stream
-    prompt: PromptInput
-    params: SamplingParams
-    prompt_text: str | None
-    arrival_time: float
+    request: EngineRequest
 
 
 @dataclass
@@ -115,10 +113,13 @@ class AsyncLLM:
 
     def _set_up(self, engine: LLMEngine, model_name: str | None, stats_interval: float, log_requests: bool) -> None:
         self.engine = engine
-        engine.final_outputs_only = False  # streams want every step's output
+        engine.log_stats = True  # the metrics and the log lines read its IterationStats
         self.tokenizer = engine.tokenizer
+        self.input_processor = engine.input_processor  # reads only fixed state: safe on any thread
         self.max_model_len = engine.max_model_len
         self.log_requests = log_requests
+        self._num_prompt_tokens = 0  # totals since start-up, from the engine's IterationStats
+        self._num_generation_tokens = 0
         self._stats = self._snapshot()
         self.metrics = EngineMetrics(model_name or engine.config.model, engine.max_model_len,
                                      self.get_stats)
@@ -128,15 +129,11 @@ class AsyncLLM:
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLM:
-        return cls(lambda: LLMEngine(config), **kwargs)
+        return cls(lambda: LLMEngine(config, log_stats=True), **kwargs)
 
     # ---- state -----------------------------------------------------------------------------
     @property
     def errored(self) -> bool:
-        return self._dead_error is not None
-
-    @property
-    def is_dead(self) -> bool:
         return self._dead_error is not None
 
     @property
@@ -152,36 +149,42 @@ class AsyncLLM:
         return self._stats
 
     # ---- requests --------------------------------------------------------------------------
-    def validate(self, prompt: PromptInput, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Tokenize and check a request without queueing it; ValueError says what is wrong.
-
-        Reads only the tokenizer and fixed limits, so it is safe next to a running step.
-        """
-        text, token_ids = self.engine.process_prompt(prompt)
-        self.engine.validate_request(token_ids, params)
-        return text, token_ids
-
-    async def generate(self, prompt: PromptInput, sampling_params: SamplingParams, request_id: str, *,
-                       prompt_text: str | None = None,
+    async def generate(self, prompt: PromptInput | EngineRequest, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *,
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its cumulative outputs until it finishes.
+        """Queue a request and yield its outputs until it finishes.
 
-        ValueError (a bad prompt or parameters) and EngineDeadError are raised before any output.
-        Outputs that pile up while the caller is busy are merged: only the newest is yielded.
+        ``prompt`` is a prompt (tokenized and validated here) or an EngineRequest from
+        ``input_processor.process``, which carries its id and parameters. ValueError (a bad prompt
+        or parameters) and EngineDeadError are raised before any output. Outputs that pile up while
+        the caller is busy are merged: deltas are joined, otherwise the newest is yielded.
         """
         self.check_health()
-        text, token_ids = self.validate(prompt, sampling_params)
-        stream = _Stream(request_id, asyncio.get_running_loop(), asyncio.Queue(), token_ids,
-                         sampling_params.n)
-        self._submit(_Add(stream, {"prompt_token_ids": token_ids}, sampling_params,
-                          text if prompt_text is None else prompt_text,
-                          time.time() if arrival_time is None else arrival_time))
+        if isinstance(prompt, EngineRequest):
+            request = prompt
+            if sampling_params is not None and sampling_params is not request.sampling_params:
+                raise ValueError("an EngineRequest carries its own sampling_params; pass None")
+            if request_id is not None and request_id != request.request_id:
+                request = dataclasses.replace(request, request_id=request_id)
+        else:
+            if request_id is None:
+                raise ValueError("generate() needs a request_id")
+            request = self.input_processor.process(request_id, prompt, sampling_params,
+                                                   arrival_time=arrival_time)
+        request_id = request.request_id
+        deltas = request.sampling_params.output_kind == RequestOutputKind.DELTA
+        stream = _Stream(request_id, asyncio.get_running_loop(), asyncio.Queue())
+        self._submit(_Add(stream, request))
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
                 while not stream.queue.empty() and not isinstance(item, BaseException):
-                    item = stream.queue.get_nowait()
+                    later = stream.queue.get_nowait()
+                    if deltas and not isinstance(later, BaseException):
+                        item.add(later, aggregate=True)
+                    else:
+                        item = later
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -222,6 +225,7 @@ class AsyncLLM:
                     return
                 if engine.has_unfinished_requests():
                     self._deliver(engine.step())
+                self._record(engine.take_iteration_stats())
                 self._stats = self._snapshot()
                 if self._stat_logger is not None:
                     self._stat_logger.maybe_log(self._stats)
@@ -259,8 +263,7 @@ class AsyncLLM:
         try:
             if stream.request_id in self._streams:
                 raise ValueError(f"request id {stream.request_id!r} is already in use")
-            self.engine.add_request(stream.request_id, command.prompt, command.params,
-                                    arrival_time=command.arrival_time, prompt_text=command.prompt_text)
+            self.engine.add_request(stream.request_id, command.request)
         except ValueError as e:
             self._send(stream, e)
             return
@@ -271,32 +274,11 @@ class AsyncLLM:
         self._streams[stream.request_id] = stream
 
     def _abort(self, request_ids: list[str]) -> None:
-        self.engine.abort_request(request_ids)
-        for request_id in request_ids:
-            stream = self._streams.pop(request_id, None)
-            if stream is None:
-                continue
-            output = self._aborted_output(stream)
-            self.metrics.observe_finished(output, "abort")
-            if self.log_requests:
-                logger.info("Aborted request %s: prompt %d tokens, output %d tokens, after %.2fs",
-                            request_id, len(stream.prompt_token_ids), stream.num_tokens,
-                            time.time() - output.metrics.arrival_time if output.metrics else 0.0)
-            # A caller still listening (an abort from elsewhere) gets a last, finished output.
-            self._send(stream, output)
-
-    def _aborted_output(self, stream: _Stream) -> RequestOutput:
-        last = stream.last_output
-        if last is None:
-            completions = [CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None,
-                                            logprobs=None, finish_reason="abort") for i in range(stream.n)]
-            return RequestOutput(stream.request_id, None, stream.prompt_token_ids, None, completions,
-                                 finished=True)
-        completions = [CompletionOutput(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs,
-                                        c.finish_reason or "abort", c.stop_reason) for c in last.outputs]
-        return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, last.prompt_logprobs,
-                             completions, finished=True, metrics=last.metrics,
-                             num_cached_tokens=last.num_cached_tokens)
+        # A caller still listening (an abort from elsewhere) gets a last, finished output.
+        for output in self.engine.abort_request(request_ids):
+            stream = self._streams.pop(output.request_id, None)
+            if stream is not None:
+                self._send(stream, output)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batches: dict[asyncio.AbstractEventLoop, list] = {}
@@ -304,14 +286,8 @@ class AsyncLLM:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            self.metrics.observe_output(output, stream.num_tokens, stream.last_token_time)
-            stream.num_tokens = sum(len(c.token_ids) for c in output.outputs)
-            if output.metrics is not None:
-                stream.last_token_time = output.metrics.last_token_time
-            stream.last_output = output
             if output.finished:
                 del self._streams[output.request_id]
-                self._finished(output)
             batches.setdefault(stream.loop, []).append((stream.queue, output))
         for loop, items in batches.items():
             try:
@@ -319,21 +295,27 @@ class AsyncLLM:
             except RuntimeError:  # the caller's loop is closed: nobody is listening
                 pass
 
-    def _finished(self, output: RequestOutput) -> None:
-        reasons = sorted({c.finish_reason or "stop" for c in output.outputs})
-        self.metrics.observe_finished(output, reasons[0] if len(reasons) == 1 else "stop")
+    def _record(self, stats: IterationStats) -> None:
+        """The metrics and the request log lines of what the engine did since the last call."""
+        self._num_prompt_tokens += stats.num_prompt_tokens
+        self._num_generation_tokens += stats.num_generation_tokens
+        self.metrics.observe_iteration(stats)
         if not self.log_requests:
             return
-        metrics = output.metrics
-        latency = ttft = float("nan")
-        if metrics is not None:
-            latency = (metrics.finished_time or time.time()) - metrics.arrival_time
-            if metrics.first_token_time is not None:
-                ttft = metrics.first_token_time - metrics.arrival_time
-        logger.info("Finished request %s (%s): prompt %d tokens (%d cached), output %d tokens, "
-                    "latency %.2fs, TTFT %.3fs", output.request_id, ",".join(reasons),
-                    len(output.prompt_token_ids), output.num_cached_tokens,
-                    sum(len(c.token_ids) for c in output.outputs), latency, ttft)
+        now = time.time()
+        for finished in stats.finished_requests:
+            if finished.finish_reason == "abort":
+                logger.info("Aborted request %s: prompt %d tokens, output %d tokens, after %.2fs",
+                            finished.request_id, finished.num_prompt_tokens, finished.num_generation_tokens,
+                            now - finished.arrival_time)
+                continue
+            latency = finished.finished_time - finished.arrival_time
+            ttft = (finished.first_token_time - finished.arrival_time
+                    if finished.first_token_time is not None else float("nan"))
+            logger.info("Finished request %s (%s): prompt %d tokens (%d cached), output %d tokens, "
+                        "latency %.2fs, TTFT %.3fs", finished.request_id, ",".join(finished.finish_reasons),
+                        finished.num_prompt_tokens, finished.num_cached_tokens,
+                        finished.num_generation_tokens, latency, ttft)
 
     def _send(self, stream: _Stream, item: RequestOutput | BaseException) -> None:
         try:
@@ -358,16 +340,10 @@ class AsyncLLM:
             self._send(stream, dead)
         self._streams.clear()
         try:
-            self.engine.abort_request(list(self.engine.parents))
+            self.engine.abort_request(self.engine.get_unfinished_request_ids())
         except Exception:  # noqa: BLE001 - best effort after a failed step
             pass
 
     def _snapshot(self) -> EngineStats:
-        engine = self.engine
-        stats = engine.scheduler.stats()
-        return EngineStats(
-            num_running=stats.num_running, num_waiting=stats.num_waiting,
-            kv_cache_usage=stats.kv_cache_usage, num_preemptions=stats.num_preemptions,
-            prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
-            prompt_tokens=engine.num_prompt_tokens_total,
-            generation_tokens=engine.num_generation_tokens_total, timestamp=time.monotonic())
+        return EngineStats(scheduler=self.engine.scheduler.stats(), prompt_tokens=self._num_prompt_tokens,
+                           generation_tokens=self._num_generation_tokens, timestamp=time.monotonic())

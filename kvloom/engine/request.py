@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
 
 from kvloom.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from kvloom.engine.detokenizer import IncrementalDetokenizer
+
+class ContextLengthError(ValueError):
+    """A prompt and its completion that do not fit in the model's context (the one message for it)."""
+
+    def __init__(self, max_model_len: int, num_prompt_tokens: int, num_output_tokens: int,
+                 prompt_name: str = "prompt") -> None:
+        self.max_model_len = max_model_len
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_output_tokens = num_output_tokens
+        super().__init__(self.message(prompt_name))
+
+    def message(self, prompt_name: str = "prompt") -> str:
+        """vLLM's wording; ``prompt_name`` is what the prompt was given as ("prompt", "messages")."""
+        return (f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {self.num_prompt_tokens + self.num_output_tokens} tokens "
+                f"({self.num_prompt_tokens} in the {prompt_name}, {self.num_output_tokens} in the "
+                f"completion). Please reduce the length of the {prompt_name} or completion.")
 
 
 class RequestStatus(enum.Enum):
@@ -61,19 +75,8 @@ class Request:
         # KV cache state, owned by the KVCacheManager.
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
-
-        # Output state, owned by the engine.
-        self.cumulative_logprob = 0.0
-        self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
-        self.prompt_logprobs: list[dict | None] | None = (
-            [None] if sampling_params.prompt_logprobs is not None else None)
-        self.detokenizer: IncrementalDetokenizer | None = None
-        self.output_text = ""
-        self.parent_id = request_id
-        self.index = 0  # which of the parent's n completions this is
         self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
+        # The text, logprobs and timings of the output live in the engine's OutputProcessor.
 
     @property
     def num_tokens(self) -> int:
@@ -107,7 +110,7 @@ class Request:
     def check_stop(self) -> bool:
         """Token-level stop checks after a new token; sets status and stop_reason. True if done.
 
-        Stop strings are checked by the engine on the detokenized text, not here.
+        Stop strings are checked on the detokenized text, by the OutputProcessor.
         """
         params = self.sampling_params
         last = self.output_token_ids[-1]

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvloom.engine.kv_cache_manager import KVCacheManager
-from kvloom.engine.request import Request, RequestStatus
+from kvloom.engine.request import ContextLengthError, Request, RequestStatus
 
 
 @dataclass
@@ -44,14 +44,16 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
+    """The scheduler's state now; the counters are totals since start-up."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks held by requests, 0..1
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
 
 
 class Scheduler:
@@ -67,12 +69,17 @@ class Scheduler:
         self.num_preemptions = 0
 
     # ---- admission -------------------------------------------------------------------------
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Refuse at once a request that could never be scheduled (ValueError)."""
-        if num_prompt_tokens >= self.max_model_len and num_prompt_tokens > 0:
-            raise ValueError(f"The prompt has {num_prompt_tokens} tokens, but the model's maximum "
-                             f"context length is {self.max_model_len} tokens and at least one must be "
-                             f"left for the output.")
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None,
+                   max_tokens_must_fit: bool = False) -> None:
+        """Refuse at once a request that could never be scheduled.
+
+        The prompt must leave room for one output token (longer outputs stop at ``max_model_len``);
+        with ``max_tokens_must_fit`` (the OpenAI server's rule) all of ``max_tokens`` must fit.
+        ContextLengthError when the context is too short, ValueError when the whole KV cache is.
+        """
+        num_output_tokens = (max_tokens or 1) if max_tokens_must_fit else 1
+        if num_prompt_tokens + num_output_tokens > self.max_model_len:
+            raise ContextLengthError(self.max_model_len, num_prompt_tokens, num_output_tokens)
         total = num_prompt_tokens + (max_tokens or 1)
         needed = self.kv.blocks_needed(min(total, self.max_model_len))
         if needed > self.kv.num_usable_blocks:

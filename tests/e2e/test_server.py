@@ -464,7 +464,7 @@ def test_a_dead_engine_fails_requests_and_health(tiny_llama_dir: str) -> None:
 
     try:
         asyncio.run(run())
-        assert engine.is_dead
+        assert engine.errored
     finally:
         engine.shutdown()
 

@@ -107,3 +107,19 @@ def test_sentencepiece_first_token_keeps_its_leading_space(tmp_path: Path) -> No
     assert streamed == " Paris, the city of light."
     assert streamed == tokenizer.decode(full)[len(tokenizer.decode(prompt_ids)):]
     assert tokenizer.decode(output_ids) == "Paris, the city of light."
+
+
+def test_a_long_run_of_broken_bytes_streams_as_it_comes(tokenizer: Tokenizer) -> None:
+    """Bytes that never become a character (a random model repeating one byte) are emitted as U+FFFD
+    along the way, as decode() renders them, rather than held, and re-decoded, until the end."""
+    crab = tokenizer.encode("🦀", add_special_tokens=False)
+    lead, continuation = crab[0], crab[-1]  # alone, each is a broken sequence
+    rng = random.Random(7)
+    ids = [rng.choice([lead, continuation]) for _ in range(2000)]
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("ok"))
+    streamed = _stream(detokenizer, ids)
+    assert len("".join(streamed)) >= len(tokenizer.decode(ids)) - 8  # all but the last few ids' text
+    assert "".join(streamed) + detokenizer.flush() == detokenizer.output_text == tokenizer.decode(ids)
+    ids = ids[:50] + crab + tokenizer.encode(" ok", add_special_tokens=False)  # then a whole character
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    assert "".join(_stream(detokenizer, ids, rng)) + detokenizer.flush() == tokenizer.decode(ids)

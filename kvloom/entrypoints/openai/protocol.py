@@ -87,6 +87,7 @@ class SamplingFields(RequestModel):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Accepted for vLLM clients and ignored: it changes only HF's slow tokenizers; kvloom decodes as the fast ones.
     spaces_between_special_tokens: bool = True
 
 

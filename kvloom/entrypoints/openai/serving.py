@@ -1,9 +1,11 @@
-"""The OpenAI endpoints' logic: request -> prompts and SamplingParams -> AsyncLLM -> response.
+"""The OpenAI endpoints' logic: request -> EngineRequests -> AsyncLLM -> response.
 
-Every client mistake becomes an ``APIError`` (OpenAI's error shape, a 4xx that names the bad
-parameter) before anything is queued; streamed responses are server-sent events that end with
-``data: [DONE]``. A consumer that goes away (a client that disconnects) cancels the generators,
-which abort their requests in the engine.
+Prompts are tokenized and validated once, by the engine's InputProcessor, into the EngineRequests
+handed to ``AsyncLLM.generate``. Every client mistake becomes an ``APIError`` (OpenAI's error
+shape, a 4xx that names the bad parameter) before anything is queued. A streamed response asks
+the engine for deltas (``RequestOutputKind.DELTA``) and sends each as a server-sent event, ending
+with ``data: [DONE]``; a whole response asks for the final output only. A consumer that goes away
+(a client that disconnects) cancels the generators, which abort their requests in the engine.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from kvloom.engine.async_engine import AsyncLLM, EngineDeadError
+from kvloom.engine.input_processor import EngineRequest, TokenizedPrompt
+from kvloom.engine.request import ContextLengthError
 from kvloom.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -48,7 +52,7 @@ from kvloom.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from kvloom.outputs import CompletionOutput, Logprob, RequestOutput
-from kvloom.sampling_params import SamplingParams
+from kvloom.sampling_params import RequestOutputKind, SamplingParams
 
 # What OpenAI's API returns for a -inf logprob (JSON has no infinity).
 _MIN_LOGPROB = -9999.0
@@ -183,18 +187,10 @@ class OpenAIServing:
             raise APIError(f"The engine is not running: {self.engine.dead_error}", 503,
                            type="server_error", code="engine_dead")
 
-    def check_context(self, num_prompt_tokens: int, max_tokens: int | None, param: str,
-                      prompt_name: str) -> int:
-        """The output budget for a prompt; a 400 when prompt + max_tokens is over the context."""
-        requested = max_tokens if max_tokens is not None else 1
-        if num_prompt_tokens + requested > self.max_model_len:
-            raise APIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
-                f"{prompt_name}, {requested} in the completion). Please reduce the length of the "
-                f"{prompt_name} or completion.",
-                param=param if max_tokens is not None else prompt_name, code="context_length_exceeded")
-        return max_tokens if max_tokens is not None else self.max_model_len - num_prompt_tokens
+    def max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """OpenAI's default when the client gave none: the rest of the context (a prompt that fills
+        it is refused by the input processor, with the context-length message)."""
+        return max_tokens if max_tokens is not None else max(1, self.max_model_len - num_prompt_tokens)
 
     def sampling_params(self, request: SamplingFields, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None,
@@ -215,7 +211,8 @@ class OpenAIServing:
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
-            spaces_between_special_tokens=request.spaces_between_special_tokens)
+            # A stream sends what each step adds; a whole response needs only the end.
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)
         if request.logit_bias:
             raise APIError("logit_bias is not supported", param="logit_bias")
         if request.stream_options is not None and not request.stream:
@@ -225,12 +222,30 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(str(e), param=_param_of(str(e), kwargs, names)) from None
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams, param: str) -> None:
+    async def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool,
+                              prompt_name: str) -> TokenizedPrompt:
+        """A prompt's checked token ids; a 400 naming ``prompt_name`` when it is not valid."""
+        tokenize = self.engine.input_processor.tokenize
         try:
-            self.engine.validate({"prompt_token_ids": prompt_token_ids}, params)
+            if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
+                return await asyncio.to_thread(tokenize, prompt, add_special_tokens)
+            return tokenize(prompt, add_special_tokens)
+        except ValueError as e:
+            raise APIError(str(e), param=prompt_name) from None
+
+    def engine_request(self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams,
+                       prompt_name: str, max_tokens_param: str | None) -> EngineRequest:
+        """The request for the engine, validated once; a 400 naming the parameter at fault.
+
+        ``max_tokens_param``: the field the client set max_tokens with (None: it set none)."""
+        try:
+            return self.engine.input_processor.process(request_id, prompt, params, max_tokens_must_fit=True)
+        except ContextLengthError as e:
+            raise APIError(e.message(prompt_name), param=max_tokens_param or prompt_name,
+                           code="context_length_exceeded") from None
         except ValueError as e:
             message = str(e)
-            name = param if "prompt" in message.lower() else _param_of(message, vars(params), None)
+            name = prompt_name if "prompt" in message.lower() else _param_of(message, vars(params), None)
             raise APIError(message, param=name) from None
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -246,17 +261,6 @@ class OpenAIServing:
             raise APIError(str(e), param="messages") from None
         except (TypeError, KeyError, AttributeError, IndexError) as e:
             raise APIError(f"chat template failed to render the messages: {e}", param="messages") from None
-
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if len(text) <= _INLINE_TOKENIZE_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
-
-    def token_ids(self, ids: list[int], param: str) -> list[int]:
-        for t in ids:
-            if not 0 <= t < self.vocab_size:
-                raise APIError(f"token ids must be integers in [0, {self.vocab_size}), got {t}", param=param)
-        return ids
 
     def decoded(self, token_id: int, logprob: Logprob | None = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
@@ -301,33 +305,15 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
 # /v1/completions
 # ---------------------------------------------------------------------------------------------
 
-class _Prompt:
-    __slots__ = ("text", "token_ids")
-
-    def __init__(self, text: str | None, token_ids: list[int]) -> None:
-        self.text = text
-        self.token_ids = token_ids
-
-
 class _ChoiceState:
     """What one streamed choice has sent so far."""
 
-    __slots__ = ("text_length", "num_tokens", "offset", "finished", "started")
+    __slots__ = ("offset", "finished", "started")
 
     def __init__(self) -> None:
-        self.text_length = 0
-        self.num_tokens = 0
         self.offset = 0  # text offset of the next logprob token
         self.finished = False
         self.started = False
-
-    def advance(self, completion: CompletionOutput) -> str | None:
-        """Mark everything in `completion` as sent; returns its finish_reason (None while running)."""
-        self.text_length = len(completion.text)
-        self.num_tokens = len(completion.token_ids)
-        if completion.finish_reason is not None:
-            self.finished = True
-        return completion.finish_reason
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -342,35 +328,34 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await self._prompts(request)
         logprobs = request.logprobs
         prompt_logprobs = logprobs if request.echo and logprobs is not None else None
-        params_list = []
-        for prompt in prompts:
-            max_tokens = self.check_context(len(prompt.token_ids), request.max_tokens, "max_tokens", "prompt")
-            params = self.sampling_params(request, max_tokens, logprobs, prompt_logprobs)
-            self.validate(prompt.token_ids, params, "prompt")
-            params_list.append(params)
-        if request.echo:
-            for prompt in prompts:
-                if prompt.text is None:
-                    prompt.text = self.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
-
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        max_tokens_param = "max_tokens" if request.max_tokens is not None else None
+        requests = []
+        for i, prompt in enumerate(prompts):
+            params = self.sampling_params(request, self.max_tokens(len(prompt.token_ids), request.max_tokens),
+                                          logprobs, prompt_logprobs)
+            requests.append(self.engine_request(f"{request_id}-{i}", prompt, params, "prompt", max_tokens_param))
+        echo_texts = None
+        if request.echo:
+            echo_texts = [p.text if p.text is not None
+                          else self.tokenizer.decode(list(p.token_ids), skip_special_tokens=False)
+                          for p in prompts]
+
         created = int(time.time())
         model = request.model or self.model_name
-        generators = [
-            self.engine.generate({"prompt_token_ids": p.token_ids}, params, f"{request_id}-{i}",
-                                 prompt_text=p.text)
-            for i, (p, params) in enumerate(zip(prompts, params_list, strict=True))]
+        generators = [self.engine.generate(r) for r in requests]
         if request.stream:
-            return _event_stream(self._stream(request, request_id, created, model, prompts, generators))
+            return _event_stream(self._stream(request, request_id, created, model, prompts, echo_texts,
+                                              generators))
 
         async def collect() -> Response:
             outputs = await asyncio.gather(*[_last(g) for g in generators])
-            return JSONResponse(self._response(request, request_id, created, model, prompts,
+            return JSONResponse(self._response(request, request_id, created, model, prompts, echo_texts,
                                                outputs).model_dump())
 
         return await run_until_disconnected(collect(), raw_request)
 
-    async def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
+    async def _prompts(self, request: CompletionRequest) -> list[TokenizedPrompt]:
         prompt = request.prompt
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
@@ -380,18 +365,7 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(prompt)
         if not items:
             raise APIError("prompt must not be empty", param="prompt")
-        prompts = []
-        for item in items:
-            if isinstance(item, str):
-                if not item:
-                    raise APIError("prompt must not be empty", param="prompt")
-                ids = await self.encode(item, request.add_special_tokens)
-                prompts.append(_Prompt(item, ids))
-            else:
-                if not item:
-                    raise APIError("prompt must not be empty", param="prompt")
-                prompts.append(_Prompt(None, self.token_ids(list(item), "prompt")))
-        return prompts
+        return [await self.tokenize_prompt(item, request.add_special_tokens, "prompt") for item in items]
 
     def _logprobs(self, token_ids: list[int], entries: Sequence[dict[int, Logprob] | None],
                   offset: int) -> CompletionLogProbs:
@@ -425,12 +399,13 @@ class OpenAIServingCompletion(OpenAIServing):
         return self._logprobs(token_ids, entries, 0)
 
     def _response(self, request: CompletionRequest, request_id: str, created: int, model: str,
-                  prompts: list[_Prompt], outputs: list[RequestOutput]) -> CompletionResponse:
+                  prompts: list[TokenizedPrompt], echo_texts: list[str] | None,
+                  outputs: list[RequestOutput]) -> CompletionResponse:
         choices = []
         num_generated = 0
-        for prompt_index, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        for prompt_index, output in enumerate(outputs):
             for completion in output.outputs:
-                text = (prompt.text or "") + completion.text if request.echo else completion.text
+                text = echo_texts[prompt_index] + completion.text if echo_texts else completion.text
                 choices.append(CompletionResponseChoice(
                     index=prompt_index * request.n + completion.index, text=text,
                     logprobs=self._choice_logprobs(request, output, completion),
@@ -441,29 +416,30 @@ class OpenAIServingCompletion(OpenAIServing):
                                   usage=_usage(num_prompt, num_generated))
 
     async def _stream(self, request: CompletionRequest, request_id: str, created: int, model: str,
-                      prompts: list[_Prompt], generators: list[AsyncIterator[RequestOutput]]
-                      ) -> AsyncIterator[str]:
+                      prompts: list[TokenizedPrompt], echo_texts: list[str] | None,
+                      generators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
         n = request.n
         states = [_ChoiceState() for _ in range(len(prompts) * n)]
+        # A delta stream carries the prompt's logprobs once; every choice of the prompt echoes them.
+        prompt_logprobs: list[Any] = [None] * len(prompts)
         num_generated = 0
         try:
             async with aclosing(merge_async_iterators(generators)) as merged:
                 async for prompt_index, output in merged:
-                    prompt = prompts[prompt_index]
-                    choices = []
+                    if output.prompt_logprobs is not None:
+                        prompt_logprobs[prompt_index] = output.prompt_logprobs
                     for completion in output.outputs:
-                        state = states[prompt_index * n + completion.index]
+                        index = prompt_index * n + completion.index
+                        state = states[index]
                         if state.finished:
                             continue
-                        choice = self._delta_choice(request, prompt, output, completion, state,
-                                                    prompt_index * n + completion.index)
+                        num_generated += len(completion.token_ids)
+                        choice = self._delta_choice(request, prompts[prompt_index],
+                                                    echo_texts[prompt_index] if echo_texts else None,
+                                                    prompt_logprobs[prompt_index], completion, state, index)
                         if choice is not None:
-                            choices.append(choice)
-                    for choice in choices:
-                        yield _sse(CompletionStreamResponse(id=request_id, created=created, model=model,
-                                                            choices=[choice]))
-                    if output.finished:
-                        num_generated += sum(len(c.token_ids) for c in output.outputs)
+                            yield _sse(CompletionStreamResponse(id=request_id, created=created, model=model,
+                                                                choices=[choice]))
             if request.stream_options is not None and request.stream_options.include_usage:
                 num_prompt = sum(len(p.token_ids) for p in prompts)
                 yield _sse(CompletionStreamResponse(id=request_id, created=created, model=model,
@@ -472,24 +448,23 @@ class OpenAIServingCompletion(OpenAIServing):
             yield _error_event(e)
         yield "data: [DONE]\n\n"
 
-    def _delta_choice(self, request: CompletionRequest, prompt: _Prompt, output: RequestOutput,
-                      completion: CompletionOutput, state: _ChoiceState,
+    def _delta_choice(self, request: CompletionRequest, prompt: TokenizedPrompt, echo_text: str | None,
+                      prompt_logprobs: Any, completion: CompletionOutput, state: _ChoiceState,
                       index: int) -> CompletionResponseChoice | None:
-        text = completion.text[state.text_length:]
-        new_ids = completion.token_ids[state.num_tokens:]
+        """One chunk of a choice from one delta output (None when it adds nothing)."""
+        text = completion.text
         logprobs = None
         if not state.started:
             state.started = True
-            if request.echo:
-                text = (prompt.text or "") + text
+            if echo_text is not None:
+                text = echo_text + text
                 if request.logprobs is not None:
-                    entries = list(output.prompt_logprobs or [])
+                    entries = list(prompt_logprobs or [])
                     entries += [None] * (len(prompt.token_ids) - len(entries))
-                    logprobs = self._logprobs(prompt.token_ids, entries, 0)
+                    logprobs = self._logprobs(list(prompt.token_ids), entries, 0)
                     state.offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-        if request.logprobs is not None and new_ids:
-            entries = (completion.logprobs or [])[state.num_tokens:]
-            more = self._logprobs(new_ids, entries, state.offset)
+        if request.logprobs is not None and completion.token_ids:
+            more = self._logprobs(completion.token_ids, completion.logprobs or [], state.offset)
             if more.tokens:
                 state.offset = more.text_offset[-1] + len(more.tokens[-1])
             if logprobs is None:
@@ -497,7 +472,8 @@ class OpenAIServingCompletion(OpenAIServing):
             else:
                 for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
                     getattr(logprobs, name).extend(getattr(more, name))
-        finish_reason = state.advance(completion)
+        finish_reason = completion.finish_reason
+        state.finished = finish_reason is not None
         if not text and logprobs is None and finish_reason is None:
             return None
         choice = CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
@@ -524,24 +500,25 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
         prompt_text = self.render_chat(request.messages, request.add_generation_prompt,
                                        request.chat_template_kwargs)
-        prompt_ids = await self.encode(prompt_text, add_special_tokens=False)
+        # The template already wrote any BOS it wants.
+        prompt = await self.tokenize_prompt(prompt_text, add_special_tokens=False, prompt_name="messages")
         if request.max_completion_tokens is not None:
             max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, param = request.max_tokens, "max_tokens"
-        max_tokens = self.check_context(len(prompt_ids), max_tokens, param, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, logprobs,
+        params = self.sampling_params(request, self.max_tokens(len(prompt.token_ids), max_tokens), logprobs,
                                       names={"max_tokens": param, "logprobs": "top_logprobs"})
-        self.validate(prompt_ids, params, "messages")
-
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        engine_request = self.engine_request(request_id, prompt, params, "messages",
+                                             param if max_tokens is not None else None)
+
         created = int(time.time())
         model = request.model or self.model_name
-        generator = self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id,
-                                         prompt_text=prompt_text)
+        generator = self.engine.generate(engine_request)
         if request.stream:
-            return _event_stream(self._stream(request, request_id, created, model, generator))
+            return _event_stream(self._stream(request, request_id, created, model,
+                                              len(prompt.token_ids), generator))
 
         async def collect() -> Response:
             output = await _last(generator)
@@ -585,7 +562,7 @@ class OpenAIServingChat(OpenAIServing):
                                       usage=_usage(len(output.prompt_token_ids), num_generated))
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model: str,
-                      generator: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+                      num_prompt_tokens: int, generator: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
         states = [_ChoiceState() for _ in range(request.n)]
 
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
@@ -597,35 +574,36 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk(ChatCompletionResponseStreamChoice(
                     index=index, delta=DeltaMessage(role="assistant", content=""), logprobs=None,
                     finish_reason=None))
-            last = None
+            num_generated = 0
+            saw_output = False
             async with aclosing(generator) as outputs:
                 async for output in outputs:
-                    last = output
+                    saw_output = True
                     for completion in output.outputs:
                         state = states[completion.index]
                         if state.finished:
                             continue
+                        num_generated += len(completion.token_ids)
                         choice = self._delta_choice(request, completion, state)
                         if choice is not None:
                             yield chunk(choice)
-            if request.stream_options is not None and request.stream_options.include_usage and last:
-                num_generated = sum(len(c.token_ids) for c in last.outputs)
+            if request.stream_options is not None and request.stream_options.include_usage and saw_output:
                 yield _sse(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=model, choices=[],
-                    usage=_usage(len(last.prompt_token_ids), num_generated)))
+                    usage=_usage(num_prompt_tokens, num_generated)))
         except (APIError, EngineDeadError, ValueError) as e:
             yield _error_event(e)
         yield "data: [DONE]\n\n"
 
     def _delta_choice(self, request: ChatCompletionRequest, completion: CompletionOutput,
                       state: _ChoiceState) -> ChatCompletionResponseStreamChoice | None:
-        text = completion.text[state.text_length:]
-        new_ids = completion.token_ids[state.num_tokens:]
+        """One chunk of a choice from one delta output (None when it adds nothing)."""
+        text = completion.text
         logprobs = None
-        if request.logprobs and new_ids:
-            logprobs = self._logprobs(new_ids, (completion.logprobs or [])[state.num_tokens:],
-                                      request.top_logprobs or 0)
-        finish_reason = state.advance(completion)
+        if request.logprobs and completion.token_ids:
+            logprobs = self._logprobs(completion.token_ids, completion.logprobs or [], request.top_logprobs or 0)
+        finish_reason = completion.finish_reason
+        state.finished = finish_reason is not None
         if not text and logprobs is None and finish_reason is None:
             return None
         choice = ChatCompletionResponseStreamChoice(
@@ -641,6 +619,19 @@ class OpenAIServingChat(OpenAIServing):
 # ---------------------------------------------------------------------------------------------
 
 class OpenAIServingTokenization(OpenAIServing):
+    """/tokenize and /detokenize: the tokenizer itself, for any text (nothing goes to the engine)."""
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) <= _INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    def token_ids(self, ids: list[int], param: str) -> list[int]:
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise APIError(f"token ids must be integers in [0, {self.vocab_size}), got {t}", param=param)
+        return ids
+
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):

@@ -1,0 +1,126 @@
+"""The one way into the engine: a prompt and its SamplingParams, tokenized and validated once.
+
+``LLM.generate`` / ``LLM.chat``, ``AsyncLLM.generate`` and the OpenAI server all turn what they were
+given into an ``EngineRequest`` here and hand that to ``LLMEngine.add_request``, which queues it
+without looking at the prompt again. A prompt is text, token ids, ``{"prompt": text}`` or
+``{"prompt_token_ids": [...]}``; a chat is rendered to text by its caller first (the template
+writes any BOS it wants, so it is tokenized with ``add_special_tokens=False``).
+
+Everything that is wrong with a request is a ``ValueError`` saying what was wrong and what is
+allowed: a prompt that is empty, not valid Unicode or holds ids outside the vocabulary; parameters
+the vocabulary cannot honour; a prompt and completion that do not fit in the context
+(``ContextLengthError``, one message wherever it is raised) or that the whole KV cache could never
+hold. The processor reads only the tokenizer and fixed limits, so the server may call it on its
+event loop while the engine thread steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvloom.loader.tokenizer import Tokenizer
+from kvloom.sampling_params import SamplingParams
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A checked prompt: its text (None when it came as token ids) and its token ids."""
+
+    text: str | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request ready for the engine: tokenized and validated, never changed afterwards.
+
+    ``sampling_params`` is the caller's object; the engine reads it and never writes to it.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    arrival_time: float
+
+
+class InputProcessor:
+    """Tokenizes and validates requests against one engine's tokenizer, vocabulary and limits."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int,
+                 check_fits: Callable[[int, int | None, bool], None]) -> None:
+        """``check_fits(num_prompt_tokens, max_tokens, max_tokens_must_fit)``: the scheduler's
+        refusal of a request that could never be scheduled (context length, whole KV cache)."""
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.check_fits = check_fits
+
+    def tokenize(self, prompt: PromptInput | TokenizedPrompt, add_special_tokens: bool = True
+                 ) -> TokenizedPrompt:
+        """Text, token ids or a prompt dict -> a checked TokenizedPrompt (one already is one)."""
+        if isinstance(prompt, TokenizedPrompt):
+            return prompt
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+            if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+                raise ValueError(f"a prompt dict needs exactly one of 'prompt' (text) or "
+                                 f"'prompt_token_ids' (list of ints), got keys {sorted(prompt)}")
+            if prompt.get("multi_modal_data"):
+                raise ValueError("multi_modal_data is not supported: kvloom serves text models")
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                prompt = prompt["prompt_token_ids"]
+                if not isinstance(prompt, list):
+                    raise ValueError(f"prompt_token_ids must be a list of ints, got {type(prompt).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; give at least one character or token")
+            try:
+                token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            except TypeError:  # the tokenizers library's answer to lone surrogates
+                raise ValueError("the prompt is not valid Unicode text (it holds a lone surrogate)") from None
+            text: str | None = prompt
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = prompt
+            text = None
+            vocab = self.vocab_size
+            for t in token_ids:
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        else:
+            raise ValueError(f"a prompt must be a string, a list of token ids or a dict, "
+                             f"got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one character or token")
+        return TokenizedPrompt(text, tuple(token_ids))
+
+    def process(self, request_id: str, prompt: PromptInput | TokenizedPrompt,
+                params: SamplingParams | None = None, *, arrival_time: float | None = None,
+                add_special_tokens: bool = True, max_tokens_must_fit: bool = False) -> EngineRequest:
+        """The EngineRequest for a prompt and its parameters; ValueError if they are not valid.
+
+        ``max_tokens_must_fit``: the prompt plus all of ``max_tokens`` must fit in the context (the
+        OpenAI server's rule); otherwise the prompt must leave room for one token and the output
+        stops at the context's end (the offline API's, as vLLM's).
+        """
+        tokenized = self.tokenize(prompt, add_special_tokens)
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        self.check_fits(len(tokenized.token_ids), params.max_tokens, max_tokens_must_fit)
+        vocab = self.vocab_size
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {t}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {value}")
+        return EngineRequest(request_id, tokenized.text, tokenized.token_ids, params,
+                             time.time() if arrival_time is None else arrival_time)
