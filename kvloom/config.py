@@ -14,9 +14,16 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvloom import envs
+from kvloom.ops import ATTENTION_BACKENDS
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvloom.loader.model_config import ModelConfig
+    from kvloom.loader.weights import ModelSource
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -51,9 +58,9 @@ class BackendConfig:
         return config
 
     def validate(self) -> None:
-        if self.attention_backend not in ("auto", "reference", "native", "cpu"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"override_backend_config: attention_backend must be one of "
-                             f"'auto', 'reference', 'native', 'cpu', got {self.attention_backend!r}")
+                             f"{list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int)
                                              or isinstance(self.num_threads, bool) or self.num_threads < 1):
             raise ValueError(f"override_backend_config: num_threads must be a positive integer, "
@@ -203,6 +210,46 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.field_names()}
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """Everything settled once at start-up (the model found, its facts read, device and dtype chosen,
+    lengths defaulted): built by ``resolve_config`` and handed whole to the executor, the workers and
+    the model runner, so no layer re-derives a setting."""
+
+    engine: EngineConfig
+    model: ModelConfig
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+def resolve_config(config: EngineConfig) -> ResolvedConfig:
+    """Find the model and read its config; ValueError when a setting does not fit the model or machine."""
+    from kvloom.loader.weights import load_model_config, resolve_model
+    from kvloom.platform import resolve_device, resolve_dtype
+
+    source = resolve_model(config.model)
+    model_config = load_model_config(source)
+    device = resolve_device(config.device)
+    model_max = model_config.max_position_embeddings
+    max_model_len = config.max_model_len or model_max
+    if max_model_len > model_max:
+        raise ValueError(f"max_model_len={max_model_len} is longer than the model's context "
+                         f"length ({model_max} tokens); use max_model_len <= {model_max}")
+    return ResolvedConfig(
+        engine=config, model=model_config, source=source, device=device,
+        dtype=resolve_dtype(config.dtype, model_config.torch_dtype, device),
+        block_size=config.block_size, max_model_len=max_model_len,
+        max_num_batched_tokens=config.resolve_max_num_batched_tokens(max_model_len))
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

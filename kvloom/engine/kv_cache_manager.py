@@ -92,10 +92,12 @@ class KVCacheManager:
             if block is None or block.token_ids != tokens:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.prefix_queries += request.num_tokens
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup whose request was admitted (a request that waits for blocks is counted once)."""
+        self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
-        return hits, num_hit_tokens
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -163,12 +165,6 @@ class KVCacheManager:
                 else:
                     self.free_queue[block_id] = block
         request.block_ids = []
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            block.block_hash = None
-            block.token_ids = None
-        self.cached.clear()
 
     def check_integrity(self) -> None:
         """Raise if the bookkeeping is inconsistent (used by tests)."""

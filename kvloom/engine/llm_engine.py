@@ -13,24 +13,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvloom.config import EngineConfig
+from kvloom.config import EngineConfig, resolve_config
 from kvloom.engine.detokenizer import IncrementalDetokenizer
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.scheduler import Scheduler
 from kvloom.executor import build_executor
 from kvloom.loader.tokenizer import Tokenizer, load_tokenizer
-from kvloom.loader.weights import load_model_config, resolve_model
+from kvloom.loader.weights import resolve_model
 from kvloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvloom.platform import configure_host, resolve_device, resolve_dtype
+from kvloom.platform import configure_host
 from kvloom.sampling_params import SamplingParams
-from kvloom.worker.model_runner import LogprobsRow
+from kvloom.step_io import LogprobsRow
 
 logger = logging.getLogger("kvloom")
 
 PromptInput = str | list[int] | dict[str, Any]
-
-_DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
 @dataclass
@@ -53,28 +51,23 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         self.config = config
-        self.source = resolve_model(config.model)
-        self.model_config = load_model_config(self.source)
+        self.resolved = resolved = resolve_config(config)
+        self.source = resolved.source
+        self.model_config = resolved.model
         tokenizer_source = resolve_model(config.tokenizer) if config.tokenizer else self.source
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer_source)
-        self.device = resolve_device(config.device)
+        self.device = resolved.device
         configure_host(config, self.device)
-        self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
-
-        model_max = self.model_config.max_position_embeddings
-        self.max_model_len = config.max_model_len or model_max
-        if self.max_model_len > model_max:
-            raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's context "
-                             f"length ({model_max} tokens); use max_model_len <= {model_max}")
-        self.block_size = config.block_size
+        self.dtype = resolved.dtype
+        self.max_model_len = resolved.max_model_len
+        self.block_size = resolved.block_size
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
 
-        self.executor = build_executor(config, self.model_config, self.source, self.device, self.dtype,
-                                       self.block_size, self.max_model_len)
-        num_blocks = self._num_kv_blocks()
+        self.executor = build_executor(resolved)
+        num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.init_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
-        self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.max_model_len)
+        self.max_num_batched_tokens = resolved.max_num_batched_tokens
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len)
         self.parents: dict[str, ParentRequest] = {}
@@ -92,25 +85,6 @@ class LLMEngine:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(**kwargs))
-
-    def _num_kv_blocks(self) -> int:
-        per_block = self.executor.kv_bytes_per_block()
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                import torch
-
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = int(free - total * (1 - self.config.gpu_memory_utilization))
-            else:
-                budget = _DEFAULT_CPU_KV_CACHE_BYTES
-        # Never more blocks than max_num_seqs full-length sequences can use.
-        most_useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
-        num_blocks = min(budget // per_block, most_useful)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={budget} bytes is smaller than one KV block "
-                             f"({per_block} bytes of {self.block_size} tokens)")
-        return num_blocks + 1  # + the null block
 
     # ---- requests --------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -228,15 +202,16 @@ class LLMEngine:
         if scheduler_output.is_empty:
             return []
         runner_output = self.executor.execute(scheduler_output)
+        # The scheduled requests, looked up before the scheduler lets go of those that finish.
+        requests = [self.scheduler.requests[s.request_id] for s in scheduler_output.scheduled]
         self.num_prompt_tokens_total += sum(
-            max(0, min(s.num_computed_tokens + s.num_new_tokens, s.request.num_prompt_tokens)
-                - s.num_computed_tokens) for s in scheduler_output.scheduled)
-        finished = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+            max(0, min(s.num_computed_tokens + s.num_new_tokens, r.num_prompt_tokens) - s.num_computed_tokens)
+            for s, r in zip(scheduler_output.scheduled, requests))
+        finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.time()
         touched: dict[str, ParentRequest] = {}
         stopped_by_string: list[str] = []
-        for item in scheduler_output.scheduled:
-            request = item.request
+        for item, request in zip(scheduler_output.scheduled, requests):
             rows = runner_output.prompt_logprobs.get(request.request_id)
             if rows and request.prompt_logprobs is not None:
                 # Row k predicts prompt position start + 1 + k; after a preemption the same
@@ -244,20 +219,21 @@ class LLMEngine:
                 start = item.num_computed_tokens + 1
                 rows = rows[len(request.prompt_logprobs) - start:] if len(request.prompt_logprobs) >= start else []
                 request.prompt_logprobs.extend(self._logprob_dicts(rows, request.sampling_params.prompt_logprobs))
-            token_id = runner_output.sampled_token_ids.get(request.request_id)
-            if token_id is None:
+            token_ids = runner_output.sampled_token_ids.get(request.request_id)
+            if not token_ids:
                 continue
-            self.num_generation_tokens_total += 1
+            self.num_generation_tokens_total += len(token_ids)
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            row = runner_output.logprobs.get(request.request_id)
-            if row is not None:
+            for row in runner_output.logprobs.get(request.request_id, []):
                 request.cumulative_logprob += row[1][0]
                 if request.logprobs is not None:
                     request.logprobs.extend(self._logprob_dicts([row], request.sampling_params.logprobs))
-            if self._postprocess_text(request, token_id):
-                stopped_by_string.append(request.request_id)
+            for token_id in token_ids:
+                if self._postprocess_text(request, token_id):
+                    stopped_by_string.append(request.request_id)
+                    break
             parent = self.parents.get(request.parent_id)
             if parent is not None:
                 touched[parent.request_id] = parent
