@@ -40,6 +40,14 @@ class BackendConfig:
     attention_backend: str = "auto"
     # torch intra-op threads on the CPU (None: all cores).
     num_threads: int | None = None
+    # Shape buckets (the seeds' enable_bucketing): decode batches padded to a token-generation bucket
+    # run as one captured CUDA graph each; prefill token counts padded to a context-length bucket.
+    # None: on CUDA, on; on the CPU, off (the C++ kernels take any shape at no cost).
+    enable_bucketing: bool | None = None
+    token_gen_buckets: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, 32, ... up to max_num_seqs
+    context_length_buckets: list[int] | None = None  # None: powers of two up to max_num_batched_tokens
+    # Where compiled kernels are kept across restarts (None: KVLOOM_CACHE_DIR/compiled).
+    compiled_artifacts: str | None = None
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any] | str | None) -> BackendConfig:
@@ -47,6 +55,12 @@ class BackendConfig:
         values: dict[str, Any] = {}
         if envs.get("KVLOOM_NUM_THREADS"):
             values["num_threads"] = envs.get_int("KVLOOM_NUM_THREADS")
+        for key in ("token_gen_buckets", "context_length_buckets"):
+            buckets = envs.get_int_list(f"KVLOOM_{key.upper()}")
+            if buckets is not None:
+                values[key] = buckets
+        if envs.get("KVLOOM_COMPILED_ARTIFACTS"):
+            values["compiled_artifacts"] = envs.get("KVLOOM_COMPILED_ARTIFACTS")
         values.update(parse_overrides(overrides))
         allowed = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - allowed)
@@ -65,6 +79,21 @@ class BackendConfig:
                                              or isinstance(self.num_threads, bool) or self.num_threads < 1):
             raise ValueError(f"override_backend_config: num_threads must be a positive integer, "
                              f"got {self.num_threads!r}")
+        if self.enable_bucketing is not None and not isinstance(self.enable_bucketing, bool):
+            raise ValueError(f"override_backend_config: enable_bucketing must be true or false, "
+                             f"got {self.enable_bucketing!r}")
+        for name in ("token_gen_buckets", "context_length_buckets"):
+            buckets = getattr(self, name)
+            if buckets is None:
+                continue
+            if (not isinstance(buckets, list) or not buckets
+                    or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets)):
+                raise ValueError(f"override_backend_config: {name} must be a non-empty list of positive "
+                                 f"integers, e.g. [1, 2, 4, 8], got {buckets!r}")
+            setattr(self, name, sorted(set(buckets)))
+        if self.compiled_artifacts is not None and not isinstance(self.compiled_artifacts, str):
+            raise ValueError(f"override_backend_config: compiled_artifacts must be a folder path, "
+                             f"got {self.compiled_artifacts!r}")
 
 
 def parse_overrides(overrides: dict[str, Any] | str | None) -> dict[str, Any]:
@@ -151,7 +180,7 @@ class EngineConfig:
         "fraction of GPU memory kvloom may use on CUDA"))
     tensor_parallel_size: int = field(default=1, metadata=_help("number of tensor-parallel ranks"))
     enforce_eager: bool = field(default=False, metadata=_help(
-        "accepted for vLLM compatibility; kvloom runs eagerly (it compiles no graphs yet)"))
+        "run every step eagerly: no CUDA graphs for the decode buckets (CUDA only; the CPU always runs eagerly)"))
     override_backend_config: dict[str, Any] | str | None = field(default=None, metadata=_help(
         "backend knobs as JSON, e.g. '{\"attention_backend\": \"reference\"}'"))
     trust_remote_code: bool = field(default=False, metadata=_help(
