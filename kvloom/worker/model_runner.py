@@ -25,6 +25,8 @@ from kvloom.ops.table import Ops, select_ops
 from kvloom.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_top
 from kvloom.sampling_params import SamplingParams
 from kvloom.step_io import LogprobsRow, ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from kvloom.worker.compiled_artifacts import ArtifactStore
+from kvloom.worker.graphs import DecodeGraphs, default_token_gen_buckets, pick_bucket
 
 logger = logging.getLogger("kvloom")
 
@@ -78,6 +80,10 @@ class ModelRunner:
         self.sampler = Sampler(self.generator)
         self.requests: dict[str, RequestState] = {}
         self.load_seconds = 0.0
+        self.graphs: DecodeGraphs | None = None
+        self.artifacts: ArtifactStore | None = None  # compiled kernels kept across restarts (CUDA)
+        # Prefill steps are padded to these token counts (None: run at their own size).
+        self.context_length_buckets: list[int] | None = None
         # Set by a tensor-parallel executor: sends each step's inputs to the other ranks.
         self.broadcast_inputs: Callable[[ModelInputs], None] | None = None
 
@@ -88,6 +94,9 @@ class ModelRunner:
         engine = self.config.engine
         self.ops = select_ops(self.device, self.dtype, engine.backend.attention_backend,
                               batch_hint=min(engine.max_num_seqs, 256))
+        if self.ops.name == "triton":
+            self.artifacts = ArtifactStore(self.config, self._token_gen_buckets())
+            self.artifacts.open()  # before the first kernel compiles
         with _default_dtype(self.dtype), torch.device(self.device):
             model = build_model(self.model_config, self.ops)
         model.load_weights(iter_weights(self.config.source))
@@ -105,23 +114,64 @@ class ModelRunner:
         return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * element
 
     def determine_num_kv_blocks(self) -> int:
-        """KV blocks that fit the budget (kv_cache_memory; on CUDA the free share of
-        gpu_memory_utilization), never more than max_num_seqs full-length sequences use, + the null block."""
+        """KV blocks that fit the budget, never more than max_num_seqs full-length sequences use, + the null
+        block. The budget is kv_cache_memory; on CUDA without it, what gpu_memory_utilization leaves after
+        the weights and the peak activations of the largest step (measured by running one)."""
         engine = self.config.engine
         per_block = self.kv_bytes_per_block()
         budget = engine.kv_cache_memory
         if budget is None:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = int(free - total * (1 - engine.gpu_memory_utilization))
-            else:
-                budget = _DEFAULT_CPU_KV_CACHE_BYTES
+            budget = self._profile_cuda_budget() if self.device.type == "cuda" else _DEFAULT_CPU_KV_CACHE_BYTES
         most_useful = engine.max_num_seqs * self.config.max_blocks_per_seq
         num_blocks = min(budget // per_block, most_useful)
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={budget} bytes is smaller than one KV block "
-                             f"({per_block} bytes of {self.block_size} tokens)")
+            raise ValueError(f"the KV cache budget ({budget} bytes) is smaller than one KV block "
+                             f"({per_block} bytes of {self.block_size} tokens); raise kv_cache_memory or "
+                             f"gpu_memory_utilization, or lower max_num_batched_tokens")
+        if self.device.type == "cuda":
+            logger.info("KV cache: %d blocks of %d tokens = %d tokens per sequence set (%.2f GiB)", num_blocks,
+                        self.block_size, num_blocks * self.block_size, num_blocks * per_block / 2**30)
         return num_blocks + 1
+
+    @torch.inference_mode()
+    def _profile_cuda_budget(self) -> int:
+        """Bytes for the KV cache on CUDA: run the largest step (max_num_batched_tokens tokens, logits for
+        max_num_seqs rows) on a one-block scratch cache, then take what gpu_memory_utilization leaves
+        beside the peak memory torch reached and what other libraries hold."""
+        engine, mc = self.config.engine, self.model_config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch = [(torch.zeros(1, self.block_size, mc.num_key_value_heads, mc.head_dim, dtype=self.dtype,
+                                device=self.device),) * 2 for _ in range(mc.num_hidden_layers)]
+        tokens = self.config.max_num_batched_tokens
+        lengths = [self.config.max_model_len] * (tokens // self.config.max_model_len)
+        if tokens % self.config.max_model_len:
+            lengths.append(tokens % self.config.max_model_len)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.zeros(tokens, dtype=torch.long, device=device),  # all into the scratch block
+            block_table=torch.zeros(len(lengths), self.config.max_blocks_per_seq, dtype=torch.long, device=device),
+            seq_lens=torch.tensor(lengths, device=device), query_start_loc=starts, seq_lens_host=lengths,
+            num_decodes=0, block_size=self.block_size, sliding_window=self.sliding_window,
+            query_start_loc_tensor=torch.tensor(starts, device=device), max_query_len=max(lengths))
+        hidden = self.model(torch.zeros(tokens, dtype=torch.long, device=device), positions, scratch, metadata)
+        rows = min(engine.max_num_seqs, tokens)
+        torch.log_softmax(self.model.compute_logits(hidden[:rows]).float(), dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch, hidden, metadata
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        other = (total - free) - torch.cuda.memory_reserved(self.device)  # CUDA context, NCCL, cuBLAS
+        budget = int(total * engine.gpu_memory_utilization - peak - max(other, 0))
+        logger.info("CUDA memory: %.2f GiB total x %.2f; weights + peak activations %.2f GiB, other %.2f GiB; "
+                    "%.2f GiB left for the KV cache", total / 2**30, engine.gpu_memory_utilization, peak / 2**30,
+                    other / 2**30, budget / 2**30)
+        return budget
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Per layer a key and a value tensor of [num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -131,6 +181,35 @@ class ModelRunner:
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(mc.num_hidden_layers)]
+        self.capture_graphs()
+        if self.artifacts is not None:
+            self.artifacts.close()
+
+    def capture_graphs(self) -> None:
+        """After the KV cache exists: on CUDA with the Triton ops, capture a CUDA graph per decode bucket
+        (unless enforce_eager or bucketing is off, or the ranks are tensor-parallel)."""
+        engine, backend = self.config.engine, self.config.engine.backend
+        bucketing = backend.enable_bucketing if backend.enable_bucketing is not None else self.device.type == "cuda"
+        if not bucketing:
+            return
+        if self.device.type != "cuda" or self.ops.name != "triton":
+            raise ValueError("enable_bucketing needs CUDA with the Triton ops (attention_backend 'auto' or "
+                             f"'triton'); this engine runs the {self.ops.name!r} ops on {self.device}")
+        self.context_length_buckets = backend.context_length_buckets
+        if engine.enforce_eager or engine.tensor_parallel_size > 1:
+            return
+        self.graphs = DecodeGraphs(self._forward_tokens, self._token_gen_buckets(), self.config.max_blocks_per_seq,
+                                   self.block_size, self.sliding_window, self.device)
+        self.graphs.capture()
+
+    def _token_gen_buckets(self) -> list[int]:
+        engine = self.config.engine
+        buckets = engine.backend.token_gen_buckets or default_token_gen_buckets(engine.max_num_seqs)
+        return [b for b in buckets if b <= engine.max_num_seqs] or [engine.max_num_seqs]
+
+    def _forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, metadata)
 
     def release_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -141,16 +220,22 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for new in scheduler_output.new_requests:
             self.requests[new.request_id] = self._request_state(new)
-        items, inputs = self._prepare_inputs(scheduler_output.scheduled)
-        if self.broadcast_inputs is not None:
-            self.broadcast_inputs(inputs)
-        hidden = self.forward(inputs)
-        metadata = inputs.metadata
+        scheduled = scheduler_output.scheduled
+        if (self.graphs is not None and self.graphs.can_run(len(scheduled))
+                and all(item.num_new_tokens == 1 for item in scheduled)):
+            items, hidden = scheduled, self._decode_with_graph(scheduled)
+            query_start_loc = list(range(len(items) + 1))
+        else:
+            items, inputs = self._prepare_inputs(scheduled)
+            if self.broadcast_inputs is not None:
+                self.broadcast_inputs(inputs)
+            hidden = self.forward(inputs)
+            query_start_loc = inputs.metadata.query_start_loc
 
         output = ModelRunnerOutput()
         sampling_rows = [i for i, item in enumerate(items) if item.samples]
         if sampling_rows:
-            last_token_index = torch.tensor([metadata.query_start_loc[i + 1] - 1 for i in sampling_rows],
+            last_token_index = torch.tensor([query_start_loc[i + 1] - 1 for i in sampling_rows],
                                             device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, last_token_index))
             ids = [items[i].request_id for i in sampling_rows]
@@ -171,7 +256,7 @@ class ModelRunner:
         for i, item in enumerate(items):
             state = self.requests[item.request_id]
             if state.sampling_params.prompt_logprobs is not None:
-                rows = self._prompt_logprobs(item, state, hidden, metadata.query_start_loc[i])
+                rows = self._prompt_logprobs(item, state, hidden, query_start_loc[i])
                 if rows:
                     output.prompt_logprobs[item.request_id] = rows
         return output
@@ -180,6 +265,17 @@ class ModelRunner:
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Final hidden states [T, H]; every tensor-parallel rank runs this on the same inputs."""
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+
+    def _decode_with_graph(self, items: list[ScheduledRequest]) -> torch.Tensor:
+        """A decode-only step through the captured graph of its bucket -> hidden states [n, H]."""
+        block_size = self.block_size
+        positions = [item.num_computed_tokens for item in items]
+        width = max(-(-(p + 1) // block_size) for p in positions)
+        block_table = [item.block_ids[:width] + [0] * (width - min(width, len(item.block_ids))) for item in items]
+        return self.graphs.run(
+            input_ids=[item.token_ids[0] for item in items], positions=positions,
+            slot_mapping=[row[p // block_size] * block_size + p % block_size for row, p in zip(block_table, positions)],
+            seq_lens=[p + 1 for p in positions], block_table=block_table)
 
     def _request_state(self, new: NewRequestData) -> RequestState:
         stop_ids = sorted(t for t in new.min_tokens_stop_ids if 0 <= t < self.vocab_size)
@@ -234,6 +330,8 @@ class ModelRunner:
             decode_num_blocks=decode_num_blocks,
             max_query_len=max(item.num_new_tokens for item in items),
         )
+        if self.context_length_buckets is not None and num_decodes < len(items):
+            self._pad_to_context_bucket(input_ids, positions, slot_mapping, query_start_loc, seq_lens, metadata)
         if needs_decode_mask:
             key_pos = torch.arange(decode_num_blocks * block_size, device=device)[None, :]
             lens = metadata.seq_lens[:num_decodes, None]
@@ -243,6 +341,32 @@ class ModelRunner:
             metadata.decode_mask = mask[:, None, None, :]
         return items, ModelInputs(torch.tensor(input_ids, dtype=torch.long, device=device),
                                   torch.tensor(positions, dtype=torch.long, device=device), metadata)
+
+    def _pad_to_context_bucket(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+                               query_start_loc: list[int], seq_lens: list[int], metadata: AttentionMetadata) -> None:
+        """Pad a prefill step's tokens up to its context-length bucket with one dummy request that writes
+        no cache slot (slot -1) and reads only the null block: no real request sees it."""
+        total = len(input_ids)
+        bucket = pick_bucket(total, self.context_length_buckets)
+        if bucket is None or bucket == total:
+            return
+        pad = bucket - total
+        input_ids.extend([0] * pad)
+        positions.extend([0] * pad)  # any position in the rotary table: its output is never used
+        slot_mapping.extend([-1] * pad)
+        query_start_loc.append(bucket)
+        seq_lens.append(pad)
+        device = self.device
+        metadata.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=device)
+        # Its block-table row covers its whole (pad-token) context with the null block.
+        table = metadata.block_table
+        width = max(table.shape[1], -(-pad // self.block_size))
+        padded = table.new_zeros(table.shape[0] + 1, width)
+        padded[:table.shape[0], :table.shape[1]] = table
+        metadata.block_table = padded
+        metadata.seq_lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
+        metadata.query_start_loc_tensor = torch.tensor(query_start_loc, dtype=torch.long, device=device)
+        metadata.max_query_len = max(metadata.max_query_len, pad)
 
     def _generator_for(self, state: RequestState) -> torch.Generator | None:
         seed = state.sampling_params.seed
