@@ -10,7 +10,7 @@ buffers, so a step only copies its ids, positions, slots, context lengths and bl
     positions     its position                      0
     slot_mapping  its cache slot                    -1: the KV write skips it
     seq_lens      context length incl. the token    0: attention reads nothing, writes zeros
-    block_table   the request's blocks              whatever the last step left (never read)
+    block_table   the request's blocks              whatever an earlier step left (never read)
 
 Padding never changes a request's tokens: padded rows write no cache slot and no real row reads them.
 """
@@ -73,11 +73,14 @@ class DecodeGraphs:
         self.sliding_window = sliding_window
         self.device = device
         size = self.buckets[-1]
-        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
-        self.positions = torch.zeros(size, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((size,), -1, dtype=torch.long, device=device)
-        self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
+        # Rows of one buffer: input ids, positions, slot mapping, context lengths (one copy per step).
+        self.rows = torch.zeros(4, size, dtype=torch.long, device=device)
+        self.rows[2].fill_(-1)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self.rows.unbind(0)
         self.block_table = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # Pinned host twins: steps fill them with numpy, then copy asynchronously.
+        self.host_rows = torch.zeros(4, size, dtype=torch.long).pin_memory()
+        self.host_block_table = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32).pin_memory()
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -113,22 +116,24 @@ class DecodeGraphs:
         return bool(self.graphs) and num_requests <= self.buckets[-1]
 
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
-            block_table: list[list[int]]) -> torch.Tensor:
-        """One decode step for n requests (host lists, one row each) -> hidden states [n, H]."""
+            block_rows: list[list[int]]) -> torch.Tensor:
+        """One decode step for n requests (host lists, one entry or block-table row each) -> hidden [n, H].
+
+        The inputs are written into pinned host buffers and copied in two asynchronous transfers; the
+        previous step's copies are done by then (its sampled tokens were read back).
+        """
         n = len(input_ids)
         batch = pick_bucket(n, self.buckets)
-        width = len(block_table[0])
-        # One host-to-device copy per buffer; the padded rows are reset on the device.
-        rows = torch.tensor([input_ids, positions, slot_mapping, seq_lens], dtype=torch.long)
-        self.input_ids[:n].copy_(rows[0], non_blocking=True)
-        self.positions[:n].copy_(rows[1], non_blocking=True)
-        self.slot_mapping[:n].copy_(rows[2], non_blocking=True)
-        self.seq_lens[:n].copy_(rows[3], non_blocking=True)
-        self.block_table[:n, :width].copy_(torch.tensor(block_table, dtype=torch.int32), non_blocking=True)
-        if batch > n:
-            self.input_ids[n:batch].zero_()
-            self.positions[n:batch].zero_()
-            self.slot_mapping[n:batch].fill_(-1)
-            self.seq_lens[n:batch].zero_()
+        rows = self.host_rows.numpy()
+        rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = input_ids, positions, slot_mapping, seq_lens
+        if batch > n:  # padding rows: token 0 at position 0, no cache slot, no context
+            rows[:2, n:batch] = 0
+            rows[2, n:batch] = -1
+            rows[3, n:batch] = 0
+        table = self.host_block_table.numpy()
+        for i, row in enumerate(block_rows):
+            table[i, :len(row)] = row
+        self.rows[:, :batch].copy_(self.host_rows[:, :batch], non_blocking=True)
+        self.block_table[:n].copy_(self.host_block_table[:n], non_blocking=True)
         self.graphs[batch].replay()
         return self.outputs[batch][:n]

@@ -235,9 +235,13 @@ class ModelRunner:
         output = ModelRunnerOutput()
         sampling_rows = [i for i, item in enumerate(items) if item.samples]
         if sampling_rows:
-            last_token_index = torch.tensor([query_start_loc[i + 1] - 1 for i in sampling_rows],
-                                            device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, last_token_index))
+            if len(sampling_rows) == hidden.shape[0]:  # one token per request, each sampling: all rows
+                last_hidden = hidden
+            else:
+                last_token_index = torch.tensor([query_start_loc[i + 1] - 1 for i in sampling_rows],
+                                                device=self.device)
+                last_hidden = hidden.index_select(0, last_token_index)
+            logits = self.model.compute_logits(last_hidden)
             ids = [items[i].request_id for i in sampling_rows]
             states = [self.requests[request_id] for request_id in ids]
             sampler_output = self.sampler(logits, self._sampling_metadata(ids, states))
@@ -270,12 +274,11 @@ class ModelRunner:
         """A decode-only step through the captured graph of its bucket -> hidden states [n, H]."""
         block_size = self.block_size
         positions = [item.num_computed_tokens for item in items]
-        width = max(-(-(p + 1) // block_size) for p in positions)
-        block_table = [item.block_ids[:width] + [0] * (width - min(width, len(item.block_ids))) for item in items]
+        block_rows = [item.block_ids for item in items]
         return self.graphs.run(
             input_ids=[item.token_ids[0] for item in items], positions=positions,
-            slot_mapping=[row[p // block_size] * block_size + p % block_size for row, p in zip(block_table, positions)],
-            seq_lens=[p + 1 for p in positions], block_table=block_table)
+            slot_mapping=[row[p // block_size] * block_size + p % block_size for row, p in zip(block_rows, positions)],
+            seq_lens=[p + 1 for p in positions], block_rows=block_rows)
 
     def _request_state(self, new: NewRequestData) -> RequestState:
         stop_ids = sorted(t for t in new.min_tokens_stop_ids if 0 <= t < self.vocab_size)
