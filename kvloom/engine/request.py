@@ -61,6 +61,7 @@ class Request:
         # KV cache state, owned by the KVCacheManager.
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
+        self.num_cached_blocks = 0  # leading blocks already named in the prefix cache
 
         # Output state, owned by the engine.
         self.cumulative_logprob = 0.0
