@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvloom.attention.metadata import AttentionMetadata  # noqa: E402
-from kvloom.attention.registry import ATTENTION_BACKENDS, get_attention_backend  # noqa: E402
+from kvloom.ops.metadata import AttentionMetadata  # noqa: E402
+from kvloom.ops.table import select_ops  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -71,16 +71,17 @@ def build_step(batch: list[tuple[int, int]], layers: int, dtype: torch.dtype, se
 def time_backends(name: str, backends: list[str], step, repeats: int) -> None:
     metadata, q, k, v, caches = step
     scale = HEAD_DIM ** -0.5
+    attention = {b: select_ops(torch.device("cpu"), torch.bfloat16, b).attention for b in backends}
     times: dict[str, list[float]] = {b: [] for b in backends}
     cpu_times: dict[str, list[float]] = {b: [] for b in backends}
     outputs = {}
     for b in backends:  # warm-up, and the outputs to compare
-        outputs[b] = ATTENTION_BACKENDS[b](q, k, v, *caches[0], metadata, scale)
+        outputs[b] = attention[b](q, k, v, *caches[0], metadata, scale)
     for i in range(repeats):
         for b in backends:
             layer = caches[i % len(caches)]
             start, cpu_start = time.perf_counter(), time.process_time()
-            ATTENTION_BACKENDS[b](q, k, v, *layer, metadata, scale)
+            attention[b](q, k, v, *layer, metadata, scale)
             times[b].append(time.perf_counter() - start)
             cpu_times[b].append(time.process_time() - cpu_start)
     tokens, contexts = q.shape[0], metadata.seq_lens_host
@@ -106,7 +107,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     backends = args.backends.split(",")
-    if "cpu" in backends and get_attention_backend("cpu") is not ATTENTION_BACKENDS["cpu"]:
+    if "cpu" in backends and select_ops(torch.device("cpu"), torch.bfloat16, "cpu").name != "cpu":
         backends.remove("cpu")  # the kernel could not be built (the warning said why)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"Hq={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} bf16, block size {BLOCK_SIZE}")

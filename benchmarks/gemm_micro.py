@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvloom.layers.linear import PackedWeight, fast_linear_format
+from kvloom.ops.cpu import PackedWeight, linear_format
 
 # SmolLM2-135M: qkv, o, gate_up, down (per layer) and the LM head, as (K, N).
 LAYER_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
@@ -47,7 +47,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if fast_linear_format(torch.bfloat16, torch.device("cpu")) != "kvloom":
+    if linear_format(torch.bfloat16) != "kvloom":
         print("kvloom's GEMM is not available here (it needs AVX512-BF16 and the built CPU kernels)")
         return 1
     print(f"threads {args.threads}; median of repeats; GF/s = 2*M*K*N / time")

@@ -7,7 +7,13 @@ another (the tests point it at a tiny checkpoint); TinyLlama is not on this mach
 
 import os
 
+import torch
+
 from kvloom import LLM, SamplingParams
+
+# The seed splits the model over 2 NeuronCores; here 2 ranks, unless this is a machine with one GPU.
+one_gpu = torch.cuda.is_available() and torch.cuda.device_count() < 2
+tensor_parallel_size = int(os.environ.get("KVLOOM_EXAMPLE_TP", "1" if one_gpu else "2"))
 
 # Sample prompts.
 prompts = [
@@ -28,7 +34,7 @@ llm = LLM(
     # support in transformers-neuronx.
     max_model_len=128,
     block_size=128,
-    tensor_parallel_size=int(os.environ.get("KVLOOM_EXAMPLE_TP", "2")))
+    tensor_parallel_size=tensor_parallel_size)
 # Generate texts from the prompts. The output is a list of RequestOutput objects
 # that contain the prompt, generated text, and other information.
 outputs = llm.generate(prompts, sampling_params)

@@ -14,9 +14,16 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvloom import envs
+from kvloom.ops import ATTENTION_BACKENDS
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvloom.loader.model_config import ModelConfig
+    from kvloom.loader.weights import ModelSource
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -33,6 +40,14 @@ class BackendConfig:
     attention_backend: str = "auto"
     # torch intra-op threads on the CPU (None: all cores).
     num_threads: int | None = None
+    # Shape buckets (the seeds' enable_bucketing): decode batches padded to a token-generation bucket
+    # run as one captured CUDA graph each; prefill token counts padded to a context-length bucket.
+    # None: on CUDA, on; on the CPU, off (the C++ kernels take any shape at no cost).
+    enable_bucketing: bool | None = None
+    token_gen_buckets: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, 32, ... up to max_num_seqs
+    context_length_buckets: list[int] | None = None  # None: powers of two up to max_num_batched_tokens
+    # Where compiled kernels are kept across restarts (None: KVLOOM_CACHE_DIR/compiled).
+    compiled_artifacts: str | None = None
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any] | str | None) -> BackendConfig:
@@ -40,6 +55,12 @@ class BackendConfig:
         values: dict[str, Any] = {}
         if envs.get("KVLOOM_NUM_THREADS"):
             values["num_threads"] = envs.get_int("KVLOOM_NUM_THREADS")
+        for key in ("token_gen_buckets", "context_length_buckets"):
+            buckets = envs.get_int_list(f"KVLOOM_{key.upper()}")
+            if buckets is not None:
+                values[key] = buckets
+        if envs.get("KVLOOM_COMPILED_ARTIFACTS"):
+            values["compiled_artifacts"] = envs.get("KVLOOM_COMPILED_ARTIFACTS")
         values.update(parse_overrides(overrides))
         allowed = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - allowed)
@@ -51,13 +72,28 @@ class BackendConfig:
         return config
 
     def validate(self) -> None:
-        if self.attention_backend not in ("auto", "reference", "native", "cpu"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"override_backend_config: attention_backend must be one of "
-                             f"'auto', 'reference', 'native', 'cpu', got {self.attention_backend!r}")
+                             f"{list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int)
                                              or isinstance(self.num_threads, bool) or self.num_threads < 1):
             raise ValueError(f"override_backend_config: num_threads must be a positive integer, "
                              f"got {self.num_threads!r}")
+        if self.enable_bucketing is not None and not isinstance(self.enable_bucketing, bool):
+            raise ValueError(f"override_backend_config: enable_bucketing must be true or false, "
+                             f"got {self.enable_bucketing!r}")
+        for name in ("token_gen_buckets", "context_length_buckets"):
+            buckets = getattr(self, name)
+            if buckets is None:
+                continue
+            if (not isinstance(buckets, list) or not buckets
+                    or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets)):
+                raise ValueError(f"override_backend_config: {name} must be a non-empty list of positive "
+                                 f"integers, e.g. [1, 2, 4, 8], got {buckets!r}")
+            setattr(self, name, sorted(set(buckets)))
+        if self.compiled_artifacts is not None and not isinstance(self.compiled_artifacts, str):
+            raise ValueError(f"override_backend_config: compiled_artifacts must be a folder path, "
+                             f"got {self.compiled_artifacts!r}")
 
 
 def parse_overrides(overrides: dict[str, Any] | str | None) -> dict[str, Any]:
@@ -144,7 +180,7 @@ class EngineConfig:
         "fraction of GPU memory kvloom may use on CUDA"))
     tensor_parallel_size: int = field(default=1, metadata=_help("number of tensor-parallel ranks"))
     enforce_eager: bool = field(default=False, metadata=_help(
-        "accepted for vLLM compatibility; kvloom runs eagerly (it compiles no graphs yet)"))
+        "run every step eagerly: no CUDA graphs for the decode buckets (CUDA only; the CPU always runs eagerly)"))
     override_backend_config: dict[str, Any] | str | None = field(default=None, metadata=_help(
         "backend knobs as JSON, e.g. '{\"attention_backend\": \"reference\"}'"))
     trust_remote_code: bool = field(default=False, metadata=_help(
@@ -203,6 +239,46 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.field_names()}
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """Everything settled once at start-up (the model found, its facts read, device and dtype chosen,
+    lengths defaulted): built by ``resolve_config`` and handed whole to the executor, the workers and
+    the model runner, so no layer re-derives a setting."""
+
+    engine: EngineConfig
+    model: ModelConfig
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+def resolve_config(config: EngineConfig) -> ResolvedConfig:
+    """Find the model and read its config; ValueError when a setting does not fit the model or machine."""
+    from kvloom.loader.weights import load_model_config, resolve_model
+    from kvloom.platform import resolve_device, resolve_dtype
+
+    source = resolve_model(config.model)
+    model_config = load_model_config(source)
+    device = resolve_device(config.device)
+    model_max = model_config.max_position_embeddings
+    max_model_len = config.max_model_len or model_max
+    if max_model_len > model_max:
+        raise ValueError(f"max_model_len={max_model_len} is longer than the model's context "
+                         f"length ({model_max} tokens); use max_model_len <= {model_max}")
+    return ResolvedConfig(
+        engine=config, model=model_config, source=source, device=device,
+        dtype=resolve_dtype(config.dtype, model_config.torch_dtype, device),
+        block_size=config.block_size, max_model_len=max_model_len,
+        max_num_batched_tokens=config.resolve_max_num_batched_tokens(max_model_len))
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

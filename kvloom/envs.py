@@ -14,6 +14,12 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "KVLOOM_LOGGING_LEVEL": "log level of the kvloom logger (default INFO)",
     "KVLOOM_CACHE_DIR": "folder for kvloom's on-disk caches; compiled CPU kernels go to its extensions/ "
     "(default ~/.cache/kvloom)",
+    "KVLOOM_TOKEN_GEN_BUCKETS": "decode batch sizes a step is padded to, comma-separated, e.g. 1,2,4,8,16 "
+    "(the seeds' NEURON_TOKEN_GEN_BUCKETS; same as override_backend_config token_gen_buckets)",
+    "KVLOOM_CONTEXT_LENGTH_BUCKETS": "prefill token counts a step is padded to, comma-separated "
+    "(the seeds' NEURON_CONTEXT_LENGTH_BUCKETS; same as override_backend_config context_length_buckets)",
+    "KVLOOM_COMPILED_ARTIFACTS": "folder where compiled kernels are stored and reloaded at the next start "
+    "(the seeds' NEURON_COMPILED_ARTIFACTS; default: KVLOOM_CACHE_DIR/compiled)",
 }
 
 
@@ -37,3 +43,17 @@ def get_int(name: str) -> int | None:
     if value < 1:
         raise ValueError(f"{name}={raw!r} must be a positive integer")
     return value
+
+
+def get_int_list(name: str) -> list[int] | None:
+    """Comma-separated positive integers, or None when unset."""
+    raw = get(name)
+    if raw is None:
+        return None
+    try:
+        values = [int(part) for part in raw.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} must be comma-separated positive integers, e.g. 1,2,4,8") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{name}={raw!r} must be comma-separated positive integers, e.g. 1,2,4,8")
+    return values

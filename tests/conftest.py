@@ -13,6 +13,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
+
+# Without a GPU, the Triton kernels run in Triton's interpreter on CPU tensors. The variable is read
+# when a kernel is decorated, so it must be set before any kvloom module imports Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest  # noqa: E402
 
 # tiny_models sits next to this file; make it importable however pytest was started.

@@ -92,10 +92,12 @@ class KVCacheManager:
             if block is None or block.token_ids != tokens:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.prefix_queries += request.num_tokens
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup whose request was admitted (a request that waits for blocks is counted once)."""
+        self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
-        return hits, num_hit_tokens
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -141,7 +143,8 @@ class KVCacheManager:
         """Name the blocks that are full once num_tokens are computed, so others can share them."""
         self._update_block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        for i in range(num_full):
+        # Blocks before num_cached_blocks were named at an earlier step: only the new ones are visited.
+        for i in range(request.num_cached_blocks, num_full):
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is not None:
                 continue
@@ -149,6 +152,7 @@ class KVCacheManager:
             block.block_hash = block_hash
             block.token_ids = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
             self.cached.setdefault(block_hash, block)
+        request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so shared heads stay cached longest."""
@@ -163,12 +167,7 @@ class KVCacheManager:
                 else:
                     self.free_queue[block_id] = block
         request.block_ids = []
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            block.block_hash = None
-            block.token_ids = None
-        self.cached.clear()
+        request.num_cached_blocks = 0
 
     def check_integrity(self) -> None:
         """Raise if the bookkeeping is inconsistent (used by tests)."""

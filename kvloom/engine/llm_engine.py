@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any
 
-from kvloom.config import EngineConfig
+from kvloom.config import EngineConfig, resolve_config
 from kvloom.engine.input_processor import EngineRequest, InputProcessor, PromptInput
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.output_processor import IterationStats, OutputProcessor
@@ -23,14 +23,12 @@ from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.scheduler import Scheduler
 from kvloom.executor import build_executor
 from kvloom.loader.tokenizer import Tokenizer, load_tokenizer
-from kvloom.loader.weights import load_model_config, resolve_model
+from kvloom.loader.weights import resolve_model
 from kvloom.outputs import RequestOutput
-from kvloom.platform import configure_host, resolve_device, resolve_dtype
+from kvloom.platform import configure_host
 from kvloom.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvloom")
-
-_DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
 class LLMEngine:
@@ -38,28 +36,23 @@ class LLMEngine:
         """``log_stats``: record IterationStats (token counts, latencies) for ``take_iteration_stats``."""
         start = time.perf_counter()
         self.config = config
-        self.source = resolve_model(config.model)
-        self.model_config = load_model_config(self.source)
+        self.resolved = resolved = resolve_config(config)
+        self.source = resolved.source
+        self.model_config = resolved.model
         tokenizer_source = resolve_model(config.tokenizer) if config.tokenizer else self.source
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer_source)
-        self.device = resolve_device(config.device)
+        self.device = resolved.device
         configure_host(config, self.device)
-        self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
-
-        model_max = self.model_config.max_position_embeddings
-        self.max_model_len = config.max_model_len or model_max
-        if self.max_model_len > model_max:
-            raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's context "
-                             f"length ({model_max} tokens); use max_model_len <= {model_max}")
-        self.block_size = config.block_size
+        self.dtype = resolved.dtype
+        self.max_model_len = resolved.max_model_len
+        self.block_size = resolved.block_size
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
 
-        self.executor = build_executor(config, self.model_config, self.source, self.device, self.dtype,
-                                       self.block_size, self.max_model_len)
-        num_blocks = self._num_kv_blocks()
+        self.executor = build_executor(resolved)
+        num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.init_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
-        self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.max_model_len)
+        self.max_num_batched_tokens = resolved.max_num_batched_tokens
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
@@ -76,25 +69,6 @@ class LLMEngine:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(**kwargs))
-
-    def _num_kv_blocks(self) -> int:
-        per_block = self.executor.kv_bytes_per_block()
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                import torch
-
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = int(free - total * (1 - self.config.gpu_memory_utilization))
-            else:
-                budget = _DEFAULT_CPU_KV_CACHE_BYTES
-        # Never more blocks than max_num_seqs full-length sequences can use.
-        most_useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
-        num_blocks = min(budget // per_block, most_useful)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={budget} bytes is smaller than one KV block "
-                             f"({per_block} bytes of {self.block_size} tokens)")
-        return num_blocks + 1  # + the null block
 
     # ---- requests --------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -176,28 +150,30 @@ class LLMEngine:
         if scheduler_output.is_empty:
             return []
         runner_output = self.executor.execute(scheduler_output)
+        # The scheduled requests, looked up before the scheduler lets go of those that finish.
+        requests = [self.scheduler.requests[s.request_id] for s in scheduler_output.scheduled]
+        num_outputs_before = [request.num_output_tokens for request in requests]
         stats = self._stats()
         if stats is not None:
             stats.num_prompt_tokens += sum(
-                max(0, min(s.num_computed_tokens + s.num_new_tokens, s.request.num_prompt_tokens)
-                    - s.num_computed_tokens) for s in scheduler_output.scheduled)
-        finished = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+                max(0, min(s.num_computed_tokens + s.num_new_tokens, r.num_prompt_tokens) - s.num_computed_tokens)
+                for s, r in zip(scheduler_output.scheduled, requests))
+        finished = self.scheduler.update_from_output(scheduler_output, runner_output)
 
         # Postprocess: each request's new tokens go to the output processor (detokenize, stop
         # strings, logprobs); a stop string ends its request here.
         output_processor = self.output_processor
         stopped_by_string: list[str] = []
-        for item in scheduler_output.scheduled:
-            request = item.request
+        for index, (item, request) in enumerate(zip(scheduler_output.scheduled, requests)):
             rows = runner_output.prompt_logprobs.get(request.request_id)
             if rows:
                 output_processor.add_prompt_logprobs(request, item.num_computed_tokens, rows)
-            token_id = runner_output.sampled_token_ids.get(request.request_id)
-            if token_id is None:
+            # What the scheduler appended: the runner's tokens up to a token-level stop.
+            new_token_ids = request.output_token_ids[num_outputs_before[index]:]
+            if not new_token_ids:
                 continue
-            new_token_ids = [token_id]
-            row = runner_output.logprobs.get(request.request_id)
-            new_logprobs = None if row is None else [row]
+            rows = runner_output.logprobs.get(request.request_id)
+            new_logprobs = None if rows is None else rows[:len(new_token_ids)]
             if output_processor.process_tokens(request, new_token_ids, new_logprobs):
                 stopped_by_string.append(request.request_id)
         if stopped_by_string:

@@ -28,10 +28,7 @@ from kvloom.engine.request import Request, RequestStatus
 from kvloom.loader.tokenizer import Tokenizer
 from kvloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvloom.sampling_params import RequestOutputKind
-
-# One position's logprobs from the runner: (token ids, logprobs, rank of the first id); the first id
-# is the sampled (or prompt) token, then the top-k.
-LogprobsRow = tuple[list[int], list[float], int]
+from kvloom.step_io import LogprobsRow
 
 
 @dataclass

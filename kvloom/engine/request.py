@@ -75,6 +75,7 @@ class Request:
         # KV cache state, owned by the KVCacheManager.
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
+        self.num_cached_blocks = 0  # leading blocks already named in the prefix cache
         self.first_scheduled_time: float | None = None
         # The text, logprobs and timings of the output live in the engine's OutputProcessor.
 

@@ -13,35 +13,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.request import ContextLengthError, Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: compute tokens [num_computed_tokens, +num_new_tokens)."""
-
-    request: Request
-    num_computed_tokens: int
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last known token, so it yields a new token."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from kvloom.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -116,6 +92,7 @@ class Scheduler:
     # ---- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        scheduled: list[tuple[Request, int]] = []  # (request, tokens to compute this step)
         budget = self.max_num_batched_tokens
         now = time.time()
 
@@ -131,11 +108,11 @@ class Scheduler:
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted.append(victim)
+                out.preempted_request_ids.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                scheduled.append((request, num_new))
                 budget -= num_new
                 i += 1
                 continue
@@ -143,32 +120,48 @@ class Scheduler:
 
         # Then waiting requests, in order, while budget, slots and blocks last. None after a
         # preemption this step: blocks are short, and the preempted would be re-admitted at once.
-        while (self.waiting and budget > 0 and not out.preempted
+        while (self.waiting and budget > 0 and not out.preempted_request_ids
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             computed_blocks, num_hit_tokens = [], 0
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
-            if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
+            looks_up = (self.kv.enable_prefix_caching and request.num_computed_tokens == 0
+                        and request.sampling_params.prompt_logprobs is None)
+            if looks_up:
                 computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(request, num_new, computed_blocks):
                 break
+            if looks_up:
+                self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
+                out.new_requests.append(self._new_request_data(request))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_hit_tokens, num_new))
+            scheduled.append((request, num_new))
             budget -= num_new
 
-        # The gap closes at schedule time; outputs only append the sampled tokens.
-        for item in out.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
+        for request, num_new in scheduled:
+            start = request.num_computed_tokens
+            out.scheduled.append(ScheduledRequest(
+                request.request_id, start, request.all_token_ids[start:start + num_new], list(request.block_ids),
+                samples=start + num_new == request.num_tokens))
+            # The gap closes at schedule time; outputs only append the sampled tokens.
+            request.num_computed_tokens += num_new
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    @staticmethod
+    def _new_request_data(request: Request) -> NewRequestData:
+        params = request.sampling_params
+        stop_ids = frozenset() if params.min_tokens == 0 else frozenset(
+            (request.eos_token_ids | params.all_stop_token_ids) - {None})
+        return NewRequestData(request.request_id, request.prompt_token_ids, params, stop_ids)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -179,17 +172,20 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Append each sampled token, apply token-level stop checks. Returns requests that finished."""
+                           runner_output: ModelRunnerOutput) -> list[Request]:
+        """Append each request's new tokens, applying the token-level stop checks after each (tokens
+        past a stop are dropped). Returns the requests that finished."""
         finished = []
         for item in scheduler_output.scheduled:
-            request = item.request
-            token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None or request.is_finished:
+            request = self.requests.get(item.request_id)
+            token_ids = runner_output.sampled_token_ids.get(item.request_id)
+            if request is None or not token_ids or request.is_finished:
                 continue
-            request.append_output_token(token_id)
-            if request.check_stop():
-                finished.append(request)
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                if request.check_stop():
+                    finished.append(request)
+                    break
         for request in finished:
             self._remove_finished(request)
         return finished

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvloom.executor.uniproc import Executor
+from kvloom.config import ResolvedConfig
+from kvloom.executor.base import Executor
 
 
-def build_executor(config, model_config, source, device, dtype, block_size: int, max_model_len: int
-                   ) -> Executor:
-    if config.tensor_parallel_size > 1:
+def build_executor(config: ResolvedConfig) -> Executor:
+    if config.engine.tensor_parallel_size > 1:
         from kvloom.executor.multiproc import MultiprocExecutor
 
-        return MultiprocExecutor(config, model_config, source, device, dtype, block_size, max_model_len)
+        return MultiprocExecutor(config)
     from kvloom.executor.uniproc import UniprocExecutor
 
-    return UniprocExecutor(config, model_config, source, device, dtype, block_size, max_model_len)
+    return UniprocExecutor(config)

@@ -49,18 +49,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvloom.config import EngineConfig
-from kvloom.engine.scheduler import SchedulerOutput
-from kvloom.executor.uniproc import Executor
-from kvloom.layers.tensor_parallel import (
-    ProcessGroupLike,
-    shard_model_for_tensor_parallel,
-    sharded_model_config,
-    validate_tensor_parallel,
-)
-from kvloom.loader.model_config import ModelConfig
-from kvloom.loader.weights import ModelSource
-from kvloom.worker.model_runner import ModelInputs, ModelRunner, ModelRunnerOutput
+from kvloom.config import ResolvedConfig
+from kvloom.executor.base import Executor
+from kvloom.layers.tensor_parallel import ProcessGroupLike, validate_tensor_parallel
+from kvloom.step_io import ModelRunnerOutput, SchedulerOutput
+from kvloom.worker.model_runner import ModelInputs, ModelRunner
 
 logger = logging.getLogger("kvloom")
 
@@ -138,20 +131,17 @@ def _rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def threads_per_rank(config: EngineConfig, world_size: int) -> int:
+def threads_per_rank(config: ResolvedConfig, world_size: int) -> int:
     """The CPU's cores (or backend.num_threads) shared among the ranks, at least one each."""
-    return max(1, (config.backend.num_threads or os.cpu_count() or 1) // world_size)
+    return max(1, (config.engine.backend.num_threads or os.cpu_count() or 1) // world_size)
 
 
-def build_rank_runner(config: EngineConfig, model_config: ModelConfig, source: ModelSource,
-                      device: torch.device, dtype: torch.dtype, block_size: int, max_model_len: int,
-                      rank: int, world_size: int, group: ProcessGroupLike) -> ModelRunner:
+def build_rank_runner(config: ResolvedConfig, device: torch.device, rank: int, world_size: int,
+                      group: ProcessGroupLike) -> ModelRunner:
     """A runner holding rank's shard. Its model_config becomes the rank's view (its heads), which
     sizes its KV cache; the model is built and loaded whole first, then cut."""
-    runner = ModelRunner(config, model_config, device, dtype, block_size, max_model_len)
-    runner.load_model(source)
-    shard_model_for_tensor_parallel(runner.model, rank, world_size, group)
-    runner.model_config = sharded_model_config(model_config, world_size)
+    runner = ModelRunner(config, device)
+    runner.load_model(rank, world_size, group)
     return runner
 
 
@@ -164,10 +154,8 @@ def _exit_when_orphaned(parent_pid: int) -> None:
             os._exit(1)
 
 
-def _worker_main(rank: int, world_size: int, store_port: int, backend: str, config: EngineConfig,
-                 model_config: ModelConfig, source: ModelSource, device: torch.device, dtype: torch.dtype,
-                 block_size: int, max_model_len: int, threads: int, parent_pid: int,
-                 conn: Connection) -> None:
+def _worker_main(rank: int, world_size: int, store_port: int, backend: str, config: ResolvedConfig,
+                 device: torch.device, threads: int, parent_pid: int, conn: Connection) -> None:
     # Ctrl-C reaches the whole process group; the driver decides how the workers end.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
@@ -180,8 +168,7 @@ def _worker_main(rank: int, world_size: int, store_port: int, backend: str, conf
         store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False,
                               timeout=COLLECTIVE_TIMEOUT)
         group = _new_process_group(backend, store, rank, world_size)
-        runner = build_rank_runner(config, model_config, source, device, dtype, block_size,
-                                   max_model_len, rank, world_size, group)
+        runner = build_rank_runner(config, device, rank, world_size, group)
         conn.send_bytes(_dumps(("ready",)))
         while True:
             try:
@@ -311,10 +298,10 @@ def _stop(workers: WorkerSet, groups: list[ProcessGroupLike]) -> None:
 class MultiprocExecutor(Executor):
     """Tensor parallelism over ``config.tensor_parallel_size`` ranks; rank 0 is the driver."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, source: ModelSource,
-                 device: torch.device, dtype: torch.dtype, block_size: int, max_model_len: int) -> None:
-        world_size = config.tensor_parallel_size
-        validate_tensor_parallel(model_config, world_size, device)
+    def __init__(self, config: ResolvedConfig) -> None:
+        world_size = config.engine.tensor_parallel_size
+        device = config.device
+        validate_tensor_parallel(config.model, world_size, device)
         self.world_size = world_size
         self._failed: str | None = None
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -332,8 +319,7 @@ class MultiprocExecutor(Executor):
                 parent_conn, child_conn = context.Pipe()
                 process = context.Process(
                     target=_worker_main, name=f"kvloom-tp-worker-{rank}", daemon=True,
-                    args=(rank, world_size, store.port, backend, config, model_config, source,
-                          _rank_device(device, rank), dtype, block_size, max_model_len, threads,
+                    args=(rank, world_size, store.port, backend, config, _rank_device(device, rank), threads,
                           os.getpid(), child_conn))
                 process.start()
                 child_conn.close()
@@ -350,8 +336,7 @@ class MultiprocExecutor(Executor):
             self.workers.wait_for("started")
             group = _new_process_group(backend, store, 0, world_size)
             self._groups.append(group)
-            self.driver = build_rank_runner(config, model_config, source, _rank_device(device, 0), dtype,
-                                            block_size, max_model_len, 0, world_size, group)
+            self.driver = build_rank_runner(config, _rank_device(device, 0), 0, world_size, group)
             self.workers.wait_for("ready")
         except BaseException:
             self.shutdown()

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvloom.ops.table import NATIVE_OPS, Ops
+
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     # fp32 throughout, as HF computes it, so positions match the oracle bit for bit in fp32.
@@ -33,51 +35,17 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any
     raise ValueError(f"rope scaling type {kind!r} is not supported; supported: llama3, linear")
 
 
-def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, head_dim // 2]. Computed in fp32."""
-    dtype = x.dtype
-    x = x.float()
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = cos[:, None, :].float(), sin[:, None, :].float()
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
-
-
-def apply_rotary_fast(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The same in x's dtype (as HF computes it in bf16): no fp32 round trip. cos, sin in x's dtype."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: dict[str, Any] | None = None) -> None:
+                 scaling: dict[str, Any] | None = None, ops: Ops = NATIVE_OPS) -> None:
         super().__init__()
         inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # [max_position, head_dim // 2] each; kept fp32 for accuracy at long positions.
         self.register_buffer("cos_cache", angles.cos(), persistent=False)
         self.register_buffer("sin_cache", angles.sin(), persistent=False)
-        # Copies in the model's dtype for the fast path, made at first use.
-        self.cos_cache_low: torch.Tensor | None = None
-        self.sin_cache_low: torch.Tensor | None = None
-        # Set by the model runner when the fused C++ CPU ops are built: rotate in place, in fp32.
-        self.fused_cpu = False
+        self.ops = ops
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """positions: [T]; x: [T, heads, D] (queries and keys side by side) -> rotated x."""
-        if self.fused_cpu:
-            torch.ops.kvloom.rotary_embedding(x, positions, self.cos_cache, self.sin_cache)
-            return x
-        if x.dtype == torch.float32:
-            cos = self.cos_cache.index_select(0, positions)
-            sin = self.sin_cache.index_select(0, positions)
-            return apply_rotary_reference(x, cos, sin)
-        if self.cos_cache_low is None or self.cos_cache_low.dtype != x.dtype:
-            self.cos_cache_low = self.cos_cache.to(x.dtype)
-            self.sin_cache_low = self.sin_cache.to(x.dtype)
-        cos = self.cos_cache_low.index_select(0, positions)
-        sin = self.sin_cache_low.index_select(0, positions)
-        return apply_rotary_fast(x, cos, sin)
+        """positions: [T]; x: [T, heads, D] (queries and keys side by side) -> rotated x (maybe in place)."""
+        return self.ops.rotary_embedding(positions, x, self.cos_cache, self.sin_cache)

@@ -11,18 +11,18 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kvloom.attention import AttentionMetadata
-from kvloom.attention.registry import AttentionFn
 from kvloom.layers.activation import SiluAndMul
 from kvloom.layers.embedding import LMHead, VocabEmbedding
 from kvloom.layers.linear import Linear
 from kvloom.layers.norm import RMSNorm
 from kvloom.layers.rotary import RotaryEmbedding
 from kvloom.loader.model_config import ModelConfig
+from kvloom.ops.metadata import AttentionMetadata
+from kvloom.ops.table import Ops
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -34,8 +34,8 @@ class LlamaAttention(nn.Module):
                                bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, [config.hidden_size], bias=config.attention_bias)
         self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, config.rope_theta,
-                                      config.rope_scaling)
-        self.attention = attention
+                                      config.rope_scaling, ops)
+        self.attention = ops.attention
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -49,24 +49,24 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=config.mlp_bias)
         self.down_proj = Linear(size, [config.hidden_size], bias=config.mlp_bias)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(ops)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, attention)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, ops)
+        self.mlp = LlamaMLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata
@@ -91,13 +91,13 @@ class LlamaForCausalLM(nn.Module):
         "mlp.up_proj": ("mlp.gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -65,20 +65,23 @@ def compute_logprobs_top(logprobs: torch.Tensor, token_ids: torch.Tensor, num: i
     return ids, values, ranks
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None,
-                 fast_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.generator = generator  # draws for rows without a seed of their own
         # A platform argmax over low-precision logits (bf16 -> fp32 is exact, so it picks what
         # torch.argmax of the upcast logits picks), used when nothing else needs fp32.
-        self.fast_argmax = fast_argmax
+        self.argmax = argmax if argmax is not None else _argmax
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] in any float dtype."""
         if (metadata.all_greedy and metadata.max_num_logprobs is None and not metadata.min_tokens_masks
                 and metadata.repetition_penalty is None):
-            argmax = self.fast_argmax if self.fast_argmax is not None else lambda x: x.argmax(dim=-1)
-            return SamplerOutput(sampled_token_ids=argmax(logits))
+            return SamplerOutput(sampled_token_ids=self.argmax(logits))
         logits = logits.float()
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:

@@ -1,12 +1,14 @@
 """ModelRunner: a SchedulerOutput in, sampled tokens out.
 
-It owns the model, the KV cache tensors and the per-request sampling state (seeded generators),
-turns the scheduled requests into flat tensors, runs the model, computes logits only where a
-token is sampled (or prompt logprobs were asked), and samples.
+It owns the model, the KV cache tensors and what it keeps of each request (prompt, sampling
+parameters, the tokens it sampled, a seeded generator), turns the scheduled work into flat
+tensors, runs the model, computes logits only where a token is sampled (or prompt logprobs were
+asked), and samples. It reads nothing but the plain data of kvloom.step_io.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -14,27 +16,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvloom.attention import AttentionMetadata, get_attention_backend
-from kvloom.attention.native import attention_native
-from kvloom.config import EngineConfig
-from kvloom.engine.request import Request
-from kvloom.engine.scheduler import ScheduledRequest, SchedulerOutput
-from kvloom.layers.embedding import LMHead
-from kvloom.layers.linear import Linear, fast_linear_format
-from kvloom.loader.model_config import ModelConfig
-from kvloom.loader.weights import ModelSource, iter_weights
-from kvloom.models.registry import build_model
+from kvloom.config import ResolvedConfig
+from kvloom.layers.tensor_parallel import ProcessGroupLike, shard_model_for_tensor_parallel, sharded_model_config
+from kvloom.loader.weights import iter_weights
+from kvloom.models.registry import build_model, process_weights_after_loading
+from kvloom.ops.metadata import AttentionMetadata
+from kvloom.ops.table import Ops, select_ops
 from kvloom.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_top
+from kvloom.sampling_params import SamplingParams
+from kvloom.step_io import LogprobsRow, ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from kvloom.worker.compiled_artifacts import ArtifactStore
+from kvloom.worker.graphs import DecodeGraphs, default_token_gen_buckets, pick_bucket
 
-# (token ids, logprobs, rank of the first id): column 0 is the sampled/actual token, then the top-k.
-LogprobsRow = tuple[list[int], list[float], int]
+logger = logging.getLogger("kvloom")
 
-
-@dataclass
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, LogprobsRow] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[LogprobsRow]] = field(default_factory=dict)
+_DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
 @dataclass
@@ -44,6 +40,17 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
+
+
+@dataclass
+class RequestState:
+    """What the runner keeps of a request between steps (from its NewRequestData, plus what it sampled)."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    min_tokens_stop_ids: list[int]  # masked while fewer than min_tokens outputs exist
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None  # the request's own, when it has a seed
 
 
 @contextmanager
@@ -57,52 +64,47 @@ def _default_dtype(dtype: torch.dtype):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device,
-                 dtype: torch.dtype, block_size: int, max_model_len: int) -> None:
+    def __init__(self, config: ResolvedConfig, device: torch.device | None = None) -> None:
         self.config = config
-        self.model_config = model_config
-        self.device = device
-        self.dtype = dtype
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.vocab_size = model_config.vocab_size
-        self.sliding_window = model_config.sliding_window
+        self.model_config = config.model  # a tensor-parallel rank's view after load_model
+        self.device = config.device if device is None else device
+        self.dtype = config.dtype
+        self.block_size = config.block_size
+        self.vocab_size = config.model.vocab_size
+        self.sliding_window = config.model.sliding_window
         self.model: torch.nn.Module | None = None
+        self.ops: Ops | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(config.seed)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.engine.seed)
         self.sampler = Sampler(self.generator)
-        self.request_generators: dict[str, torch.Generator] = {}
+        self.requests: dict[str, RequestState] = {}
         self.load_seconds = 0.0
-        self.builds_decode_mask = True
+        self.graphs: DecodeGraphs | None = None
+        self.artifacts: ArtifactStore | None = None  # compiled kernels kept across restarts (CUDA)
+        # Prefill steps are padded to these token counts (None: run at their own size).
+        self.context_length_buckets: list[int] | None = None
         # Set by a tensor-parallel executor: sends each step's inputs to the other ranks.
         self.broadcast_inputs: Callable[[ModelInputs], None] | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
-    def load_model(self, source: ModelSource) -> None:
+    def load_model(self, rank: int = 0, world_size: int = 1, group: ProcessGroupLike | None = None) -> None:
+        """Build the model with the platform's ops, load it, keep rank's shard, then prepare the weights."""
         start = time.perf_counter()
-        attention = get_attention_backend(self.config.backend.attention_backend, self.device)
-        # Only the 'native' backend's batched decode reads a padded block table and a mask.
-        self.builds_decode_mask = attention is attention_native
+        engine = self.config.engine
+        self.ops = select_ops(self.device, self.dtype, engine.backend.attention_backend,
+                              batch_hint=min(engine.max_num_seqs, 256))
+        if self.ops.name == "triton":
+            self.artifacts = ArtifactStore(self.config, self._token_gen_buckets())
+            self.artifacts.open()  # before the first kernel compiles
         with _default_dtype(self.dtype), torch.device(self.device):
-            model = build_model(self.model_config, attention)
-        model.load_weights(iter_weights(source))
-        if self.device.type == "cpu" and self.config.backend.attention_backend != "reference":
-            from kvloom.attention.cpu import cpu_kernel_available
-
-            if cpu_kernel_available():
-                for module in model.modules():
-                    if hasattr(module, "fused_cpu"):
-                        module.fused_cpu = True
-                self.sampler.fast_argmax = _argmax_rows_cpu
-        linear_format = (fast_linear_format(self.dtype, self.device)
-                         if self.config.backend.attention_backend != "reference" else None)
-        if linear_format is not None:
-            for module in model.modules():
-                if isinstance(module, (Linear, LMHead)):
-                    module.fast_format = linear_format
-                    module.batch_hint = min(self.config.max_num_seqs, 256)
+            model = build_model(self.model_config, self.ops)
+        model.load_weights(iter_weights(self.config.source))
+        if world_size > 1:
+            shard_model_for_tensor_parallel(model, rank, world_size, group)
+            self.model_config = sharded_model_config(self.model_config, world_size)
+        process_weights_after_loading(model, self.ops)
+        self.sampler = Sampler(self.generator, argmax=self.ops.argmax)
         self.model = model.eval()
         self.load_seconds = time.perf_counter() - start
 
@@ -110,6 +112,66 @@ class ModelRunner:
         mc = self.model_config
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * element
+
+    def determine_num_kv_blocks(self) -> int:
+        """KV blocks that fit the budget, never more than max_num_seqs full-length sequences use, + the null
+        block. The budget is kv_cache_memory; on CUDA without it, what gpu_memory_utilization leaves after
+        the weights and the peak activations of the largest step (measured by running one)."""
+        engine = self.config.engine
+        per_block = self.kv_bytes_per_block()
+        budget = engine.kv_cache_memory
+        if budget is None:
+            budget = self._profile_cuda_budget() if self.device.type == "cuda" else _DEFAULT_CPU_KV_CACHE_BYTES
+        most_useful = engine.max_num_seqs * self.config.max_blocks_per_seq
+        num_blocks = min(budget // per_block, most_useful)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget ({budget} bytes) is smaller than one KV block "
+                             f"({per_block} bytes of {self.block_size} tokens); raise kv_cache_memory or "
+                             f"gpu_memory_utilization, or lower max_num_batched_tokens")
+        if self.device.type == "cuda":
+            logger.info("KV cache: %d blocks of %d tokens = %d tokens per sequence set (%.2f GiB)", num_blocks,
+                        self.block_size, num_blocks * self.block_size, num_blocks * per_block / 2**30)
+        return num_blocks + 1
+
+    @torch.inference_mode()
+    def _profile_cuda_budget(self) -> int:
+        """Bytes for the KV cache on CUDA: run the largest step (max_num_batched_tokens tokens, logits for
+        max_num_seqs rows) on a one-block scratch cache, then take what gpu_memory_utilization leaves
+        beside the peak memory torch reached and what other libraries hold."""
+        engine, mc = self.config.engine, self.model_config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch = [(torch.zeros(1, self.block_size, mc.num_key_value_heads, mc.head_dim, dtype=self.dtype,
+                                device=self.device),) * 2 for _ in range(mc.num_hidden_layers)]
+        tokens = self.config.max_num_batched_tokens
+        lengths = [self.config.max_model_len] * (tokens // self.config.max_model_len)
+        if tokens % self.config.max_model_len:
+            lengths.append(tokens % self.config.max_model_len)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.zeros(tokens, dtype=torch.long, device=device),  # all into the scratch block
+            block_table=torch.zeros(len(lengths), self.config.max_blocks_per_seq, dtype=torch.long, device=device),
+            seq_lens=torch.tensor(lengths, device=device), query_start_loc=starts, seq_lens_host=lengths,
+            num_decodes=0, block_size=self.block_size, sliding_window=self.sliding_window,
+            query_start_loc_tensor=torch.tensor(starts, device=device), max_query_len=max(lengths))
+        hidden = self.model(torch.zeros(tokens, dtype=torch.long, device=device), positions, scratch, metadata)
+        rows = min(engine.max_num_seqs, tokens)
+        torch.log_softmax(self.model.compute_logits(hidden[:rows]).float(), dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch, hidden, metadata
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        other = (total - free) - torch.cuda.memory_reserved(self.device)  # CUDA context, NCCL, cuBLAS
+        budget = int(total * engine.gpu_memory_utilization - peak - max(other, 0))
+        logger.info("CUDA memory: %.2f GiB total x %.2f; weights + peak activations %.2f GiB, other %.2f GiB; "
+                    "%.2f GiB left for the KV cache", total / 2**30, engine.gpu_memory_utilization, peak / 2**30,
+                    other / 2**30, budget / 2**30)
+        return budget
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Per layer a key and a value tensor of [num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -119,45 +181,88 @@ class ModelRunner:
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(mc.num_hidden_layers)]
+        self.capture_graphs()
+        if self.artifacts is not None:
+            self.artifacts.close()
+
+    def capture_graphs(self) -> None:
+        """After the KV cache exists: on CUDA with the Triton ops, capture a CUDA graph per decode bucket
+        (unless enforce_eager or bucketing is off, or the ranks are tensor-parallel)."""
+        engine, backend = self.config.engine, self.config.engine.backend
+        bucketing = backend.enable_bucketing if backend.enable_bucketing is not None else self.device.type == "cuda"
+        if not bucketing:
+            return
+        if self.device.type != "cuda" or self.ops.name != "triton":
+            raise ValueError("enable_bucketing needs CUDA with the Triton ops (attention_backend 'auto' or "
+                             f"'triton'); this engine runs the {self.ops.name!r} ops on {self.device}")
+        self.context_length_buckets = backend.context_length_buckets
+        if engine.enforce_eager or engine.tensor_parallel_size > 1:
+            return
+        self.graphs = DecodeGraphs(self._forward_tokens, self._token_gen_buckets(), self.config.max_blocks_per_seq,
+                                   self.block_size, self.sliding_window, self.device)
+        self.graphs.capture()
+
+    def _token_gen_buckets(self) -> list[int]:
+        engine = self.config.engine
+        buckets = engine.backend.token_gen_buckets or default_token_gen_buckets(engine.max_num_seqs)
+        return [b for b in buckets if b <= engine.max_num_seqs] or [engine.max_num_seqs]
+
+    def _forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, metadata)
 
     def release_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self.request_generators.pop(request_id, None)
+            self.requests.pop(request_id, None)
 
     # ---- the step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        items, inputs = self._prepare_inputs(scheduler_output.scheduled)
-        if self.broadcast_inputs is not None:
-            self.broadcast_inputs(inputs)
-        hidden = self.forward(inputs)
-        metadata = inputs.metadata
+        for new in scheduler_output.new_requests:
+            self.requests[new.request_id] = self._request_state(new)
+        scheduled = scheduler_output.scheduled
+        if (self.graphs is not None and self.graphs.can_run(len(scheduled))
+                and all(item.num_new_tokens == 1 for item in scheduled)):
+            items, hidden = scheduled, self._decode_with_graph(scheduled)
+            query_start_loc = list(range(len(items) + 1))
+        else:
+            items, inputs = self._prepare_inputs(scheduled)
+            if self.broadcast_inputs is not None:
+                self.broadcast_inputs(inputs)
+            hidden = self.forward(inputs)
+            query_start_loc = inputs.metadata.query_start_loc
 
         output = ModelRunnerOutput()
         sampling_rows = [i for i, item in enumerate(items) if item.samples]
         if sampling_rows:
-            last_token_index = torch.tensor([metadata.query_start_loc[i + 1] - 1 for i in sampling_rows],
-                                            device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, last_token_index))
-            requests = [items[i].request for i in sampling_rows]
-            sampler_output = self.sampler(logits, self._sampling_metadata(requests))
+            if len(sampling_rows) == hidden.shape[0]:  # one token per request, each sampling: all rows
+                last_hidden = hidden
+            else:
+                last_token_index = torch.tensor([query_start_loc[i + 1] - 1 for i in sampling_rows],
+                                                device=self.device)
+                last_hidden = hidden.index_select(0, last_token_index)
+            logits = self.model.compute_logits(last_hidden)
+            ids = [items[i].request_id for i in sampling_rows]
+            states = [self.requests[request_id] for request_id in ids]
+            sampler_output = self.sampler(logits, self._sampling_metadata(ids, states))
             sampled = sampler_output.sampled_token_ids.tolist()
-            for request, token_id in zip(requests, sampled):
-                output.sampled_token_ids[request.request_id] = token_id
+            for request_id, state, token_id in zip(ids, states, sampled):
+                output.sampled_token_ids[request_id] = [token_id]
+                state.output_token_ids.append(token_id)
             if sampler_output.logprobs is not None:
-                ids = sampler_output.logprob_token_ids.tolist()
+                top_ids = sampler_output.logprob_token_ids.tolist()
                 values = sampler_output.logprobs.tolist()
                 ranks = sampler_output.sampled_ranks.tolist()
-                for row, request in enumerate(requests):
-                    num = request.sampling_params.logprobs
+                for row, (request_id, state) in enumerate(zip(ids, states)):
+                    num = state.sampling_params.logprobs
                     if num is not None:
-                        output.logprobs[request.request_id] = (ids[row][:num + 1], values[row][:num + 1],
-                                                               ranks[row])
+                        output.logprobs[request_id] = [(top_ids[row][:num + 1], values[row][:num + 1], ranks[row])]
         for i, item in enumerate(items):
-            if item.request.sampling_params.prompt_logprobs is not None:
-                rows = self._prompt_logprobs(item, hidden, metadata.query_start_loc[i])
+            state = self.requests[item.request_id]
+            if state.sampling_params.prompt_logprobs is not None:
+                rows = self._prompt_logprobs(item, state, hidden, query_start_loc[i])
                 if rows:
-                    output.prompt_logprobs[item.request.request_id] = rows
+                    output.prompt_logprobs[item.request_id] = rows
         return output
 
     @torch.inference_mode()
@@ -165,8 +270,21 @@ class ModelRunner:
         """Final hidden states [T, H]; every tensor-parallel rank runs this on the same inputs."""
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
 
-    def _prepare_inputs(self, scheduled: list[ScheduledRequest]
-                        ) -> tuple[list[ScheduledRequest], ModelInputs]:
+    def _decode_with_graph(self, items: list[ScheduledRequest]) -> torch.Tensor:
+        """A decode-only step through the captured graph of its bucket -> hidden states [n, H]."""
+        block_size = self.block_size
+        positions = [item.num_computed_tokens for item in items]
+        block_rows = [item.block_ids for item in items]
+        return self.graphs.run(
+            input_ids=[item.token_ids[0] for item in items], positions=positions,
+            slot_mapping=[row[p // block_size] * block_size + p % block_size for row, p in zip(block_rows, positions)],
+            seq_lens=[p + 1 for p in positions], block_rows=block_rows)
+
+    def _request_state(self, new: NewRequestData) -> RequestState:
+        stop_ids = sorted(t for t in new.min_tokens_stop_ids if 0 <= t < self.vocab_size)
+        return RequestState(new.prompt_token_ids, new.sampling_params, stop_ids)
+
+    def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], ModelInputs]:
         """Flat input ids and positions [T], and the attention metadata, decodes first."""
         # Decodes first: they share one batched attention call.
         items = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
@@ -178,12 +296,11 @@ class ModelRunner:
         seq_lens: list[int] = []
         num_decodes = 0
         for item in items:
-            request = item.request
             start = item.num_computed_tokens
             end = start + item.num_new_tokens
-            input_ids.extend(request.all_token_ids[start:end])
+            input_ids.extend(item.token_ids)
             positions.extend(range(start, end))
-            block_ids = request.block_ids
+            block_ids = item.block_ids
             slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size
                                 for p in range(start, end))
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
@@ -192,14 +309,15 @@ class ModelRunner:
                 num_decodes += 1
         max_blocks = max(-(-n // block_size) for n in seq_lens)
         decode_num_blocks = 0
-        if num_decodes and self.builds_decode_mask:
+        needs_decode_mask = num_decodes and self.ops.needs_decode_mask
+        if needs_decode_mask:
             # Round the longest decode context up to 64 tokens, so few distinct shapes occur.
             needed = -(-max(seq_lens[:num_decodes]) // block_size)
             step = max(1, 64 // block_size)
-            decode_num_blocks = min(-(-needed // step) * step, self.max_blocks_per_seq)
+            decode_num_blocks = min(-(-needed // step) * step, self.config.max_blocks_per_seq)
             max_blocks = max(max_blocks, decode_num_blocks)
         block_table = [request_blocks + [0] * (max_blocks - len(request_blocks))
-                       for request_blocks in (item.request.block_ids[:max_blocks] for item in items)]
+                       for request_blocks in (item.block_ids[:max_blocks] for item in items)]
 
         device = self.device
         metadata = AttentionMetadata(
@@ -213,8 +331,11 @@ class ModelRunner:
             block_size=block_size,
             sliding_window=self.sliding_window,
             decode_num_blocks=decode_num_blocks,
+            max_query_len=max(item.num_new_tokens for item in items),
         )
-        if num_decodes and self.builds_decode_mask:
+        if self.context_length_buckets is not None and num_decodes < len(items):
+            self._pad_to_context_bucket(input_ids, positions, slot_mapping, query_start_loc, seq_lens, metadata)
+        if needs_decode_mask:
             key_pos = torch.arange(decode_num_blocks * block_size, device=device)[None, :]
             lens = metadata.seq_lens[:num_decodes, None]
             mask = key_pos < lens
@@ -224,20 +345,44 @@ class ModelRunner:
         return items, ModelInputs(torch.tensor(input_ids, dtype=torch.long, device=device),
                                   torch.tensor(positions, dtype=torch.long, device=device), metadata)
 
-    def _generator_for(self, request: Request) -> torch.Generator | None:
-        seed = request.sampling_params.seed
+    def _pad_to_context_bucket(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+                               query_start_loc: list[int], seq_lens: list[int], metadata: AttentionMetadata) -> None:
+        """Pad a prefill step's tokens up to its context-length bucket with one dummy request that writes
+        no cache slot (slot -1) and reads only the null block: no real request sees it."""
+        total = len(input_ids)
+        bucket = pick_bucket(total, self.context_length_buckets)
+        if bucket is None or bucket == total:
+            return
+        pad = bucket - total
+        input_ids.extend([0] * pad)
+        positions.extend([0] * pad)  # any position in the rotary table: its output is never used
+        slot_mapping.extend([-1] * pad)
+        query_start_loc.append(bucket)
+        seq_lens.append(pad)
+        device = self.device
+        metadata.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=device)
+        # Its block-table row covers its whole (pad-token) context with the null block.
+        table = metadata.block_table
+        width = max(table.shape[1], -(-pad // self.block_size))
+        padded = table.new_zeros(table.shape[0] + 1, width)
+        padded[:table.shape[0], :table.shape[1]] = table
+        metadata.block_table = padded
+        metadata.seq_lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
+        metadata.query_start_loc_tensor = torch.tensor(query_start_loc, dtype=torch.long, device=device)
+        metadata.max_query_len = max(metadata.max_query_len, pad)
+
+    def _generator_for(self, state: RequestState) -> torch.Generator | None:
+        seed = state.sampling_params.seed
         if seed is None:
             return None
-        generator = self.request_generators.get(request.request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # negative seeds map into uint64
-            self.request_generators[request.request_id] = generator
-        return generator
+        if state.generator is None:
+            state.generator = torch.Generator(device=self.device)
+            state.generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # negative seeds map into uint64
+        return state.generator
 
-    def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
+    def _sampling_metadata(self, request_ids: list[str], states: list[RequestState]) -> SamplingMetadata:
         device = self.device
-        params = [r.sampling_params for r in requests]
+        params = [state.sampling_params for state in states]
         temperature = [0.0 if p.greedy else float(p.temperature) for p in params]
         all_greedy = all(t == 0.0 for t in temperature)
         top_k = [p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in params]
@@ -253,8 +398,8 @@ class ModelRunner:
             min_p=None if all(p == 0.0 for p in min_p) else torch.tensor(min_p, device=device),
         )
         if not all_greedy:
-            for row, request in enumerate(requests):
-                generator = self._generator_for(request)
+            for row, state in enumerate(states):
+                generator = self._generator_for(state)
                 if generator is not None:
                     metadata.generators[row] = generator
         if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
@@ -263,38 +408,27 @@ class ModelRunner:
                                                       device=device)
             metadata.repetition_penalty = torch.tensor([float(p.repetition_penalty) for p in params],
                                                        device=device)
-            metadata.output_token_ids = _pad([r.output_token_ids for r in requests], self.vocab_size, device)
-            metadata.prompt_token_ids = _pad([r.prompt_token_ids for r in requests], self.vocab_size, device)
-        for row, request in enumerate(requests):
-            p = request.sampling_params
-            if request.num_output_tokens < p.min_tokens:
-                masked = sorted((request.eos_token_ids | p.all_stop_token_ids) - {None})
-                masked = [t for t in masked if 0 <= t < self.vocab_size]
-                if masked:
-                    metadata.min_tokens_masks.append((row, masked))
+            metadata.output_token_ids = _pad([s.output_token_ids for s in states], self.vocab_size, device)
+            metadata.prompt_token_ids = _pad([s.prompt_token_ids for s in states], self.vocab_size, device)
+        for row, state in enumerate(states):
+            if state.min_tokens_stop_ids and len(state.output_token_ids) < state.sampling_params.min_tokens:
+                metadata.min_tokens_masks.append((row, state.min_tokens_stop_ids))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         metadata.max_num_logprobs = max(wanted) if wanted else None
         return metadata
 
-    def _prompt_logprobs(self, item: ScheduledRequest, hidden: torch.Tensor, offset: int
+    def _prompt_logprobs(self, item: ScheduledRequest, state: RequestState, hidden: torch.Tensor, offset: int
                          ) -> list[LogprobsRow]:
         """Logprobs of prompt tokens predicted inside this chunk (position p predicts token p+1)."""
-        request = item.request
         start = item.num_computed_tokens
-        end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
+        end = min(start + item.num_new_tokens, len(state.prompt_token_ids) - 1)
         if end <= start:
             return []
         index = torch.arange(offset, offset + end - start, device=self.device)
         logprobs = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, index)).float(), dim=-1)
-        targets = torch.tensor(request.prompt_token_ids[start + 1:end + 1], device=self.device)
-        ids, values, ranks = compute_logprobs_top(logprobs, targets, request.sampling_params.prompt_logprobs)
+        targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=self.device)
+        ids, values, ranks = compute_logprobs_top(logprobs, targets, state.sampling_params.prompt_logprobs)
         return list(zip(ids.tolist(), values.tolist(), ranks.tolist()))
-
-
-def _argmax_rows_cpu(logits: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(logits.shape[0], dtype=torch.long)
-    torch.ops.kvloom.argmax_rows(out, logits.contiguous())
-    return out
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

@@ -102,7 +102,7 @@ def test_tp2_seeded_sampling_and_logprobs_equal_tp1(tp1: LLM, tp2: LLM) -> None:
 @needs_two_cores
 def test_each_rank_holds_half_the_heads_and_half_the_kv_cache(tp1: LLM, tp2: LLM) -> None:
     executor1, executor2 = tp1.llm_engine.executor, tp2.llm_engine.executor
-    assert executor2.kv_bytes_per_block() * 2 == executor1.kv_bytes_per_block()
+    assert executor2.driver.kv_bytes_per_block() * 2 == executor1.driver.kv_bytes_per_block()
     attention = executor2.driver.model.layers[0].self_attn
     full = executor1.driver.model.layers[0].self_attn
     assert (attention.num_heads, attention.num_kv_heads) == (full.num_heads // 2, full.num_kv_heads // 2)

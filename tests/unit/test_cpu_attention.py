@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from kvloom.attention import cpu
-from kvloom.attention.cpu import attention_cpu
-from kvloom.attention.metadata import AttentionMetadata
-from kvloom.attention.native import attention_native
-from kvloom.attention.reference import attention_reference
-from kvloom.attention.registry import get_attention_backend
+from kvloom.ops import cpu
+from kvloom.ops.cpu import attention as attention_cpu
+from kvloom.ops.metadata import AttentionMetadata
+from kvloom.ops.native import attention as attention_native
+from kvloom.ops.reference import attention_reference
+from kvloom.ops.table import select_ops
 
 # (new tokens, context already cached): decodes first (one new token), then a fresh prompt, a chunk
 # that continues a cached context, and a prompt longer than one query tile of the kernel.
@@ -169,13 +169,17 @@ def test_bad_block_table_is_an_error_not_a_crash() -> None:
         attention_cpu(*qkv, key_cache, value_cache, metadata, 0.125)
 
 
-def test_registry_picks_cpu_on_the_cpu_and_native_elsewhere() -> None:
-    assert get_attention_backend("auto") is attention_cpu
-    assert get_attention_backend("auto", torch.device("cpu")) is attention_cpu
-    assert get_attention_backend("cpu") is attention_cpu
-    assert get_attention_backend("auto", torch.device("cuda")) is attention_native
+def test_op_table_picks_cpu_on_the_cpu_and_triton_on_cuda() -> None:
+    cpu_device = torch.device("cpu")
+    assert select_ops(cpu_device, torch.float32).attention is attention_cpu
+    assert select_ops(cpu_device, torch.float32, "cpu").attention is attention_cpu
+    assert select_ops(cpu_device, torch.float32, "native").attention is attention_native
+    assert select_ops(cpu_device, torch.float32, "reference").attention is attention_reference
+    assert select_ops(torch.device("cuda"), torch.bfloat16).name == "triton"
     with pytest.raises(ValueError, match="CPU only"):
-        get_attention_backend("cpu", torch.device("cuda"))
+        select_ops(torch.device("cuda"), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="CUDA only"):
+        select_ops(cpu_device, torch.float32, "triton")
 
 
 def test_failed_build_warns_once_and_falls_back_to_native(monkeypatch: pytest.MonkeyPatch, tmp_path,
@@ -185,8 +189,8 @@ def test_failed_build_warns_once_and_falls_back_to_native(monkeypatch: pytest.Mo
     cpu.load_cpu_kernel.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="kvloom"):
-            assert get_attention_backend("cpu") is attention_native
-            assert get_attention_backend("auto") is attention_native
+            assert select_ops(torch.device("cpu"), torch.float32, "cpu").attention is attention_native
+            assert select_ops(torch.device("cpu"), torch.float32).attention is attention_native
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and "falls back to 'native'" in warnings[0].getMessage()
     finally:

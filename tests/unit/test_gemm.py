@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kvloom.layers.embedding import LMHead
-from kvloom.layers.linear import Linear, PackedWeight, fast_linear_format, pack_gemm_weight
+from kvloom.layers.linear import Linear
+from kvloom.ops.cpu import PackedWeight, linear_format, pack_gemm_weight
+from kvloom.ops.table import NATIVE_OPS
 
 
 def _exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -23,7 +27,7 @@ def _assert_rounding_close(actual: torch.Tensor, x: torch.Tensor, weight: torch.
 
 @pytest.fixture(scope="module")
 def gemm_kernel() -> None:
-    if fast_linear_format(torch.bfloat16, torch.device("cpu")) != "kvloom":
+    if linear_format(torch.bfloat16) != "kvloom":
         pytest.skip("the kvloom GEMM needs AVX512-BF16 and the built CPU kernels")
 
 
@@ -73,7 +77,7 @@ def test_gemm_rejects_a_weight_of_another_shape(gemm_kernel: None) -> None:
 
 @pytest.mark.parametrize("fmt", ["kvloom", "onednn"])
 def test_packed_linear_and_lm_head_match_f_linear(fmt: str) -> None:
-    available = fast_linear_format(torch.bfloat16, torch.device("cpu"))
+    available = linear_format(torch.bfloat16)
     if available is None or (fmt == "kvloom" and available != "kvloom"):
         pytest.skip(f"the {fmt} GEMM is not available here")
     torch.manual_seed(0)
@@ -81,10 +85,11 @@ def test_packed_linear_and_lm_head_match_f_linear(fmt: str) -> None:
     layer.weight.data.normal_()
     layer.bias.data.normal_()
     weight, bias = layer.weight.data.clone(), layer.bias.data.clone()
-    layer.fast_format = fmt
+    ops = dataclasses.replace(NATIVE_OPS, pack_linear=lambda w, b: PackedWeight(w, b, fmt))
+    layer.process_weights_after_loading(ops)
     head = LMHead(200, 96).to(torch.bfloat16)
     head.weight.data.normal_()
-    head.fast_format = fmt
+    head.process_weights_after_loading(ops)
     for rows in (1, 16, 333):
         x = torch.randn(rows, 96, dtype=torch.bfloat16)
         _assert_rounding_close(layer(x), x, weight, bias)

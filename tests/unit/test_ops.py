@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from kvloom.attention.metadata import AttentionMetadata
-from kvloom.attention.native import attention_native
-from kvloom.attention.reference import attention_reference
-from kvloom.layers.norm import rms_norm_fast, rms_norm_reference
+from kvloom.ops import native
+from kvloom.ops.metadata import AttentionMetadata
+from kvloom.ops.native import attention as attention_native
+from kvloom.ops.reference import apply_rotary_reference, attention_reference, rms_norm_reference, silu_and_mul
 
 
 def build_batch(query_lens: list[int], context_lens: list[int], block_size: int, num_blocks: int,
@@ -74,17 +74,17 @@ def test_native_attention_matches_reference(dtype: torch.dtype, sliding_window: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_fast_matches_reference(dtype: torch.dtype) -> None:
+def test_rms_norm_native_matches_reference(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     x = torch.randn(7, 64, dtype=dtype) * 3
     weight = torch.randn(64, dtype=dtype)
     # bf16: the fast kernel rounds once, the reference twice; they differ by about one ulp (2^-7).
-    torch.testing.assert_close(rms_norm_fast(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5),
+    torch.testing.assert_close(native.rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5),
                                atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1.6e-2)
 
 
-def test_rotary_fast_matches_reference_in_bf16() -> None:
-    from kvloom.layers.rotary import RotaryEmbedding, apply_rotary_reference
+def test_rotary_native_matches_reference_in_bf16() -> None:
+    from kvloom.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
     rotary = RotaryEmbedding(64, 512, 10000.0)
@@ -100,7 +100,7 @@ def test_rotary_fast_matches_reference_in_bf16() -> None:
 
 @pytest.fixture(scope="module")
 def fused_ops() -> None:
-    from kvloom.attention.cpu import cpu_kernel_available, load_cpu_kernel
+    from kvloom.ops.cpu import cpu_kernel_available, load_cpu_kernel
 
     if not cpu_kernel_available():
         pytest.skip(f"the CPU kernels could not be built: {load_cpu_kernel()}")
@@ -108,35 +108,35 @@ def fused_ops() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_cpu_norm_rotary_activation_match_references(fused_ops, dtype: torch.dtype) -> None:
-    from kvloom.layers.activation import SiluAndMul, silu_and_mul
+    from kvloom.layers.activation import SiluAndMul
     from kvloom.layers.norm import RMSNorm
-    from kvloom.layers.rotary import RotaryEmbedding, apply_rotary_reference
+    from kvloom.layers.rotary import RotaryEmbedding
+    from kvloom.ops.table import select_ops
 
+    ops = select_ops(torch.device("cpu"), dtype)
+    assert ops.name == "cpu"
     torch.manual_seed(0)
     exact = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1.6e-2)
-    norm = RMSNorm(96, 1e-5).to(dtype)
+    norm = RMSNorm(96, 1e-5, ops).to(dtype)
     norm.weight.data.normal_()
     x, residual = torch.randn(13, 96, dtype=dtype), torch.randn(13, 96, dtype=dtype)
     expected_sum = x + residual
     expected = rms_norm_reference(expected_sum, norm.weight, 1e-5)
-    norm.fused_cpu = True
     torch.testing.assert_close(norm(x.clone()), rms_norm_reference(x, norm.weight, 1e-5), **exact)
     got, got_sum = norm(x.clone(), residual.clone())
     torch.testing.assert_close(got_sum, expected_sum, atol=0, rtol=0)
     torch.testing.assert_close(got, expected, **exact)
 
-    rotary = RotaryEmbedding(32, 256, 10000.0)
+    rotary = RotaryEmbedding(32, 256, 10000.0, ops=ops)
     positions = torch.randint(0, 256, (13,))
     qkv = torch.randn(13, 7, 32, dtype=dtype)
     expected = apply_rotary_reference(qkv[:, :5], rotary.cos_cache[positions], rotary.sin_cache[positions])
-    rotary.fused_cpu = True
     got = rotary(positions, qkv[:, :5])  # a strided view, rotated in place
     torch.testing.assert_close(got, expected, **exact)
     torch.testing.assert_close(qkv[:, :5], expected, **exact)
 
-    act = SiluAndMul()
+    act = SiluAndMul(ops)
     x = torch.randn(13, 2 * 48, dtype=dtype)
-    act.fused_cpu = True
     torch.testing.assert_close(act(x), silu_and_mul(x), **exact)
 
 
@@ -189,9 +189,6 @@ def test_fused_cpu_argmax_nan_infinities_and_ties_match_torch(fused_ops, dtype: 
 def test_fused_cpu_ops_match_references_at_any_width(fused_ops, dtype: torch.dtype, rows: int, width: int) -> None:
     """Widths that are no multiple of the vector (a scalar tail after the vector body), a single row,
     and enough rows for the ops to split them between threads."""
-    from kvloom.layers.activation import silu_and_mul
-    from kvloom.layers.rotary import apply_rotary_reference
-
     torch.manual_seed(0)
     tol = {torch.float32: dict(atol=1e-6, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
            torch.float16: dict(atol=1e-3, rtol=2e-3)}[dtype]

@@ -10,12 +10,18 @@ from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.scheduler import Scheduler
 from kvloom.sampling_params import SamplingParams
+from kvloom.step_io import ModelRunnerOutput
 
 
 def make_request(request_id: str, prompt: list[int], max_tokens: int = 4, eos: int | None = None,
                  max_model_len: int = 1024) -> Request:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     return Request(request_id, prompt, params, {eos} if eos is not None else set(), max_model_len)
+
+
+def runner_output(sampled: dict[str, int]) -> ModelRunnerOutput:
+    """What the runner returns for one sampled token per request."""
+    return ModelRunnerOutput(sampled_token_ids={request_id: [token] for request_id, token in sampled.items()})
 
 
 def next_token(request: Request) -> int:
@@ -34,11 +40,11 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> dict[str
         assert out.num_batched_tokens <= scheduler.max_num_batched_tokens
         assert len(scheduler.running) <= scheduler.max_num_seqs
         for item in out.scheduled:
-            request = item.request
+            request = tracked[item.request_id]
             # Every scheduled token has a slot.
             assert len(request.block_ids) * scheduler.kv.block_size >= request.num_computed_tokens
-        sampled = {s.request.request_id: next_token(s.request) for s in out.scheduled if s.samples}
-        scheduler.update_from_output(out, sampled)
+        sampled = {s.request_id: next_token(tracked[s.request_id]) for s in out.scheduled if s.samples}
+        scheduler.update_from_output(out, runner_output(sampled))
         scheduler.kv.check_integrity()
     else:
         pytest.fail("requests did not finish")
@@ -119,7 +125,7 @@ def test_freed_cached_blocks_are_reused_in_lru_order_and_evicted() -> None:
     # Fill the whole cache with something else: the cached blocks are evicted.
     c = make_request("c", [7] * 8)
     assert kv.allocate_slots(c, 8)
-    assert not kv.cached or all(kv.blocks[blk].ref_count for blk in c.block_ids)
+    assert a.block_hashes and not set(a.block_hashes) & set(kv.cached)  # a's blocks were evicted for c's
     d = make_request("d", [1, 2, 3, 4, 9])
     kv.free(c)
     _, num_hit = kv.get_computed_blocks(d)
@@ -136,7 +142,7 @@ def test_budget_and_max_num_seqs_are_respected_and_prompts_chunked() -> None:
     assert out.num_batched_tokens == 10
     assert sum(s.num_new_tokens for s in out.scheduled) == 10
     assert len(out.scheduled) <= 3
-    scheduler.update_from_output(out, {s.request.request_id: 5 for s in out.scheduled if s.samples})
+    scheduler.update_from_output(out, runner_output({s.request_id: 5 for s in out.scheduled if s.samples}))
     run_to_completion(scheduler)
     assert_no_leak(kv)
 
@@ -146,12 +152,12 @@ def test_decode_and_prefill_share_a_step() -> None:
     scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
     scheduler.add_request(make_request("a", [1] * 5, max_tokens=5))
     out = scheduler.schedule()
-    scheduler.update_from_output(out, {"a": 7})
+    scheduler.update_from_output(out, runner_output({"a": 7}))
     scheduler.add_request(make_request("b", [2] * 9, max_tokens=5))
     out = scheduler.schedule()
-    news = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    news = {s.request_id: s.num_new_tokens for s in out.scheduled}
     assert news == {"a": 1, "b": 9}
-    scheduler.update_from_output(out, {"a": 7, "b": 8})
+    scheduler.update_from_output(out, runner_output({"a": 7, "b": 8}))
     run_to_completion(scheduler)
     assert_no_leak(kv)
 
@@ -183,14 +189,14 @@ def test_preempts_the_newest_running_request() -> None:
     scheduler.add_request(old)
     scheduler.add_request(new)
     out = scheduler.schedule()  # 2 blocks each
-    scheduler.update_from_output(out, {"old": 9, "new": 9})  # 4 tokens each: still fits
+    scheduler.update_from_output(out, runner_output({"old": 9, "new": 9}))  # 4 tokens each: still fits
     out = scheduler.schedule()
-    scheduler.update_from_output(out, {"old": 9, "new": 9})  # 5 tokens each: needs a 3rd block
+    scheduler.update_from_output(out, runner_output({"old": 9, "new": 9}))  # 5 tokens each: needs a 3rd block
     out = scheduler.schedule()
-    assert [r.request_id for r in out.preempted] == ["new"]
+    assert out.preempted_request_ids == ["new"]
     assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0
     assert scheduler.waiting[0] is new
-    scheduler.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
+    scheduler.update_from_output(out, runner_output({s.request_id: 9 for s in out.scheduled if s.samples}))
     run_to_completion(scheduler)
     assert_no_leak(kv)
 

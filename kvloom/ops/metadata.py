@@ -31,11 +31,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, L] bool, True = attend
     # query_start_loc as a [B + 1] int64 tensor on the device (kernels that take the whole batch)
     query_start_loc_tensor: torch.Tensor | None = None
+    max_query_len: int = 1  # the longest request's new tokens (a kernel's grid size)
 
     @property
     def num_requests(self) -> int:
         return len(self.seq_lens_host)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes

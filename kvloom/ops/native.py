@@ -1,4 +1,6 @@
-"""Fast attention through torch's fused scaled_dot_product_attention (CPU flash kernel, CUDA flash).
+"""The ops through torch's own fused kernels, on any device: the fallback of every platform.
+
+Attention goes through torch's scaled_dot_product_attention (CPU flash kernel, CUDA flash).
 
 Decodes are one batched product over keys gathered by block table up to a bucketed length (the
 null block pads shorter rows, the mask hides it). A prefill with no earlier context attends to its own
@@ -10,11 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvloom.attention.metadata import AttentionMetadata
-from kvloom.attention.reference import causal_mask, gather_sequence, write_kv_cache
+from kvloom.ops.metadata import AttentionMetadata
+from kvloom.ops.reference import apply_rotary_reference, causal_mask, gather_sequence, write_kv_cache
+from kvloom.ops.reference import silu_and_mul as silu_and_mul
 
 
-def attention_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      key_cache: torch.Tensor, value_cache: torch.Tensor,
                      metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     """query: [T, Hq, D]; key, value: [T, Hkv, D]; returns [T, Hq, D]."""
@@ -40,6 +43,40 @@ def attention_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                                scale=scale, enable_gqa=True)
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch's fused kernel. In bf16 it accumulates in fp32 and rounds once at the end (the
+    reference rounds before the weight multiply too), so results differ by at most an ulp."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); the sum is rounded to the dtype, as HF rounds it."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor,
+                     sin_cache: torch.Tensor) -> torch.Tensor:
+    """positions: [T]; x: [T, heads, D]; caches: [max_position, D // 2] fp32 -> rotated x (a new tensor).
+
+    fp32 is the reference exactly; lower precisions compute in x's dtype as HF does (no fp32 round trip).
+    """
+    cos = cos_cache.index_select(0, positions)
+    sin = sin_cache.index_select(0, positions)
+    if x.dtype == torch.float32:
+        return apply_rotary_reference(x, cos, sin)
+    cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [B, V] -> [B] int64."""
+    return logits.argmax(dim=-1)
 
 
 def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

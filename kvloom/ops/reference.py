@@ -1,10 +1,14 @@
-"""Reference attention: one request at a time, fp32, every key gathered by its slot. Slow, obvious."""
+"""The plain-torch references of every hot op: the oracles that each fast path is tested against.
+
+Attention goes one request at a time, in fp32, every key gathered by its slot: slow and obvious.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from kvloom.attention.metadata import AttentionMetadata
+from kvloom.ops.metadata import AttentionMetadata
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -56,3 +60,28 @@ def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqs,shd->qhd", probs, v).to(query.dtype)
     return out.view(-1, num_heads, head_dim)
+
+
+# ---- the small ops ------------------------------------------------------------------------------
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain torch in fp32, as HF's LlamaRMSNorm computes it: y = w * x / sqrt(mean(x^2) + eps)."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim] (HF's rotate-half layout); cos, sin: [T, head_dim // 2]. Computed in fp32."""
+    dtype = x.dtype
+    x = x.float()
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[:, None, :].float(), sin[:, None, :].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2 * I] laid out as [gate | up] -> [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,10 +1,18 @@
-"""Attention on the CPU by one C++ kernel per layer call (csrc/paged_attention.cpp).
+"""The CPU ops: one C++ library (csrc/) built at first use, and thin wrappers with the ops' signatures.
 
-The kernel reads each cached K/V row in place, once per group of query heads that share it,
-for decodes and prefill chunks alike, so the whole flat batch is one call. It is compiled at first
-use (-O3 -march=native, OpenMP; 10-60 s) into ``$KVLOOM_CACHE_DIR/extensions`` and loaded
-from there by later processes without compiling. When it cannot be built, ``cpu_kernel_available()``
-is False (after one warning) and the registry falls back to the native backend.
+- attention (csrc/paged_attention.cpp): the kernel reads each cached K/V row in place, once per
+  group of query heads that share it, for decodes and prefill chunks alike, so the whole flat batch
+  is one call per layer;
+- the KV-cache write, add+RMSNorm, rotary, SiLU-and-mul and argmax (csrc/fused_ops.cpp, vectorized);
+- the bf16 GEMM (csrc/gemm.cpp): weights packed once after loading (``pack_linear``) into 48-column
+  panels for an AVX512-BF16 micro-kernel, 1.05-1.2x oneDNN at batch 64 and about 2x at batches of 1-8
+  on SmolLM2's shapes (``benchmarks/gemm_micro.py``); oneDNN's pre-packed linear where our kernel is
+  not built (no AVX512-BF16). Both compute F.linear's answer: products summed in fp32, rounded once.
+
+The library is compiled at first use (-O3 -march=native, OpenMP; 10-60 s) into
+``$KVLOOM_CACHE_DIR/extensions`` and loaded from there by later processes without compiling. When it
+cannot be built, ``cpu_kernel_available()`` is False (after one warning) and the op table falls back
+to the native ops.
 """
 
 from __future__ import annotations
@@ -24,14 +32,13 @@ from pathlib import Path
 import torch
 
 from kvloom import envs
-from kvloom.attention.metadata import AttentionMetadata
-from kvloom.attention.reference import write_kv_cache
+from kvloom.ops.metadata import AttentionMetadata
+from kvloom.ops.reference import write_kv_cache
 
 logger = logging.getLogger("kvloom")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-# Compiled into the same library: fused norm / rotary / activation ops and the small-batch bf16 GEMM
-# (kvloom/layers uses them).
+# Compiled into the same library: the fused norm / rotary / activation ops and the bf16 GEMM.
 SOURCES = (SOURCE, Path(__file__).parent / "csrc" / "fused_ops.cpp", Path(__file__).parent / "csrc" / "gemm.cpp")
 HEADER = Path(__file__).parent / "csrc" / "cpu_capability.h"  # included by both
 # Tried in order: tuned for this CPU, then portable (for compilers that reject -march=native).
@@ -161,7 +168,7 @@ def query_start_loc_tensor(metadata: AttentionMetadata, device: torch.device) ->
     return metadata.query_start_loc_tensor
 
 
-def attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   key_cache: torch.Tensor, value_cache: torch.Tensor,
                   metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     """query: [T, Hq, D]; key, value: [T, Hkv, D] (this step's); returns [T, Hq, D]."""
@@ -177,3 +184,91 @@ def attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                      metadata.seq_lens, query_start_loc_tensor(metadata, query.device),
                                      scale, metadata.sliding_window or 0)
     return out
+
+
+# ---- the small ops --------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H] -> a new [T, H]."""
+    out = torch.empty_like(x)
+    torch.ops.kvloom.rms_norm(out, x, weight, eps)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: x (a fresh projection output) becomes the normed value, residual the sum."""
+    torch.ops.kvloom.fused_add_rms_norm(x, residual, weight, eps)
+    return x, residual
+
+
+def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor,
+                     sin_cache: torch.Tensor) -> torch.Tensor:
+    """Rotates x [T, heads, D] (a view of the fused qkv) in place, in fp32; caches [max_position, D // 2]."""
+    torch.ops.kvloom.rotary_embedding(x, positions, cos_cache, sin_cache)
+    return x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2 * I] as [gate | up] -> [T, I]."""
+    out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
+    torch.ops.kvloom.silu_and_mul(out, x)
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [B, V] in any float dtype -> [B] int64, over the low-precision values (no fp32 copy)."""
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    torch.ops.kvloom.argmax_rows(out, logits.contiguous())
+    return out
+
+
+# ---- the GEMM -------------------------------------------------------------------------------------
+# Output columns per packed panel of the "kvloom" format: 3 vectors of 16 (csrc/gemm.cpp's kPanel).
+GEMM_PANEL = 48
+
+
+def linear_format(dtype: torch.dtype) -> str | None:
+    """The fastest packed GEMM this process has for ``dtype`` on the CPU, or None (F.linear)."""
+    if dtype != torch.bfloat16:
+        return None
+    if cpu_kernel_available() and hasattr(torch.ops.kvloom, "gemm_bf16"):
+        return "kvloom"
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return "onednn"
+    return None
+
+
+def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 48), ceil(K / 2), 48, 2]: per panel of 48 output columns and k pair, the
+    48 columns' (W[n, 2p], W[n, 2p + 1]) words in a row. Padding is zero."""
+    n, k = weight.shape
+    panels, pairs = -(-n // GEMM_PANEL), -(-k // 2)
+    padded = weight.new_zeros(panels * GEMM_PANEL, pairs * 2)
+    padded[:n, :k] = weight
+    return padded.view(panels, GEMM_PANEL, pairs, 2).permute(0, 2, 1, 3).contiguous()
+
+
+class PackedWeight:
+    """A weight (and bias) repacked once for a fast GEMM; calling it gives F.linear(x, W, b)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, batch_hint: int = 64) -> None:
+        self.format = fmt
+        self.out_features, self.in_features = weight.shape
+        if fmt == "kvloom":
+            self.data = pack_gemm_weight(weight)
+            self.bias = None if bias is None else bias.float()  # added to the fp32 sums before rounding
+        elif fmt == "onednn":
+            self.data = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+            self.bias = bias
+        else:
+            raise ValueError(f"unknown packed weight format {fmt!r}; expected 'kvloom' or 'onednn'")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.format == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.data, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        torch.ops.kvloom.gemm_bf16(out.view(-1, self.out_features), rows, self.data, self.bias)
+        return out

@@ -1,0 +1,72 @@
+"""Cold and warm start with compiled artifacts (issue 9): start-to-first-token, and what the warm start compiled.
+
+Each start is a fresh process that builds ``LLM(model)`` on CUDA and generates one token, with
+``KVLOOM_COMPILED_ARTIFACTS`` pointing at one folder: the first start (cold) finds it empty and compiles
+every Triton kernel into it; the later ones (warm) should find a store they can reuse and compile
+nothing. "new kernel files" counts what each start added to the store's Triton cache.
+
+    PYTHONPATH=. python benchmarks/gpu_start.py --model /tmp/ckpt --starts 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = """
+import json, sys, time
+start = time.perf_counter()
+from kvloom import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5)
+ready = time.perf_counter()
+llm.generate([{"prompt_token_ids": list(range(100, 228))}], SamplingParams(temperature=0, max_tokens=1),
+             use_tqdm=False)
+done = time.perf_counter()
+print(json.dumps({"start_s": ready - start, "first_token_s": done - start,
+                  "artifacts": llm.llm_engine.executor.driver.artifacts.status}))
+"""
+
+
+def count_files(directory: Path) -> int:
+    return sum(1 for path in directory.rglob("*") if path.is_file()) if directory.exists() else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a HF checkpoint folder (e.g. gpu_throughput.py's)")
+    parser.add_argument("--starts", type=int, default=3, help="the first is cold, the rest warm")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    store = Path(tempfile.mkdtemp(prefix="kvloom-artifacts-"))
+    env = dict(os.environ, KVLOOM_COMPILED_ARTIFACTS=str(store), KVLOOM_LOGGING_LEVEL="WARNING")
+    rows = []
+    for index in range(args.starts):
+        before = count_files(store / "triton")
+        wall = time.perf_counter()
+        result = subprocess.run([sys.executable, "-c", CHILD, args.model], env=env, capture_output=True, text=True)
+        if result.returncode:
+            print(result.stderr[-3000:], file=sys.stderr)
+            return 1
+        row = json.loads(result.stdout.strip().splitlines()[-1])
+        row.update(kind="cold" if index == 0 else "warm", process_s=time.perf_counter() - wall,
+                   new_kernel_files=count_files(store / "triton") - before)
+        rows.append(row)
+        print(f"{row['kind']}: engine ready {row['start_s']:.1f} s, first token {row['first_token_s']:.1f} s "
+              f"(process {row['process_s']:.1f} s), store {row['artifacts']}, "
+              f"{row['new_kernel_files']} new kernel files", flush=True)
+    warm = [r["first_token_s"] for r in rows[1:]]
+    if warm:
+        print(f"warm / cold start-to-first-token: {min(warm) / rows[0]['first_token_s']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The CUDA ops: Triton kernels (triton/) behind the ops' signatures.
+
+The kernels take preallocated outputs and never sync the host, so a decode step that calls them can
+be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvloom.ops.metadata import AttentionMetadata
+from kvloom.ops.triton import attention as kernels
+from kvloom.ops.triton import fused
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              key_cache: torch.Tensor, value_cache: torch.Tensor,
+              metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query: [T, Hq, D]; key, value: [T, Hkv, D] (this step's); returns [T, Hq, D]."""
+    kernels.write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    kernels.paged_attention(out, query, key_cache, value_cache, metadata.block_table, metadata.seq_lens,
+                            metadata.query_start_loc_tensor, metadata.num_decodes, metadata.max_query_len,
+                            scale, metadata.sliding_window or 0)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    fused.rms_norm(out, x, weight, eps)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: x becomes norm(x + residual), residual the sum."""
+    fused.fused_add_rms_norm(x, residual, weight, eps)
+    return x, residual
+
+
+def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor,
+                     sin_cache: torch.Tensor) -> torch.Tensor:
+    """Rotates x [T, heads, D] in place."""
+    fused.rotary_embedding(x, positions, cos_cache, sin_cache)
+    return x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
+    fused.silu_and_mul(out, x)
+    return out

@@ -1,0 +1,106 @@
+"""The op table: which implementation of each op runs, chosen once when the model is built.
+
+The choice, for a model on ``device`` in ``dtype`` with ``attention_backend``:
+
+    backend      attention                small ops (norm, rotary, SiLU, argmax)   linear
+    reference    reference (per request)  torch                                     F.linear
+    native       torch SDPA               platform's (C++ on the CPU, Triton on CUDA) platform's
+    cpu          C++ paged attention      C++                                       packed bf16 GEMM
+    triton       Triton paged attention   Triton                                    F.linear (cuBLAS)
+    auto         cpu on the CPU, triton on CUDA
+
+A platform whose kernels cannot be built (no compiler, no Triton) falls back to the native ops, with
+one warning that says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvloom.ops import ATTENTION_BACKENDS, native, reference
+from kvloom.ops.metadata import AttentionMetadata
+
+logger = logging.getLogger("kvloom")
+
+# (query [T, Hq, D], key [T, Hkv, D], value, key_cache, value_cache, metadata, scale) -> [T, Hq, D];
+# writes this step's keys and values into the caches first.
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                        AttentionMetadata, float], torch.Tensor]
+# (weight [N, K], bias [N] or None) -> a function x [..., K] -> [..., N] equal to F.linear.
+PackLinearFn = Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Ops:
+    """One implementation of every op. See each platform module for the shapes."""
+
+    name: str
+    attention: AttentionFn
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # (x, residual, weight, eps) -> (norm(x + residual), x + residual); may reuse x and residual's memory.
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+    # (positions, x [T, heads, D], cos_cache, sin_cache) -> rotated x; may rotate x in place.
+    rotary_embedding: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    argmax: Callable[[torch.Tensor], torch.Tensor]
+    # None: linear layers keep their weight and call F.linear.
+    pack_linear: PackLinearFn | None = None
+    # The native attention's batched decode reads a block table padded to a bucketed width and a mask.
+    needs_decode_mask: bool = False
+
+
+NATIVE_OPS = Ops(name="native", attention=native.attention, rms_norm=native.rms_norm,
+                 add_rms_norm=native.add_rms_norm, rotary_embedding=native.rotary_embedding,
+                 silu_and_mul=native.silu_and_mul, argmax=native.argmax, needs_decode_mask=True)
+REFERENCE_OPS = Ops(name="reference", attention=reference.attention_reference, rms_norm=native.rms_norm,
+                    add_rms_norm=native.add_rms_norm, rotary_embedding=native.rotary_embedding,
+                    silu_and_mul=reference.silu_and_mul, argmax=native.argmax)
+
+
+def select_ops(device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
+               batch_hint: int = 64) -> Ops:
+    """The op table for a model on ``device`` in ``dtype``. ``batch_hint``: the usual rows of a GEMM."""
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {attention_backend!r} is unknown; known: {list(ATTENTION_BACKENDS)}")
+    if attention_backend == "reference":
+        return REFERENCE_OPS
+    on_cpu = device.type == "cpu"
+    if attention_backend == "auto":
+        attention_backend = "cpu" if on_cpu else "triton"
+    if attention_backend == "cpu" and not on_cpu:
+        raise ValueError(f"attention backend 'cpu' runs on the CPU only, the model is on {device}; "
+                         f"use 'auto', 'triton' or 'native'")
+    if attention_backend == "triton" and device.type != "cuda":
+        raise ValueError(f"attention backend 'triton' runs on CUDA only, the model is on {device}; "
+                         f"use 'auto', 'cpu' or 'native'")
+    platform = _cpu_ops(dtype, batch_hint) if on_cpu else _cuda_ops()
+    if attention_backend == "native":
+        return dataclasses.replace(platform, name="native", attention=native.attention, needs_decode_mask=True)
+    return platform
+
+
+def _cpu_ops(dtype: torch.dtype, batch_hint: int) -> Ops:
+    from kvloom.ops import cpu
+
+    fmt = cpu.linear_format(dtype)  # oneDNN's packed GEMM even where our library is not built
+    pack = None if fmt is None else (lambda weight, bias: cpu.PackedWeight(weight, bias, fmt, batch_hint))
+    if not cpu.cpu_kernel_available():
+        return dataclasses.replace(NATIVE_OPS, pack_linear=pack)
+    return Ops(name="cpu", attention=cpu.attention, rms_norm=cpu.rms_norm, add_rms_norm=cpu.add_rms_norm,
+               rotary_embedding=cpu.rotary_embedding, silu_and_mul=cpu.silu_and_mul, argmax=cpu.argmax,
+               pack_linear=pack)
+
+
+def _cuda_ops() -> Ops:
+    try:
+        from kvloom.ops import cuda
+    except ImportError as e:  # no Triton in this environment
+        logger.warning("The Triton kernels are not available, so CUDA runs torch's native ops (%s)", e)
+        return NATIVE_OPS
+    return Ops(name="triton", attention=cuda.attention, rms_norm=cuda.rms_norm, add_rms_norm=cuda.add_rms_norm,
+               rotary_embedding=cuda.rotary_embedding, silu_and_mul=cuda.silu_and_mul, argmax=native.argmax)

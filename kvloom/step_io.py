@@ -1,0 +1,69 @@
+"""Plain data across the engine / runner seam: what a step computes, and what it sampled.
+
+    Scheduler ──SchedulerOutput──> Executor ─> ModelRunner ──ModelRunnerOutput──> engine
+
+Both sides import this module and it imports neither (nor torch): the runner never sees a live
+``Request``, and what it keeps of a request (prompt, sampling parameters, the tokens it sampled, a
+seeded generator) it keeps by request id from ``NewRequestData``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvloom.sampling_params import SamplingParams
+
+# (token ids, logprobs, rank of the first id): column 0 is the sampled/actual token, then the top-k.
+LogprobsRow = tuple[list[int], list[float], int]
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Sent on the step that first schedules a request; the runner keeps it until the request ends."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Masked out of the logits while fewer than min_tokens were generated: EOS and the stop ids.
+    min_tokens_stop_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: compute ``token_ids`` at positions num_computed_tokens onwards.
+
+    ``block_ids`` is the request's whole block table (its cache slots). ``samples`` is True when the
+    step reaches the request's last known token, so a new token comes out of it.
+    """
+
+    request_id: str
+    num_computed_tokens: int
+    token_ids: list[int]
+    block_ids: list[int]
+    samples: bool
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per request that sampled: its new token ids (one each today; a speculative step may accept several),
+    a logprobs row per new token where asked, and the rows of prompt logprobs computed this step."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[LogprobsRow]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[LogprobsRow]] = field(default_factory=dict)

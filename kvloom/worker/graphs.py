@@ -1,0 +1,139 @@
+"""Shape buckets and CUDA graphs for decode steps (the seeds' token-generation buckets).
+
+A step whose scheduled requests are all decodes (one new token each) is padded up to the smallest
+token-generation bucket that holds it and replayed from the CUDA graph captured for that bucket:
+one launch for the whole forward instead of hundreds. The graph reads its inputs from persistent
+buffers, so a step only copies its ids, positions, slots, context lengths and block-table rows in:
+
+    row:          0 .. n-1 (real requests)          n .. B-1 (padding)
+    input_ids     the new token                     0
+    positions     its position                      0
+    slot_mapping  its cache slot                    -1: the KV write skips it
+    seq_lens      context length incl. the token    0: attention reads nothing, writes zeros
+    block_table   the request's blocks              whatever an earlier step left (never read)
+
+Padding never changes a request's tokens: padded rows write no cache slot and no real row reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvloom.ops.metadata import AttentionMetadata
+
+logger = logging.getLogger("kvloom")
+
+# A decode batch is a forward over [B] tokens: (input_ids, positions, metadata) -> hidden [B, H].
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def default_token_gen_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 to 64, of 16 to 256, of 32 beyond: padding wastes at most ~12%."""
+    buckets, size = [], 1
+    while size < 8:
+        buckets.append(size)
+        size *= 2
+    while size <= max_num_seqs:
+        buckets.append(size)
+        size += 8 if size < 64 else 16 if size < 256 else 32
+    if buckets[-1] != max_num_seqs and max_num_seqs > buckets[-1]:
+        buckets.append(max_num_seqs)
+    return [b for b in buckets if b <= max_num_seqs]
+
+
+def default_context_length_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Powers of two from 16 up to the token budget (which is always the last bucket)."""
+    buckets, size = [], 16
+    while size < max_num_batched_tokens:
+        buckets.append(size)
+        size *= 2
+    return [*buckets, max_num_batched_tokens]
+
+
+def pick_bucket(size: int, buckets: list[int]) -> int | None:
+    """The smallest bucket that holds ``size``, or None when none does."""
+    for bucket in buckets:
+        if bucket >= size:
+            return bucket
+    return None
+
+
+class DecodeGraphs:
+    """One captured CUDA graph per token-generation bucket, over shared persistent input buffers."""
+
+    def __init__(self, forward: ForwardFn, buckets: list[int], max_blocks_per_seq: int, block_size: int,
+                 sliding_window: int | None, device: torch.device) -> None:
+        self.forward = forward
+        self.buckets = sorted(buckets)
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.device = device
+        size = self.buckets[-1]
+        # Rows of one buffer: input ids, positions, slot mapping, context lengths (one copy per step).
+        self.rows = torch.zeros(4, size, dtype=torch.long, device=device)
+        self.rows[2].fill_(-1)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self.rows.unbind(0)
+        self.block_table = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # Pinned host twins: steps fill them with numpy, then copy asynchronously.
+        self.host_rows = torch.zeros(4, size, dtype=torch.long).pin_memory()
+        self.host_block_table = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32).pin_memory()
+        self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def metadata(self, batch: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch], block_table=self.block_table[:batch],
+            seq_lens=self.seq_lens[:batch], query_start_loc=list(range(batch + 1)), seq_lens_host=[1] * batch,
+            num_decodes=batch, block_size=self.block_size, sliding_window=self.sliding_window,
+            query_start_loc_tensor=self.query_start_loc[:batch + 1], max_query_len=1)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (the smaller ones reuse its memory pool)."""
+        start = time.perf_counter()
+        for batch in reversed(self.buckets):
+            metadata = self.metadata(batch)
+            inputs = (self.input_ids[:batch], self.positions[:batch], metadata)
+            self.forward(*inputs)  # compiles the kernels for this shape outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[batch] = self.forward(*inputs)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[batch] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info("Captured CUDA graphs for %d decode buckets (%s) in %.1f s", len(self.buckets),
+                    ",".join(map(str, self.buckets)), time.perf_counter() - start)
+
+    def can_run(self, num_requests: int) -> bool:
+        return bool(self.graphs) and num_requests <= self.buckets[-1]
+
+    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
+            block_rows: list[list[int]]) -> torch.Tensor:
+        """One decode step for n requests (host lists, one entry or block-table row each) -> hidden [n, H].
+
+        The inputs are written into pinned host buffers and copied in two asynchronous transfers; the
+        previous step's copies are done by then (its sampled tokens were read back).
+        """
+        n = len(input_ids)
+        batch = pick_bucket(n, self.buckets)
+        rows = self.host_rows.numpy()
+        rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = input_ids, positions, slot_mapping, seq_lens
+        if batch > n:  # padding rows: token 0 at position 0, no cache slot, no context
+            rows[:2, n:batch] = 0
+            rows[2, n:batch] = -1
+            rows[3, n:batch] = 0
+        table = self.host_block_table.numpy()
+        for i, row in enumerate(block_rows):
+            table[i, :len(row)] = row
+        self.rows[:, :batch].copy_(self.host_rows[:, :batch], non_blocking=True)
+        self.block_table[:n].copy_(self.host_block_table[:n], non_blocking=True)
+        self.graphs[batch].replay()
+        return self.outputs[batch][:n]
