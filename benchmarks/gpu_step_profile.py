@@ -33,13 +33,15 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--bandwidth", type=float, default=3.35e12, help="HBM bytes/s (H100 SXM)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--no-detokenize", action="store_true", help="as HF generate and gpu_throughput.py run")
     args = parser.parse_args()
 
     llm = LLM(model=args.model, dtype="bfloat16", max_model_len=args.max_model_len, max_num_seqs=args.num_prompts,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False)
     engine = llm.llm_engine
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=4 * args.steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=4 * args.steps + 8, ignore_eos=True,
+                            detokenize=not args.no_detokenize)
     for i, prompt in enumerate(make_workload(args.num_prompts, min_len=128, max_len=512, id_lo=0, id_hi=vocab - 1)):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
