@@ -17,6 +17,7 @@ Padding never changes a request's tokens: padded rows write no cache slot and no
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -97,17 +98,25 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first (the smaller ones reuse its memory pool)."""
         start = time.perf_counter()
-        for batch in reversed(self.buckets):
-            metadata = self.metadata(batch)
-            inputs = (self.input_ids[:batch], self.positions[:batch], metadata)
-            self.forward(*inputs)  # compiles the kernels for this shape outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[batch] = self.forward(*inputs)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[batch] = graph
+        # A garbage collection inside a capture could free CUDA or pinned memory of some earlier
+        # engine, which invalidates the capture: collect first, and not again until it is done.
+        gc.collect()
+        gc.disable()
+        try:
+            for batch in reversed(self.buckets):
+                metadata = self.metadata(batch)
+                inputs = (self.input_ids[:batch], self.positions[:batch], metadata)
+                self.forward(*inputs)  # compiles the kernels for this shape outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: CUDA calls of other threads (a server's) cannot break this capture.
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    self.outputs[batch] = self.forward(*inputs)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[batch] = graph
+        finally:
+            gc.enable()
         torch.cuda.synchronize(self.device)
         logger.info("Captured CUDA graphs for %d decode buckets (%s) in %.1f s", len(self.buckets),
                     ",".join(map(str, self.buckets)), time.perf_counter() - start)
