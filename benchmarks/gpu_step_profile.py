@@ -23,6 +23,7 @@ import torch
 
 from kvloom import LLM, SamplingParams
 from kvloom.bench.workload import make_workload
+from kvloom.sampling_params import RequestOutputKind
 
 
 def main() -> int:
@@ -40,8 +41,9 @@ def main() -> int:
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False)
     engine = llm.llm_engine
     vocab = engine.model_config.vocab_size
+    # FINAL_ONLY, as LLM.generate asks: no per-step output objects.
     params = SamplingParams(temperature=0, max_tokens=4 * args.steps + 8, ignore_eos=True,
-                            detokenize=not args.no_detokenize)
+                            detokenize=not args.no_detokenize, output_kind=RequestOutputKind.FINAL_ONLY)
     for i, prompt in enumerate(make_workload(args.num_prompts, min_len=128, max_len=512, id_lo=0, id_hi=vocab - 1)):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
