@@ -27,6 +27,7 @@ from kvloom.loader.weights import resolve_model
 from kvloom.outputs import RequestOutput
 from kvloom.platform import configure_host
 from kvloom.sampling_params import SamplingParams
+from kvloom.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("kvloom")
 
@@ -61,6 +62,10 @@ class LLMEngine:
         self.log_stats = log_stats
         self._iteration_stats = IterationStats()
         self._request_counter = itertools.count()
+        # CUDA runs a step asynchronously: the previous step's text work overlaps it.
+        self.overlap_postprocess = self.device.type == "cuda" and config.tensor_parallel_size == 1
+        self._deferred: tuple[SchedulerOutput, ModelRunnerOutput, list[Request], list[int]] | None = None
+        self._release_after_step: list[str] = []
         self.startup_seconds = time.perf_counter() - start
         logger.info("kvloom engine ready: model=%s dtype=%s device=%s max_model_len=%d blocks=%d x %d "
                     "tokens, start-up %.1fs", self.source.name, str(self.dtype).replace("torch.", ""),
@@ -146,12 +151,34 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and update one step; return the outputs of the requests that progressed.
+
+        On CUDA the step's device work is launched first and the previous step's text work (detokenize,
+        stop strings, outputs) is done while the device computes, so outputs come one step later; a
+        request a stop string ends then computes one token more, which is dropped.
+        """
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return []
-        runner_output = self.executor.execute(scheduler_output)
+            return self._postprocess_deferred()
         # The scheduled requests, looked up before the scheduler lets go of those that finish.
         requests = [self.scheduler.requests[s.request_id] for s in scheduler_output.scheduled]
+        if self.overlap_postprocess:
+            pending = self.executor.execute_async(scheduler_output)
+            outputs = self._postprocess_deferred(in_flight=True)
+            runner_output = pending()
+        else:
+            outputs = []
+            runner_output = self.executor.execute(scheduler_output)
+        self._update(scheduler_output, runner_output, requests)
+        if self.overlap_postprocess:
+            self.executor.release_requests(self._release_after_step)
+            self._release_after_step = []
+            return outputs
+        return self._postprocess_deferred()
+
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                requests: list[Request]) -> None:
+        """Append the new tokens (token-level stops apply); the text work waits in ``_deferred``."""
         num_outputs_before = [request.num_output_tokens for request in requests]
         stats = self._stats()
         if stats is not None:
@@ -159,9 +186,17 @@ class LLMEngine:
                 max(0, min(s.num_computed_tokens + s.num_new_tokens, r.num_prompt_tokens) - s.num_computed_tokens)
                 for s, r in zip(scheduler_output.scheduled, requests))
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.executor.release_requests([r.request_id for r in finished])
+        self._deferred = (scheduler_output, runner_output, requests, num_outputs_before)
 
-        # Postprocess: each request's new tokens go to the output processor (detokenize, stop
-        # strings, logprobs); a stop string ends its request here.
+    def _postprocess_deferred(self, in_flight: bool = False) -> list[RequestOutput]:
+        """Postprocess the last updated step: each request's new tokens go to the output processor
+        (detokenize, stop strings, logprobs); a stop string ends its request here. ``in_flight``: a
+        step is running, so the runner forgets the requests that end here only after it."""
+        if self._deferred is None:
+            return []
+        scheduler_output, runner_output, requests, num_outputs_before = self._deferred
+        self._deferred = None
         output_processor = self.output_processor
         stopped_by_string: list[str] = []
         for index, (item, request) in enumerate(zip(scheduler_output.scheduled, requests)):
@@ -169,7 +204,8 @@ class LLMEngine:
             if rows:
                 output_processor.add_prompt_logprobs(request, item.num_computed_tokens, rows)
             # What the scheduler appended: the runner's tokens up to a token-level stop.
-            new_token_ids = request.output_token_ids[num_outputs_before[index]:]
+            new_token_ids = request.output_token_ids[num_outputs_before[index]:num_outputs_before[index] + len(
+                runner_output.sampled_token_ids.get(request.request_id, ()))]
             if not new_token_ids:
                 continue
             rows = runner_output.logprobs.get(request.request_id)
@@ -177,6 +213,10 @@ class LLMEngine:
             if output_processor.process_tokens(request, new_token_ids, new_logprobs):
                 stopped_by_string.append(request.request_id)
         if stopped_by_string:
-            finished += self.scheduler.finish_requests(stopped_by_string, RequestStatus.FINISHED_STOPPED)
-        self.executor.release_requests([r.request_id for r in finished])
-        return output_processor.make_outputs(time.time(), stats)
+            finished = self.scheduler.finish_requests(stopped_by_string, RequestStatus.FINISHED_STOPPED)
+            released = [r.request_id for r in finished]
+            if in_flight:
+                self._release_after_step.extend(released)
+            else:
+                self.executor.release_requests(released)
+        return output_processor.make_outputs(time.time(), self._stats())

@@ -3,6 +3,8 @@ process per tensor-parallel rank). ``driver`` is rank 0's runner: it prepares in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvloom.step_io import ModelRunnerOutput, SchedulerOutput
 from kvloom.worker.model_runner import ModelRunner
 
@@ -19,6 +21,10 @@ class Executor:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver.execute(scheduler_output)
+
+    def execute_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Launch a step; the returned function waits for it (the host may work in between)."""
+        return self.driver.execute_async(scheduler_output)
 
     def release_requests(self, request_ids: list[str]) -> None:
         """Forget finished requests' state (their seeded generators, the tokens they sampled)."""

@@ -41,7 +41,7 @@ import time
 import traceback
 import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -370,6 +370,11 @@ class MultiprocExecutor(Executor):
             if failure is not None and isinstance(error, Exception):
                 raise RuntimeError(failure) from error
             raise
+
+    def execute_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """The ranks run in lockstep with their failures checked around the step: it runs whole here."""
+        output = self.execute(scheduler_output)
+        return lambda: output
 
     def shutdown(self) -> None:
         atexit.unregister(self._finalizer)

@@ -21,7 +21,7 @@ import torch
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor  # [B] fp32, 0 for greedy rows
+    temperature: torch.Tensor | None  # [B] fp32, 0 for greedy rows; None when every row is plain greedy
     all_greedy: bool
     all_random: bool
     top_k: torch.Tensor | None  # [B] int64, vocab size where off; None when no row filters

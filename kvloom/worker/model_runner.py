@@ -216,54 +216,72 @@ class ModelRunner:
             self.requests.pop(request_id, None)
 
     # ---- the step --------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_async(scheduler_output)()
+
+    @torch.inference_mode()
+    def execute_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Launch the step on the device; the returned function waits for it and reads the tokens back.
+
+        Everything copied to the device (inputs, sampling parameters) is copied before the launch: a copy
+        from pageable host memory waits for the device's queue, so none may follow the forward pass.
+        """
         for new in scheduler_output.new_requests:
             self.requests[new.request_id] = self._request_state(new)
         scheduled = scheduler_output.scheduled
-        if (self.graphs is not None and self.graphs.can_run(len(scheduled))
-                and all(item.num_new_tokens == 1 for item in scheduled)):
-            items, hidden = scheduled, self._decode_with_graph(scheduled)
+        use_graph = (self.graphs is not None and self.graphs.can_run(len(scheduled))
+                     and all(item.num_new_tokens == 1 for item in scheduled))
+        if use_graph:
+            items, inputs = scheduled, None
             query_start_loc = list(range(len(items) + 1))
         else:
             items, inputs = self._prepare_inputs(scheduled)
+            query_start_loc = inputs.metadata.query_start_loc
+        sampling_rows = [i for i, item in enumerate(items) if item.samples]
+        ids = [items[i].request_id for i in sampling_rows]
+        states = [self.requests[request_id] for request_id in ids]
+        sampling_metadata = self._sampling_metadata(ids, states) if ids else None
+        last_token_index = None
+        if ids and len(sampling_rows) != query_start_loc[-1]:  # else: one token per request, each sampling
+            last_token_index = torch.tensor([query_start_loc[i + 1] - 1 for i in sampling_rows], device=self.device)
+
+        if use_graph:
+            hidden = self._decode_with_graph(scheduled)
+        else:
             if self.broadcast_inputs is not None:
                 self.broadcast_inputs(inputs)
             hidden = self.forward(inputs)
-            query_start_loc = inputs.metadata.query_start_loc
+        sampler_output = None
+        if ids:
+            last_hidden = hidden if last_token_index is None else hidden.index_select(0, last_token_index)
+            sampler_output = self.sampler(self.model.compute_logits(last_hidden), sampling_metadata)
 
-        output = ModelRunnerOutput()
-        sampling_rows = [i for i, item in enumerate(items) if item.samples]
-        if sampling_rows:
-            if len(sampling_rows) == hidden.shape[0]:  # one token per request, each sampling: all rows
-                last_hidden = hidden
-            else:
-                last_token_index = torch.tensor([query_start_loc[i + 1] - 1 for i in sampling_rows],
-                                                device=self.device)
-                last_hidden = hidden.index_select(0, last_token_index)
-            logits = self.model.compute_logits(last_hidden)
-            ids = [items[i].request_id for i in sampling_rows]
-            states = [self.requests[request_id] for request_id in ids]
-            sampler_output = self.sampler(logits, self._sampling_metadata(ids, states))
-            sampled = sampler_output.sampled_token_ids.tolist()
-            for request_id, state, token_id in zip(ids, states, sampled):
-                output.sampled_token_ids[request_id] = [token_id]
-                state.output_token_ids.append(token_id)
-            if sampler_output.logprobs is not None:
-                top_ids = sampler_output.logprob_token_ids.tolist()
-                values = sampler_output.logprobs.tolist()
-                ranks = sampler_output.sampled_ranks.tolist()
-                for row, (request_id, state) in enumerate(zip(ids, states)):
-                    num = state.sampling_params.logprobs
-                    if num is not None:
-                        output.logprobs[request_id] = [(top_ids[row][:num + 1], values[row][:num + 1], ranks[row])]
-        for i, item in enumerate(items):
-            state = self.requests[item.request_id]
-            if state.sampling_params.prompt_logprobs is not None:
-                rows = self._prompt_logprobs(item, state, hidden, query_start_loc[i])
-                if rows:
-                    output.prompt_logprobs[item.request_id] = rows
-        return output
+        @torch.inference_mode()
+        def finish() -> ModelRunnerOutput:
+            output = ModelRunnerOutput()
+            if sampler_output is not None:
+                sampled = sampler_output.sampled_token_ids.tolist()  # waits for the device
+                for request_id, state, token_id in zip(ids, states, sampled):
+                    output.sampled_token_ids[request_id] = [token_id]
+                    state.output_token_ids.append(token_id)
+                if sampler_output.logprobs is not None:
+                    top_ids = sampler_output.logprob_token_ids.tolist()
+                    values = sampler_output.logprobs.tolist()
+                    ranks = sampler_output.sampled_ranks.tolist()
+                    for row, (request_id, state) in enumerate(zip(ids, states)):
+                        num = state.sampling_params.logprobs
+                        if num is not None:
+                            output.logprobs[request_id] = [(top_ids[row][:num + 1], values[row][:num + 1],
+                                                            ranks[row])]
+            for i, item in enumerate(items):
+                state = self.requests[item.request_id]
+                if state.sampling_params.prompt_logprobs is not None:
+                    rows = self._prompt_logprobs(item, state, hidden, query_start_loc[i])
+                    if rows:
+                        output.prompt_logprobs[item.request_id] = rows
+            return output
+
+        return finish
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
@@ -383,6 +401,12 @@ class ModelRunner:
     def _sampling_metadata(self, request_ids: list[str], states: list[RequestState]) -> SamplingMetadata:
         device = self.device
         params = [state.sampling_params for state in states]
+        if all(p.greedy and p.logprobs is None and not p.presence_penalty and not p.frequency_penalty
+               and p.repetition_penalty == 1.0 for p in params) and not any(
+                s.min_tokens_stop_ids and len(s.output_token_ids) < s.sampling_params.min_tokens for s in states):
+            # Plain greedy rows: the sampler takes the argmax and reads nothing else (no device copies).
+            return SamplingMetadata(temperature=None, all_greedy=True, all_random=False, top_k=None, top_p=None,
+                                    min_p=None)
         temperature = [0.0 if p.greedy else float(p.temperature) for p in params]
         all_greedy = all(t == 0.0 for t in temperature)
         top_k = [p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in params]
