@@ -312,13 +312,17 @@ def add_engine_args(parser: argparse.ArgumentParser, include_model: bool = True)
             if default:
                 parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name,
                                     action="store_false", help=f"turn off {f.name}")
-        elif f.name in ("seed", "max_num_seqs", "block_size", "max_model_len",
-                        "max_num_batched_tokens", "tensor_parallel_size"):
-            parser.add_argument(flag, dest=f.name, type=int, default=default, help=help_text)
-        elif f.name == "gpu_memory_utilization":
-            parser.add_argument(flag, dest=f.name, type=float, default=default, help=help_text)
         else:
-            parser.add_argument(flag, dest=f.name, default=default, help=help_text)
+            parser.add_argument(flag, dest=f.name, type=_flag_type(f), default=default, help=help_text)
+
+
+def _flag_type(f: dataclasses.Field) -> type:
+    """int or float for fields declared so (optional or not); str for the rest (sizes, paths, JSON)."""
+    declared = str(f.type).replace(" ", "")
+    for name, kind in (("int", int), ("float", float)):
+        if declared in (name, f"{name}|None"):
+            return kind
+    return str
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
