@@ -10,6 +10,7 @@ seeded generator) it keeps by request id from ``NewRequestData``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvloom.sampling_params import SamplingParams
 
@@ -28,12 +29,12 @@ class NewRequestData:
     min_tokens_stop_ids: frozenset[int] = frozenset()
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):
     """One request's share of a step: compute ``token_ids`` at positions num_computed_tokens onwards.
 
     ``block_ids`` is the request's whole block table (its cache slots). ``samples`` is True when the
-    step reaches the request's last known token, so a new token comes out of it.
+    step reaches the request's last known token, so a new token comes out of it. (A named tuple: one
+    is made per request per step, and it is cheaper to build than a frozen dataclass.)
     """
 
     request_id: str

@@ -107,8 +107,13 @@ class KVCacheManager:
         computed_blocks are prefix-cache hits (from get_computed_blocks) for a request with no
         blocks yet; they are shared, not copied.
         """
-        computed_blocks = computed_blocks or []
         num_tokens = request.num_computed_tokens + num_new_tokens
+        if not computed_blocks and num_tokens <= len(request.block_ids) * self.block_size:
+            # The common decode step: the held blocks have room. Name a block that just filled up.
+            if self.enable_prefix_caching and num_tokens // self.block_size > request.num_cached_blocks:
+                self._cache_full_blocks(request, num_tokens)
+            return True
+        computed_blocks = computed_blocks or []
         if computed_blocks:
             num_tokens += len(computed_blocks) * self.block_size
         num_new_blocks = self.blocks_needed(num_tokens) - len(request.block_ids) - len(computed_blocks)
