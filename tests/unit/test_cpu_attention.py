@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import random
 
 import pytest
 import torch
+from paged_batch import place_requests
 
 from kvloom.ops import cpu
 from kvloom.ops.cpu import attention as attention_cpu
@@ -31,24 +31,13 @@ def kernel() -> None:
 def build_batch(batch: list[tuple[int, int]], block_size: int, sliding_window: int | None,
                 seed: int = 0) -> tuple[AttentionMetadata, int]:
     """Metadata for requests placed in shuffled blocks; returns it and the cache's block count."""
-    rng = random.Random(seed)
-    max_blocks = max(-(-(q + c) // block_size) for q, c in batch)
-    num_blocks = 1 + len(batch) * max_blocks  # block 0 is the null block
-    free = list(range(1, num_blocks))
-    rng.shuffle(free)
-    tables, slots, seq_lens, starts = [], [], [], [0]
-    for new, context in batch:
-        total = new + context
-        blocks = [free.pop() for _ in range(-(-total // block_size))]
-        tables.append(blocks + [0] * (max_blocks - len(blocks)))
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(context, total))
-        seq_lens.append(total)
-        starts.append(starts[-1] + new)
+    placed = place_requests([q for q, _ in batch], [c for _, c in batch], block_size, seed=seed)
     metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), block_table=torch.tensor(tables), seq_lens=torch.tensor(seq_lens),
-        query_start_loc=starts, seq_lens_host=seq_lens, num_decodes=sum(1 for q, _ in batch if q == 1),
-        block_size=block_size, sliding_window=sliding_window)
-    return metadata, num_blocks
+        slot_mapping=torch.tensor(placed.slot_mapping), block_table=torch.tensor(placed.block_tables),
+        seq_lens=torch.tensor(placed.seq_lens), query_start_loc=placed.query_start_loc,
+        seq_lens_host=placed.seq_lens, num_decodes=placed.num_decodes, block_size=block_size,
+        sliding_window=sliding_window)
+    return metadata, placed.num_blocks
 
 
 def random_step(batch: list[tuple[int, int]], block_size: int, sliding_window: int | None, heads: int,

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from paged_batch import place_requests
 
 from kvloom.ops import native
 from kvloom.ops.metadata import AttentionMetadata
@@ -16,26 +15,13 @@ from kvloom.ops.reference import apply_rotary_reference, attention_reference, rm
 def build_batch(query_lens: list[int], context_lens: list[int], block_size: int, num_blocks: int,
                 sliding_window: int | None, seed: int = 0):
     """A random paged cache holding each request's context, and this step's new tokens."""
-    rng = random.Random(seed)
-    free = list(range(1, num_blocks))
-    rng.shuffle(free)
-    block_tables, slots, seq_lens = [], [], []
-    for q, c in zip(query_lens, context_lens):
-        total = q + c
-        blocks = [free.pop() for _ in range(-(-total // block_size))]
-        block_tables.append(blocks)
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(c, total))
-        seq_lens.append(total)
-    width = max(len(b) for b in block_tables)
-    num_decodes = sum(1 for q in query_lens if q == 1)
-    decode_blocks = width if num_decodes else 0
-    table = torch.tensor([b + [0] * (width - len(b)) for b in block_tables])
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
+    placed = place_requests(query_lens, context_lens, block_size, num_blocks, seed)
+    num_decodes = placed.num_decodes
+    decode_blocks = len(placed.block_tables[0]) if num_decodes else 0
     metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), block_table=table, seq_lens=torch.tensor(seq_lens),
-        query_start_loc=starts, seq_lens_host=seq_lens, num_decodes=num_decodes, block_size=block_size,
+        slot_mapping=torch.tensor(placed.slot_mapping), block_table=torch.tensor(placed.block_tables),
+        seq_lens=torch.tensor(placed.seq_lens), query_start_loc=placed.query_start_loc,
+        seq_lens_host=placed.seq_lens, num_decodes=num_decodes, block_size=block_size,
         sliding_window=sliding_window, decode_num_blocks=decode_blocks)
     if num_decodes:
         key_pos = torch.arange(decode_blocks * block_size)[None, :]

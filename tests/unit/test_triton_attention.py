@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from paged_batch import place_requests
 
 from kvloom.ops.reference import causal_mask, gather_sequence
 from kvloom.ops.reference import write_kv_cache as write_kv_cache_reference
@@ -59,27 +60,13 @@ def build_batch(query_lens: list[int], context_lens: list[int], block_size: int,
 
     index_dtype (int32 or int64) is the dtype of the block table, seq_lens and query_start_loc.
     """
-    rng = random.Random(seed)
-    free = list(range(1, num_blocks))
-    rng.shuffle(free)
-    block_tables, slots, seq_lens = [], [], []
-    for q, c in zip(query_lens, context_lens):
-        total = q + c
-        blocks = [free.pop() for _ in range(-(-total // block_size))]
-        block_tables.append(blocks)
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(c, total))
-        seq_lens.append(total)
-    width = max(len(b) for b in block_tables)
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
+    placed = place_requests(query_lens, context_lens, block_size, num_blocks, seed)
     return Batch(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-        block_table=torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=index_dtype,
-                                 device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=index_dtype, device=DEVICE),
-        query_start_loc=torch.tensor(starts, dtype=index_dtype, device=DEVICE),
-        query_lens=list(query_lens), num_decodes=sum(1 for q in query_lens if q == 1))
+        slot_mapping=torch.tensor(placed.slot_mapping, dtype=torch.int64, device=DEVICE),
+        block_table=torch.tensor(placed.block_tables, dtype=index_dtype, device=DEVICE),
+        seq_lens=torch.tensor(placed.seq_lens, dtype=index_dtype, device=DEVICE),
+        query_start_loc=torch.tensor(placed.query_start_loc, dtype=index_dtype, device=DEVICE),
+        query_lens=list(query_lens), num_decodes=placed.num_decodes)
 
 
 def random_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
