@@ -1,9 +1,9 @@
 """Fused RMSNorm, residual-add RMSNorm, rotary embedding and SiLU-and-mul for CUDA, in Triton.
 
-The same ops as the C++ CPU ones in kvloom/attention/csrc/fused_ops.cpp (torch.ops.kvloom.*), with the
+The same ops as the C++ CPU ones in kvloom/ops/csrc/fused_ops.cpp (torch.ops.kvloom.*), with the
 same signatures: outputs are written into tensors the caller passes, and nothing is returned. Each is a
 single launch with no host sync, so all of them can be captured in a CUDA graph. Everything is computed
-in fp32 and rounded to the tensor's dtype where the plain-torch references in kvloom/layers/ round.
+in fp32 and rounded to the tensor's dtype where the plain-torch references in kvloom/ops/reference.py round.
 
 Rows are one program each (norms, rotary) or a tile of one row (silu_and_mul); widths that are not a
 power of two (SmolLM2's 576 and 1536) are a power-of-two block with the tail masked off.
