@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from e2e.test_correctness import hf_greedy, kvloom_greedy, mixed_prompts
 
 from kvloom import LLM, SamplingParams
-from e2e.test_correctness import hf_greedy, kvloom_greedy, mixed_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
