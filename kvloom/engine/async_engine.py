@@ -65,8 +65,9 @@ class _Abort:
     request_ids: list[str] = field(default_factory=list)
 
 
+@dataclass
 class _Stop:
-    pass
+    reason: str = "the engine was shut down"
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
@@ -126,6 +127,7 @@ class AsyncLLM:
         self._stat_logger = StatLogger(stats_interval) if stats_interval > 0 else None
         self._idle_wait = stats_interval if stats_interval > 0 else None
         self._streams: dict[str, _Stream] = {}  # owned by the engine thread
+        self._stop_reason = "the engine was shut down"
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLM:
@@ -203,10 +205,16 @@ class AsyncLLM:
             if self._dead_error is None:
                 self._commands.put(_Abort(ids))
 
-    def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stop the engine thread; requests still running fail with EngineDeadError."""
+    def has_requests(self) -> bool:
+        """Whether any request is queued or running (read from the latest step's stats)."""
+        scheduler = self._stats.scheduler
+        return bool(scheduler.num_running or scheduler.num_waiting or not self._commands.empty())
+
+    def shutdown(self, timeout: float | None = 30.0, reason: str = "the engine was shut down") -> None:
+        """Stop the engine thread (after its current step); requests still running fail with
+        EngineDeadError(``reason``)."""
         if self._thread.is_alive():
-            self._commands.put(_Stop())
+            self._commands.put(_Stop(reason))
             self._thread.join(timeout)
 
     def _submit(self, command: _Add) -> None:
@@ -221,7 +229,7 @@ class AsyncLLM:
         try:
             while True:
                 if not self._process_commands(block=not engine.has_unfinished_requests()):
-                    self._die(EngineDeadError("the engine was shut down"))
+                    self._die(EngineDeadError(self._stop_reason))
                     return
                 if engine.has_unfinished_requests():
                     self._deliver(engine.step())
@@ -236,7 +244,7 @@ class AsyncLLM:
     def _process_commands(self, block: bool) -> bool:
         """Apply queued commands; when block, first wait for one (or for the stats interval).
 
-        False when told to stop.
+        False when told to stop (the reason is kept in ``_stop_reason``).
         """
         commands = []
         if block:
@@ -251,6 +259,7 @@ class AsyncLLM:
                 break
         for command in commands:
             if isinstance(command, _Stop):
+                self._stop_reason = command.reason
                 return False
             if isinstance(command, _Add):
                 self._add(command)

@@ -64,7 +64,7 @@ def test_models_list_and_retrieve(client: openai.OpenAI) -> None:
 
 def test_health_version_tokenize_detokenize(server: Server, oracle) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/version", headers=server.headers).json()["version"]
     tokenizer = oracle.get_tokenizer()
     body = post(server, "/tokenize", {"prompt": "The quick brown fox"}).json()
     assert body["tokens"] == tokenizer.encode("The quick brown fox")
@@ -370,12 +370,15 @@ def test_api_key_is_required_on_v1(server: Server) -> None:
     assert httpx.get(server.url + "/v1/models", headers=server.headers).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
-    # /health and /metrics stay open, as vLLM's.
+    # /health and /metrics stay open (without --metrics-require-key), as vLLM's; the rest needs the
+    # key (tests/e2e/test_server_limits.py goes through every route).
     assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert httpx.get(server.url + "/version").status_code == 401
 
 
 def test_unknown_routes_and_methods_use_the_error_shape(server: Server) -> None:
-    response = httpx.get(server.url + "/no/such/route")
+    response = httpx.get(server.url + "/no/such/route", headers=server.headers)
     assert response.status_code == 404 and "error" in response.json()
     response = httpx.get(server.url + "/v1/completions", headers=server.headers)
     assert response.status_code == 405 and "error" in response.json()

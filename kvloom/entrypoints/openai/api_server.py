@@ -1,14 +1,18 @@
 """The OpenAI-compatible HTTP server: ``kvloom serve MODEL`` or
 ``python -m kvloom.entrypoints.openai.api_server --model MODEL``.
 
-Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (behind ``--api-key`` when
-one is set), ``/health``, ``/version``, ``/tokenize``, ``/detokenize`` and ``/metrics``. One
-uvicorn process serves them on one asyncio loop; the engine steps in its own thread (AsyncLLM).
+Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/health``, ``/version``,
+``/tokenize``, ``/detokenize`` and ``/metrics``. One uvicorn process serves them on one asyncio
+loop; the engine steps in its own thread (AsyncLLM). With ``--api-key`` every route but
+``/health`` (and ``/metrics``, unless ``--metrics-require-key``) needs the key.
 
 Every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. Request
 bodies are parsed here rather than by FastAPI, so that malformed JSON, wrong types and huge
-numbers all end as a 400 that names the field. On SIGTERM uvicorn stops accepting connections,
-lets the in-flight responses finish, and the engine thread is stopped before the process exits.
+numbers all end as a 400 that names the field; a body that is not ``application/json`` is a 415
+and one over ``--max-request-body-bytes`` a 413, both before it is read. On SIGTERM uvicorn
+stops accepting connections and lets the in-flight responses finish for at most
+``--shutdown-timeout`` seconds; then the engine is stopped, which ends the remaining streams
+with an error event. A second SIGTERM or SIGINT exits at once.
 """
 
 from __future__ import annotations
@@ -22,20 +26,24 @@ import re
 import signal
 import socket
 import sys
+import threading
+from types import FrameType
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvloom import __version__, envs
 from kvloom.config import config_from_args
 from kvloom.engine.async_engine import AsyncLLM, EngineDeadError
-from kvloom.entrypoints.openai.args import add_server_args
+from kvloom.entrypoints.openai.args import DEFAULT_MAX_REQUEST_BODY_BYTES, add_server_args
 from kvloom.entrypoints.openai.protocol import (
+    MAX_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -52,11 +60,10 @@ from kvloom.entrypoints.openai.serving import (
     OpenAIServingCompletion,
     OpenAIServingTokenization,
     error_response,
+    max_chars_per_token_of,
 )
 
 logger = logging.getLogger("kvloom")
-
-MAX_BODY_BYTES = 32 << 20
 
 RequestT = TypeVar("RequestT", bound=RequestModel)
 
@@ -64,15 +71,23 @@ RequestT = TypeVar("RequestT", bound=RequestModel)
 # ---- request bodies -------------------------------------------------------------------------
 
 async def _read_body(raw_request: Request) -> bytes:
+    """The body, refused before it is read when it is not JSON (415) or too large (413)."""
+    content_type = raw_request.headers.get("content-type", "")
+    if content_type.partition(";")[0].strip().lower() != "application/json":
+        raise APIError(f"the request body must be JSON sent with 'Content-Type: application/json', "
+                       f"got {content_type or 'no Content-Type'!r}", 415, code="unsupported_media_type")
+    limit = getattr(raw_request.app.state, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
+    too_large = APIError(f"the request body is larger than {limit} bytes (--max-request-body-bytes)",
+                         413, code="request_too_large")
     length = raw_request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise APIError(f"the request body is larger than {MAX_BODY_BYTES} bytes", 413)
+    if length is not None and length.strip().isdigit() and int(length) > limit:
+        raise too_large
     chunks = []
     size = 0
-    async for chunk in raw_request.stream():
+    async for chunk in raw_request.stream():  # a chunked body has no Content-Length: count it
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(f"the request body is larger than {MAX_BODY_BYTES} bytes", 413)
+        if size > limit:
+            raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -144,6 +159,32 @@ def _describe_validation_error(errors: list[Any]) -> tuple[str, int, str | None]
 
 # ---- the app --------------------------------------------------------------------------------
 
+class APIKeyMiddleware:
+    """Every HTTP route but the open ones needs ``Authorization: Bearer <key>`` (401 otherwise).
+
+    A middleware rather than a route dependency, so that no route (``/openapi.json``, an unknown
+    path, a later one) can be left open by accident.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        header = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        scheme, _, token = header.decode("latin-1").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), self.api_key):
+            await self.app(scope, receive, send)
+            return
+        response = error_response("Invalid or missing API key; send it as 'Authorization: Bearer <key>'",
+                                  401, code="invalid_api_key")
+        await response(scope, receive, send)
+
+
 def load_chat_template(value: str | None) -> str | None:
     """A chat template given inline or as a file path."""
     if value is None:
@@ -169,12 +210,18 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     chat_template = load_chat_template(getattr(args, "chat_template", None))
     api_key = getattr(args, "api_key", None) or envs.get("KVLOOM_API_KEY")
     root = getattr(args, "model", None)
-    completion = OpenAIServingCompletion(engine, names, chat_template)
-    chat = OpenAIServingChat(engine, names, chat_template)
-    tokenization = OpenAIServingTokenization(engine, names, chat_template)
+    limits = dict(max_logprobs=getattr(args, "max_logprobs", MAX_LOGPROBS),
+                  max_chars_per_token=max_chars_per_token_of(engine.tokenizer))
+    completion = OpenAIServingCompletion(engine, names, chat_template, **limits)
+    chat = OpenAIServingChat(engine, names, chat_template, **limits)
+    tokenization = OpenAIServingTokenization(engine, names, chat_template, **limits)
 
     app = FastAPI(title="kvloom", version=__version__, docs_url=None, redoc_url=None)
     app.state.engine = engine
+    app.state.max_request_body_bytes = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
+    if api_key:
+        open_paths = {"/health"} if getattr(args, "metrics_require_key", False) else {"/health", "/metrics"}
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
@@ -198,16 +245,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         logger.exception("internal error while serving a request")
         return error_response(f"internal error: {error!r}", 500, type="server_error")
 
-    async def check_api_key(raw_request: Request) -> None:
-        if api_key is None:
-            return
-        header = raw_request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError("Invalid or missing API key; send it as 'Authorization: Bearer <key>'", 401,
-                           type="invalid_request_error", code="invalid_api_key")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
     async def list_models() -> ModelList:
@@ -284,10 +322,50 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _draining_server_class() -> type:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server with a bounded drain: the first SIGTERM / SIGINT stops accepting and
+        lets in-flight requests finish for ``shutdown_timeout`` seconds, then stops the engine,
+        which ends the remaining requests with an error (a stream's last event); a second signal
+        of either kind exits at once (uvicorn alone forces only on a second SIGINT)."""
+
+        def __init__(self, config: uvicorn.Config, engine: AsyncLLM, shutdown_timeout: float) -> None:
+            super().__init__(config)
+            self.engine = engine
+            self.shutdown_timeout = shutdown_timeout
+            self._deadline: threading.Timer | None = None
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if self.should_exit:
+                self._captured_signals.append(sig)
+                self.force_exit = True
+                return
+            super().handle_exit(sig, frame)
+            logger.info("Shutting down: in-flight requests have %.0fs to finish (--shutdown-timeout)",
+                        self.shutdown_timeout)
+            self._deadline = threading.Timer(self.shutdown_timeout, self._end_requests)
+            self._deadline.daemon = True
+            self._deadline.start()
+
+        def cancel_deadline(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+
+        def _end_requests(self) -> None:
+            if self.engine.has_requests():
+                logger.warning("Shutdown timeout of %.0fs reached: ending the requests still running",
+                               self.shutdown_timeout)
+            self.engine.shutdown(reason=f"the server is shutting down: the request did not finish within "
+                                 f"--shutdown-timeout ({self.shutdown_timeout:g}s)")
+
+    return DrainingServer
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Load the engine, serve until SIGTERM / SIGINT, then stop the engine. Returns the exit code."""
     import uvicorn
-
 
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
@@ -305,8 +383,13 @@ def run_server(args: argparse.Namespace) -> int:
         raise
     try:
         app = build_app(engine, args)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=level, access_log=args.uvicorn_access_log,
-                                               timeout_keep_alive=5))
+        shutdown_timeout = args.shutdown_timeout
+        DrainingServer = _draining_server_class()
+        # uvicorn's own deadline is a backstop: by then the engine has ended every stream.
+        server = DrainingServer(uvicorn.Config(app, log_level=level, access_log=args.uvicorn_access_log,
+                                               timeout_keep_alive=5,
+                                               timeout_graceful_shutdown=shutdown_timeout + 1),
+                                engine, shutdown_timeout)
         host, port = sock.getsockname()[:2]
         logger.info("kvloom %s serving %s at http://%s:%d (API key %s)", __version__, ", ".join(names),
                     host if ":" not in host else f"[{host}]", port,
@@ -319,6 +402,7 @@ def run_server(args: argparse.Namespace) -> int:
         try:
             server.run(sockets=[sock])
         finally:
+            server.cancel_deadline()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     finally:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_v
 # torch.Generator seeds are 64-bit.
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 63) - 1
 MAX_N = 128  # OpenAI's limit on completions per prompt
-MAX_LOGPROBS = 20  # most top logprobs per position (OpenAI's top_logprobs limit)
+MAX_LOGPROBS = 20  # default of --max-logprobs (OpenAI's top_logprobs limit), checked by the server
 
 
 class RequestModel(BaseModel):
@@ -95,7 +95,7 @@ class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
     best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
@@ -106,7 +106,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -27,6 +27,7 @@ from kvloom.engine.async_engine import AsyncLLM, EngineDeadError
 from kvloom.engine.input_processor import EngineRequest, TokenizedPrompt
 from kvloom.engine.request import ContextLengthError
 from kvloom.entrypoints.openai.protocol import (
+    MAX_LOGPROBS,
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -58,6 +59,21 @@ from kvloom.sampling_params import RequestOutputKind, SamplingParams
 _MIN_LOGPROB = -9999.0
 # Tokenizing a long text blocks; beyond this many characters it runs in a worker thread.
 _INLINE_TOKENIZE_CHARS = 8192
+# A prompt of more than max_model_len * chars-per-token characters cannot fit, and is refused
+# before it is tokenized. Chars-per-token is the longest vocabulary entry's length (a token never
+# stands for more characters than its own spelling; byte-level entries spell one byte per
+# character), and at least this: English text averages ~4 characters per token, and long
+# whitespace or punctuation runs, the longest common tokens, stay under 16 in most vocabularies.
+MIN_CHARS_PER_TOKEN = 16
+
+
+def max_chars_per_token_of(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` can stand for (at least MIN_CHARS_PER_TOKEN)."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None:
+        return MIN_CHARS_PER_TOKEN
+    vocab = backend.get_vocab(with_added_tokens=True)
+    return max(MIN_CHARS_PER_TOKEN, max(map(len, vocab), default=0))
 
 
 class APIError(Exception):
@@ -167,8 +183,10 @@ async def run_until_disconnected(coro: Any, raw_request: Request) -> Response:
 class OpenAIServing:
     """Shared by the endpoints: the model names, prompt building, sampling parameters, limits."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None
-                 ) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None,
+                 *, max_logprobs: int = MAX_LOGPROBS, max_chars_per_token: int | None = None) -> None:
+        """``max_logprobs``: the most logprobs per position a request may ask for.
+        ``max_chars_per_token``: the character cap's factor (default: from the tokenizer)."""
         self.engine = engine
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
@@ -176,6 +194,11 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.engine.model_config.vocab_size
+        self.max_num_seqs = engine.engine.config.max_num_seqs
+        self.max_logprobs = max_logprobs
+        if max_chars_per_token is None:
+            max_chars_per_token = max_chars_per_token_of(self.tokenizer)
+        self.max_prompt_chars = self.max_model_len * max_chars_per_token
 
     # ---- checks ----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -186,6 +209,30 @@ class OpenAIServing:
         if self.engine.errored:
             raise APIError(f"The engine is not running: {self.engine.dead_error}", 503,
                            type="server_error", code="engine_dead")
+
+    def check_limits(self, n: int, logprobs: int | None, logprobs_param: str) -> None:
+        """``n`` and the logprobs a request asks for against the server's limits (a 400 otherwise)."""
+        if n > self.max_num_seqs:
+            raise APIError(f"n must be at most {self.max_num_seqs} (the engine's max_num_seqs: one "
+                           f"batch's worth), got {n}", param="n")
+        if logprobs is not None and logprobs > self.max_logprobs:
+            raise APIError(f"{logprobs_param} must be at most {self.max_logprobs} (the server's "
+                           f"--max-logprobs), got {logprobs}", param=logprobs_param)
+
+    def check_prompt_chars(self, num_chars: int, prompt_name: str) -> None:
+        """Refuse a prompt of more characters than any prompt that fits the context can have."""
+        if num_chars > self.max_prompt_chars:
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                           f"the {prompt_name} has {num_chars} characters, more than any prompt of "
+                           f"{self.max_model_len} tokens can hold (at most {self.max_prompt_chars}). "
+                           f"Please reduce the length of the {prompt_name}.", param=prompt_name,
+                           code="context_length_exceeded")
+
+    def check_prompt_size(self, prompt: str | list[int], prompt_name: str) -> None:
+        """Refuse, before tokenizing, a prompt too long for any tokenization to fit the context."""
+        # Token ids need no tokenizing: the input processor checks their length, with the one message.
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt), prompt_name)
 
     def max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         """OpenAI's default when the client gave none: the rest of the context (a prompt that fills
@@ -225,6 +272,7 @@ class OpenAIServing:
     async def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool,
                               prompt_name: str) -> TokenizedPrompt:
         """A prompt's checked token ids; a 400 naming ``prompt_name`` when it is not valid."""
+        self.check_prompt_size(prompt, prompt_name)
         tokenize = self.engine.input_processor.tokenize
         try:
             if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
@@ -247,6 +295,18 @@ class OpenAIServing:
             message = str(e)
             name = prompt_name if "prompt" in message.lower() else _param_of(message, vars(params), None)
             raise APIError(message, param=name) from None
+
+    async def render_chat_checked(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                                  template_kwargs: dict[str, Any] | None = None) -> str:
+        """``render_chat`` behind the character cap: messages whose text alone is over it are
+        refused before rendering (a template writes every message's text), and long ones are
+        rendered in a worker thread so the event loop keeps serving."""
+        num_chars = sum(_text_length(message.get("content")) for message in messages
+                        if isinstance(message, dict))
+        self.check_prompt_chars(num_chars, "messages")
+        if num_chars > _INLINE_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.render_chat, messages, add_generation_prompt, template_kwargs)
+        return self.render_chat(messages, add_generation_prompt, template_kwargs)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     template_kwargs: dict[str, Any] | None = None) -> str:
@@ -277,6 +337,16 @@ def _param_of(message: str, fields: dict[str, Any], names: dict[str, str] | None
     if word not in fields:
         return None
     return (names or {}).get(word, word)
+
+
+def _text_length(content: Any) -> int:
+    """The characters of a chat message's content: a string or a list of text parts."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part["text"]) for part in content
+                   if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return 0
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
@@ -325,6 +395,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.best_of is not None and request.best_of != request.n:
             raise APIError(f"best_of must equal n ({request.n}) when given; kvloom does not rank "
                            f"extra completions", param="best_of")
+        self.check_limits(request.n, request.logprobs, "logprobs")
         prompts = await self._prompts(request)
         logprobs = request.logprobs
         prompt_logprobs = logprobs if request.echo and logprobs is not None else None
@@ -498,8 +569,9 @@ class OpenAIServingChat(OpenAIServing):
                            "supported", param="response_format")
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
-        prompt_text = self.render_chat(request.messages, request.add_generation_prompt,
-                                       request.chat_template_kwargs)
+        self.check_limits(request.n, request.top_logprobs, "top_logprobs")
+        prompt_text = await self.render_chat_checked(request.messages, request.add_generation_prompt,
+                                                     request.chat_template_kwargs)
         # The template already wrote any BOS it wants.
         prompt = await self.tokenize_prompt(prompt_text, add_special_tokens=False, prompt_name="messages")
         if request.max_completion_tokens is not None:
@@ -637,11 +709,12 @@ class OpenAIServingTokenization(OpenAIServing):
         if (request.prompt is None) == (request.messages is None):
             raise APIError("give exactly one of prompt (text) or messages (a chat)", param="prompt")
         if request.messages is not None:
-            text = self.render_chat(request.messages, request.add_generation_prompt)
+            text = await self.render_chat_checked(request.messages, request.add_generation_prompt)
             add_special = bool(request.add_special_tokens)
         else:
             text = request.prompt or ""
             add_special = request.add_special_tokens is not False
+        self.check_prompt_size(text, "messages" if request.messages is not None else "prompt")
         ids = await self.encode(text, add_special)
         token_strs = [self.tokenizer.id_to_token(t) for t in ids] if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
