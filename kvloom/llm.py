@@ -13,6 +13,9 @@ from kvloom.loader.tokenizer import Tokenizer
 from kvloom.outputs import RequestOutput
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
 
+# vLLM's --max-logprobs default: the most logprobs / prompt_logprobs a request may ask for.
+MAX_LOGPROBS = 20
+
 # vLLM generate() keywords that kvloom accepts when they ask for nothing it lacks.
 _IGNORED_GENERATE_KWARGS = ("lora_request", "priority", "prompt_adapter_request")
 
@@ -43,6 +46,9 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt (a string, a list of token ids or a prompt dict) "
+                             f"or a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
         return self._run(prompts, sampling_params, use_tqdm)
 
@@ -71,11 +77,16 @@ class LLM:
             params_list = [SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
                                  f"give one SamplingParams or one per prompt")
+        else:
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                             f"got {type(sampling_params).__name__}")
+        for params in params_list:
+            self._check_limits(params)
         # Each request's outputs come back once, whole, when it finishes. The caller's
         # SamplingParams are left as they were: each distinct one is copied once.
         final_params: dict[int, SamplingParams] = {}
@@ -98,6 +109,21 @@ class LLM:
             engine.abort_request(request_ids)
             raise
 
+    def _check_limits(self, params: SamplingParams) -> None:
+        """The engine's per-request caps (vLLM's max_logprobs, and n within max_num_seqs)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                             f"got a list holding {type(params).__name__}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be at most max_logprobs={MAX_LOGPROBS}, got {value}")
+        max_num_seqs = self.llm_engine.config.max_num_seqs
+        if params.n > max_num_seqs:
+            raise ValueError(f"n={params.n} is more than max_num_seqs={max_num_seqs}, the most sequences the "
+                             f"engine runs at once; ask for at most {max_num_seqs} completions per prompt "
+                             f"or raise max_num_seqs")
+
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         wanted = set(request_ids)
@@ -111,6 +137,11 @@ class LLM:
             while len(finished) < len(wanted) and engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished and output.request_id in wanted:
+                        if any(completion.finish_reason == "error" for completion in output.outputs):
+                            raise ValueError(f"request {output.request_id}: the model produced NaN or "
+                                             f"infinite logits, so its output would be garbage; check the "
+                                             f"checkpoint's weights, or run it in float32 or bfloat16 if "
+                                             f"float16 overflows")
                         finished[output.request_id] = output
                         if progress is not None:
                             progress.update(1)

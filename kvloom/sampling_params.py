@@ -57,13 +57,13 @@ class SamplingParams:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
+        self.stop = _str_list("stop", self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
         else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 1 << 31:
@@ -102,13 +102,10 @@ class SamplingParams:
             _int("logprobs", self.logprobs, 0)
         if self.prompt_logprobs is not None:
             _int("prompt_logprobs", self.prompt_logprobs, 0)
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
-                                 f"got {self.stop!r}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+                raise ValueError(f"stop_token_ids must be a list of non-negative integers, "
+                                 f"got {self.stop_token_ids!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -121,6 +118,16 @@ class SamplingParams:
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.init)
         return f"SamplingParams({shown})"
+
+
+def _str_list(name: str, value: Any) -> list[str]:
+    """None, a string or a list/tuple of strings, as a list; each string non-empty."""
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    if items is None or not all(isinstance(item, str) and item for item in items):
+        raise ValueError(f"{name} must be a non-empty string or a list of non-empty strings, got {value!r}")
+    return items
 
 
 def _int(name: str, value: Any, minimum: int | None) -> None:

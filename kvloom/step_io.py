@@ -63,8 +63,11 @@ class SchedulerOutput:
 @dataclass
 class ModelRunnerOutput:
     """Per request that sampled: its new token ids (one each today; a speculative step may accept several),
-    a logprobs row per new token where asked, and the rows of prompt logprobs computed this step."""
+    a logprobs row per new token where asked, and the rows of prompt logprobs computed this step.
+    ``failed_request_ids``: requests whose logits held a NaN or an infinity; they sampled nothing
+    (no entry in ``sampled_token_ids``) and the engine must end them with an error."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[LogprobsRow]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[LogprobsRow]] = field(default_factory=dict)
+    failed_request_ids: list[str] = field(default_factory=list)

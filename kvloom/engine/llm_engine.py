@@ -185,8 +185,9 @@ class LLMEngine:
             stats.num_prompt_tokens += sum(
                 max(0, min(s.num_computed_tokens + s.num_new_tokens, r.num_prompt_tokens) - s.num_computed_tokens)
                 for s, r in zip(scheduler_output.scheduled, requests))
+        failed = self.scheduler.finish_requests(runner_output.failed_request_ids, RequestStatus.FINISHED_ERROR)
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self.executor.release_requests([r.request_id for r in finished])
+        self.executor.release_requests([r.request_id for r in failed + finished])
         self._deferred = (scheduler_output, runner_output, requests, num_outputs_before)
 
     def _postprocess_deferred(self, in_flight: bool = False) -> list[RequestOutput]:
@@ -203,6 +204,9 @@ class LLMEngine:
             rows = runner_output.prompt_logprobs.get(request.request_id)
             if rows:
                 output_processor.add_prompt_logprobs(request, item.num_computed_tokens, rows)
+            if request.status == RequestStatus.FINISHED_ERROR:
+                output_processor.finish_failed(request)
+                continue
             # What the scheduler appended: the runner's tokens up to a token-level stop.
             new_token_ids = request.output_token_ids[num_outputs_before[index]:num_outputs_before[index] + len(
                 runner_output.sampled_token_ids.get(request.request_id, ()))]

@@ -193,6 +193,18 @@ class OutputProcessor:
         self._touched[state.request_id] = state
         return stopped
 
+    def finish_failed(self, request: Request) -> None:
+        """A completion the engine ended with an error (its logits held NaN or inf, so it sampled
+        nothing): its request's next output carries finish_reason "error"."""
+        completion = self._completions.get(request.request_id)
+        if completion is None:
+            return
+        state = completion.parent
+        state.a_completion_finished = True
+        if state.deltas and completion not in state.changed:
+            state.changed.append(completion)
+        self._touched[state.request_id] = state
+
     def _update_text(self, completion: CompletionState, new_token_ids: list[int]) -> bool:
         """Detokenize the new tokens onto ``completion.unsent``; True if a stop string ended it."""
         detokenizer = completion.detokenizer

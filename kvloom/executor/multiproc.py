@@ -194,9 +194,11 @@ def _worker_main(rank: int, world_size: int, store_port: int, backend: str, conf
                 os._exit(0)
             else:
                 raise RuntimeError(f"unknown message {kind!r}")
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             conn.send_bytes(_dumps(("error", traceback.format_exc())))
+        if isinstance(error, ValueError):  # a user error (a bad checkpoint): the driver reports it, once
+            sys.exit(1)
         raise
 
 

@@ -87,7 +87,7 @@ def _read_gguf_cached(path: str, mtime_ns: int, size: int) -> GGUFFile:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
             return _parse(path, buf, size)
-        except (struct.error, UnicodeDecodeError) as e:
+        except (struct.error, UnicodeDecodeError, OverflowError) as e:
             raise ValueError(f"{path}: GGUF metadata is truncated or corrupt ({e})") from None
 
 
@@ -111,7 +111,9 @@ def _parse(path: str, buf: mmap.mmap, size: int) -> GGUFFile:
         ggml_type, offset = cursor.unpack("<I"), cursor.unpack("<Q")
         infos.append((name, tuple(reversed(dims)), ggml_type, offset))
 
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"{path}: GGUF general.alignment must be a positive integer, got {alignment!r}")
     data_start = cursor.pos + (-cursor.pos % alignment)
     tensors = {}
     for name, shape, ggml_type, offset in infos:
@@ -136,6 +138,7 @@ class _Cursor:
 
     def string(self) -> str:
         length = self.unpack("<Q")
+        self.check_fits(length)
         text = self.buf[self.pos:self.pos + length].decode("utf-8", errors="replace")
         self.pos += length
         return text
@@ -147,6 +150,7 @@ class _Cursor:
             item_type, count = self.unpack("<I"), self.unpack("<Q")
             if item_type in _NUMPY_DTYPES:
                 dtype = np.dtype(_NUMPY_DTYPES[item_type])
+                self.check_fits(dtype.itemsize * count)
                 values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).tolist()
                 self.pos += dtype.itemsize * count
                 return values
@@ -158,6 +162,12 @@ class _Cursor:
             raise ValueError(f"{self.path}: unknown GGUF metadata value type {value_type}")
         return self.unpack(fmt)
 
+    def check_fits(self, nbytes: int) -> None:
+        """A length read from a corrupt file can point anywhere: refuse one that runs past the end."""
+        if self.pos + nbytes > len(self.buf):
+            raise ValueError(f"{self.path}: GGUF metadata is truncated or corrupt (a value of {nbytes} bytes "
+                             f"at offset {self.pos} runs past the end of the file)")
+
     def string_array(self, count: int) -> list[str]:
         # The vocabulary and merges are ~50k strings each: a tight loop over local names is what
         # keeps reading them well under 100 ms.
@@ -165,9 +175,13 @@ class _Cursor:
         unpack = struct.Struct("<Q").unpack_from
         out: list[str] = []
         append = out.append
+        end = len(buf)
         for _ in range(count):
             (length,) = unpack(buf, pos)
             pos += 8
+            if pos + length > end:
+                self.pos = pos
+                self.check_fits(length)
             append(buf[pos:pos + length].decode("utf-8", errors="replace"))
             pos += length
         self.pos = pos
@@ -189,7 +203,13 @@ _KNOWN_LAYOUTS = {GGML_F32: (1, 4), GGML_F16: (1, 2), GGML_BF16: (1, 2), GGML_Q4
 
 
 def _tensor_nbytes(path: str, name: str, shape: tuple[int, ...], ggml_type: int) -> int:
-    block_size, type_size = _KNOWN_LAYOUTS.get(ggml_type) or _block_layout(ggml_type)
+    layout = _KNOWN_LAYOUTS.get(ggml_type)
+    if layout is None:
+        try:
+            layout = _block_layout(ggml_type)
+        except ValueError as e:
+            raise ValueError(f"{path}: tensor {name}: {e}") from None
+    block_size, type_size = layout
     numel = math.prod(shape)
     if shape and shape[-1] % block_size:
         raise ValueError(f"{path}: tensor {name} has rows of {shape[-1]} values, not a multiple of its "

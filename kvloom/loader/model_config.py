@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# What a config.json must give; the rest has defaults.
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass
@@ -31,39 +33,52 @@ class ModelConfig:
     torch_dtype: str | None = None  # as stored: "float32", "bfloat16", "float16" or None
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+    def from_hf_dict(cls, d: dict[str, Any], source: str = "the model config") -> ModelConfig:
+        """The facts of a HF config.json's dict; a ValueError naming ``source`` (its file) when a
+        required key is missing or a value has the wrong type."""
+        missing = [key for key in _REQUIRED_KEYS if key not in d]
+        if missing:
+            raise ValueError(f"{source} lacks the required key(s) {missing}; a Llama or Mistral config "
+                             f"needs {list(_REQUIRED_KEYS)}")
+        for key in _REQUIRED_KEYS:
+            value = d[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{source}: {key} must be a positive integer, got {value!r}")
         architectures = d.get("architectures") or []
         architecture = architectures[0] if architectures else {
             "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(d.get("model_type", ""), "")
         if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"model architecture {architecture or d.get('model_type')!r} is not supported; "
-                             f"supported: {list(SUPPORTED_ARCHITECTURES)}")
-        num_heads = int(d["num_attention_heads"])
-        hidden = int(d["hidden_size"])
-        eos = d.get("eos_token_id")
-        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-        dtype = d.get("torch_dtype") or d.get("dtype")
-        return cls(
-            architecture=architecture,
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
-            head_dim=int(d.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rope_scaling=_rope_scaling(d),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            sliding_window=d.get("sliding_window"),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            attention_bias=bool(d.get("attention_bias", False)),
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            torch_dtype=str(dtype).replace("torch.", "") if dtype else None,
-        )
+            raise ValueError(f"{source}: model architecture {architecture or d.get('model_type')!r} is not "
+                             f"supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
+        try:
+            num_heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            eos = d.get("eos_token_id")
+            eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+            dtype = d.get("torch_dtype") or d.get("dtype")
+            return cls(
+                architecture=architecture,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=num_heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
+                head_dim=int(d.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+                rope_scaling=_rope_scaling(d),
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                sliding_window=d.get("sliding_window"),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                attention_bias=bool(d.get("attention_bias", False)),
+                mlp_bias=bool(d.get("mlp_bias", False)),
+                torch_dtype=str(dtype).replace("torch.", "") if dtype else None,
+            )
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{source} has a value of the wrong type ({e})") from None
 
 
 def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:

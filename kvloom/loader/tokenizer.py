@@ -230,7 +230,11 @@ def _load_hf_dir(path: str) -> Tokenizer:
     tokenizer_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tokenizer_file):
         raise ValueError(f"{path} has no tokenizer.json; kvloom needs a fast (tokenizers-library) tokenizer")
-    backend = tokenizers.Tokenizer.from_file(tokenizer_file)
+    try:
+        backend = tokenizers.Tokenizer.from_file(tokenizer_file)
+    except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for any parse error
+        raise ValueError(f"{tokenizer_file} is not a valid tokenizers-library tokenizer ({e}); it may be "
+                         "truncated or corrupt") from None
     config = _read_json(os.path.join(path, "tokenizer_config.json"))
     special_map = _read_json(os.path.join(path, "special_tokens_map.json"))
     special = {name: _token_content(config.get(name, special_map.get(name))) for name in _SPECIAL_TOKEN_NAMES}
@@ -315,16 +319,11 @@ def _load_gguf(path: str) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
     if not tokens:
         raise ValueError(f"{path}: GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
-    if kind == "gpt2":
-        backend = _byte_level_bpe(tokens, meta)
-        add_bos_default = False
-    elif kind == "llama":
-        backend = _sentencepiece_bpe(tokens, meta)
-        # Older files have no flag, and llama.cpp adds BOS to sentencepiece vocabularies by default.
-        add_bos_default = True
-    else:
+    if kind not in ("gpt2", "llama"):
         raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported; "
                          "supported: ['gpt2', 'llama']")
+    # Older files have no add_bos flag, and llama.cpp adds BOS to sentencepiece vocabularies by default.
+    add_bos_default = kind == "llama"
 
     def token(key: str) -> str | None:
         token_id = meta.get(f"tokenizer.ggml.{key}")
@@ -332,7 +331,11 @@ def _load_gguf(path: str) -> Tokenizer:
 
     special = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
                "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
-    _add_special_tokens(backend, tokens, meta, kind, [t for t in special.values() if t is not None])
+    try:
+        backend = _byte_level_bpe(tokens, meta) if kind == "gpt2" else _sentencepiece_bpe(tokens, meta)
+        _add_special_tokens(backend, tokens, meta, kind, [t for t in special.values() if t is not None])
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception when it refuses
+        raise ValueError(f"{path}: the GGUF tokenizer is corrupt ({e})") from None
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     backend.post_processor = _bos_eos_processor(

@@ -68,9 +68,10 @@ def default_model_gguf_path() -> str:
 
 def load_model_config(source: ModelSource) -> ModelConfig:
     if source.kind == "hf_dir":
-        return ModelConfig.from_hf_dict(safetensors.read_config_json(source.path))
+        return ModelConfig.from_hf_dict(safetensors.read_config_json(source.path),
+                                        os.path.join(source.path, "config.json"))
     if source.kind == "gguf":
-        return ModelConfig.from_hf_dict(gguf.gguf_config_dict(source.path))
+        return ModelConfig.from_hf_dict(gguf.gguf_config_dict(source.path), source.path)
     raise ValueError(f"unknown model source kind {source.kind!r}; expected 'hf_dir' or 'gguf'")
 
 

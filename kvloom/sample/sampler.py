@@ -8,7 +8,8 @@ The steps, in order, for logits [B, V] (fp32):
   5. temperature, then top-k, top-p and min-p filtering;
   6. a sample by the exponential race: argmax(p / q), q ~ Exp(1). Rows with a seed draw q from
      their own generator, so a seeded request samples the same whatever shares its batch.
-No host sync happens before the token ids exist.
+A row whose raw logits hold a NaN or an infinity samples NONFINITE_TOKEN_ID instead: its request
+must end with an error, not emit garbage. No host sync happens before the token ids exist.
 """
 
 from __future__ import annotations
@@ -39,9 +40,13 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None  # most top logprobs any row asked for; None: none asked
 
 
+# What a row whose logits are not all finite samples (read back with the tokens: no extra sync).
+NONFINITE_TOKEN_ID = -1
+
+
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # [B] int64
+    sampled_token_ids: torch.Tensor  # [B] int64; NONFINITE_TOKEN_ID where the row's logits had a NaN/inf
     # When logprobs were asked: top ids/logprobs [B, K+1] (the sampled token first) and its rank [B]
     logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
@@ -69,6 +74,11 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def _mark_nonfinite(sampled: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """sampled: [B] token ids; finite: [B] bool. NONFINITE_TOKEN_ID where a row is not finite."""
+    return torch.where(finite, sampled, NONFINITE_TOKEN_ID)
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None,
                  argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
@@ -79,9 +89,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] in any float dtype."""
+        # One reduction over the raw logits: a row's sum is finite only when all its logits are. torch
+        # accumulates in fp32; bf16 and fp32 have the range to hold the sum of any sane row (~1e33 per
+        # logit to overflow), fp16 does not, so its sum is taken in fp32.
+        finite = logits.sum(dim=-1, dtype=torch.float32 if logits.dtype == torch.float16 else None).isfinite()
         if (metadata.all_greedy and metadata.max_num_logprobs is None and not metadata.min_tokens_masks
                 and metadata.repetition_penalty is None):
-            return SamplerOutput(sampled_token_ids=self.argmax(logits))
+            return SamplerOutput(sampled_token_ids=_mark_nonfinite(self.argmax(logits), finite))
         logits = logits.float()
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
@@ -95,7 +109,7 @@ class Sampler:
             random = self.sample_random(logits, metadata, self.generator)
             sampled = random if metadata.all_random else torch.where(
                 metadata.temperature == 0, greedy, random)
-        out = SamplerOutput(sampled_token_ids=sampled)
+        out = SamplerOutput(sampled_token_ids=_mark_nonfinite(sampled, finite))
         if raw_logprobs is not None:
             out.logprob_token_ids, out.logprobs, out.sampled_ranks = compute_logprobs_top(
                 raw_logprobs, sampled, metadata.max_num_logprobs)

@@ -22,7 +22,7 @@ from kvloom.loader.weights import iter_weights
 from kvloom.models.registry import build_model, process_weights_after_loading
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops, select_ops
-from kvloom.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_top
+from kvloom.sample.sampler import NONFINITE_TOKEN_ID, Sampler, SamplingMetadata, compute_logprobs_top
 from kvloom.sampling_params import SamplingParams
 from kvloom.step_io import LogprobsRow, ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from kvloom.worker.compiled_artifacts import ArtifactStore
@@ -262,6 +262,9 @@ class ModelRunner:
             if sampler_output is not None:
                 sampled = sampler_output.sampled_token_ids.tolist()  # waits for the device
                 for request_id, state, token_id in zip(ids, states, sampled):
+                    if token_id == NONFINITE_TOKEN_ID:
+                        output.failed_request_ids.append(request_id)
+                        continue
                     output.sampled_token_ids[request_id] = [token_id]
                     state.output_token_ids.append(token_id)
                 if sampler_output.logprobs is not None:
@@ -270,7 +273,7 @@ class ModelRunner:
                     ranks = sampler_output.sampled_ranks.tolist()
                     for row, (request_id, state) in enumerate(zip(ids, states)):
                         num = state.sampling_params.logprobs
-                        if num is not None:
+                        if num is not None and request_id in output.sampled_token_ids:
                             output.logprobs[request_id] = [(top_ids[row][:num + 1], values[row][:num + 1],
                                                             ranks[row])]
             for i, item in enumerate(items):

@@ -115,6 +115,18 @@ def test_chat_uses_the_chat_template(llm: LLM) -> None:
     (lambda llm: llm.generate(["a", "b"], [SamplingParams()]), "one per prompt"),
     (lambda llm: llm.generate("bad \ud800 text"), "Unicode"),
     (lambda llm: llm.generate("hi", SamplingParams(seed=2 ** 64)), "seed"),
+    (lambda llm: llm.generate(None), "prompts must be a prompt .* or a list of prompts, got NoneType"),
+    (lambda llm: llm.generate(5), "prompts must be a prompt .* or a list of prompts, got int"),
+    (lambda llm: llm.generate([None]), "a prompt must be a string, a list of token ids or a dict, got NoneType"),
+    (lambda llm: llm.generate(["ok"], sampling_params=5), "sampling_params must be a SamplingParams .* got int"),
+    (lambda llm: llm.generate(["ok"], sampling_params=[5]), "sampling_params must be a SamplingParams"),
+    (lambda llm: llm.chat("not a list"), "messages must be a non-empty list"),
+    (lambda llm: llm.chat([1]), "messages must be a non-empty list"),
+    (lambda llm: llm.generate("hi", SamplingParams(logprobs=1000)), "logprobs must be at most max_logprobs=20"),
+    (lambda llm: llm.generate("hi", SamplingParams(prompt_logprobs=21)),
+     "prompt_logprobs must be at most max_logprobs=20"),
+    (lambda llm: llm.generate("hi", SamplingParams(n=9)), "n=9 is more than max_num_seqs=8"),
+    (lambda llm: llm.generate("hi", SamplingParams(n=10000)), "n=10000 is more than max_num_seqs=8"),
 ])
 def test_bad_input_is_a_clear_value_error_and_the_engine_keeps_working(llm: LLM, call, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -135,6 +147,22 @@ def test_bad_input_is_a_clear_value_error_and_the_engine_keeps_working(llm: LLM,
 def test_bad_engine_arguments_are_clear_value_errors(tiny_llama_dir: str, kwargs, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LLM(model=tiny_llama_dir, **kwargs)
+
+
+def test_corrupt_checkpoint_is_one_line_and_exit_2_from_the_cli(tiny_llama_dir: str, tmp_path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    import shutil
+
+    from kvloom.entrypoints.cli import main
+
+    broken = shutil.copytree(tiny_llama_dir, tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=f"{weights} is not a valid safetensors file"):
+        LLM(model=str(broken))
+    assert main(["generate", "--model", str(broken), "--max-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"kvloom generate: error: {weights} is not a valid")
 
 
 def test_unknown_model_is_a_clear_error() -> None:

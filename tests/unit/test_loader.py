@@ -269,3 +269,111 @@ def test_smollm2_gguf_config_equals_transformers(
     _assert_config_matches_transformers(config, hf)
     assert (config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers) == (9, 3, 30)
     assert config.tie_word_embeddings and config.torch_dtype is None
+
+
+# ---------------------------------------------------------------------------------------------
+# broken files: a ValueError naming the file and what is wrong, never the library's own error
+
+
+def _broken_copy(model_dir: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(model_dir, tmp_path / "broken"))
+
+
+@pytest.mark.parametrize("corrupt, match", [
+    (lambda data: data[:len(data) // 2], "file not fully covered"),
+    (lambda data: data[:4], "header too small"),
+    (lambda data: b"", "header too small"),
+    (lambda data: data[:8] + b"not json" + data[16:], "invalid JSON in header"),
+    (lambda data: bytes(100), "invalid JSON in header"),
+])
+def test_corrupt_safetensors_is_a_value_error_naming_the_file(tiny_llama_dir: str, tmp_path: Path,
+                                                                corrupt, match: str) -> None:
+    broken = _broken_copy(tiny_llama_dir, tmp_path)
+    path = broken / "model.safetensors"
+    path.write_bytes(corrupt(path.read_bytes()))
+    with pytest.raises(ValueError, match=f"{path} is not a valid safetensors file.*{match}.*truncated or corrupt"):
+        list(iter_weights(resolve_model(str(broken))))
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", "is not valid JSON"),
+    ('{"metadata": {}}', 'must hold a "weight_map" object'),
+    ("[1, 2]", 'must hold a "weight_map" object'),
+])
+def test_broken_shard_index_is_a_clear_error(tiny_llama_sharded_dir: str, tmp_path: Path, text: str,
+                                             match: str) -> None:
+    broken = _broken_copy(tiny_llama_sharded_dir, tmp_path)
+    (broken / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ValueError, match=f"model.safetensors.index.json {match}"):
+        list(iter_weights(resolve_model(str(broken))))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda config: "{not json", "config.json is not valid JSON"),
+    (lambda config: "[1, 2]", "config.json must hold a JSON object, got a list"),
+    (lambda config: {k: v for k, v in config.items() if k != "hidden_size"},
+     r"config.json lacks the required key\(s\) \['hidden_size'\]"),
+    (lambda config: dict(config, num_hidden_layers="two"), "config.json: num_hidden_layers must be a positive integer"),
+    (lambda config: dict(config, rms_norm_eps="small"), "config.json has a value of the wrong type"),
+    (lambda config: dict(config, architectures=["GPT2LMHeadModel"]), "config.json: model architecture"),
+])
+def test_broken_config_json_is_a_clear_error(tiny_llama_dir: str, tmp_path: Path, edit, match: str) -> None:
+    import json
+
+    broken = _broken_copy(tiny_llama_dir, tmp_path)
+    config = edit(json.loads((broken / "config.json").read_text()))
+    (broken / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        load_model_config(resolve_model(str(broken)))
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"model": {"type": "BPE"}}', ""])
+def test_corrupt_tokenizer_json_is_a_clear_error(tiny_llama_dir: str, tmp_path: Path, text: str) -> None:
+    from kvloom.loader.tokenizer import load_tokenizer
+
+    broken = _broken_copy(tiny_llama_dir, tmp_path)
+    (broken / "tokenizer.json").write_text(text)
+    with pytest.raises(ValueError, match=f"{broken / 'tokenizer.json'} is not a valid tokenizers-library tokenizer"):
+        load_tokenizer(resolve_model(str(broken)))
+
+
+def _load_everything(path: str) -> None:
+    from kvloom.loader.tokenizer import load_tokenizer
+
+    source = resolve_model(path)
+    load_model_config(source)
+    load_tokenizer(source)
+    for _ in iter_weights(source):
+        pass
+
+
+@pytest.mark.parametrize("fraction", [0.001, 0.01, 0.3, 0.99])
+def test_truncated_gguf_is_a_value_error_naming_the_file(tiny_gguf_path: str, tmp_path: Path,
+                                                         fraction: float) -> None:
+    data = Path(tiny_gguf_path).read_bytes()
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(data[:int(len(data) * fraction)])
+    with pytest.raises(ValueError, match=str(path)):
+        _load_everything(str(path))
+
+
+def test_corrupt_gguf_bytes_are_value_errors_naming_the_file(tiny_gguf_path: str, tmp_path: Path) -> None:
+    """Random bytes of the header, metadata and tensor directory overwritten: the file loads (a byte of a
+    value that does not matter) or fails with a ValueError naming it, never another exception."""
+    import random
+
+    data = Path(tiny_gguf_path).read_bytes()
+    rng = random.Random(0)
+    failures = 0
+    for case in range(60):
+        corrupt = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            corrupt[rng.randint(4, 6000)] = rng.randrange(256)
+        path = tmp_path / f"corrupt{case}.gguf"
+        path.write_bytes(corrupt)
+        try:
+            _load_everything(str(path))
+        except ValueError as e:
+            assert str(path) in str(e)
+            failures += 1
+    assert failures > 30

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kvloom.sample.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+from kvloom.sample.sampler import NONFINITE_TOKEN_ID, Sampler, SamplingMetadata, apply_top_k_top_p
 
 VOCAB = 50
 
@@ -115,3 +115,24 @@ def test_logprobs_are_raw_and_rank_the_sampled_token() -> None:
     torch.testing.assert_close(out.logprobs[:, 0], expected.max(-1).values)
     assert out.sampled_ranks.tolist() == [1, 1, 1]
     assert math.isclose(out.logprobs[0, 1].item(), expected[0].max().item(), rel_tol=1e-6)
+
+
+def test_rows_with_nan_or_inf_logits_sample_the_nonfinite_marker() -> None:
+    """Greedy fast path, the fp32 path with logprobs, and random rows: only the bad rows are marked."""
+    torch.manual_seed(3)
+    logits = torch.randn(5, VOCAB)
+    logits[1, 7] = float("nan")
+    logits[3, 0] = float("inf")
+    logits[4, 2] = float("-inf")
+    bad = torch.tensor([False, True, False, True, True])
+    for md in (metadata(5, temperature=0.0), metadata(5, temperature=0.0, max_num_logprobs=2),
+               metadata(5, temperature=0.8)):
+        out = Sampler(torch.Generator().manual_seed(0))(logits, md)
+        assert torch.equal(out.sampled_token_ids == NONFINITE_TOKEN_ID, bad)
+        if md.all_greedy:
+            assert torch.equal(out.sampled_token_ids[~bad], logits[~bad].argmax(-1))
+    bf16 = Sampler()(logits.bfloat16(), metadata(5, temperature=0.0)).sampled_token_ids
+    assert torch.equal(bf16 == NONFINITE_TOKEN_ID, bad)
+    # fp16 logits whose sum overflows fp16 (50 x 2000 > 65504) are still finite.
+    big = torch.full((1, VOCAB), 2000.0, dtype=torch.float16)
+    assert Sampler()(big, metadata(1, temperature=0.0)).sampled_token_ids.item() != NONFINITE_TOKEN_ID
