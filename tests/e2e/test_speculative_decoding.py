@@ -39,6 +39,8 @@ def test_greedy_with_ngram_speculation_equals_plain_greedy(tiny_llama_dir: str, 
     assert run(llm, greedy, prompts) == plain
     stats = llm.llm_engine.scheduler.stats()
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
+    if "kv_cache_memory" in engine_args:
+        assert stats.num_preemptions > 0  # the small cache did preempt speculating requests
     kv = llm.llm_engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks
 
