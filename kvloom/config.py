@@ -96,6 +96,70 @@ class BackendConfig:
                              f"got {self.compiled_artifacts!r}")
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``): which proposer, and how many tokens it drafts."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int = 1
+
+    METHODS = ("ngram",)
+    NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
+
+    @classmethod
+    def from_engine_args(cls, config: dict[str, Any] | str | None, speculative_model: str | None,
+                         num_speculative_tokens: int | None) -> SpeculativeConfig | None:
+        """vLLM's dict / JSON, or the seeds' ``speculative_model`` + ``num_speculative_tokens``; None: off."""
+        if isinstance(config, str):
+            try:
+                config = json.loads(config) if config.strip() else None
+            except json.JSONDecodeError:
+                raise ValueError(f"speculative_config must be a JSON object such as "
+                                 f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}', "
+                                 f"got {config!r}") from None
+        if config is not None and not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(config).__name__}")
+        values = dict(config or {})
+        if speculative_model is not None:
+            if values:
+                raise ValueError("give speculative_config or speculative_model, not both")
+            if speculative_model != "[ngram]":
+                raise ValueError(f"speculative_model={speculative_model!r}: draft models are not supported yet; "
+                                 f"use speculative_model='[ngram]' (n-gram prompt lookup)")
+            values["method"] = "ngram"
+        if num_speculative_tokens is not None:
+            if not values:
+                raise ValueError("num_speculative_tokens needs a speculative method: speculative_model='[ngram]' "
+                                 "or speculative_config={'method': 'ngram', ...}")
+            values.setdefault("num_speculative_tokens", num_speculative_tokens)
+        if not values:
+            return None
+        allowed = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(values) - allowed)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        method = values.get("method")
+        if method in cls.NOT_YET:
+            raise ValueError(f"speculative_config: method {method!r} is not supported yet; supported: "
+                             f"{list(cls.METHODS)}")
+        if method not in cls.METHODS:
+            raise ValueError(f"speculative_config: method must be one of {list(cls.METHODS)}, got {method!r}")
+        k = values.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        lookup_max = values.get("prompt_lookup_max", k)
+        lookup_min = values.get("prompt_lookup_min", 1)
+        for name, value in (("prompt_lookup_max", lookup_max), ("prompt_lookup_min", lookup_min)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        if lookup_min > lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({lookup_max})")
+        return cls(method, k, lookup_max, lookup_min)
+
+
 def parse_overrides(overrides: dict[str, Any] | str | None) -> dict[str, Any]:
     """A dict, a JSON object, or the seeds' ``key:value,key:value`` shorthand."""
     if overrides is None or overrides == "":
@@ -186,7 +250,16 @@ class EngineConfig:
     trust_remote_code: bool = field(default=False, metadata=_help(
         "accepted for vLLM compatibility; kvloom never runs model code from a checkpoint"))
 
+    speculative_config: dict[str, Any] | str | None = field(default=None, metadata=_help(
+        "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4}'"))
+    speculative_model: str | None = field(default=None, metadata=_help(
+        "the seeds' spelling: '[ngram]' for n-gram prompt lookup (with --num-speculative-tokens)"))
+    num_speculative_tokens: int | None = field(default=None, metadata=_help(
+        "draft tokens proposed per step (the seeds' spelling, with --speculative-model)"))
+
     backend: BackendConfig = field(init=False, repr=False, default_factory=BackendConfig)
+    speculative: SpeculativeConfig | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -219,6 +292,8 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self.backend = BackendConfig.from_overrides(self.override_backend_config)
+        self.speculative = SpeculativeConfig.from_engine_args(self.speculative_config, self.speculative_model,
+                                                              self.num_speculative_tokens)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -33,7 +33,7 @@ class ScheduledRequest(NamedTuple):
     """One request's share of a step: compute ``token_ids`` at positions num_computed_tokens onwards.
 
     ``block_ids`` is the request's whole block table (its cache slots). ``samples`` is True when the
-    step reaches the request's last known token, so a new token comes out of it. (A named tuple: one
+    step reaches the request's last known token (and its drafts), so new tokens come out of it. (A named tuple: one
     is made per request per step, and it is cheaper to build than a frozen dataclass.)
     """
 
@@ -42,6 +42,9 @@ class ScheduledRequest(NamedTuple):
     token_ids: list[int]
     block_ids: list[int]
     samples: bool
+    # Speculative decoding: the last num_draft_tokens of token_ids are proposed, not yet accepted; the
+    # runner scores them all and returns the accepted ones plus one token of its own.
+    num_draft_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:

@@ -27,6 +27,7 @@ from kvloom.loader.weights import resolve_model
 from kvloom.outputs import RequestOutput
 from kvloom.platform import configure_host
 from kvloom.sampling_params import SamplingParams
+from kvloom.spec_decode.ngram import NgramProposer
 from kvloom.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("kvloom")
@@ -54,8 +55,11 @@ class LLMEngine:
         self.executor.init_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.max_num_batched_tokens = resolved.max_num_batched_tokens
+        speculative = config.speculative
+        proposer = None if speculative is None else NgramProposer(
+            speculative.num_speculative_tokens, speculative.prompt_lookup_max, speculative.prompt_lookup_min)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
-                                   self.max_num_batched_tokens, self.max_model_len)
+                                   self.max_num_batched_tokens, self.max_model_len, proposer)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.scheduler.check_fits)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.request import ContextLengthError, Request, RequestStatus
+from kvloom.spec_decode.ngram import NgramProposer
 from kvloom.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
 
@@ -30,12 +31,18 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
+    num_draft_tokens: int = 0  # speculative tokens proposed
+    num_accepted_tokens: int = 0  # of those, accepted by the target model
 
 
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int) -> None:
+                 max_num_batched_tokens: int, max_model_len: int, proposer: NgramProposer | None = None) -> None:
         self.kv = kv_cache_manager
+        # Speculative decoding: proposes draft tokens for decoding requests (None: off).
+        self.proposer = proposer
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -92,7 +99,8 @@ class Scheduler:
     # ---- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        scheduled: list[tuple[Request, int]] = []  # (request, tokens to compute this step)
+        # (request, tokens to compute this step, the draft tokens among them)
+        scheduled: list[tuple[Request, int, list[int]]] = []
         budget = self.max_num_batched_tokens
         now = time.time()
 
@@ -105,6 +113,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            drafts = self._propose(request, budget) if num_new == 1 and self.proposer is not None else []
+            num_new += len(drafts)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -112,7 +122,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append((request, num_new))
+                scheduled.append((request, num_new, drafts))
                 budget -= num_new
                 i += 1
                 continue
@@ -143,18 +153,38 @@ class Scheduler:
                 out.new_requests.append(self._new_request_data(request))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append((request, num_new))
+            scheduled.append((request, num_new, []))
             budget -= num_new
 
-        for request, num_new in scheduled:
+        for request, num_new, drafts in scheduled:
             start = request.num_computed_tokens
+            num_known = num_new - len(drafts)
             out.scheduled.append(ScheduledRequest(
-                request.request_id, start, request.all_token_ids[start:start + num_new], list(request.block_ids),
-                samples=start + num_new == request.num_tokens))
+                request.request_id, start, request.all_token_ids[start:start + num_known] + drafts,
+                list(request.block_ids), samples=start + num_known == request.num_tokens,
+                num_draft_tokens=len(drafts)))
             # The gap closes at schedule time; outputs only append the sampled tokens.
             request.num_computed_tokens += num_new
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request, within the budget, its output limit and max_model_len.
+
+        Requests whose sampling needs every position's logits in order (logprobs, penalties, min_tokens
+        still to reach) are not speculated.
+        """
+        params = request.sampling_params
+        if (params.logprobs is not None or params.prompt_logprobs is not None or params.presence_penalty
+                or params.frequency_penalty or params.repetition_penalty != 1.0
+                or request.num_output_tokens < params.min_tokens):
+            return []
+        # One token comes from the target itself, so k drafts can add k + 1 outputs.
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens)
+        if room <= 0:
+            return []
+        return self.proposer.propose(request.all_token_ids, min(room, self.proposer.k))
 
     @staticmethod
     def _new_request_data(request: Request) -> NewRequestData:
@@ -181,6 +211,13 @@ class Scheduler:
             token_ids = runner_output.sampled_token_ids.get(item.request_id)
             if request is None or not token_ids or request.is_finished:
                 continue
+            if item.num_draft_tokens:
+                # The drafts the target rejected were computed for nothing: their positions (and KV slots)
+                # are computed again. Accepted: len(token_ids) - 1 drafts, then the target's own token.
+                accepted = len(token_ids) - 1
+                request.num_computed_tokens = item.num_computed_tokens + 1 + accepted
+                self.num_draft_tokens += item.num_draft_tokens
+                self.num_accepted_tokens += accepted
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 if request.check_stop():
@@ -200,4 +237,5 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
-            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits)
+            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
+            num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens)

@@ -37,21 +37,24 @@ def _exponential(shape: tuple[int, ...], device: torch.device, generators: dict[
     return noise
 
 
-def _uniform(shape: tuple[int, ...], device: torch.device, generators: dict[int, torch.Generator],
-             generator: torch.Generator | None) -> torch.Tensor:
+def _uniform(shape: tuple[int, int], device: torch.device, generators: dict[int, torch.Generator],
+             generator: torch.Generator | None, width: int) -> torch.Tensor:
+    """U(0, 1) [B, K]; a row with its own generator draws ``width`` (>= K) values whatever K is, so how far
+    its generator advances does not depend on the other rows' drafts."""
     values = torch.rand(shape, device=device, generator=generator)
     for row, row_generator in generators.items():
-        values[row] = torch.rand(shape[1:], device=device, generator=row_generator)
+        values[row] = torch.rand(width, device=device, generator=row_generator)[:shape[1]]
     return values
 
 
 def rejection_sample(draft_token_ids: torch.Tensor, num_drafts: torch.Tensor, target_probs: torch.Tensor,
                      draft_probs: torch.Tensor | None, greedy: torch.Tensor,
                      generators: dict[int, torch.Generator] | None = None,
-                     generator: torch.Generator | None = None) -> RejectionOutput:
+                     generator: torch.Generator | None = None, max_drafts: int | None = None) -> RejectionOutput:
     """draft_token_ids: [B, K] int64 (padding anything); num_drafts: [B] int64 in 0..K;
     target_probs: [B, K + 1, V] fp32 (row i: the target's distribution for draft i, then the bonus);
-    draft_probs: [B, K, V] or None (one-hot drafts); greedy: [B] bool."""
+    draft_probs: [B, K, V] or None (one-hot drafts); greedy: [B] bool; max_drafts: the most drafts any
+    request can have (the configured k; default K), so seeded rows draw the same amount every step."""
     generators = generators or {}
     batch, max_k = draft_token_ids.shape
     device = target_probs.device
@@ -66,7 +69,8 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_drafts: torch.Tensor, ta
     else:
         draft_of_draft = draft_probs.gather(2, drafts[:, :, None]).squeeze(2)
         ratio = target_of_draft / draft_of_draft.clamp_min(1e-30)
-    accepted_random = _uniform((batch, max_k), device, generators, generator) < ratio
+    width = max(max_k, max_drafts or 0)
+    accepted_random = _uniform((batch, max_k), device, generators, generator, width) < ratio
     accepted_greedy = drafts == target_probs[:, :max_k].argmax(dim=-1)
     accepted = torch.where(greedy[:, None], accepted_greedy, accepted_random) & valid
     num_accepted = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]

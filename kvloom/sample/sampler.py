@@ -145,8 +145,9 @@ class Sampler:
         return logits
 
     @staticmethod
-    def sample_random(logits: torch.Tensor, metadata: SamplingMetadata,
-                      generator: torch.Generator | None = None) -> torch.Tensor:
+    def probabilities(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution a random row samples from: temperature, then top-k / top-p, softmax, min-p
+        (min-p leaves the rest unnormalized: the samplers only compare ratios). logits: [B, V] fp32."""
         temperature = torch.where(metadata.temperature == 0, torch.ones_like(metadata.temperature),
                                   metadata.temperature)
         logits = logits / temperature[:, None]
@@ -156,6 +157,12 @@ class Sampler:
         if metadata.min_p is not None:
             max_prob = probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < metadata.min_p[:, None] * max_prob, 0.0)
+        return probs
+
+    @staticmethod
+    def sample_random(logits: torch.Tensor, metadata: SamplingMetadata,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+        probs = Sampler.probabilities(logits, metadata)
         q = torch.empty_like(probs)
         if len(metadata.generators) < probs.shape[0]:
             q.exponential_(generator=generator)

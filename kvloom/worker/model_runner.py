@@ -22,6 +22,7 @@ from kvloom.loader.weights import iter_weights
 from kvloom.models.registry import build_model, process_weights_after_loading
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops, select_ops
+from kvloom.sample.rejection_sampler import RejectionOutput, rejection_sample
 from kvloom.sample.sampler import NONFINITE_TOKEN_ID, Sampler, SamplingMetadata, compute_logprobs_top
 from kvloom.sampling_params import SamplingParams
 from kvloom.step_io import LogprobsRow, ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
@@ -51,6 +52,23 @@ class RequestState:
     min_tokens_stop_ids: list[int]  # masked while fewer than min_tokens outputs exist
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None  # the request's own, when it has a seed
+
+
+@dataclass
+class SpeculativeBatch:
+    """This step's speculative requests: where their positions' hidden states are, and their drafts."""
+
+    request_ids: list[str]
+    states: list[RequestState]
+    max_k: int
+    positions: torch.Tensor  # [S * (K + 1)] rows of the hidden states: each request's last known token, drafts
+    draft_token_ids: torch.Tensor  # [S, K], padded
+    num_drafts: torch.Tensor  # [S]
+    greedy: torch.Tensor  # [S] bool
+    metadata: SamplingMetadata | None = None  # per position, when some row samples at random
+    greedy_positions: torch.Tensor | None = None  # [S * (K + 1)] bool
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    finite: torch.Tensor | None = None  # [S] bool, set when the drafts are scored
 
 
 @contextmanager
@@ -237,7 +255,8 @@ class ModelRunner:
         else:
             items, inputs = self._prepare_inputs(scheduled)
             query_start_loc = inputs.metadata.query_start_loc
-        sampling_rows = [i for i, item in enumerate(items) if item.samples]
+        sampling_rows = [i for i, item in enumerate(items) if item.samples and not item.num_draft_tokens]
+        speculative = self._prepare_speculative(items, query_start_loc)
         ids = [items[i].request_id for i in sampling_rows]
         states = [self.requests[request_id] for request_id in ids]
         sampling_metadata = self._sampling_metadata(ids, states) if ids else None
@@ -255,6 +274,7 @@ class ModelRunner:
         if ids:
             last_hidden = hidden if last_token_index is None else hidden.index_select(0, last_token_index)
             sampler_output = self.sampler(self.model.compute_logits(last_hidden), sampling_metadata)
+        verified = None if speculative is None else self._verify_drafts(hidden, speculative)
 
         @torch.inference_mode()
         def finish() -> ModelRunnerOutput:
@@ -276,6 +296,16 @@ class ModelRunner:
                         if num is not None and request_id in output.sampled_token_ids:
                             output.logprobs[request_id] = [(top_ids[row][:num + 1], values[row][:num + 1],
                                                             ranks[row])]
+            if verified is not None:
+                emitted, counts = verified.output_token_ids.tolist(), verified.num_emitted.tolist()
+                finite = speculative.finite.tolist()
+                for request_id, state, tokens, count, ok in zip(speculative.request_ids, speculative.states, emitted,
+                                                                counts, finite):
+                    if not ok:
+                        output.failed_request_ids.append(request_id)
+                        continue
+                    output.sampled_token_ids[request_id] = tokens[:count]
+                    state.output_token_ids.extend(tokens[:count])
             for i, item in enumerate(items):
                 state = self.requests[item.request_id]
                 if state.sampling_params.prompt_logprobs is not None:
@@ -285,6 +315,54 @@ class ModelRunner:
             return output
 
         return finish
+
+    def _prepare_speculative(self, items: list[ScheduledRequest], query_start_loc: list[int]
+                             ) -> SpeculativeBatch | None:
+        """The device tensors for scoring this step's draft tokens (made before the launch), or None."""
+        rows = [i for i, item in enumerate(items) if item.num_draft_tokens]
+        if not rows:
+            return None
+        device = self.device
+        max_k = max(items[i].num_draft_tokens for i in rows)
+        positions, drafts, counts = [], [], []
+        for i in rows:
+            k = items[i].num_draft_tokens
+            end = query_start_loc[i + 1]
+            # The k + 1 positions from the last known token on, padded with the last one.
+            positions.extend([*range(end - k - 1, end), *([end - 1] * (max_k - k))])
+            drafts.append(items[i].token_ids[-k:] + [0] * (max_k - k))
+            counts.append(k)
+        ids = [items[i].request_id for i in rows]
+        states = [self.requests[request_id] for request_id in ids]
+        greedy = [state.sampling_params.greedy for state in states]
+        batch = SpeculativeBatch(
+            request_ids=ids, states=states, max_k=max_k,
+            positions=torch.tensor(positions, device=device),
+            draft_token_ids=torch.tensor(drafts, dtype=torch.long, device=device),
+            num_drafts=torch.tensor(counts, dtype=torch.long, device=device),
+            greedy=torch.tensor(greedy, device=device))
+        if not all(greedy):
+            # Every position of a request samples with its parameters: one metadata row per position.
+            expanded = [state for state in states for _ in range(max_k + 1)]
+            batch.metadata = self._sampling_metadata([""] * len(expanded), expanded)
+            batch.greedy_positions = batch.greedy.repeat_interleave(max_k + 1)
+            batch.generators = {row: g for row, state in enumerate(states) if (g := self._generator_for(state))}
+        return batch
+
+    def _verify_drafts(self, hidden: torch.Tensor, batch: SpeculativeBatch) -> RejectionOutput:
+        """Score every draft with the target's logits and keep what rejection sampling allows (on the device)."""
+        logits = self.model.compute_logits(hidden.index_select(0, batch.positions)).float()  # [S * (K + 1), V]
+        # As the plain sampler does: a request whose logits hold a NaN or an infinity emits nothing.
+        batch.finite = logits.sum(dim=-1).isfinite().view(len(batch.request_ids), -1).all(dim=1)
+        if batch.metadata is not None:
+            probs = Sampler.probabilities(logits, batch.metadata)
+            probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves them unnormalized
+            # Greedy rows read only the argmax: their logits serve as they are.
+            logits = torch.where(batch.greedy_positions[:, None], logits, probs)
+        target = logits.view(len(batch.request_ids), batch.max_k + 1, -1)
+        return rejection_sample(batch.draft_token_ids, batch.num_drafts, target, None, batch.greedy,
+                                generators=batch.generators, generator=self.generator,
+                                max_drafts=self.config.engine.speculative.num_speculative_tokens)
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
