@@ -9,6 +9,7 @@ from typing import Any
 from kvloom.config import DEFAULT_MODEL, EngineConfig
 from kvloom.engine.input_processor import EngineRequest, PromptInput
 from kvloom.engine.llm_engine import LLMEngine
+from kvloom.engine.output_processor import raise_if_failed
 from kvloom.loader.tokenizer import Tokenizer
 from kvloom.outputs import RequestOutput
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
@@ -137,11 +138,7 @@ class LLM:
             while len(finished) < len(wanted) and engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished and output.request_id in wanted:
-                        if any(completion.finish_reason == "error" for completion in output.outputs):
-                            raise ValueError(f"request {output.request_id}: the model produced NaN or "
-                                             f"infinite logits, so its output would be garbage; check the "
-                                             f"checkpoint's weights, or run it in float32 or bfloat16 if "
-                                             f"float16 overflows")
+                        raise_if_failed(output)
                         finished[output.request_id] = output
                         if progress is not None:
                             progress.update(1)

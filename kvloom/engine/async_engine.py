@@ -33,7 +33,7 @@ from typing import Any
 from kvloom.config import EngineConfig
 from kvloom.engine.input_processor import EngineRequest, PromptInput
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.output_processor import IterationStats
+from kvloom.engine.output_processor import IterationStats, raise_if_failed
 from kvloom.metrics import EngineMetrics, EngineStats, StatLogger
 from kvloom.outputs import RequestOutput
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
@@ -191,6 +191,8 @@ class AsyncLLM:
                     finished = True
                     raise item
                 finished = item.finished
+                if finished:
+                    raise_if_failed(item)
                 yield item
                 if finished:
                     return

@@ -62,6 +62,15 @@ class IterationStats:
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
 
 
+def raise_if_failed(output: RequestOutput) -> None:
+    """ValueError when the engine ended a completion of ``output`` with an error: its logits held NaN or
+    inf, so nothing it sampled could be trusted. ``LLM`` and ``AsyncLLM`` both raise it to their caller."""
+    if any(completion.finish_reason == "error" for completion in output.outputs):
+        raise ValueError(f"request {output.request_id}: the model produced NaN or infinite logits, so its "
+                         f"output would be garbage; check the checkpoint's weights, or run it in float32 or "
+                         f"bfloat16 if float16 overflows")
+
+
 class CompletionState:
     """One completion (child Request) of a request: its text so far, and what its next output adds."""
 

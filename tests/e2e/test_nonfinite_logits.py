@@ -103,3 +103,21 @@ def test_engine_finishes_the_failed_request_with_error_and_the_others_normally(
             assert all(c.token_ids == [] for c in final["bad"].outputs)
         assert engine.kv_cache_manager.usage == 0
         assert not engine.executor.driver.requests  # the runner let go of every request
+
+
+def test_the_server_answers_a_request_with_nan_logits_with_an_error(tiny_mistral_dir: str, tmp_path: Path,
+                                                                     server_factory) -> None:
+    """Whole and streamed: an error naming the NaN logits, never a hang; the next request is served."""
+    import httpx
+
+    model = _poisoned_copy(tiny_mistral_dir, tmp_path, "model.embed_tokens.weight", POISONED_TOKEN)
+    with server_factory(model, "--dtype", "float32", "--max-model-len", "64") as server:
+        body = {"model": server.model, "prompt": [1, POISONED_TOKEN, 3], "max_tokens": 4, "temperature": 0}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert response.status_code == 500  # the model's fault, not the request's
+        error = response.json()["error"]
+        assert error["type"] == "server_error" and "NaN or infinite logits" in error["message"]
+        streamed = httpx.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=30).text
+        assert "NaN or infinite logits" in streamed and streamed.rstrip().endswith("data: [DONE]")
+        ok = httpx.post(server.url + "/v1/completions", json={**body, "prompt": [1, 2, 3]}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
