@@ -98,6 +98,10 @@ class _EngineStatsCollector(Collector):
                       "tokens.", scheduler.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                       scheduler.prefix_cache_hits)
+        yield counter("spec_decode_num_draft_tokens", "Speculative draft tokens proposed.",
+                      scheduler.num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Speculative draft tokens the target model accepted.",
+                      scheduler.num_accepted_tokens)
         yield counter("prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
         yield counter("generation_tokens", "Number of generation tokens processed.",
                       stats.generation_tokens)

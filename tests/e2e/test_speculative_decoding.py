@@ -111,3 +111,27 @@ def test_a_speculated_request_with_nan_logits_fails_and_emits_nothing(tiny_llama
     runner.model.compute_logits = compute_logits
     assert sorted(speculated) == sorted(set(output.failed_request_ids) & set(speculated))
     assert not any(request_id in output.sampled_token_ids for request_id in speculated)
+
+
+def test_served_with_speculation_streams_the_same_text_and_counts_acceptance(tiny_llama_dir: str,
+                                                                             server_factory) -> None:
+    """--speculative-config on the server: streamed deltas (several tokens a step) join into the text the
+    plain engine gives, and /metrics counts drafts and accepted tokens."""
+    import json
+
+    import httpx
+
+    prompt = repetitive_prompts(3)[2]
+    expected = run(LLM(model=tiny_llama_dir, max_model_len=256),
+                   SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), [prompt])[0][0]
+    with server_factory(tiny_llama_dir, "--max-model-len", "256", "--speculative-config", json.dumps(NGRAM)) as server:
+        body = {"model": server.model, "prompt": prompt, "max_tokens": 30, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        events = [line[6:] for line in httpx.post(server.url + "/v1/completions", json=body, timeout=60).text
+                  .splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+        text = "".join(json.loads(event)["choices"][0]["text"] for event in events)
+        assert text == expected[1]
+        metrics = server.metrics()
+        assert metrics["kvloom:spec_decode_num_draft_tokens_total"] > 0
+        assert 0 < metrics["kvloom:spec_decode_num_accepted_tokens_total"] <= (
+            metrics["kvloom:spec_decode_num_draft_tokens_total"])
