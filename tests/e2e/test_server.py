@@ -400,6 +400,100 @@ def test_the_server_survives_abuse(server: Server, client: openai.OpenAI) -> Non
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+# ---- the OpenAPI document -------------------------------------------------------------------
+
+# Each route with a JSON body: its request model, a body of the wrong type, and the field it names.
+BODY_ROUTES = [("/v1/completions", "CompletionRequest", {"prompt": 5}, "prompt"),
+               ("/v1/chat/completions", "ChatCompletionRequest", {"messages": "hi"}, "messages"),
+               ("/tokenize", "TokenizeRequest", {"prompt": ["hi"]}, "prompt"),
+               ("/detokenize", "DetokenizeRequest", {"tokens": "1 2"}, "tokens")]
+
+
+@pytest.fixture(scope="module")
+def openapi(server: Server) -> dict:
+    response = httpx.get(server.url + "/openapi.json", headers=server.headers)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _resolve(document: dict, ref: str) -> dict:
+    assert ref.startswith("#/"), ref
+    node = document
+    for part in ref[2:].split("/"):
+        node = node[part]
+    return node
+
+
+def _refs(node: object) -> list[str]:
+    if isinstance(node, dict):
+        return [ref for key, value in node.items() for ref in ([value] if key == "$ref" else _refs(value))]
+    if isinstance(node, list):
+        return [ref for item in node for ref in _refs(item)]
+    return []
+
+
+@pytest.mark.parametrize(("path", "model", "bad_body", "param"), BODY_ROUTES, ids=[r[0] for r in BODY_ROUTES])
+def test_openapi_documents_each_request_body_as_its_model(openapi: dict, path: str, model: str,
+                                                          bad_body: dict, param: str) -> None:
+    from kvloom.entrypoints.openai import protocol
+
+    body = openapi["paths"][path]["post"]["requestBody"]
+    assert body["required"] is True and list(body["content"]) == ["application/json"]
+    ref = body["content"]["application/json"]["schema"]["$ref"]
+    assert ref == f"#/components/schemas/{model}"
+    schema = _resolve(openapi, ref)
+    # The documented fields are those of the model the server validates the body with.
+    request_model = getattr(protocol, model)
+    assert set(schema["properties"]) == set(request_model.model_fields)
+    assert set(schema.get("required", [])) == {name for name, field in request_model.model_fields.items()
+                                               if field.is_required()}
+
+
+def test_openapi_names_the_fields_clients_send(openapi: dict) -> None:
+    schemas = openapi["components"]["schemas"]
+    completion, chat = schemas["CompletionRequest"], schemas["ChatCompletionRequest"]
+    assert {"prompt", "max_tokens", "temperature", "stream", "logprobs"} <= set(completion["properties"])
+    assert completion["required"] == ["prompt"]
+    assert {"messages", "max_tokens", "max_completion_tokens"} <= set(chat["properties"])
+    assert chat["required"] == ["messages"]
+    assert {"prompt", "messages"} <= set(schemas["TokenizeRequest"]["properties"])
+    assert schemas["DetokenizeRequest"]["required"] == ["tokens"]
+    # A nested model is a component of its own, referenced from the request.
+    stream_options = completion["properties"]["stream_options"]
+    assert "#/components/schemas/StreamOptions" in _refs(stream_options)
+
+
+def test_openapi_document_is_valid_and_never_promises_a_422(openapi: dict) -> None:
+    assert openapi["openapi"].startswith("3.")
+    for ref in _refs(openapi):
+        _resolve(openapi, ref)  # every reference resolves
+    for path, operations in openapi["paths"].items():
+        for method, operation in operations.items():
+            assert "422" not in operation["responses"], (method, path)
+    for path, *_ in BODY_ROUTES:
+        responses = openapi["paths"][path]["post"]["responses"]
+        assert {"400", "413", "415"} <= set(responses)
+    try:
+        from openapi_spec_validator import validate
+    except ImportError:  # an optional test dependency
+        return
+    validate(openapi)
+
+
+@pytest.mark.parametrize(("path", "model", "bad_body", "param"), BODY_ROUTES, ids=[r[0] for r in BODY_ROUTES])
+def test_a_body_against_the_documented_schema_is_an_openai_400(server: Server, openapi: dict, path: str,
+                                                               model: str, bad_body: dict, param: str) -> None:
+    response = post(server, path, bad_body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    # The error is the documented 400 body: ErrorResponse's one field, holding ErrorInfo's fields.
+    documented = openapi["paths"][path]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
+    error_response = _resolve(openapi, documented["$ref"])
+    assert set(response.json()) == set(error_response["properties"])
+    assert set(error) == set(openapi["components"]["schemas"]["ErrorInfo"]["properties"])
+
+
 # ---- metrics --------------------------------------------------------------------------------
 
 def test_metrics_parse_and_counters_move(server: Server, client: openai.OpenAI) -> None:

@@ -9,15 +9,18 @@ loop; the engine steps in its own thread (AsyncLLM). With ``--api-key`` every ro
 Every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. Request
 bodies are parsed here rather than by FastAPI, so that malformed JSON, wrong types and huge
 numbers all end as a 400 that names the field; a body that is not ``application/json`` is a 415
-and one over ``--max-request-body-bytes`` a 413, both before it is read. On SIGTERM uvicorn
-stops accepting connections and lets the in-flight responses finish for at most
-``--shutdown-timeout`` seconds; then the engine is stopped, which ends the remaining streams
+and one over ``--max-request-body-bytes`` a 413, both before it is read. ``/openapi.json`` still
+documents each body's model (``json_body``) and these errors (never FastAPI's 422).
+
+On SIGTERM uvicorn stops accepting connections and lets the in-flight responses finish for at
+most ``--shutdown-timeout`` seconds; then the engine is stopped, which ends the remaining streams
 with an error event. A second SIGTERM or SIGINT exits at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hmac
 import json
 import logging
@@ -35,6 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -48,6 +52,7 @@ from kvloom.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     RequestModel,
@@ -157,6 +162,54 @@ def _describe_validation_error(errors: list[Any]) -> tuple[str, int, str | None]
     return message, 400, param
 
 
+# ---- the OpenAPI document -------------------------------------------------------------------
+
+REQUEST_MODELS: tuple[type[RequestModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                                                  DetokenizeRequest)
+_SCHEMA_REF = "#/components/schemas/{model}"
+
+
+def json_body(model: type[RequestModel]) -> dict[str, Any]:
+    """A route's ``openapi_extra`` documenting its JSON body as ``model``. The handler reads the
+    body itself (``parse_body``), so that the 415 and 413 come before it is read and a bad body
+    is a 400, not FastAPI's 422; ``openapi_schema`` adds the model's schema to the components."""
+    if model not in REQUEST_MODELS:
+        raise ValueError(f"{model.__name__} is not in REQUEST_MODELS, so /openapi.json would not define it")
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": _SCHEMA_REF.format(model=model.__name__)}}}}}
+
+
+# Every route's errors have OpenAI's shape; documenting 4XX also keeps FastAPI from documenting
+# its 422, which this server never sends (validation errors are 400s).
+ERRORS: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorResponse, "description": "Client error"},
+    "5XX": {"model": ErrorResponse, "description": "Server error (503: the engine is dead)"},
+}
+BODY_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request: the message names the field"},
+    413: {"model": ErrorResponse, "description": "The body is over --max-request-body-bytes"},
+    415: {"model": ErrorResponse, "description": "The body is not sent as application/json"},
+}
+
+
+@functools.cache
+def request_schemas() -> dict[str, Any]:
+    """The JSON schemas of ``REQUEST_MODELS`` and the models they nest, by name."""
+    _, definitions = models_json_schema([(model, "validation") for model in REQUEST_MODELS],
+                                        ref_template=_SCHEMA_REF)
+    return definitions.get("$defs", {})
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document (cached by FastAPI) with the request models under ``components/schemas``."""
+    document = FastAPI.openapi(app)
+    schemas = document.setdefault("components", {}).setdefault("schemas", {})
+    for name, schema in request_schemas().items():
+        if schemas.setdefault(name, schema) != schema:
+            raise ValueError(f"two different OpenAPI schemas are named {name!r}")
+    return document
+
+
 # ---- the app --------------------------------------------------------------------------------
 
 class APIKeyMiddleware:
@@ -216,7 +269,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     chat = OpenAIServingChat(engine, names, chat_template, **limits)
     tokenization = OpenAIServingTokenization(engine, names, chat_template, **limits)
 
-    app = FastAPI(title="kvloom", version=__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvloom", version=__version__, docs_url=None, redoc_url=None, responses=ERRORS)
     app.state.engine = engine
     app.state.max_request_body_bytes = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
     if api_key:
@@ -257,12 +310,12 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         completion.check_model(model_id)
         return ModelCard(id=model_id, root=root, max_model_len=engine.max_model_len)
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=json_body(CompletionRequest), responses=BODY_ERRORS)
     async def create_completion(raw_request: Request) -> Response:
         request = await parse_body(raw_request, CompletionRequest)
         return await completion.create_completion(request, raw_request)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=BODY_ERRORS)
     async def create_chat_completion(raw_request: Request) -> Response:
         request = await parse_body(raw_request, ChatCompletionRequest)
         return await chat.create_chat_completion(request, raw_request)
@@ -284,14 +337,15 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest), responses=BODY_ERRORS)
     async def tokenize(raw_request: Request) -> TokenizeResponse:
         return await tokenization.tokenize(await parse_body(raw_request, TokenizeRequest))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest), responses=BODY_ERRORS)
     async def detokenize(raw_request: Request) -> DetokenizeResponse:
         return await tokenization.detokenize(await parse_body(raw_request, DetokenizeRequest))
 
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
 
 
