@@ -3,6 +3,7 @@ cannot be split, and never leaves a worker process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -186,3 +187,59 @@ def test_more_ranks_than_cores_are_refused(tiny_llama_dir: str) -> None:
     with pytest.raises(ValueError, match=f"tensor_parallel_size={cores + 1} is larger than this "
                                          f"machine's {cores} CPU cores"):
         make_llm(tiny_llama_dir, cores + 1)
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (from /proc)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry))
+    return children
+
+
+@needs_two_cores
+def test_served_rank_that_dies_fails_the_stream_and_health_says_503(tiny_llama_dir: str, server_factory) -> None:
+    """A TP worker killed mid-stream: the stream ends with an error event within seconds (never a hang),
+    /health answers 503, and new requests get a 503 naming the dead rank."""
+    import json
+    import threading
+
+    import httpx
+
+    with server_factory(tiny_llama_dir, "--tensor-parallel-size", "2", "--max-model-len", "256") as server:
+        body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        received: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+                received.extend(response.iter_lines())
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while not any(line.startswith("data: {") for line in received) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = [pid for pid in _children(server.process.pid)
+                   if "kvloom-tp-worker" in open(f"/proc/{pid}/cmdline").read() or
+                   "multiprocessing" in open(f"/proc/{pid}/cmdline").read()]
+        assert workers, "no worker process found"
+        killed_at = time.monotonic()
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        reader.join(30)
+        assert not reader.is_alive(), "the stream hung after its rank died"
+        assert time.monotonic() - killed_at < 15
+        errors = [json.loads(line[6:])["error"] for line in received if line.startswith("data: {\"error\"")]
+        assert errors and "rank 1 exited" in errors[0]["message"]
+        assert errors and [line for line in received if line][-1] == "data: [DONE]"
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+        response = httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+        assert response.status_code == 503 and "rank" in response.json()["error"]["message"]
