@@ -30,6 +30,9 @@ import signal
 import socket
 import sys
 import threading
+import time
+from collections import deque
+from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -67,6 +70,7 @@ from kvloom.entrypoints.openai.serving import (
     error_response,
     max_chars_per_token_of,
 )
+from kvloom.metrics import EngineStats
 
 logger = logging.getLogger("kvloom")
 
@@ -210,6 +214,41 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     return document
 
 
+# ---- the dashboard --------------------------------------------------------------------------
+
+class DashboardRates:
+    """Generation tokens over the last few seconds of dashboard polls (a rate from two totals)."""
+
+    WINDOW_S = 5.0
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, int]] = deque()
+
+    def tokens_per_second(self, now: float, total: int) -> float | None:
+        self.samples.append((now, total))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= self.WINDOW_S:
+            self.samples.popleft()
+        start, first = self.samples[0]
+        return (total - first) / (now - start) if now > start else None
+
+
+def dashboard_numbers(stats: EngineStats, rates: DashboardRates, model: str) -> dict[str, Any]:
+    scheduler = stats.scheduler
+    return {
+        "model": model,
+        "num_running": scheduler.num_running,
+        "num_waiting": scheduler.num_waiting,
+        "kv_cache_usage_percent": 100.0 * scheduler.kv_cache_usage,
+        "prefix_cache_hit_rate_percent": (100.0 * scheduler.prefix_cache_hits / scheduler.prefix_cache_queries
+                                          if scheduler.prefix_cache_queries else None),
+        "generation_tokens_total": stats.generation_tokens,
+        "generation_tokens_per_second": rates.tokens_per_second(time.monotonic(), stats.generation_tokens),
+        "num_preemptions": scheduler.num_preemptions,
+        "spec_decode_acceptance_percent": (100.0 * scheduler.num_accepted_tokens / scheduler.num_draft_tokens
+                                           if scheduler.num_draft_tokens else None),
+    }
+
+
 # ---- the app --------------------------------------------------------------------------------
 
 class APIKeyMiddleware:
@@ -332,6 +371,19 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+    dashboard_page = (Path(__file__).parent / "dashboard" / "index.html").read_text()
+    rates = DashboardRates()
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        """A live page of the engine's state (static HTML and JS, no build step, nothing from a CDN)."""
+        return Response(dashboard_page, media_type="text/html")
+
+    @app.get("/dashboard/stats")
+    async def dashboard_stats() -> dict[str, Any]:
+        """The numbers the dashboard plots: the ones /metrics exports, with rates and ratios worked out."""
+        return dashboard_numbers(engine.get_stats(), rates, names[0])
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,0 +1,44 @@
+"""/dashboard: a static page (no CDN) that plots /dashboard/stats, whose numbers agree with /metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+
+def test_dashboard_page_is_self_contained(tiny_llama_dir: str, server_factory) -> None:
+    with server_factory(tiny_llama_dir, "--max-model-len", "256") as server:
+        page = httpx.get(server.url + "/dashboard", timeout=10)
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "dashboard/stats" in page.text and "<canvas" in page.text
+        assert "http://" not in page.text and "https://" not in page.text  # nothing fetched from elsewhere
+
+
+def test_dashboard_stats_move_under_load_and_match_metrics(tiny_llama_dir: str, server_factory) -> None:
+    with server_factory(tiny_llama_dir, "--max-model-len", "256", "--max-num-seqs", "4") as server:
+        idle = httpx.get(server.url + "/dashboard/stats", timeout=10).json()
+        assert idle["num_running"] == 0 and idle["generation_tokens_total"] == 0
+        body = {"model": server.model, "prompt": [5, 6, 7, 8, 9], "max_tokens": 150, "ignore_eos": True}
+        clients = [threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=120))
+                   for _ in range(8)]
+        for client in clients:
+            client.start()
+        seen_busy = seen_rate = False
+        deadline = time.monotonic() + 60
+        while any(c.is_alive() for c in clients) and time.monotonic() < deadline:
+            stats = httpx.get(server.url + "/dashboard/stats", timeout=10).json()
+            seen_busy |= stats["num_running"] > 0 and stats["kv_cache_usage_percent"] > 0
+            seen_rate |= (stats["generation_tokens_per_second"] or 0) > 0
+            time.sleep(0.05)
+        for client in clients:
+            client.join(60)
+        assert seen_busy and seen_rate
+        stats = httpx.get(server.url + "/dashboard/stats", timeout=10).json()
+        metrics = server.wait_idle()
+        assert stats["generation_tokens_total"] == metrics["kvloom:generation_tokens_total"] == 8 * 150
+        assert stats["num_running"] == metrics["kvloom:num_requests_running"] == 0
+        assert stats["kv_cache_usage_percent"] == 100 * metrics["kvloom:kv_cache_usage_perc"] == 0
+        hits, queries = metrics["kvloom:prefix_cache_hits_total"], metrics["kvloom:prefix_cache_queries_total"]
+        assert stats["prefix_cache_hit_rate_percent"] == (100 * hits / queries if queries else None)
