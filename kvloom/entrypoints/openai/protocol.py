@@ -12,6 +12,8 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
+from kvloom.loader.tokenizer import CHAT_ROLES
+
 # torch.Generator seeds are 64-bit.
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 63) - 1
 MAX_N = 128  # OpenAI's limit on completions per prompt
@@ -101,8 +103,15 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
 
+# What /openapi.json promises of a chat message; the server checks it itself (serving.py), with messages
+# that name the field, so this only documents it.
+_MESSAGES_SCHEMA = {"minItems": 1, "items": {"type": "object", "required": ["role"], "properties": {
+    "role": {"type": "string", "enum": list(CHAT_ROLES)},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array"}, {"type": "null"}]}}}}
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = Field(json_schema_extra=_MESSAGES_SCHEMA)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool = False
