@@ -7,6 +7,7 @@ Each ``KVLOOM_*`` variable is an alias for an engine or backend setting; an expl
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 ENVIRONMENT_VARIABLES: dict[str, str] = {
     "KVLOOM_API_KEY": "API key the server requires on /v1/* (same as --api-key)",
@@ -57,3 +58,9 @@ def get_int_list(name: str) -> list[int] | None:
     if not values or min(values) < 1:
         raise ValueError(f"{name}={raw!r} must be comma-separated positive integers, e.g. 1,2,4,8")
     return values
+
+
+def cache_dir() -> Path:
+    """kvloom's on-disk cache: KVLOOM_CACHE_DIR, else ~/.cache/kvloom (compiled CPU kernels, compiled GPU kernels)."""
+    root = get("KVLOOM_CACHE_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "kvloom"

@@ -47,9 +47,7 @@ BUILD_LOCK_TIMEOUT_S = 900
 
 
 def extension_dir() -> Path:
-    root = envs.get("KVLOOM_CACHE_DIR")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "kvloom"
-    return base / "extensions"
+    return envs.cache_dir() / "extensions"
 
 
 def _cpu_identity() -> str:

@@ -38,8 +38,7 @@ def store_dir(config: ResolvedConfig) -> Path:
     chosen = config.engine.backend.compiled_artifacts
     if chosen:
         return Path(chosen).expanduser()
-    root = envs.get("KVLOOM_CACHE_DIR")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "kvloom") / "compiled"
+    return envs.cache_dir() / "compiled"
 
 
 def store_key(config: ResolvedConfig, buckets: list[int] | None) -> dict[str, Any]:

@@ -259,7 +259,7 @@ class ModelRunner:
         speculative = self._prepare_speculative(items, query_start_loc)
         ids = [items[i].request_id for i in sampling_rows]
         states = [self.requests[request_id] for request_id in ids]
-        sampling_metadata = self._sampling_metadata(ids, states) if ids else None
+        sampling_metadata = self._sampling_metadata(states) if ids else None
         last_token_index = None
         if ids and len(sampling_rows) != query_start_loc[-1]:  # else: one token per request, each sampling
             last_token_index = torch.tensor([query_start_loc[i + 1] - 1 for i in sampling_rows], device=self.device)
@@ -344,7 +344,7 @@ class ModelRunner:
         if not all(greedy):
             # Every position of a request samples with its parameters: one metadata row per position.
             expanded = [state for state in states for _ in range(max_k + 1)]
-            batch.metadata = self._sampling_metadata([""] * len(expanded), expanded)
+            batch.metadata = self._sampling_metadata(expanded)
             batch.greedy_positions = batch.greedy.repeat_interleave(max_k + 1)
             batch.generators = {row: g for row, state in enumerate(states) if (g := self._generator_for(state))}
         return batch
@@ -479,7 +479,7 @@ class ModelRunner:
             state.generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # negative seeds map into uint64
         return state.generator
 
-    def _sampling_metadata(self, request_ids: list[str], states: list[RequestState]) -> SamplingMetadata:
+    def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
         device = self.device
         params = [state.sampling_params for state in states]
         if all(p.greedy and p.logprobs is None and not p.presence_penalty and not p.frequency_penalty
