@@ -9,7 +9,6 @@ Starting the server too (stopped at the end; its start-up time is printed):
 Every other flag is kvloom.bench.serve's (--help lists them).
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -17,15 +16,12 @@ from _bootstrap import bench_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
+from servers import Server, launcher_parser  # noqa: E402
+
 
 def main() -> int:
-    launcher = argparse.ArgumentParser(add_help=False)
-    launcher.add_argument("--server", choices=("kvloom", "vllm", "llamacpp"), default=None)
-    launcher.add_argument("--port", type=int, default=8000)
-    launcher.add_argument("--num-seqs", type=int, default=64, help="server's concurrent sequences")
+    launcher = launcher_parser(("kvloom", "vllm", "llamacpp"))
     launcher.add_argument("--gguf", default=None, help="llamacpp: bf16 (default), q4_1 or a path")
-    launcher.add_argument("--server-arg", action="append", default=[],
-                          help="extra server command-line argument, repeatable")
     args, rest = launcher.parse_known_args()
     serve = bench_module("serve", need_engine=False)
     if "-h" in rest or "--help" in rest:
@@ -33,8 +29,6 @@ def main() -> int:
         return serve.main(rest)
     if args.server is None:
         return serve.main(rest)
-
-    from servers import Server
 
     with Server(args.server, port=args.port, num_seqs=args.num_seqs, gguf=args.gguf,
                 extra=args.server_arg) as server:

@@ -11,7 +11,6 @@ Starting kvloom too (SmolLM2-135M-Instruct, or --model DIR), stopped at the end:
 Every other flag is kvloom.bench.soak's (--help lists them).
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -19,16 +18,13 @@ from _bootstrap import bench_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
+from servers import MODEL_NAME, Server, launcher_parser  # noqa: E402
+
 
 def main() -> int:
-    launcher = argparse.ArgumentParser(add_help=False)
-    launcher.add_argument("--server", choices=("kvloom",), default=None)
+    launcher = launcher_parser(("kvloom",))
     launcher.add_argument("--model", default=None, help="with --server: a checkpoint folder to serve")
-    launcher.add_argument("--port", type=int, default=8000)
-    launcher.add_argument("--num-seqs", type=int, default=64, help="server's concurrent sequences")
     launcher.add_argument("--max-model-len", type=int, default=1024)
-    launcher.add_argument("--server-arg", action="append", default=[],
-                          help="extra server command-line argument, repeatable")
     args, rest = launcher.parse_known_args()
     soak = bench_module("soak", need_engine=False)
     if "-h" in rest or "--help" in rest:
@@ -38,8 +34,6 @@ def main() -> int:
         if args.model is not None:
             rest = ["--model", args.model, *rest]  # the request's model name
         return soak.main(rest)
-
-    from servers import MODEL_NAME, Server
 
     server = Server(args.server, port=args.port, num_seqs=args.num_seqs, max_model_len=args.max_model_len,
                     extra=args.server_arg)

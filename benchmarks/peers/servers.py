@@ -13,6 +13,7 @@ Each server gets the same model (SmolLM2-135M-Instruct, bf16), 1,024-token conte
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -81,6 +82,17 @@ def server_command(name: str, port: int, num_seqs: int = 64, max_model_len: int 
     else:
         raise SystemExit(f"unknown server {name!r}; choose from {SERVERS}")
     return argv + list(extra or []), env
+
+
+def launcher_parser(servers: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The flags a benchmark script takes to start a server itself (the rest go to the benchmark)."""
+    launcher = argparse.ArgumentParser(add_help=False)
+    launcher.add_argument("--server", choices=servers, default=None)
+    launcher.add_argument("--port", type=int, default=8000)
+    launcher.add_argument("--num-seqs", type=int, default=64, help="server's concurrent sequences")
+    launcher.add_argument("--server-arg", action="append", default=[],
+                          help="extra server command-line argument, repeatable")
+    return launcher
 
 
 class Server:
