@@ -22,7 +22,7 @@ from kvloom.ops.table import Ops
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -33,8 +33,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
                                bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, [config.hidden_size], bias=config.attention_bias)
-        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, config.rope_theta,
-                                      config.rope_scaling, ops)
+        self.rotary = rotary  # one table of cos/sin for every layer
         self.attention = ops.attention
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -61,9 +60,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, ops)
+        self.self_attn = LlamaAttention(config, ops, rotary)
         self.mlp = LlamaMLP(config, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -95,8 +94,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops)
-                                    for _ in range(config.num_hidden_layers))
+        # The rotary table ([max_position, head_dim / 2] of cos and of sin, 33 MB each at 131,072
+        # positions) is built once and shared by every layer's attention.
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                 config.rope_scaling, ops)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
