@@ -12,10 +12,7 @@ from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.output_processor import raise_if_failed
 from kvloom.loader.tokenizer import Tokenizer
 from kvloom.outputs import RequestOutput
-from kvloom.sampling_params import RequestOutputKind, SamplingParams
-
-# vLLM's --max-logprobs default: the most logprobs / prompt_logprobs a request may ask for.
-MAX_LOGPROBS = 20
+from kvloom.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 # vLLM generate() keywords that kvloom accepts when they ask for nothing it lacks.
 _IGNORED_GENERATE_KWARGS = ("lora_request", "priority", "prompt_adapter_request")

@@ -7,6 +7,10 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+# vLLM's max_logprobs default: the most logprobs / prompt_logprobs a request may ask for, offline (LLM)
+# and served (the default of the server's --max-logprobs).
+MAX_LOGPROBS = 20
+
 _SAMPLING_EPS = 1e-5
 
 

@@ -50,7 +50,6 @@ from kvloom.config import config_from_args
 from kvloom.engine.async_engine import AsyncLLM, EngineDeadError
 from kvloom.entrypoints.openai.args import DEFAULT_MAX_REQUEST_BODY_BYTES, add_server_args
 from kvloom.entrypoints.openai.protocol import (
-    MAX_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -71,6 +70,7 @@ from kvloom.entrypoints.openai.serving import (
     max_chars_per_token_of,
 )
 from kvloom.metrics import EngineStats
+from kvloom.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger("kvloom")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvloom.config import add_engine_args
+from kvloom.sampling_params import MAX_LOGPROBS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # 8 MiB holds any prompt a served context can take: a 128k-token context is at most ~2M characters
@@ -25,7 +26,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="larger request bodies are refused with 413 before they are read "
                         "(default 8 MiB)")
-    parser.add_argument("--max-logprobs", type=_positive_int, default=20,
+    parser.add_argument("--max-logprobs", type=_positive_int, default=MAX_LOGPROBS,
                         help="most logprobs / top_logprobs per position a request may ask for (as vLLM's)")
     parser.add_argument("--shutdown-timeout", type=_non_negative_float, default=20.0,
                         help="seconds SIGTERM lets in-flight requests finish before they are ended "

@@ -17,7 +17,6 @@ from kvloom.loader.tokenizer import CHAT_ROLES
 # torch.Generator seeds are 64-bit.
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 63) - 1
 MAX_N = 128  # OpenAI's limit on completions per prompt
-MAX_LOGPROBS = 20  # default of --max-logprobs (OpenAI's top_logprobs limit), checked by the server
 
 
 class RequestModel(BaseModel):

@@ -27,7 +27,6 @@ from kvloom.engine.async_engine import AsyncLLM, EngineDeadError
 from kvloom.engine.input_processor import EngineRequest, TokenizedPrompt
 from kvloom.engine.request import ContextLengthError
 from kvloom.entrypoints.openai.protocol import (
-    MAX_LOGPROBS,
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -53,7 +52,7 @@ from kvloom.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from kvloom.outputs import CompletionOutput, Logprob, RequestOutput
-from kvloom.sampling_params import RequestOutputKind, SamplingParams
+from kvloom.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 # What OpenAI's API returns for a -inf logprob (JSON has no infinity).
 _MIN_LOGPROB = -9999.0
