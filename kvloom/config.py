@@ -45,7 +45,7 @@ class BackendConfig:
     # None: on CUDA, on; on the CPU, off (the C++ kernels take any shape at no cost).
     enable_bucketing: bool | None = None
     token_gen_buckets: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, 32, ... up to max_num_seqs
-    context_length_buckets: list[int] | None = None  # None: powers of two up to max_num_batched_tokens
+    context_length_buckets: list[int] | None = None  # None: prefills run at their own length (eager)
     # Where compiled kernels are kept across restarts (None: KVLOOM_CACHE_DIR/compiled).
     compiled_artifacts: str | None = None
 

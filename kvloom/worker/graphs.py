@@ -46,15 +46,6 @@ def default_token_gen_buckets(max_num_seqs: int) -> list[int]:
     return [b for b in buckets if b <= max_num_seqs]
 
 
-def default_context_length_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Powers of two from 16 up to the token budget (which is always the last bucket)."""
-    buckets, size = [], 16
-    while size < max_num_batched_tokens:
-        buckets.append(size)
-        size *= 2
-    return [*buckets, max_num_batched_tokens]
-
-
 def pick_bucket(size: int, buckets: list[int]) -> int | None:
     """The smallest bucket that holds ``size``, or None when none does."""
     for bucket in buckets:
