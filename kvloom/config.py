@@ -30,6 +30,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
+# Weight quantization names: vLLM's "int8" and the seeds' "s8" (NEURON_QUANT_DTYPE) mean the same.
+QUANTIZATION_ALIASES = {"int8": "int8", "s8": "int8"}
+EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass
@@ -48,6 +51,12 @@ class BackendConfig:
     context_length_buckets: list[int] | None = None  # None: prefills run at their own length (eager)
     # Where compiled kernels are kept across restarts (None: KVLOOM_CACHE_DIR/compiled).
     compiled_artifacts: str | None = None
+    # int8 weight storage, the seeds' spelling (NxD's quantized / quantization_dtype; KVLOOM_QUANT_DTYPE=s8):
+    # the same as the engine argument quantization="int8".
+    quantized: bool = False
+    quantization_dtype: str = "int8"
+    # With int8 weights: the LM head too (off by default: it is the layer whose error shows most).
+    quantize_lm_head: bool = False
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any] | str | None) -> BackendConfig:
@@ -61,6 +70,9 @@ class BackendConfig:
                 values[key] = buckets
         if envs.get("KVLOOM_COMPILED_ARTIFACTS"):
             values["compiled_artifacts"] = envs.get("KVLOOM_COMPILED_ARTIFACTS")
+        if envs.get("KVLOOM_QUANT_DTYPE"):
+            values["quantized"] = True
+            values["quantization_dtype"] = envs.get("KVLOOM_QUANT_DTYPE")
         values.update(parse_overrides(overrides))
         allowed = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - allowed)
@@ -94,6 +106,14 @@ class BackendConfig:
         if self.compiled_artifacts is not None and not isinstance(self.compiled_artifacts, str):
             raise ValueError(f"override_backend_config: compiled_artifacts must be a folder path, "
                              f"got {self.compiled_artifacts!r}")
+        for name in ("quantized", "quantize_lm_head"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"override_backend_config: {name} must be true or false, got {getattr(self, name)!r}")
+        dtype = QUANTIZATION_ALIASES.get(str(self.quantization_dtype).lower())
+        if dtype is None:
+            raise ValueError(f"override_backend_config: quantization_dtype must be one of "
+                             f"{sorted(QUANTIZATION_ALIASES)}, got {self.quantization_dtype!r}")
+        self.quantization_dtype = dtype
 
 
 @dataclass(frozen=True)
@@ -243,6 +263,15 @@ class EngineConfig:
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
         "fraction of GPU memory kvloom may use on CUDA"))
     tensor_parallel_size: int = field(default=1, metadata=_help("number of tensor-parallel ranks"))
+    distributed_executor_backend: str = field(default="mp", metadata=_help(
+        "how tensor-parallel ranks run: 'mp' (processes on this machine) or 'ray' (Ray actors, across machines)"))
+    data_parallel_size: int = field(default=1, metadata=_help(
+        "engine replicas behind one server, each with its own tensor-parallel group"))
+    quantization: str | None = field(default=None, metadata=_help(
+        "weight quantization: 'int8' (per-channel int8 weights, quantized at load; 's8' is the seeds' name)"))
+    quantized_checkpoint_path: str | None = field(default=None, metadata=_help(
+        "with quantization: a safetensors file of the quantized weights, written at the first load and "
+        "read (without quantizing again) at later ones"))
     enforce_eager: bool = field(default=False, metadata=_help(
         "run every step eagerly: no CUDA graphs for the decode buckets (CUDA only; the CPU always runs eagerly)"))
     override_backend_config: dict[str, Any] | str | None = field(default=None, metadata=_help(
@@ -283,6 +312,12 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        _check_int("data_parallel_size", self.data_parallel_size, minimum=1)
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" or self.data_parallel_size > 1:
+            raise ValueError("distributed_executor_backend='ray' and data_parallel_size > 1 are not available yet")
         self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not (
                 0 < self.gpu_memory_utilization <= 1):
@@ -292,6 +327,17 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self.backend = BackendConfig.from_overrides(self.override_backend_config)
+        if self.quantization is not None:
+            quantization = QUANTIZATION_ALIASES.get(str(self.quantization).lower())
+            if quantization is None:
+                raise ValueError(f"quantization must be one of {sorted(QUANTIZATION_ALIASES)} or None, "
+                                 f"got {self.quantization!r}")
+            self.quantization = quantization
+        elif self.backend.quantized:
+            self.quantization = self.backend.quantization_dtype
+        if self.quantized_checkpoint_path is not None and self.quantization is None:
+            raise ValueError("quantized_checkpoint_path needs quantization='int8' (or override_backend_config "
+                             "{\"quantized\": true})")
         self.speculative = SpeculativeConfig.from_engine_args(self.speculative_config, self.speculative_model,
                                                               self.num_speculative_tokens)
 

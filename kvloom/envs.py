@@ -21,6 +21,8 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "(the seeds' NEURON_CONTEXT_LENGTH_BUCKETS; same as override_backend_config context_length_buckets)",
     "KVLOOM_COMPILED_ARTIFACTS": "folder where compiled kernels are stored and reloaded at the next start "
     "(the seeds' NEURON_COMPILED_ARTIFACTS; default: KVLOOM_CACHE_DIR/compiled)",
+    "KVLOOM_QUANT_DTYPE": "store weights quantized: 's8' or 'int8' (the seeds' NEURON_QUANT_DTYPE; same as "
+    "quantization='int8')",
 }
 
 

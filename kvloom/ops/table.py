@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.ops import ATTENTION_BACKENDS, native, reference
+from kvloom.ops import ATTENTION_BACKENDS, int8, native, reference
 from kvloom.ops.metadata import AttentionMetadata
 
 logger = logging.getLogger("kvloom")
@@ -33,6 +33,8 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
                         AttentionMetadata, float], torch.Tensor]
 # (weight [N, K], bias [N] or None) -> a function x [..., K] -> [..., N] equal to F.linear.
 PackLinearFn = Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
+# (qweight int8 [N, K], scale fp32 [N], bias [N] or None) -> a function x [..., K] -> [..., N] (ops/int8.py).
+PackInt8Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class Ops:
     argmax: Callable[[torch.Tensor], torch.Tensor]
     # None: linear layers keep their weight and call F.linear.
     pack_linear: PackLinearFn | None = None
+    # int8 weights (quantization="int8"): the platform's int8 product; torch ops where none is built.
+    pack_linear_int8: PackInt8Fn = int8.NativeInt8Linear
     # The native attention's batched decode reads a block table padded to a bucketed width and a mask.
     needs_decode_mask: bool = False
 
