@@ -240,6 +240,16 @@ class WorkerSet:
             parts.append(f"rank {rank} {state}" + (f":\n{error}" if error else ""))
         return "tensor-parallel worker " + "; ".join(parts)
 
+    def wait_failure(self, timeout: float) -> str | None:
+        """``failure()``, waiting up to ``timeout`` seconds for one to show."""
+        deadline = time.monotonic() + timeout
+        while True:
+            failure = self.failure()
+            if failure is not None or time.monotonic() >= deadline:
+                return failure
+            for process in self.processes:
+                process.join(0.02)
+
     def send(self, payload: bytes) -> None:
         for conn in self.conns:
             conn.send_bytes(payload)
@@ -362,6 +372,10 @@ class MultiprocExecutor(Executor):
             return self.driver.execute(scheduler_output)
         except BaseException as error:
             failure = self.workers.failure()
+            if failure is None and self._in_forward:
+                # A collective fails as soon as a peer's socket closes, which can be a moment before the
+                # dying rank's process is reaped: give it that moment, so the error names the rank.
+                failure = self.workers.wait_failure(timeout=2.0)
             if failure is None and not self._in_forward:
                 raise  # before the inputs went out or after the forward: the ranks are still in step
             # A rank is gone, or rank 0 left the forward pass between two all-reduces (Ctrl-C,

@@ -12,6 +12,10 @@ holds q heads [r * heads/N, (r+1) * heads/N) and kv heads [r * kv/N, (r+1) * kv/
 same group range. The embedding, the final norm and the LM head stay replicated (every rank holds
 the whole vocabulary: fine for small models; a vocab-parallel embedding is the next step for big
 ones), so every rank ends a step with the same hidden states and only rank 0 samples.
+
+int8 weights (quantized before sharding) are cut the same way: a column-parallel layer keeps its rows'
+scales, a row-parallel one keeps every scale, since each is per output row and applies to every
+rank's partial sum.
 """
 
 from __future__ import annotations
@@ -80,8 +84,8 @@ def shard_model_for_tensor_parallel(model: nn.Module, rank: int, world_size: int
         attention = layer.self_attn
         for linear in (attention.qkv_proj, attention.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             if type(linear) is not Linear:
-                raise ValueError(f"tensor parallelism supports plain Linear layers, not "
-                                 f"{type(linear).__name__} (e.g. int8 weights); use tensor_parallel_size=1")
+                raise ValueError(f"tensor parallelism supports kvloom's Linear layers, not "
+                                 f"{type(linear).__name__}; use tensor_parallel_size=1")
         heads, kv_heads = attention.num_heads // world_size, attention.num_kv_heads // world_size
         head_dim = attention.head_dim
         # [q | k | v] rows, each block cut into world_size equal slices of whole heads.
@@ -104,7 +108,10 @@ def _shard_columns_out(linear: Linear, rank: int, world_size: int) -> None:
         parts = [tensor[start:start + size] for start, size in zip(starts, sizes)]
         return nn.Parameter(torch.cat(parts).contiguous(), requires_grad=False)
 
-    linear.weight = keep(linear.weight.data)
+    if linear.quantized:  # int8 rows and their scales are cut like float rows
+        linear.qweight, linear.weight_scale = keep(linear.qweight).data, keep(linear.weight_scale).data
+    else:
+        linear.weight = keep(linear.weight.data)
     if linear.bias is not None:
         linear.bias = keep(linear.bias.data)
     linear.output_sizes = sizes
@@ -116,8 +123,12 @@ def _shard_rows_in(linear: Linear, rank: int, world_size: int, group: ProcessGro
     The bias is added once: rank 0 keeps it, the others drop it.
     """
     size = linear.in_features // world_size
-    linear.weight = nn.Parameter(linear.weight.data[:, rank * size:(rank + 1) * size].contiguous(),
-                                 requires_grad=False)
+    if linear.quantized:  # the scales are per output row: every rank keeps all of them
+        linear.qweight = linear.qweight[:, rank * size:(rank + 1) * size].contiguous()
+        linear.weight.data = linear.weight.data.new_empty(0, size)
+    else:
+        linear.weight = nn.Parameter(linear.weight.data[:, rank * size:(rank + 1) * size].contiguous(),
+                                     requires_grad=False)
     linear.in_features = size
     if linear.bias is not None and rank != 0:
         linear.bias = None

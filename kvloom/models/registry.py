@@ -1,12 +1,21 @@
-"""Model classes by HF architecture name, and the after-load step every model goes through."""
+"""Model classes by HF architecture name, and the load and after-load steps every model goes through."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 from torch import nn
 
+from kvloom.layers.quantization import finish_int8, int8_state, load_int8_state, quantize_as_read
+from kvloom.loader import quantized_checkpoint
 from kvloom.loader.model_config import ModelConfig
+from kvloom.loader.weights import iter_weights
 from kvloom.models.llama import LlamaForCausalLM, MistralForCausalLM
 from kvloom.ops.table import Ops
+
+if TYPE_CHECKING:
+    from kvloom.config import ResolvedConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -28,3 +37,27 @@ def process_weights_after_loading(model: nn.Module, ops: Ops) -> None:
     for module in model.modules():
         if module is not model and hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading(ops)
+
+
+def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
+    """The checkpoint's weights into ``model``; with ``quantization``, as int8 (from the quantized
+    checkpoint when one matches, else quantized as read and, with a path, written there)."""
+    engine = config.engine
+    if engine.quantization is None:
+        model.load_weights(iter_weights(config.source))
+        return
+    lm_head = engine.backend.quantize_lm_head
+    path = engine.quantized_checkpoint_path
+    fingerprint = ""
+    if path is not None:
+        fingerprint = quantized_checkpoint.fingerprint(
+            config.source.path, dataclasses.asdict(config.model),
+            {"quantization": engine.quantization, "lm_head": lm_head, "dtype": str(config.dtype)})
+        state = quantized_checkpoint.load(path, fingerprint)
+        if state is not None:
+            load_int8_state(model, state, lm_head)
+            return
+    model.load_weights(quantize_as_read(iter_weights(config.source), lm_head))
+    finish_int8(model, lm_head)
+    if path is not None:
+        quantized_checkpoint.save(path, int8_state(model), fingerprint)

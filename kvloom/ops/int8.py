@@ -16,10 +16,27 @@ kernel is built.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 QMAX = 127
+
+
+class Int8Rows(NamedTuple):
+    """A weight already in int8 storage, as the loader hands it to a layer: int8 [N, K] and fp32 scales [N]."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Rows:
+        return cls(*quantize_per_channel(weight))
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,8 +18,7 @@ import torch
 
 from kvloom.config import ResolvedConfig
 from kvloom.layers.tensor_parallel import ProcessGroupLike, shard_model_for_tensor_parallel, sharded_model_config
-from kvloom.loader.weights import iter_weights
-from kvloom.models.registry import build_model, process_weights_after_loading
+from kvloom.models.registry import build_model, load_model_weights, process_weights_after_loading
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops, select_ops
 from kvloom.sample.rejection_sampler import RejectionOutput, rejection_sample
@@ -117,7 +116,7 @@ class ModelRunner:
             self.artifacts.open()  # before the first kernel compiles
         with _default_dtype(self.dtype), torch.device(self.device):
             model = build_model(self.model_config, self.ops)
-        model.load_weights(iter_weights(self.config.source))
+        load_model_weights(model, self.config)
         if world_size > 1:
             shard_model_for_tensor_parallel(model, rank, world_size, group)
             self.model_config = sharded_model_config(self.model_config, world_size)

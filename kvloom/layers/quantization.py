@@ -1,0 +1,95 @@
+"""int8 weight storage for a whole model: quantize as the weights are read, and the state a quantized
+checkpoint holds.
+
+    weights = quantize_as_read(iter_weights(source), lm_head=False)  # linear weights become Int8Rows
+    model.load_weights(weights)                                       # layers store int8 rows as given
+    finish_int8(model, lm_head=False)                                 # every projection is int8, head tied
+
+Each weight is quantized from the tensor the loader produced (fp32 for a GGUF, the stored dtype for
+safetensors) before the model's own dtype ever rounds it, and the float copy is never kept, so the
+first load needs no more memory than the int8 model. A GGUF Q8_0 weight arrives as fp32 values equal
+to its int8 codes times its block scales (exact in fp32), and is re-scaled per row from those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from kvloom.layers.embedding import LMHead, VocabEmbedding
+from kvloom.layers.linear import Linear
+from kvloom.ops.int8 import Int8Rows
+
+# HF names of the projections that int8 storage covers (the LM head and the embedding are an option).
+LINEAR_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                  "up_proj.weight", "down_proj.weight")
+HEAD_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
+
+
+def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor]], lm_head: bool
+                     ) -> Iterator[tuple[str, torch.Tensor | Int8Rows]]:
+    """The checkpoint's tensors with every projection weight (and with ``lm_head`` the embedding and the
+    head) turned into int8 rows."""
+    names = LINEAR_WEIGHTS + (HEAD_WEIGHTS if lm_head else ())
+    for name, tensor in weights:
+        yield name, (Int8Rows.quantize(tensor) if name.endswith(names) else tensor)
+
+
+def finish_int8(model: nn.Module, lm_head: bool) -> None:
+    """After loading: a head tied to the embedding shares its int8 table; every projection must be int8."""
+    head = getattr(model, "lm_head", None)
+    embedding = getattr(model, "embed_tokens", None)
+    if lm_head and isinstance(head, LMHead) and head.qweight is None and isinstance(embedding, VocabEmbedding):
+        head.quantize(tied_to=embedding)
+    float_layers = [name for name, module in model.named_modules() if isinstance(module, Linear)
+                    and not module.quantized]
+    if float_layers:
+        raise ValueError(f"int8 loading left {len(float_layers)} projection(s) in float, e.g. {float_layers[:3]}")
+
+
+def int8_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a quantized checkpoint stores: each int8 layer's qweight and weight_scale, and every float
+    parameter still held (norms, biases, a float embedding); a tied head's table is stored once."""
+    state: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        qweight = getattr(module, "qweight", None)
+        if qweight is not None and qweight.data_ptr() not in seen:
+            seen.add(qweight.data_ptr())
+            state[f"{name}.qweight"] = qweight
+            state[f"{name}.weight_scale"] = module.weight_scale
+    for name, param in model.named_parameters():
+        if param.numel() and param.data_ptr() not in seen:
+            seen.add(param.data_ptr())
+            state[name] = param.data
+    return {name: tensor.contiguous() for name, tensor in state.items()}
+
+
+def load_int8_state(model: nn.Module, state: dict[str, torch.Tensor], lm_head: bool) -> None:
+    """Fill a freshly built model from ``int8_state``'s tensors; ValueError naming what is missing or extra."""
+    remaining = dict(state)
+    for name, module in model.named_modules():
+        key = f"{name}.qweight"
+        if key in remaining:
+            qweight, scale = remaining.pop(key), remaining.pop(f"{name}.weight_scale", None)
+            if scale is None:
+                raise ValueError(f"quantized checkpoint has {key} but no {name}.weight_scale")
+            if isinstance(module, Linear):
+                module.set_int8(qweight, scale)
+            elif isinstance(module, (VocabEmbedding, LMHead)):
+                module.load_shard("weight", 0, Int8Rows(qweight, scale))
+            else:
+                raise ValueError(f"quantized checkpoint has int8 weights for {name!r}, which cannot hold them")
+    for name, param in model.named_parameters():
+        if name in remaining:
+            tensor = remaining.pop(name)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"quantized checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            param.data.copy_(tensor)
+    if remaining:
+        raise ValueError(f"quantized checkpoint has {len(remaining)} tensor(s) this model does not, "
+                         f"e.g. {sorted(remaining)[:3]}")
+    finish_int8(model, lm_head)
