@@ -325,3 +325,34 @@ def write_sentencepiece_gguf(path: str, vocab_size: int = 400) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def requantize_gguf(source: str, target: str, ggml_type: int = 8) -> str:
+    """``source``'s tensors re-quantized to ``ggml_type`` (default Q8_0; 1-D tensors stay F32), with its
+    metadata and tokenizer copied: e.g. a Q8_0 SmolLM2 from the shipped Q4_1 file."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(target, str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        value = gguf.GGMLQuantizationType(ggml_type) if field.name == "general.file_type" else field.contents()
+        writer.add_key_value(field.name, int(value) if field.name == "general.file_type" else value, kind,
+                             sub_type=sub_type)
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        values = values.reshape([int(n) for n in reversed(tensor.shape)])
+        if values.ndim == 1:
+            writer.add_tensor(tensor.name, values)
+        else:
+            kind = gguf.GGMLQuantizationType(ggml_type)
+            writer.add_tensor(tensor.name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target

@@ -34,9 +34,11 @@ SERVERS = ("kvloom", "vllm", "llamacpp")
 
 
 def llamacpp_gguf(gguf: str | None) -> Path:
-    """The GGUF llama-server loads: the bf16 conversion (default), 'q4_1', or a path."""
+    """The GGUF llama-server loads: the bf16 conversion (default), its 'q8_0', 'q4_1', or a path."""
     if gguf in (None, "bf16"):
         path = PEERS / "smollm2-bf16.gguf"
+    elif gguf.lower() == "q8_0":
+        path = PEERS / "smollm2-q8_0.gguf"
     elif gguf.lower() == "q4_1":
         found = common.smollm2_gguf_path()
         if found is None:

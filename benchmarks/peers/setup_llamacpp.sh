@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# llama.cpp's llama-server, built from the vendored sources of the llama-cpp-python sdist.
-# Idempotent: skips what exists. Output: .peers/llamacpp/bin/llama-server (and the converter script).
+# llama.cpp's llama-server and llama-quantize, built from the vendored sources of the llama-cpp-python sdist.
+# Idempotent: skips what exists. Output: .peers/llamacpp/bin/llama-server, llama-quantize, the bf16 GGUF
+# and its Q8_0 made by llama-quantize (.peers/smollm2-q8_0.gguf, the peer of kvloom's int8).
 #
 #   bash benchmarks/peers/setup_llamacpp.sh
 #   .peers/llamacpp/bin/llama-server -m .peers/smollm2-bf16.gguf -np 64 -cb -t 2 -c 65536 --port 8081
@@ -16,10 +17,10 @@ VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 JOBS="${JOBS:-2}"
 mkdir -p "$DEST"
 
-if [ ! -x "$DEST/bin/llama-server" ]; then
+if [ ! -x "$DEST/bin/llama-server" ] || [ ! -x "$DEST/bin/llama-quantize" ]; then
     if [ ! -d "$DEST/src" ]; then
         rm -rf "$DEST/sdist" && mkdir -p "$DEST/sdist"
-        "$PIP" download --no-deps --no-binary :all: -d "$DEST/sdist" "llama-cpp-python==$VERSION"
+        "$PIP" download --no-deps --no-binary llama-cpp-python -d "$DEST/sdist" "llama-cpp-python==$VERSION"
         tar -xzf "$DEST"/sdist/llama_cpp_python-*.tar.gz -C "$DEST/sdist"
         mv "$DEST"/sdist/llama_cpp_python-*/vendor/llama.cpp "$DEST/src"
         rm -rf "$DEST/sdist"
@@ -29,9 +30,9 @@ if [ ! -x "$DEST/bin/llama-server" ]; then
     cmake -S "$DEST/src" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
         -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
         -DBUILD_SHARED_LIBS=OFF
-    cmake --build "$DEST/build" --target llama-server -j "$JOBS"
+    cmake --build "$DEST/build" --target llama-server llama-quantize -j "$JOBS"
     mkdir -p "$DEST/bin"
-    cp "$DEST/build/bin/llama-server" "$DEST/bin/"
+    cp "$DEST/build/bin/llama-server" "$DEST/build/bin/llama-quantize" "$DEST/bin/"
 fi
 echo "llama-server: $DEST/bin/llama-server"
 
@@ -46,3 +47,10 @@ if [ ! -f "$GGUF" ]; then
         --outtype bf16 --outfile "$GGUF"
 fi
 echo "bf16 GGUF: $GGUF"
+
+# llama.cpp's own Q8_0 of the same weights (what its users run when they quantize to 8 bits).
+Q8="$ROOT/.peers/smollm2-q8_0.gguf"
+if [ ! -f "$Q8" ]; then
+    "$DEST/bin/llama-quantize" "$GGUF" "$Q8" Q8_0 "$JOBS"
+fi
+echo "Q8_0 GGUF: $Q8"

@@ -150,3 +150,59 @@ def test_seeds_spelling_turns_int8_on(tiny_llama_dir, monkeypatch) -> None:
     assert llm.llm_engine.config.quantization == "int8"
     model = llm.llm_engine.executor.driver.model
     assert all(m.packed is not None for m in model.modules() if isinstance(m, Linear))
+
+
+def test_gguf_q8_0_weights_are_rescaled_from_their_exact_values_not_from_bf16(tmp_path) -> None:
+    """A Q8_0 weight's codes times its block scales are exact in fp32; int8 storage is quantized from
+    those, before the model's bf16 could round them."""
+    import tiny_models
+
+    from kvloom.loader.gguf import iter_gguf_weights
+
+    checkpoint = tiny_models.build_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", tie_word_embeddings=False)
+    q8_0 = 8
+    path = tiny_models.write_tiny_gguf(str(tmp_path / "q8.gguf"), checkpoint,
+                                       types={"attn": q8_0, "attn_o": q8_0, "ffn": q8_0, "ffn_down": q8_0})
+    llm = LLM(model=path, dtype="bfloat16", max_model_len=128, quantization="int8",
+              override_backend_config={"attention_backend": "reference"})
+    down = llm.llm_engine.executor.driver.model.layers[0].mlp.down_proj.packed
+    exact = dict(iter_gguf_weights(path, 4, 2))["model.layers.0.mlp.down_proj.weight"]
+    assert exact.dtype == torch.float32
+    expected_q, expected_scale = int8.quantize_per_channel(exact)
+    assert torch.equal(down.qweight, expected_q) and torch.equal(down.scale, expected_scale)
+    via_bf16, _ = int8.quantize_per_channel(exact.to(torch.bfloat16))
+    assert not torch.equal(via_bf16, expected_q)  # the rounding this path avoids would have shown
+
+
+@pytest.fixture(scope="module")
+def smollm2_q8_0(smollm2_gguf_path, tmp_path_factory) -> str:
+    """A Q8_0 SmolLM2, made from the shipped (Q4_1) weights with the gguf package."""
+    import tiny_models
+
+    return tiny_models.requantize_gguf(smollm2_gguf_path, str(tmp_path_factory.mktemp("q8") / "smollm2-q8_0.gguf"))
+
+
+def test_smollm2_q8_0_loads_as_int8_with_the_perplexity_of_its_float_load(smollm2_q8_0) -> None:
+    from kvloom.bench.int8_quality import perplexity, reference_text
+
+    results = {}
+    for quantization in (None, "int8"):
+        llm = LLM(model=smollm2_q8_0, dtype="bfloat16", max_model_len=600, quantization=quantization)
+        ids = llm.get_tokenizer().encode(reference_text())[:1024]
+        results[quantization] = perplexity(llm, ids, 512)
+        llm.llm_engine.shutdown()
+    assert results["int8"] / results[None] < 1.02, results
+
+
+def test_smollm2_int8_quality_bounds(smollm2_gguf_path) -> None:
+    """The issue's quality measure (benchmarks/int8_quality.py) on the default model: perplexity within 2%
+    of bf16's and greedy chat answers that mostly agree (bounds set below the measured 0.375 identical /
+    21 tokens of identical prefix, weight-only int8)."""
+    from kvloom.bench.int8_quality import compare, measure
+
+    bf16 = measure("SmolLM2-135M-Instruct", None, 32, 4096, 512, False)
+    quantized = measure("SmolLM2-135M-Instruct", "int8", 32, 4096, 512, False)
+    result = compare(bf16, quantized, 32)
+    assert result["perplexity_ratio"] < 1.02, result
+    assert result["identical_share"] >= 0.25 and result["mean_identical_prefix"] >= 16, result
+    assert result["weight_bytes_ratio"] < 0.7, result

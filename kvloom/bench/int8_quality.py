@@ -1,0 +1,183 @@
+"""int8 against bf16 on the default model: greedy agreement on real chat prompts, and perplexity.
+
+    .venv/bin/python benchmarks/int8_quality.py [--model SmolLM2-135M-Instruct] [--json out.json]
+
+- Greedy: 32 chat prompts (below, written for this test) through the chat template, 32 new tokens each
+  at temperature 0, once with bf16 weights and once with int8; reported: the share of prompts whose
+  tokens are identical (all of the first 32, or up to the shorter one's end of sequence) and the mean
+  length of the identical prefix.
+- Perplexity: the first ``--ppl-tokens`` tokens of Python's own reference documentation (the
+  ``pydoc_data`` package that ships with CPython: real English prose with code), scored in windows of
+  ``--window`` tokens through prompt logprobs; reported: both perplexities and their ratio.
+- Memory: the bytes of the weights each model holds (parameters, int8 buffers and packed copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import time
+from typing import Any
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for staying focused while studying.",
+    "Explain photosynthesis in two sentences.",
+    "Write a haiku about autumn leaves.",
+    "How do I reverse a list in Python?",
+    "What is the difference between weather and climate?",
+    "Suggest a name for a small bakery.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish and French.",
+    "What are the main causes of inflation?",
+    "Write a short thank-you note to a teacher.",
+    "How many legs does a spider have?",
+    "Explain what a black hole is to a child.",
+    "List four healthy breakfast ideas.",
+    "What does HTTP stand for?",
+    "Describe the water cycle briefly.",
+    "How can I improve my sleep?",
+    "What is a prime number? Give two examples.",
+    "Write one sentence that uses the word 'serendipity'.",
+    "What is the boiling point of water at sea level?",
+    "Summarize the plot of Romeo and Juliet in one sentence.",
+    "What is machine learning?",
+    "Give me a simple recipe for pancakes.",
+    "Why do cats purr?",
+    "What is the largest planet in our solar system?",
+    "How do vaccines work?",
+    "Write a limerick about a cat who loves coffee.",
+    "What is the Pythagorean theorem?",
+    "Name three famous painters and one work by each.",
+    "How do I make a cup of green tea?",
+    "What should I pack for a weekend hiking trip?",
+    "Explain the difference between a list and a tuple in Python.",
+]
+
+
+def reference_text() -> str:
+    """Real prose that ships with Python: the pydoc topics, in sorted order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def identical_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def greedy_tokens(llm: Any, max_tokens: int) -> list[list[int]]:
+    from kvloom import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outputs = llm.chat([[{"role": "user", "content": p}] for p in CHAT_PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def perplexity(llm: Any, token_ids: list[int], window: int) -> float:
+    """exp of the mean negative log-likelihood of every token after the first of each window."""
+    from kvloom import SamplingParams
+
+    windows = [token_ids[i:i + window] for i in range(0, len(token_ids) - 1, window)]
+    windows = [w for w in windows if len(w) > 1]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
+    total, count = 0.0, 0
+    for window_ids, output in zip(windows, outputs):
+        for position in range(1, len(window_ids)):
+            total -= output.prompt_logprobs[position][window_ids[position]].logprob
+            count += 1
+    return math.exp(total / count)
+
+
+def weight_bytes(llm: Any) -> int:
+    """Bytes of every weight tensor the model holds (parameters, int8 buffers, packed copies), each once."""
+    import torch
+
+    model = llm.llm_engine.executor.driver.model
+    seen: dict[int, int] = {}
+
+    def add(tensor: Any) -> None:
+        if isinstance(tensor, torch.Tensor) and tensor.numel():
+            seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+
+    for param in model.parameters():
+        add(param)
+    for module in model.modules():
+        for attr in ("qweight", "weight_scale"):
+            add(getattr(module, attr, None))
+        packed = getattr(module, "packed", None)
+        if packed is not None:
+            for value in vars(packed).values():
+                add(value)
+    rotary = getattr(model, "rotary", None) or getattr(model.layers[0].self_attn, "rotary", None)
+    for buffer in (rotary.buffers() if rotary is not None else ()):
+        seen.pop(buffer.untyped_storage().data_ptr(), None)  # a position table, not a weight
+    return sum(seen.values())
+
+
+def measure(model: str, quantization: str | None, max_tokens: int, ppl_tokens: int, window: int,
+            lm_head: bool) -> dict[str, Any]:
+    from kvloom import LLM
+
+    overrides = {"quantize_lm_head": lm_head} if quantization else None
+    start = time.perf_counter()
+    llm = LLM(model=model, dtype="bfloat16", quantization=quantization, max_model_len=max(window + 1, 256),
+              override_backend_config=overrides)
+    load_s = time.perf_counter() - start
+    text_ids = llm.get_tokenizer().encode(reference_text())[:ppl_tokens]
+    result = {"quantization": quantization or "bf16", "load_s": round(load_s, 2),
+              "weight_bytes": weight_bytes(llm), "tokens": greedy_tokens(llm, max_tokens),
+              "perplexity": perplexity(llm, text_ids, window), "ppl_tokens": len(text_ids)}
+    llm.llm_engine.shutdown()
+    del llm
+    gc.collect()
+    return result
+
+
+def compare(bf16: dict[str, Any], int8: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    prefixes = [identical_prefix(a, b) for a, b in zip(bf16["tokens"], int8["tokens"])]
+    identical = [a == b or p >= max_tokens for a, b, p in zip(bf16["tokens"], int8["tokens"], prefixes)]
+    return {
+        "prompts": len(prefixes),
+        "identical_share": sum(identical) / len(identical),
+        "mean_identical_prefix": sum(prefixes) / len(prefixes),
+        "perplexity_bf16": round(bf16["perplexity"], 4),
+        "perplexity_int8": round(int8["perplexity"], 4),
+        "perplexity_ratio": round(int8["perplexity"] / bf16["perplexity"], 4),
+        "ppl_tokens": bf16["ppl_tokens"],
+        "weight_bytes_bf16": bf16["weight_bytes"],
+        "weight_bytes_int8": int8["weight_bytes"],
+        "weight_bytes_ratio": round(int8["weight_bytes"] / bf16["weight_bytes"], 4),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--ppl-tokens", type=int, default=4096)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--quantize-lm-head", action="store_true", help="int8 embedding and LM head too")
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args(argv)
+    bf16 = measure(args.model, None, args.max_tokens, args.ppl_tokens, args.window, False)
+    int8 = measure(args.model, "int8", args.max_tokens, args.ppl_tokens, args.window, args.quantize_lm_head)
+    result = {"model": args.model, "quantize_lm_head": args.quantize_lm_head,
+              **compare(bf16, int8, args.max_tokens)}
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
