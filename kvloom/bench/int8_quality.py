@@ -9,7 +9,8 @@
 - Perplexity: the first ``--ppl-tokens`` tokens of Python's own reference documentation (the
   ``pydoc_data`` package that ships with CPython: real English prose with code), scored in windows of
   ``--window`` tokens through prompt logprobs; reported: both perplexities and their ratio.
-- Memory: the bytes of the weights each model holds (parameters, int8 buffers and packed copies).
+- Memory: the bytes of the weights each model holds (parameters, int8 buffers and packed copies), and
+  the resident memory of a fresh process after loading each (VmRSS; VmHWM is the peak during the load).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import argparse
 import gc
 import json
 import math
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -123,6 +126,24 @@ def weight_bytes(llm: Any) -> int:
     return sum(seen.values())
 
 
+_RSS_CHILD = """
+import json, sys
+from kvloom import LLM
+quantization, lm_head = sys.argv[2] or None, sys.argv[3] == "1"
+llm = LLM(model=sys.argv[1], dtype="bfloat16", quantization=quantization, max_model_len=256,
+          kv_cache_memory="64MiB", override_backend_config={"quantize_lm_head": lm_head} if quantization else None)
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print(json.dumps({key: int(status[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}))
+"""
+
+
+def process_memory(model: str, quantization: str | None, lm_head: bool) -> dict[str, int]:
+    """VmRSS / VmHWM in bytes of a fresh process that loaded the model (64 MiB of KV cache)."""
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, model, quantization or "", "1" if lm_head else "0"],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def measure(model: str, quantization: str | None, max_tokens: int, ppl_tokens: int, window: int,
             lm_head: bool) -> dict[str, Any]:
     from kvloom import LLM
@@ -167,11 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--quantize-lm-head", action="store_true", help="int8 embedding and LM head too")
     parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--no-rss", action="store_true", help="skip the fresh-process memory measurement")
     args = parser.parse_args(argv)
     bf16 = measure(args.model, None, args.max_tokens, args.ppl_tokens, args.window, False)
     int8 = measure(args.model, "int8", args.max_tokens, args.ppl_tokens, args.window, args.quantize_lm_head)
     result = {"model": args.model, "quantize_lm_head": args.quantize_lm_head,
               **compare(bf16, int8, args.max_tokens)}
+    if not args.no_rss:
+        for name, quantization in (("bf16", None), ("int8", "int8")):
+            memory = process_memory(args.model, quantization, args.quantize_lm_head)
+            result[f"rss_{name}"], result[f"peak_rss_{name}"] = memory["VmRSS"], memory["VmHWM"]
+        result["rss_ratio"] = round(result["rss_int8"] / result["rss_bf16"], 4)
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:
