@@ -8,6 +8,8 @@ both engines alike. Prints the median of each figure and the ratio kvloom / peer
     .venv/bin/python benchmarks/compare.py --peer vllm            # N=64, 3 repeats each
     .venv/bin/python benchmarks/compare.py --peer llamacpp -n 8 --repeats 5 --json cmp.json
     .venv/bin/python benchmarks/compare.py --base hf --peer vllm   # two peers, no kvloom
+    # one engine, two settings: kvloom int8 against kvloom bf16
+    .venv/bin/python benchmarks/compare.py --peer kvloom --base-arg=--engine-arg=quantization=int8
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def medians(results: list[dict[str, Any]]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--peer", choices=ENGINES[1:], default="vllm")
+    parser.add_argument("--peer", choices=ENGINES, default="vllm")
     parser.add_argument("--base", choices=ENGINES, default="kvloom",
                         help="the engine whose ratio to the peer is reported (default kvloom)")
     parser.add_argument("-n", "--num-prompts", type=int, default=64)
@@ -104,38 +106,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--json", metavar="PATH", help="write every run and the medians as JSON")
     args = parser.parse_args(argv)
-    if args.base == args.peer:
-        raise SystemExit("--base and --peer must differ")
+    if args.base == args.peer and args.base_arg == args.peer_arg:
+        raise SystemExit("--base and --peer must differ (in engine or in --base-arg / --peer-arg)")
 
     log_dir = ROOT / ".peers" / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict[str, Any]]] = {args.base: [], args.peer: []}
-    extras = {args.base: args.base_arg, args.peer: args.peer_arg}
+    # Two sides, each an engine and its extra arguments; labelled apart when the engine is the same.
+    sides = {"base": (args.base, args.base_arg), "peer": (args.peer, args.peer_arg)}
+    labels = {"base": args.base, "peer": args.peer}
+    if args.base == args.peer:
+        labels = {side: f"{engine}[{' '.join(extra) or 'default'}]" for side, (engine, extra) in sides.items()}
+        labels = {side: label.replace("--engine-arg=", "") for side, label in labels.items()}
+    runs: dict[str, list[dict[str, Any]]] = {"base": [], "peer": []}
     for repeat in range(args.repeats):
-        order = [args.base, args.peer] if repeat % 2 == 0 else [args.peer, args.base]
+        order = ["base", "peer"] if repeat % 2 == 0 else ["peer", "base"]
         print(f"repeat {repeat + 1}/{args.repeats}", flush=True)
-        for engine in order:
-            result = run_once(engine, args.num_prompts, extras[engine], args.timeout, log_dir)
+        for side in order:
+            engine, extra = sides[side]
+            result = run_once(engine, args.num_prompts, extra, args.timeout, log_dir)
             if result is not None:
-                runs[engine].append(result)
+                runs[side].append(result)
 
-    base, peer = medians(runs[args.base]), medians(runs[args.peer])
-    print(f"\n== {args.base} vs {args.peer}: N={args.num_prompts}, medians of "
-          f"{len(runs[args.base])} and {len(runs[args.peer])} runs ==")
-    print(f"{'':<26} {args.base:>12} {args.peer:>12} {'ratio':>8}")
+    base, peer = medians(runs["base"]), medians(runs["peer"])
+    print(f"\n== {labels['base']} vs {labels['peer']}: N={args.num_prompts}, medians of "
+          f"{len(runs['base'])} and {len(runs['peer'])} runs ==")
+    width = max(12, *(len(label) for label in labels.values()))
+    print(f"{'':<26} {labels['base']:>{width}} {labels['peer']:>{width}} {'ratio':>8}")
     ratios = {}
     for key, label, _ in METRICS:
         a, b = base[key], peer[key]
         ratio = a / b if b and a == a and b == b else float("nan")
         ratios[key] = ratio
-        print(f"{label:<26} {common.format_value(a):>12} {common.format_value(b):>12} "
+        print(f"{label:<26} {common.format_value(a):>{width}} {common.format_value(b):>{width}} "
               f"{common.format_value(ratio):>8}")
-    print(f"(ratio = {args.base} / {args.peer}; higher is better for tok/s and GFLOP/s, "
+    spread = {side: common.spread([r["output_tok_s"] for r in runs[side]]) for side in runs}
+    print(f"output tok/s spread (min-max): {labels['base']} {spread['base']}, {labels['peer']} {spread['peer']}")
+    print(f"(ratio = {labels['base']} / {labels['peer']}; higher is better for tok/s and GFLOP/s, "
           f"lower for seconds and MiB)")
-    common.write_json(args.json, {"base": args.base, "peer": args.peer, "num_prompts": args.num_prompts,
-                                  "runs": runs, "medians": {args.base: base, args.peer: peer},
+    common.write_json(args.json, {"base": labels["base"], "peer": labels["peer"], "num_prompts": args.num_prompts,
+                                  "runs": {labels[side]: runs[side] for side in runs},
+                                  "medians": {labels["base"]: base, labels["peer"]: peer},
                                   "ratios": ratios, "machine": common.machine_info()})
-    return 0 if runs[args.base] and runs[args.peer] else 1
+    return 0 if runs["base"] and runs["peer"] else 1
 
 
 if __name__ == "__main__":

@@ -290,6 +290,13 @@ def median(values: Sequence[float]) -> float:
     return percentile(values, 50)
 
 
+def spread(values: Sequence[float]) -> str:
+    """'min-max' of a set of runs (or 'n/a'), for quoting next to a median."""
+    if not values:
+        return "n/a"
+    return f"{format_value(float(min(values)))}-{format_value(float(max(values)))}"
+
+
 def summarize(values: Sequence[float], percentiles: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
     """mean and the given percentiles, under keys ``mean``, ``p50``, ``p90``, ..."""
     out = {"mean": sum(values) / len(values) if values else math.nan}
