@@ -38,9 +38,9 @@ from kvloom.ops.reference import write_kv_cache
 logger = logging.getLogger("kvloom")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-# Compiled into the same library: the fused norm / rotary / activation ops and the bf16 GEMM.
-SOURCES = (SOURCE, Path(__file__).parent / "csrc" / "fused_ops.cpp", Path(__file__).parent / "csrc" / "gemm.cpp")
-HEADER = Path(__file__).parent / "csrc" / "cpu_capability.h"  # included by both
+# Compiled into the same library: the fused norm / rotary / activation ops, the bf16 GEMM and the int8 GEMMs.
+SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name for name in ("fused_ops.cpp", "gemm.cpp", "gemm_int8.cpp")))
+HEADER = Path(__file__).parent / "csrc" / "cpu_capability.h"  # included by all of them
 # Tried in order: tuned for this CPU, then portable (for compilers that reject -march=native).
 BUILD_VARIANTS = (("native", ["-march=native"]), ("portable", []))
 BUILD_LOCK_TIMEOUT_S = 900
@@ -269,4 +269,65 @@ class PackedWeight:
             rows = rows.contiguous()
         out = x.new_empty(*x.shape[:-1], self.out_features)
         torch.ops.kvloom.gemm_bf16(out.view(-1, self.out_features), rows, self.data, self.bias)
+        return out
+
+
+# ---- the int8 GEMMs -------------------------------------------------------------------------------
+# k per group of the int8 panels (csrc/gemm_int8.cpp's kGroup: vpdpbusd sums 4 products per lane).
+INT8_GROUP = 4
+# Rows from which PackedInt8Weight runs the W8A8 product instead of the weight-only one.
+W8A8_MIN_ROWS = 8
+
+
+def int8_kernels_available() -> bool:
+    """True where the library holds both fast int8 kernels (AVX512-VNNI and AVX512-BF16)."""
+    return cpu_kernel_available() and hasattr(torch.ops.kvloom, "int8_gemm_kernels") \
+        and torch.ops.kvloom.int8_gemm_kernels() == 3
+
+
+def pack_int8_weight(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> [ceil(N / 48), ceil(K / 4), 48, 4]: per panel of 48 output columns and group of
+    4 k, the 48 columns' (q[n, 4g], ..., q[n, 4g + 3]) in a row. Padding is zero."""
+    n, k = qweight.shape
+    panels, groups = -(-n // GEMM_PANEL), -(-k // INT8_GROUP)
+    padded = qweight.new_zeros(panels * GEMM_PANEL, groups * INT8_GROUP)
+    padded[:n, :k] = qweight
+    return padded.view(panels, GEMM_PANEL, groups, INT8_GROUP).permute(0, 2, 1, 3).contiguous()
+
+
+class PackedInt8Weight:
+    """An int8 weight (per-channel scale, optional bias) packed once for csrc/gemm_int8.cpp; calling it
+    gives the W8A8 product (``w8a8_linear_reference``) for batches of ``w8a8_min_rows`` rows or more and
+    the weight-only one (``int8_linear_reference``) below, in x's dtype (float32 or bfloat16)."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 w8a8_min_rows: int = W8A8_MIN_ROWS) -> None:
+        if qweight.dim() != 2 or qweight.dtype != torch.int8:
+            raise ValueError(f"PackedInt8Weight takes an int8 [out, in] weight, got {qweight.dtype} "
+                             f"of shape {tuple(qweight.shape)}")
+        self.out_features, self.in_features = qweight.shape
+        for name, t in (("scale", scale), ("bias", bias)):
+            if t is not None and t.shape != (self.out_features,):
+                raise ValueError(f"PackedInt8Weight: {name} must have shape ({self.out_features},), "
+                                 f"got {tuple(t.shape)}")
+        self.w8a8_min_rows = w8a8_min_rows
+        self.data = pack_int8_weight(qweight)
+        # What the +128 shift of the activations adds to every sum of column n: 128 * sum_k q[n, k].
+        self.compensation = (qweight.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
+        self.scale = scale.float().contiguous()
+        self.bias = None if bias is None else bias.float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the int8 CPU linear takes float32 or bfloat16 activations, got {x.dtype}")
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        if rows.shape[0] >= self.w8a8_min_rows:
+            torch.ops.kvloom.gemm_w8a8(out.view(-1, self.out_features), rows, self.data, self.compensation,
+                                       self.scale, self.bias)
+        else:
+            torch.ops.kvloom.gemm_int8_weight_only(out.view(-1, self.out_features), rows, self.data, self.scale,
+                                                   self.bias)
         return out
