@@ -113,4 +113,5 @@ def _cuda_ops() -> Ops:
         logger.warning("The Triton kernels are not available, so CUDA runs torch's native ops (%s)", e)
         return NATIVE_OPS
     return Ops(name="triton", attention=cuda.attention, rms_norm=cuda.rms_norm, add_rms_norm=cuda.add_rms_norm,
-               rotary_embedding=cuda.rotary_embedding, silu_and_mul=cuda.silu_and_mul, argmax=native.argmax)
+               rotary_embedding=cuda.rotary_embedding, silu_and_mul=cuda.silu_and_mul, argmax=native.argmax,
+               pack_linear_int8=cuda.Int8Linear)

@@ -243,3 +243,74 @@ def test_select_ops_packs_int8_weights_for_the_cpu_kernels(dtype: torch.dtype) -
     layer = ops.pack_linear_int8(qweight, scale, bias)
     assert_within(layer(x), int8_linear_reference(x, qweight, scale, bias), ulps=1,
                   slack=weight_only_slack(x, qweight, scale, bias))
+
+
+# ---- the Triton weight-only kernel (Triton's interpreter without CUDA) ----------------------------
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def triton_int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+                       ) -> torch.Tensor:
+    from kvloom.ops.cuda import Int8Linear
+
+    layer = Int8Linear(qweight.to(DEVICE), scale.to(DEVICE), None if bias is None else bias.to(DEVICE))
+    return layer(x.to(DEVICE)).cpu()
+
+
+# The interpreter's tl.dot gives wrong sums for bf16 operands, so it is tested with fp32 and fp16 here and
+# with bf16 on a GPU below.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 37, 50), (5, 64, 33), (20, 130, 70), (40, 16, 64)])
+def test_triton_int8_linear_matches_reference(dtype: torch.dtype, m: int, k: int, n: int) -> None:
+    x, qweight, scale, bias = problem(m, k, n, dtype, seed=m + k + n)
+    for b in (bias, None):
+        expected = int8_linear_reference(x, qweight, scale, b)
+        assert_within(triton_int8_linear(x, qweight, scale, b), expected, ulps=1,
+                      slack=weight_only_slack(x, qweight, scale, b))
+
+
+def test_triton_int8_linear_reads_strided_rows_and_keeps_leading_dims() -> None:
+    from kvloom.ops.cuda import Int8Linear
+
+    torch.manual_seed(0)
+    wide = torch.randn(6, 50, device=DEVICE)
+    wide[:, 40:] = float("inf")  # past K: must not reach the sums
+    qweight, scale = quantize_per_channel(torch.randn(24, 40))
+    layer = Int8Linear(qweight.to(DEVICE), scale.to(DEVICE), None)
+    x = wide[:, :40]
+    assert_within(layer(x).cpu(), int8_linear_reference(x.cpu(), qweight, scale), ulps=1,
+                  slack=weight_only_slack(x.cpu(), qweight, scale, None))
+    assert layer(x.reshape(2, 3, 40)).shape == (2, 3, 24)
+
+
+def test_triton_int8_linear_names_what_it_cannot_take() -> None:
+    from kvloom.ops.triton.int8 import int8_linear
+
+    x = torch.zeros(2, 8, device=DEVICE)
+    weight_t = torch.zeros(8, 4, dtype=torch.int8, device=DEVICE)
+    scale = torch.ones(4, device=DEVICE)
+    with pytest.raises(ValueError, match=r"weight_t must be a contiguous int8 \[K, N\] = \[8, 5\]"):
+        int8_linear(torch.empty(2, 5, device=DEVICE), x, weight_t, torch.ones(5, device=DEVICE), None)
+    with pytest.raises(ValueError, match="x must be float32, float16 or bfloat16"):
+        int8_linear(torch.empty(2, 4, device=DEVICE, dtype=torch.float64), x.double(), weight_t, scale, None)
+    with pytest.raises(ValueError, match=r"bias must be a contiguous float32 \[4\]"):
+        int8_linear(torch.empty(2, 4, device=DEVICE), x, weight_t, scale, torch.ones(3, device=DEVICE))
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 7, 64, 2048])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576), (576, 49152), (130, 70)])
+def test_gpu_triton_int8_linear_bf16_at_model_sizes(rows: int, k: int, n: int) -> None:
+    x, qweight, scale, bias = problem(rows, k, n, torch.bfloat16, seed=rows + k + n)
+    expected = int8_linear_reference(x, qweight, scale, bias)
+    assert_within(triton_int8_linear(x, qweight, scale, bias), expected, ulps=1,
+                  slack=weight_only_slack(x, qweight, scale, bias))
+
+
+def test_select_ops_on_cuda_packs_int8_weights_for_triton() -> None:
+    pytest.importorskip("triton")
+    from kvloom.ops import cuda
+    from kvloom.ops.table import _cuda_ops
+
+    assert _cuda_ops().pack_linear_int8 is cuda.Int8Linear
