@@ -89,9 +89,38 @@ Shapes check_arguments(const char* name, const at::Tensor& y, const at::Tensor& 
 
 // ---- activations ----------------------------------------------------------------------------------
 // One row of x to u8 (q + 128) and its scale, as quantize_per_token: scale = amax / 127 (1 for a zero
-// row), q = round_half_even(x / scale) clamped to +-127. Columns K..Kp-1 get 128 (q = 0).
+// row), q = round_half_even(x / scale) clamped to +-127. Columns K..Kp-1 get 128 (q = 0). The
+// division is a true fp32 division (not a product with 1 / scale), so q is the reference's integer.
+#if defined(CPU_CAPABILITY_AVX512)
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+
+inline __m512 load_lanes(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+
+inline __m512 load_lanes(const c10::BFloat16* p, __mmask16 mask) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 template <typename T>
-float quantize_row(const T* x, int64_t K, int64_t Kp, uint8_t* q) {
+float quantize_row_avx512(const T* x, int64_t K, int64_t Kp, uint8_t* q) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_lanes(x + k, lanes(K - k))));
+  const float row_max = _mm512_reduce_max_ps(amax);
+  const float scale = row_max > 0.0f ? row_max / kQmax : 1.0f;
+  const __m512 vscale = _mm512_set1_ps(scale), hi = _mm512_set1_ps(kQmax), lo = _mm512_set1_ps(-kQmax);
+  const __m512i shift = _mm512_set1_epi32(kShift);
+  for (int64_t k = 0; k < Kp; k += 16) {
+    const __m512 v = load_lanes(x + k, k < K ? lanes(K - k) : __mmask16(0));  // zeros past K
+    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, vscale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i i = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r))), shift);
+    _mm512_mask_cvtepi32_storeu_epi8(q + k, lanes(Kp - k), i);
+  }
+  return scale;
+}
+#endif
+
+template <typename T>
+float quantize_row_portable(const T* x, int64_t K, int64_t Kp, uint8_t* q) {
   float amax = 0.0f;
   for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[k])));
   const float scale = amax > 0.0f ? amax / kQmax : 1.0f;
@@ -104,11 +133,19 @@ float quantize_row(const T* x, int64_t K, int64_t Kp, uint8_t* q) {
 }
 
 template <typename T>
-void quantize_rows(const at::Tensor& x, const Shapes& s, uint8_t* q, float* scales) {
+void quantize_rows(const at::Tensor& x, const Shapes& s, uint8_t* q, float* scales, bool portable) {
   const T* xs = x.data_ptr<T>();
   const int64_t ldx = x.stride(0), Kp = s.groups * kGroup;
   at::parallel_for(0, s.M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) scales[m] = quantize_row(xs + m * ldx, s.K, Kp, q + m * Kp);
+    for (int64_t m = begin; m < end; ++m) {
+#if defined(CPU_CAPABILITY_AVX512)
+      if (!portable) {
+        scales[m] = quantize_row_avx512(xs + m * ldx, s.K, Kp, q + m * Kp);
+        continue;
+      }
+#endif
+      scales[m] = quantize_row_portable(xs + m * ldx, s.K, Kp, q + m * Kp);
+    }
   });
 }
 
@@ -208,7 +245,7 @@ void w8a8_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, co
   const int64_t Kp = s.groups * kGroup;
   std::vector<uint8_t> xq(s.M * Kp);
   std::vector<float> x_scale(s.M);
-  quantize_rows<T>(x, s, xq.data(), x_scale.data());
+  quantize_rows<T>(x, s, xq.data(), x_scale.data(), portable);
   const auto* ws = packed.data_ptr<int8_t>();
   T* ys = y.data_ptr<T>();
   const int64_t panel_size = s.groups * kGroupBytes;
@@ -362,11 +399,15 @@ void weight_only_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
     at::parallel_for(0, s.M, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         const T* xr = xs + m * x.stride(0);
-        for (int64_t k = 0; k < Kp; ++k) {
-          const float value = k < s.K ? static_cast<float>(xr[k]) : 0.0f;
-          const c10::BFloat16 h(value);
-          hi[m * Kp + k] = h;
-          if constexpr (kSplit) lo[m * Kp + k] = c10::BFloat16(value - static_cast<float>(h));
+        for (int64_t k = 0; k < Kp; k += 16) {
+          const __mmask16 mask = lanes(Kp - k);
+          const __m512 value = load_lanes(xr + k, k < s.K ? lanes(s.K - k) : __mmask16(0));  // zeros past K
+          const __m256bh h = _mm512_cvtneps_pbh(value);
+          _mm256_mask_storeu_epi16(hi.data() + m * Kp + k, mask, (__m256i)h);
+          if constexpr (kSplit) {
+            const __m512 rest = _mm512_sub_ps(value, _mm512_cvtpbh_ps(h));  // exact in fp32
+            _mm256_mask_storeu_epi16(lo.data() + m * Kp + k, mask, (__m256i)_mm512_cvtneps_pbh(rest));
+          }
         }
       }
     });
