@@ -8,6 +8,12 @@
   panels for an AVX512-BF16 micro-kernel, 1.05-1.2x oneDNN at batch 64 and about 2x at batches of 1-8
   on SmolLM2's shapes (``benchmarks/gemm_micro.py``); oneDNN's pre-packed linear where our kernel is
   not built (no AVX512-BF16). Both compute F.linear's answer: products summed in fp32, rounded once.
+- the int8 GEMMs (csrc/gemm_int8.cpp) for int8 weights (``pack_linear_int8``, ``PackedInt8Weight``):
+  one packing into 48-column panels of 4-k groups serves W8A8 (activations quantized per token inside
+  the op, AVX512-VNNI, exact int32 sums) and weight-only (int8 widened to bf16 for AVX512-BF16, fp32
+  sums); W8A8 runs at every batch size by default, 1.5-2x the bf16 GEMM on SmolLM2's shapes
+  (``benchmarks/int8_micro.py``; the figures are at ``W8A8_MIN_ROWS``). Plain loops read the same
+  layout where those instructions are missing (the op table then keeps ``NativeInt8Linear``).
 
 The library is compiled at first use (-O3 -march=native, OpenMP; 10-60 s) into
 ``$KVLOOM_CACHE_DIR/extensions`` and loaded from there by later processes without compiling. When it
@@ -276,8 +282,28 @@ class PackedWeight:
 # k per group of the int8 panels (csrc/gemm_int8.cpp's kGroup: vpdpbusd sums 4 products per lane).
 INT8_GROUP = 4
 INT8_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
-# Rows from which PackedInt8Weight runs the W8A8 product instead of the weight-only one.
-W8A8_MIN_ROWS = 8
+# Rows from which PackedInt8Weight runs the W8A8 product instead of the weight-only one: from the
+# first, because W8A8 measured fastest at every SmolLM2-135M shape and batch on this project's CPU
+# (AMD Zen 4, 2 cores; benchmarks/int8_micro.py --threads 1, bf16 activations, medians of 7-31
+# alternated repeats on a shared, noisy machine; time vs kvloom's bf16 GEMM, bigger is faster):
+#
+#     rows  weights                      bf16 GEMM   W8A8           weight-only
+#        1  hot, K 576 -> N 960/576/3072  21/16/56 us  x1.54/1.51/1.82  x0.76/0.86/0.71
+#        1  30 layers streamed            28.2 ms      x2.01            x1.70
+#        8  hot, the 4 layer shapes                    x1.61 - x1.79    x0.65 - x0.72
+#        8  30 layers streamed            47.5 ms      x1.76            x0.91
+#       64  hot, the 4 layer shapes                    x1.73 - x1.80    x0.21 - x0.77
+#       64  30 layers streamed            167 ms       x1.96            x0.71
+#     2048  hot, the 4 layer shapes                    x1.57 - x2.04    x0.61 - x0.71
+#
+# The weight-only kernel spends 5 instructions widening each 32 weights to bf16 (vpmovsxbd,
+# vcvtdq2ps, vcvtne2ps2bf16), which the hot-cache cases pay in full; fp32 activations measured the
+# same way round (W8A8 1.4-3.2x the weight-only kernel at 1, 8 and 64 rows). What W8A8 costs is
+# accuracy: the activations are rounded to 8 bits per token, so on random [64, 576] x [576, 576]
+# products its error is 1.4x the weight-only one's (1.1% vs 0.8% relative), and 3.5-5x with a few
+# outlier channels 10-50x the rest (as LLM activations have). ``w8a8_min_rows`` above 1 keeps small
+# batches on the weight-only product where that matters more than speed.
+W8A8_MIN_ROWS = 1
 
 
 def int8_kernels_available() -> bool:
