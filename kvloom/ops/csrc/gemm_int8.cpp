@@ -136,6 +136,9 @@ template <typename T>
 void quantize_rows(const at::Tensor& x, const Shapes& s, uint8_t* q, float* scales, bool portable) {
   const T* xs = x.data_ptr<T>();
   const int64_t ldx = x.stride(0), Kp = s.groups * kGroup;
+#if !defined(CPU_CAPABILITY_AVX512)
+  (void)portable;
+#endif
   at::parallel_for(0, s.M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -388,8 +391,9 @@ void weight_only_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
   const auto* ws = packed.data_ptr<int8_t>();
   const T* xs = x.data_ptr<T>();
   T* ys = y.data_ptr<T>();
-  const int64_t panel_size = s.groups * kGroupBytes, Kp = s.groups * kGroup;
+  const int64_t panel_size = s.groups * kGroupBytes;
 #if defined(KVLOOM_BF16_DOT)
+  const int64_t Kp = s.groups * kGroup;
   constexpr bool kSplit = std::is_same_v<T, float>;
   // The kernel reads whole groups of 4 bf16: x itself when it is bf16 and K a multiple of 4, else
   // a zero-padded copy (for fp32 x: its bf16 hi part, and the lo part x - hi).
@@ -417,6 +421,7 @@ void weight_only_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
   const bool fast = !portable;
 #else
   const bool fast = false;
+  (void)portable;
 #endif
   at::parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < s.M; m0 += kRowChunk) {
