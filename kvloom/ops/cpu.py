@@ -158,11 +158,13 @@ def cpu_kernel_available() -> bool:
 
 
 def _register_fake() -> None:
-    """Shapes-only version of the op for torch.compile's tracing: it writes `out` and returns nothing."""
-    try:
-        torch.library.register_fake("kvloom::paged_attention")(lambda *args: None)
-    except RuntimeError:  # already registered (a second variant in one process cannot happen)
-        pass
+    """Shapes-only versions of the ops for torch.compile's tracing: each writes its output argument and
+    returns nothing."""
+    for op in ("kvloom::paged_attention", "kvloom::gemm_w8a8", "kvloom::gemm_int8_weight_only"):
+        try:
+            torch.library.register_fake(op)(lambda *args: None)
+        except RuntimeError:  # already registered (a second variant in one process cannot happen)
+            pass
 
 
 def query_start_loc_tensor(metadata: AttentionMetadata, device: torch.device) -> torch.Tensor:

@@ -209,6 +209,17 @@ def test_kernels_reject_a_weight_of_another_shape(int8_kernels: None) -> None:
                                    torch.zeros(96, dtype=torch.int32), scale, None)
 
 
+def test_kernels_have_shape_only_versions_for_tracing(int8_kernels: None) -> None:
+    """torch.compile traces the ops on tensors without data (fake / meta): they must run there."""
+    qweight, scale = quantize_per_channel(torch.randn(20, 33))
+    meta = {name: t.to("meta") for name, t in vars(cpu.PackedInt8Weight(qweight, scale, None)).items()
+            if isinstance(t, torch.Tensor)}
+    x = torch.empty(3, 33, dtype=torch.bfloat16, device="meta")
+    y = torch.empty(3, 20, dtype=torch.bfloat16, device="meta")
+    torch.ops.kvloom.gemm_w8a8(y, x, meta["data"], meta["compensation"], meta["scale"], None)
+    torch.ops.kvloom.gemm_int8_weight_only(y, x, meta["data"], meta["scale"], None)
+
+
 # ---- PackedInt8Weight and the op table ------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
 def test_packed_int8_weight_picks_the_product_by_rows(int8_kernels: None, dtype: torch.dtype) -> None:
