@@ -11,8 +11,8 @@
 - the int8 GEMMs (csrc/gemm_int8.cpp) for int8 weights (``pack_linear_int8``, ``PackedInt8Weight``):
   one packing into 48-column panels of 4-k groups serves W8A8 (activations quantized per token inside
   the op, AVX512-VNNI, exact int32 sums) and weight-only (int8 widened to bf16 for AVX512-BF16, fp32
-  sums); W8A8 runs at every batch size by default, 1.5-2x the bf16 GEMM on SmolLM2's shapes
-  (``benchmarks/int8_micro.py``; the figures are at ``W8A8_MIN_ROWS``). Plain loops read the same
+  sums); a single row takes the weight-only product, batches W8A8: 1.4-2x the bf16 GEMM on SmolLM2's
+  shapes (``benchmarks/int8_micro.py``; the figures and the rule are at ``W8A8_MIN_ROWS``). Plain loops read the same
   layout where those instructions are missing (the op table then keeps ``NativeInt8Linear``).
 
 The library is compiled at first use (-O3 -march=native, OpenMP; 10-60 s) into
@@ -284,28 +284,34 @@ class PackedWeight:
 # k per group of the int8 panels (csrc/gemm_int8.cpp's kGroup: vpdpbusd sums 4 products per lane).
 INT8_GROUP = 4
 INT8_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
-# Rows from which PackedInt8Weight runs the W8A8 product instead of the weight-only one: from the
-# first, because W8A8 measured fastest at every SmolLM2-135M shape and batch on this project's CPU
-# (AMD Zen 4, 2 cores; benchmarks/int8_micro.py --threads 1, bf16 activations, medians of 7-31
-# alternated repeats on a shared, noisy machine; time vs kvloom's bf16 GEMM, bigger is faster):
+# Rows from which PackedInt8Weight runs the W8A8 product instead of the weight-only one, from
+# benchmarks/int8_micro.py on this project's CPU (AMD Zen 4, 2 cores, shared with other jobs, so one
+# thread: two threads' medians were scheduler stalls; bf16 activations; medians of 7-31 alternated
+# repeats; speed-up over kvloom's bf16 GEMM in two runs a few minutes apart):
 #
-#     rows  weights                      bf16 GEMM   W8A8           weight-only
-#        1  hot, K 576 -> N 960/576/3072  21/16/56 us  x1.54/1.51/1.82  x0.76/0.86/0.71
-#        1  30 layers streamed            28.2 ms      x2.01            x1.70
-#        8  hot, the 4 layer shapes                    x1.61 - x1.79    x0.65 - x0.72
-#        8  30 layers streamed            47.5 ms      x1.76            x0.91
-#       64  hot, the 4 layer shapes                    x1.73 - x1.80    x0.21 - x0.77
-#       64  30 layers streamed            167 ms       x1.96            x0.71
-#     2048  hot, the 4 layer shapes                    x1.57 - x2.04    x0.61 - x0.71
+#     rows  weights                           bf16 GEMM      W8A8            weight-only
+#        1  hot, K 576 -> N 960 / 576 / 3072  21 / 15 / 56 us x1.50 - x1.83   x0.72 - x0.86
+#        1  30 layers streamed (the decode)   28 - 31 ms     x2.01, x1.57    x1.70, x1.89
+#        2  30 layers streamed                30 ms          x2.20           x1.68
+#        8  hot, the 4 layer shapes                          x1.61 - x1.90   x0.65 - x0.80
+#        8  30 layers streamed                22 - 47 ms     x1.76, x1.39    x0.91, x0.59
+#       64  hot, the 4 layer shapes                          x1.73 - x1.89   x0.22 - x0.77
+#       64  30 layers streamed                167 - 187 ms   x1.96, x1.85    x0.71, x0.79
+#     2048  hot, the 4 layer shapes                          x1.57 - x2.61   x0.61 - x0.72
 #
-# The weight-only kernel spends 5 instructions widening each 32 weights to bf16 (vpmovsxbd,
-# vcvtdq2ps, vcvtne2ps2bf16), which the hot-cache cases pay in full; fp32 activations measured the
-# same way round (W8A8 1.4-3.2x the weight-only kernel at 1, 8 and 64 rows). What W8A8 costs is
-# accuracy: the activations are rounded to 8 bits per token, so on random [64, 576] x [576, 576]
-# products its error is 1.4x the weight-only one's (1.1% vs 0.8% relative), and 3.5-5x with a few
-# outlier channels 10-50x the rest (as LLM activations have). ``w8a8_min_rows`` above 1 keeps small
-# batches on the weight-only product where that matters more than speed.
-W8A8_MIN_ROWS = 1
+# W8A8 is the faster product wherever the two differ beyond the noise; at one row with the weights
+# streamed from memory (a decode step: SmolLM2-135M's 106 MB of int8 layers do not fit the 32 MB L3)
+# both wait on memory and swap places between runs, so the one row goes to the weight-only product,
+# which is the more accurate: W8A8 rounds the activations to 8 bits per token, and on random
+# [64, 576] x [576, 576] products its error is 1.4x the weight-only one's (1.1% vs 0.8% relative),
+# 3.5-5x with a few outlier channels 10-50x the rest (as LLM activations have). The weight-only
+# kernel loses in cache because it spends 5 instructions widening each 32 weights to bf16
+# (vpmovsxbd, vcvtdq2ps, vcvtne2ps2bf16; a vpmovsxbw + shift variant measured the same). fp32
+# activations order the two the same way (W8A8 1.4-3.2x the weight-only kernel at 1, 8, 64 rows).
+W8A8_MIN_ROWS = 2
+# The widest K whose W8A8 int32 sums cannot overflow (csrc/gemm_int8.cpp's kMaxW8A8K): wider weights
+# always take the weight-only product.
+W8A8_MAX_IN_FEATURES = (2**31 - 1) // (255 * 127)
 
 
 def int8_kernels_available() -> bool:
@@ -339,7 +345,7 @@ class PackedInt8Weight:
             if t is not None and t.shape != (self.out_features,):
                 raise ValueError(f"PackedInt8Weight: {name} must have shape ({self.out_features},), "
                                  f"got {tuple(t.shape)}")
-        self.w8a8_min_rows = w8a8_min_rows
+        self.w8a8_min_rows = w8a8_min_rows if self.in_features <= W8A8_MAX_IN_FEATURES else sys.maxsize
         self.data = pack_int8_weight(qweight)
         # What the +128 shift of the activations adds to every sum of column n: 128 * sum_k q[n, k].
         self.compensation = (qweight.to(torch.int32).sum(dim=1) * 128).to(torch.int32)

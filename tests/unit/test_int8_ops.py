@@ -234,6 +234,17 @@ def test_packed_int8_weight_picks_the_product_by_rows(int8_kernels: None, dtype:
     torch.testing.assert_close(packed(x.t().contiguous().t()), packed(x), rtol=0, atol=0)
 
 
+def test_a_k_too_wide_for_int32_sums_takes_the_weight_only_product(int8_kernels: None) -> None:
+    k = cpu.W8A8_MAX_IN_FEATURES + 1
+    x, qweight, scale, _ = problem(2, k, 3, torch.bfloat16, seed=4, bias=False)
+    compensation = (qweight.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
+    with pytest.raises(RuntimeError, match=f"K = {k} is more than the {k - 1} whose int32 sums cannot overflow"):
+        torch.ops.kvloom.gemm_w8a8(torch.empty(2, 3, dtype=torch.bfloat16), x, cpu.pack_int8_weight(qweight),
+                                   compensation, scale, None)
+    assert_within(cpu.PackedInt8Weight(qweight, scale, None)(x), int8_linear_reference(x, qweight, scale), ulps=1,
+                  slack=weight_only_slack(x, qweight, scale, None))
+
+
 def test_packed_int8_weight_names_what_it_cannot_take(int8_kernels: None) -> None:
     qweight, scale = quantize_per_channel(torch.randn(8, 16))
     with pytest.raises(ValueError, match="float32 or bfloat16 activations, got torch.float16"):

@@ -50,6 +50,8 @@ constexpr int64_t kRowsWeightOnly = 4;        // rows per weight-only micro-kern
 constexpr int64_t kRowChunk = 256;            // rows whose x stays in L2 while panels stream
 constexpr int32_t kShift = 128;               // s8 -> u8 for vpdpbusd's unsigned operand
 constexpr float kQmax = 127.0f;
+// The u8 x s8 sums reach 255 * 127 * K before the compensation is taken out: K up to this fits int32.
+constexpr int64_t kMaxW8A8K = 2147483647LL / (255 * 127);
 
 struct Shapes {
   int64_t M, K, N, groups, panels;
@@ -289,6 +291,8 @@ void gemm_w8a8(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor compens
   const Shapes s = check_arguments("gemm_w8a8", y, x, packed, scale, bias, &bs);
   TORCH_CHECK(compensation.scalar_type() == at::kInt && compensation.is_contiguous() && compensation.numel() == s.N,
               "gemm_w8a8: compensation must be a contiguous int32 [N]");
+  TORCH_CHECK(s.K <= kMaxW8A8K, "gemm_w8a8: K = ", s.K, " is more than the ", kMaxW8A8K,
+              " whose int32 sums cannot overflow; use gemm_int8_weight_only");
   if (s.M == 0 || s.N == 0) return;
   dispatch_float(x, "gemm_w8a8", [&](auto tag) {
     using T = decltype(tag);
