@@ -2,8 +2,10 @@
 
     reference.py   the oracles: plain torch, obvious, slow (attention one request at a time, in fp32)
     native.py      torch's own fused kernels on any device (SDPA attention, F.rms_norm): the fallback
-    cpu.py         the C++ CPU ops (csrc/: paged attention, bf16 GEMM, fused norm/rotary/activation)
-    cuda.py        the CUDA ops: Triton kernels (triton/) for paged attention, KV write, norm, rotary, SiLU
+    int8.py        int8 weights: per-channel quantization, the weight-only and W8A8 references, a torch-ops product
+    cpu.py         the C++ CPU ops (csrc/: paged attention, bf16 and int8 GEMMs, fused norm/rotary/activation)
+    cuda.py        the CUDA ops: Triton kernels (triton/) for paged attention, KV write, norm, rotary, SiLU,
+                   the weight-only int8 GEMM
     table.py       ``Ops``, the table of op functions, and ``select_ops``: the one place that chooses
                    an implementation, once per platform and ``attention_backend``
 

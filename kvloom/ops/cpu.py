@@ -8,6 +8,12 @@
   panels for an AVX512-BF16 micro-kernel, 1.05-1.2x oneDNN at batch 64 and about 2x at batches of 1-8
   on SmolLM2's shapes (``benchmarks/gemm_micro.py``); oneDNN's pre-packed linear where our kernel is
   not built (no AVX512-BF16). Both compute F.linear's answer: products summed in fp32, rounded once.
+- the int8 GEMMs (csrc/gemm_int8.cpp) for int8 weights (``pack_linear_int8``, ``PackedInt8Weight``):
+  one packing into 48-column panels of 4-k groups serves W8A8 (activations quantized per token inside
+  the op, AVX512-VNNI, exact int32 sums) and weight-only (int8 widened to bf16 for AVX512-BF16, fp32
+  sums); a single row takes the weight-only product, batches W8A8: 1.4-2x the bf16 GEMM on SmolLM2's
+  shapes (``benchmarks/int8_micro.py``; the figures and the rule are at ``W8A8_MIN_ROWS``). Plain loops read the same
+  layout where those instructions are missing (the op table then keeps ``NativeInt8Linear``).
 
 The library is compiled at first use (-O3 -march=native, OpenMP; 10-60 s) into
 ``$KVLOOM_CACHE_DIR/extensions`` and loaded from there by later processes without compiling. When it
@@ -38,9 +44,9 @@ from kvloom.ops.reference import write_kv_cache
 logger = logging.getLogger("kvloom")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-# Compiled into the same library: the fused norm / rotary / activation ops and the bf16 GEMM.
-SOURCES = (SOURCE, Path(__file__).parent / "csrc" / "fused_ops.cpp", Path(__file__).parent / "csrc" / "gemm.cpp")
-HEADER = Path(__file__).parent / "csrc" / "cpu_capability.h"  # included by both
+# Compiled into the same library: the fused norm / rotary / activation ops, the bf16 GEMM and the int8 GEMMs.
+SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name for name in ("fused_ops.cpp", "gemm.cpp", "gemm_int8.cpp")))
+HEADER = Path(__file__).parent / "csrc" / "cpu_capability.h"  # included by all of them
 # Tried in order: tuned for this CPU, then portable (for compilers that reject -march=native).
 BUILD_VARIANTS = (("native", ["-march=native"]), ("portable", []))
 BUILD_LOCK_TIMEOUT_S = 900
@@ -152,11 +158,13 @@ def cpu_kernel_available() -> bool:
 
 
 def _register_fake() -> None:
-    """Shapes-only version of the op for torch.compile's tracing: it writes `out` and returns nothing."""
-    try:
-        torch.library.register_fake("kvloom::paged_attention")(lambda *args: None)
-    except RuntimeError:  # already registered (a second variant in one process cannot happen)
-        pass
+    """Shapes-only versions of the ops for torch.compile's tracing: each writes its output argument and
+    returns nothing."""
+    for op in ("kvloom::paged_attention", "kvloom::gemm_w8a8", "kvloom::gemm_int8_weight_only"):
+        try:
+            torch.library.register_fake(op)(lambda *args: None)
+        except RuntimeError:  # already registered (a second variant in one process cannot happen)
+            pass
 
 
 def query_start_loc_tensor(metadata: AttentionMetadata, device: torch.device) -> torch.Tensor:
@@ -270,3 +278,94 @@ class PackedWeight:
         out = x.new_empty(*x.shape[:-1], self.out_features)
         torch.ops.kvloom.gemm_bf16(out.view(-1, self.out_features), rows, self.data, self.bias)
         return out
+
+
+# ---- the int8 GEMMs -------------------------------------------------------------------------------
+# k per group of the int8 panels (csrc/gemm_int8.cpp's kGroup: vpdpbusd sums 4 products per lane).
+INT8_GROUP = 4
+INT8_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
+# Rows from which PackedInt8Weight runs the W8A8 product instead of the weight-only one, from
+# benchmarks/int8_micro.py on this project's CPU (AMD Zen 4, 2 cores, shared with other jobs, so one
+# thread: two threads' medians were scheduler stalls; bf16 activations; medians of 7-31 alternated
+# repeats; speed-up over kvloom's bf16 GEMM in two runs a few minutes apart):
+#
+#     rows  weights                           bf16 GEMM      W8A8            weight-only
+#        1  hot, K 576 -> N 960 / 576 / 3072  21 / 15 / 56 us x1.50 - x1.83   x0.72 - x0.86
+#        1  30 layers streamed (the decode)   28 - 31 ms     x2.01, x1.57    x1.70, x1.89
+#        2  30 layers streamed                30 ms          x2.20           x1.68
+#        8  hot, the 4 layer shapes                          x1.61 - x1.90   x0.65 - x0.80
+#        8  30 layers streamed                22 - 47 ms     x1.76, x1.39    x0.91, x0.59
+#       64  hot, the 4 layer shapes                          x1.73 - x1.89   x0.22 - x0.77
+#       64  30 layers streamed                167 - 187 ms   x1.96, x1.85    x0.71, x0.79
+#     2048  hot, the 4 layer shapes                          x1.57 - x2.61   x0.61 - x0.72
+#
+# W8A8 is the faster product wherever the two differ beyond the noise; at one row with the weights
+# streamed from memory (a decode step: SmolLM2-135M's 106 MB of int8 layers do not fit the 32 MB L3)
+# both wait on memory and swap places between runs, so the one row goes to the weight-only product,
+# which is the more accurate: W8A8 rounds the activations to 8 bits per token, and on random
+# [64, 576] x [576, 576] products its error is 1.4x the weight-only one's (1.1% vs 0.8% relative),
+# 3.5-5x with a few outlier channels 10-50x the rest (as LLM activations have). The weight-only
+# kernel loses in cache because it spends 5 instructions widening each 32 weights to bf16
+# (vpmovsxbd, vcvtdq2ps, vcvtne2ps2bf16; a vpmovsxbw + shift variant measured the same). fp32
+# activations order the two the same way (W8A8 1.4-3.2x the weight-only kernel at 1, 8, 64 rows).
+W8A8_MIN_ROWS = 2
+# The widest K whose W8A8 int32 sums cannot overflow (csrc/gemm_int8.cpp's kMaxW8A8K): wider weights
+# always take the weight-only product.
+W8A8_MAX_IN_FEATURES = (2**31 - 1) // (255 * 127)
+
+
+def int8_kernels_available() -> bool:
+    """True where the library holds both fast int8 kernels (AVX512-VNNI and AVX512-BF16)."""
+    return cpu_kernel_available() and hasattr(torch.ops.kvloom, "int8_gemm_kernels") \
+        and torch.ops.kvloom.int8_gemm_kernels() == 3
+
+
+def pack_int8_weight(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> [ceil(N / 48), ceil(K / 4), 48, 4]: per panel of 48 output columns and group of
+    4 k, the 48 columns' (q[n, 4g], ..., q[n, 4g + 3]) in a row. Padding is zero."""
+    n, k = qweight.shape
+    panels, groups = -(-n // GEMM_PANEL), -(-k // INT8_GROUP)
+    padded = qweight.new_zeros(panels * GEMM_PANEL, groups * INT8_GROUP)
+    padded[:n, :k] = qweight
+    return padded.view(panels, GEMM_PANEL, groups, INT8_GROUP).permute(0, 2, 1, 3).contiguous()
+
+
+class PackedInt8Weight:
+    """An int8 weight (per-channel scale, optional bias) packed once for csrc/gemm_int8.cpp; calling it
+    gives the W8A8 product (``w8a8_linear_reference``) for batches of ``w8a8_min_rows`` rows or more and
+    the weight-only one (``int8_linear_reference``) below, in x's dtype (float32 or bfloat16)."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 w8a8_min_rows: int = W8A8_MIN_ROWS) -> None:
+        if qweight.dim() != 2 or qweight.dtype != torch.int8:
+            raise ValueError(f"PackedInt8Weight takes an int8 [out, in] weight, got {qweight.dtype} "
+                             f"of shape {tuple(qweight.shape)}")
+        self.out_features, self.in_features = qweight.shape
+        for name, t in (("scale", scale), ("bias", bias)):
+            if t is not None and t.shape != (self.out_features,):
+                raise ValueError(f"PackedInt8Weight: {name} must have shape ({self.out_features},), "
+                                 f"got {tuple(t.shape)}")
+        self.w8a8_min_rows = w8a8_min_rows if self.in_features <= W8A8_MAX_IN_FEATURES else sys.maxsize
+        self.data = pack_int8_weight(qweight)
+        # What the +128 shift of the activations adds to every sum of column n: 128 * sum_k q[n, k].
+        self.compensation = (qweight.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
+        self.scale = scale.float().contiguous()
+        self.bias = None if bias is None else bias.float().contiguous()
+        self._w8a8 = torch.ops.kvloom.gemm_w8a8.default  # the overloads themselves: 1 us less a call
+        self._weight_only = torch.ops.kvloom.gemm_int8_weight_only.default
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # A decode step makes ~120 of these calls on a few rows: every tensor op saved here is a
+        # microsecond (the kernel itself takes 2-30 us on SmolLM2's layers).
+        if x.dtype not in INT8_ACTIVATION_DTYPES:
+            raise ValueError(f"the int8 CPU linear takes float32 or bfloat16 activations, got {x.dtype}")
+        flat = x.dim() == 2
+        rows = x if flat else x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype)
+        if rows.shape[0] >= self.w8a8_min_rows:
+            self._w8a8(out, rows, self.data, self.compensation, self.scale, self.bias)
+        else:
+            self._weight_only(out, rows, self.data, self.scale, self.bias)
+        return out if flat else out.view(*x.shape[:-1], self.out_features)

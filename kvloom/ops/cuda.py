@@ -11,6 +11,7 @@ import torch
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.triton import attention as kernels
 from kvloom.ops.triton import fused
+from kvloom.ops.triton import int8 as int8_kernels
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -49,3 +50,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
     fused.silu_and_mul(out, x)
     return out
+
+
+class Int8Linear:
+    """An int8 weight (per-channel scale, optional bias) for the Triton weight-only GEMM: the weight is
+    stored transposed once, [K, N]; calling it gives int8_linear_reference's (x @ q^T) * scale + bias."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        if qweight.dim() != 2 or qweight.dtype != torch.int8:
+            raise ValueError(f"Int8Linear takes an int8 [out, in] weight, got {qweight.dtype} "
+                             f"of shape {tuple(qweight.shape)}")
+        self.out_features, self.in_features = qweight.shape
+        self.weight_t = qweight.t().contiguous()
+        self.scale = scale.float().contiguous()
+        self.bias = None if bias is None else bias.float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
+        int8_kernels.int8_linear(out.view(-1, self.out_features), rows, self.weight_t, self.scale, self.bias)
+        return out

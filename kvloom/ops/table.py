@@ -9,6 +9,10 @@ The choice, for a model on ``device`` in ``dtype`` with ``attention_backend``:
     triton       Triton paged attention   Triton                                    F.linear (cuBLAS)
     auto         cpu on the CPU, triton on CUDA
 
+and for int8 weights (``pack_linear_int8``): the C++ W8A8 / weight-only GEMMs on the CPU
+(cpu.PackedInt8Weight), the Triton weight-only GEMM on CUDA (cuda.Int8Linear); torch ops
+(int8.NativeInt8Linear) under the reference backend and where neither is built.
+
 A platform whose kernels cannot be built (no compiler, no Triton) falls back to the native ops, with
 one warning that says why.
 """
@@ -95,9 +99,11 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int) -> Ops:
     pack = None if fmt is None else (lambda weight, bias: cpu.PackedWeight(weight, bias, fmt, batch_hint))
     if not cpu.cpu_kernel_available():
         return dataclasses.replace(NATIVE_OPS, pack_linear=pack)
+    # csrc/gemm_int8.cpp for float32 and bfloat16 activations alike, where its AVX-512 kernels are built.
+    pack_int8 = cpu.PackedInt8Weight if cpu.int8_kernels_available() else int8.NativeInt8Linear
     return Ops(name="cpu", attention=cpu.attention, rms_norm=cpu.rms_norm, add_rms_norm=cpu.add_rms_norm,
                rotary_embedding=cpu.rotary_embedding, silu_and_mul=cpu.silu_and_mul, argmax=cpu.argmax,
-               pack_linear=pack)
+               pack_linear=pack, pack_linear_int8=pack_int8)
 
 
 def _cuda_ops() -> Ops:
@@ -107,4 +113,5 @@ def _cuda_ops() -> Ops:
         logger.warning("The Triton kernels are not available, so CUDA runs torch's native ops (%s)", e)
         return NATIVE_OPS
     return Ops(name="triton", attention=cuda.attention, rms_norm=cuda.rms_norm, add_rms_norm=cuda.add_rms_norm,
-               rotary_embedding=cuda.rotary_embedding, silu_and_mul=cuda.silu_and_mul, argmax=native.argmax)
+               rotary_embedding=cuda.rotary_embedding, silu_and_mul=cuda.silu_and_mul, argmax=native.argmax,
+               pack_linear_int8=cuda.Int8Linear)

@@ -11,6 +11,9 @@
 #if defined(__AVX512BF16__)
 #define KVLOOM_BF16_DOT  // vdpbf16ps: bf16 pairs multiplied exactly and summed in fp32
 #endif
+#if defined(__AVX512VNNI__)
+#define KVLOOM_VNNI_DOT  // vpdpbusd: u8 x s8 quadruples summed exactly into int32
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #define CPU_CAPABILITY_AVX2
 #define CPU_CAPABILITY kvloom_avx2

@@ -1,0 +1,98 @@
+"""The int8 linears of the default model's shapes (csrc/gemm_int8.cpp) against kvloom's bf16 GEMM.
+
+    .venv/bin/python benchmarks/int8_micro.py                 # batches 1, 8, 64, 256, 2048
+    .venv/bin/python benchmarks/int8_micro.py --rows 1 64 --repeats 41
+
+Per shape and batch: the bf16 packed GEMM (csrc/gemm.cpp), the int8 W8A8 product and the int8
+weight-only product, timed in turn within each repeat (so a burst of load from elsewhere hits all
+three alike), with the weight hot in cache: median microseconds, the spread (25th-75th percentile,
+in % of the median) and each int8 product's speed-up over bf16. Then gemm_micro's model-like pass:
+30 layers' worth of distinct weights (more than the L3 holds), as a decode step streams them.
+Activations are bf16 (the model's dtype on the CPU); run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+from gemm_micro import HEAD_SHAPE, LAYER_SHAPES, run_all
+
+from kvloom.ops.cpu import PackedInt8Weight, PackedWeight, int8_kernels_available, linear_format
+from kvloom.ops.int8 import quantize_per_channel
+
+NEVER = 1 << 62  # w8a8_min_rows that keeps a PackedInt8Weight on the weight-only product
+
+
+def alternated_seconds(fns: list[Callable[[object], object]], args: list[object], repeats: int) -> list[list[float]]:
+    """Seconds per call of each fns[i](args[i]), the functions taking turns within every repeat."""
+    for fn, arg in zip(fns, args):
+        fn(arg)
+        fn(arg)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, arg, samples in zip(fns, args, times):
+            start = time.perf_counter()
+            fn(arg)
+            samples.append(time.perf_counter() - start)
+    return times
+
+
+def summary(samples: list[float]) -> tuple[float, float]:
+    """(median, interquartile spread as a fraction of the median)."""
+    s = sorted(samples)
+    median = s[len(s) // 2]
+    return median, (s[(3 * len(s)) // 4] - s[len(s) // 4]) / median
+
+
+def products(weight: torch.Tensor, rows: int) -> list[object]:
+    """bf16 packed GEMM, int8 W8A8, int8 weight-only, for one bf16 [N, K] weight."""
+    qweight, scale = quantize_per_channel(weight)
+    return [PackedWeight(weight, None, "kvloom", rows), PackedInt8Weight(qweight, scale, None, w8a8_min_rows=0),
+            PackedInt8Weight(qweight, scale, None, w8a8_min_rows=NEVER)]
+
+
+NAMES = ("bf16", "w8a8", "w-only")
+
+
+def report(label: str, times: list[list[float]]) -> str:
+    """One line: each product's median and spread, and the int8 ones' speed-up over bf16."""
+    medians = [summary(t) for t in times]
+    cells = " | ".join(f"{name} {m * 1e6:8.0f} us [{spread * 100:3.0f}%]" for name, (m, spread) in zip(NAMES, medians))
+    return f"{label}: {cells} | w8a8 x{medians[0][0] / medians[1][0]:.2f} w-only x{medians[0][0] / medians[2][0]:.2f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256, 2048])
+    parser.add_argument("--repeats", type=int, default=0, help="per shape (default: 31, or 7 for the big ones)")
+    parser.add_argument("--layers", type=int, default=30, help="distinct weights per shape in the model-like pass")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if linear_format(torch.bfloat16) != "kvloom" or not int8_kernels_available():
+        print("kvloom's GEMMs are not available here (they need AVX512-BF16, AVX512-VNNI and the built CPU kernels)")
+        return 1
+    print(f"threads {args.threads}; median us [interquartile spread %]; x = bf16 time / int8 time")
+    for rows in args.rows:
+        for k, n in (*LAYER_SHAPES, HEAD_SHAPE):
+            torch.manual_seed(0)
+            x = torch.randn(rows, k, dtype=torch.bfloat16)
+            fns = products(torch.randn(n, k, dtype=torch.bfloat16), rows)
+            repeats = args.repeats or (7 if rows * n > 10_000_000 else 31)
+            print(report(f"M={rows:5d} K={k:5d} N={n:6d}", alternated_seconds(fns, [x] * 3, repeats)))
+        weights = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(args.layers) for k, n in LAYER_SHAPES]
+        inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k, _ in LAYER_SHAPES}
+        model = [[], [], []]
+        for weight in weights:
+            for i, p in enumerate(products(weight, rows)):
+                model[i].append(p)
+        times = alternated_seconds([run_all] * 3, [(packed, inputs) for packed in model], 7)
+        print(report(f"M={rows:5d} {args.layers} layers of distinct weights", times))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,492 @@
+// int8 linear layers for the CPU: y[M, N] = x[M, K] W[N, K]^T (+ bias) with W stored as int8 q[N, K]
+// and one fp32 scale per output column (kvloom/ops/int8.py says what each product means; its
+// references are the oracles the tests compare with). Two products read the same packed weight:
+//
+// - W8A8 (gemm_w8a8): each row of x is quantized to int8 with its own scale, as quantize_per_token
+//   does (the same fp32 division and round-half-to-even, so the same integers), shifted to u8 (+128)
+//   for vpdpbusd (u8 x s8, 4 products summed into each int32 lane), and the shift taken back out
+//   with compensation[n] = 128 * sum_k q[n, k], computed once at pack time. The int32 sums are exact;
+//   x_scale * w_scale (+ bias) is applied once at the end, in fp32.
+// - weight-only (gemm_int8_weight_only): the int8 weight is widened to bf16 in registers (exact:
+//   |q| <= 127) and fed to vdpbf16ps with x's bf16 values, summed in fp32 and scaled at the end, as
+//   int8_linear_reference does. An fp32 x is split into bf16 hi + lo parts (x - hi is exact in fp32
+//   and its bf16 rounding is 2^-17 of x), two dot products per weight vector.
+//
+// The weight is packed once (kvloom/ops/cpu.py, pack_int8_weight) into panels of kPanel = 48 output
+// columns: packed[panel][K/4][48][4] int8, so that one group of 4 k of 16 columns is one 64-byte
+// vector, as vpdpbusd wants it. The weight-only kernel reads the same vector as two bf16 vectors
+// whose 32-bit lanes hold (column c, k pair p) for 8 columns each; a broadcast 64-bit x word gives
+// lane p its own pair, and the two lanes of each column are added at the end.
+//
+// Without AVX512-VNNI (or AVX512-BF16, for the weight-only kernel) the same packed layout is read by
+// plain loops; `portable=True` runs those anywhere, so tests pin both against the references.
+
+#include "cpu_capability.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanelVecs = 3;             // 16-column vectors per panel
+constexpr int64_t kPanel = 16 * kPanelVecs;   // output columns per panel (as csrc/gemm.cpp)
+constexpr int64_t kGroup = 4;                 // k per int32 lane of vpdpbusd
+constexpr int64_t kGroupBytes = kPanel * kGroup;
+constexpr int64_t kRowsW8A8 = 8;              // rows per W8A8 micro-kernel: 8 x 3 int32 sums
+constexpr int64_t kRowsWeightOnly = 4;        // rows per weight-only micro-kernel: 4 x 6 fp32 sums
+constexpr int64_t kRowChunk = 256;            // rows whose x stays in L2 while panels stream
+constexpr int32_t kShift = 128;               // s8 -> u8 for vpdpbusd's unsigned operand
+constexpr float kQmax = 127.0f;
+// The u8 x s8 sums reach 255 * 127 * K before the compensation is taken out: K up to this fits int32.
+constexpr int64_t kMaxW8A8K = 2147483647LL / (255 * 127);
+
+struct Shapes {
+  int64_t M, K, N, groups, panels;
+};
+
+template <typename F>
+void dispatch_float(const at::Tensor& t, const char* name, F&& f) {
+  switch (t.scalar_type()) {
+    case at::kFloat: f(float()); break;
+    case at::kBFloat16: f(c10::BFloat16()); break;
+    default: TORCH_CHECK(false, name, ": x must be float32 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+// The checks both products share; returns the shapes and the bias pointer (or nullptr).
+Shapes check_arguments(const char* name, const at::Tensor& y, const at::Tensor& x, const at::Tensor& packed,
+                       const at::Tensor& scale, const c10::optional<at::Tensor>& bias, const float** bias_ptr) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.is_contiguous() && packed.is_contiguous(),
+              name, ": x must be [M, K] with contiguous rows and y [M, N] contiguous");
+  TORCH_CHECK(y.scalar_type() == x.scalar_type(), name, ": y must have x's dtype");
+  TORCH_CHECK(packed.scalar_type() == at::kChar, name, ": the packed weight must be int8");
+  Shapes s{x.size(0), x.size(1), y.size(1), 0, 0};
+  s.groups = (s.K + kGroup - 1) / kGroup;
+  s.panels = (s.N + kPanel - 1) / kPanel;
+  TORCH_CHECK(y.size(0) == s.M && packed.numel() == s.panels * s.groups * kGroupBytes, name,
+              ": the packed weight does not match x [", s.M, ", ", s.K, "] and y [", y.size(0), ", ", s.N, "]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == s.N,
+              name, ": scale must be a contiguous float32 [N]");
+  *bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == s.N,
+                name, ": bias must be a contiguous float32 [N]");
+    *bias_ptr = bias->data_ptr<float>();
+  }
+  return s;
+}
+
+// ---- activations ----------------------------------------------------------------------------------
+// One row of x to u8 (q + 128) and its scale, as quantize_per_token: scale = amax / 127 (1 for a zero
+// row), q = round_half_even(x / scale) clamped to +-127. Columns K..Kp-1 get 128 (q = 0). The
+// division is a true fp32 division (not a product with 1 / scale), so q is the reference's integer.
+#if defined(CPU_CAPABILITY_AVX512)
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+
+inline __m512 load_lanes(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+
+inline __m512 load_lanes(const c10::BFloat16* p, __mmask16 mask) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <typename T>
+float quantize_row_avx512(const T* x, int64_t K, int64_t Kp, uint8_t* q) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_lanes(x + k, lanes(K - k))));
+  const float row_max = _mm512_reduce_max_ps(amax);
+  const float scale = row_max > 0.0f ? row_max / kQmax : 1.0f;
+  const __m512 vscale = _mm512_set1_ps(scale), hi = _mm512_set1_ps(kQmax), lo = _mm512_set1_ps(-kQmax);
+  const __m512i shift = _mm512_set1_epi32(kShift);
+  for (int64_t k = 0; k < Kp; k += 16) {
+    const __m512 v = load_lanes(x + k, k < K ? lanes(K - k) : __mmask16(0));  // zeros past K
+    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, vscale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i i = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r))), shift);
+    _mm512_mask_cvtepi32_storeu_epi8(q + k, lanes(Kp - k), i);
+  }
+  return scale;
+}
+#endif
+
+template <typename T>
+float quantize_row_portable(const T* x, int64_t K, int64_t Kp, uint8_t* q) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[k])));
+  const float scale = amax > 0.0f ? amax / kQmax : 1.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float r = std::min(kQmax, std::max(-kQmax, std::nearbyint(static_cast<float>(x[k]) / scale)));
+    q[k] = static_cast<uint8_t>(static_cast<int32_t>(r) + kShift);
+  }
+  for (int64_t k = K; k < Kp; ++k) q[k] = kShift;
+  return scale;
+}
+
+template <typename T>
+void quantize_rows(const at::Tensor& x, const Shapes& s, uint8_t* q, float* scales, bool portable) {
+  const T* xs = x.data_ptr<T>();
+  const int64_t ldx = x.stride(0), Kp = s.groups * kGroup;
+#if !defined(CPU_CAPABILITY_AVX512)
+  (void)portable;
+#endif
+  at::parallel_for(0, s.M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+#if defined(CPU_CAPABILITY_AVX512)
+      if (!portable) {
+        scales[m] = quantize_row_avx512(xs + m * ldx, s.K, Kp, q + m * Kp);
+        continue;
+      }
+#endif
+      scales[m] = quantize_row_portable(xs + m * ldx, s.K, Kp, q + m * Kp);
+    }
+  });
+}
+
+// ---- the output ----------------------------------------------------------------------------------
+#if defined(CPU_CAPABILITY_AVX512)
+inline void store_columns(float* y, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(y, mask, v); }
+
+inline void store_columns(c10::BFloat16* y, __mmask16 mask, __m512 v) {
+#if defined(KVLOOM_BF16_DOT)
+  _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));  // to nearest even, as c10::BFloat16
+#else
+  // Round to nearest even on the bits, as c10::BFloat16(float) does; NaN stays a quiet NaN.
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(y, mask, _mm512_cvtepi32_epi16(rounded));
+#endif
+}
+#endif
+
+// ---- W8A8 -----------------------------------------------------------------------------------------
+#if defined(KVLOOM_VNNI_DOT)
+// R rows of y for one panel. xq: u8 rows of Kp = 4 * groups bytes; columns: the panel's real columns.
+template <int R, typename T>
+inline void w8a8_kernel(const uint8_t* xq, int64_t ldq, const float* x_scale, const int8_t* panel, int64_t groups,
+                        const int32_t* compensation, const float* w_scale, const float* bias, T* y, int64_t ldy,
+                        int64_t columns) {
+  __m512i acc[R][kPanelVecs];
+  KVLOOM_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVLOOM_UNROLL
+    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i wv[kPanelVecs];
+    KVLOOM_UNROLL
+    for (int v = 0; v < kPanelVecs; ++v) wv[v] = _mm512_loadu_si512(panel + g * kGroupBytes + v * 64);
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) {
+      int32_t word;
+      std::memcpy(&word, xq + r * ldq + g * kGroup, sizeof(word));
+      const __m512i xv = _mm512_set1_epi32(word);
+      KVLOOM_UNROLL
+      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], xv, wv[v]);
+    }
+  }
+  KVLOOM_UNROLL
+  for (int v = 0; v < kPanelVecs; ++v) {
+    const int64_t left = columns - v * 16;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m512i comp = _mm512_maskz_loadu_epi32(mask, compensation + v * 16);
+    const __m512 ws = _mm512_maskz_loadu_ps(mask, w_scale + v * 16);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + v * 16) : _mm512_setzero_ps();
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], comp));
+      const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(x_scale[r]));
+      store_columns(y + r * ldy + v * 16, mask, _mm512_fmadd_ps(sums, s, b));
+    }
+  }
+}
+
+template <typename T>
+using W8A8Kernel = void (*)(const uint8_t*, int64_t, const float*, const int8_t*, int64_t, const int32_t*,
+                            const float*, const float*, T*, int64_t, int64_t);
+
+template <typename T>
+constexpr W8A8Kernel<T> kW8A8Kernels[kRowsW8A8 + 1] = {
+    nullptr, &w8a8_kernel<1, T>, &w8a8_kernel<2, T>, &w8a8_kernel<3, T>, &w8a8_kernel<4, T>,
+    &w8a8_kernel<5, T>, &w8a8_kernel<6, T>, &w8a8_kernel<7, T>, &w8a8_kernel<8, T>};
+#endif
+
+// The same sums by plain loops over the packed layout, and the same fp32 epilogue (bit for bit).
+template <typename T>
+void w8a8_portable_panel(const uint8_t* xq, int64_t ldq, const float* x_scale, const int8_t* panel, int64_t groups,
+                         const int32_t* compensation, const float* w_scale, const float* bias, T* y, int64_t ldy,
+                         int64_t rows, int64_t columns) {
+  for (int64_t r = 0; r < rows; ++r) {
+    int32_t acc[kPanel] = {};
+    const uint8_t* xr = xq + r * ldq;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* w = panel + g * kGroupBytes;
+      for (int64_t c = 0; c < kPanel; ++c)
+        for (int64_t i = 0; i < kGroup; ++i) acc[c] += int32_t(xr[g * kGroup + i]) * int32_t(w[c * kGroup + i]);
+    }
+    for (int64_t c = 0; c < columns; ++c) {
+      const float sums = static_cast<float>(acc[c] - compensation[c]);
+      y[r * ldy + c] = static_cast<T>(std::fma(sums, w_scale[c] * x_scale[r], bias ? bias[c] : 0.0f));
+    }
+  }
+}
+
+template <typename T>
+void w8a8_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const int32_t* compensation,
+                const float* w_scale, const float* bias, const Shapes& s, bool portable) {
+  const int64_t Kp = s.groups * kGroup;
+  std::vector<uint8_t> xq(s.M * Kp);
+  std::vector<float> x_scale(s.M);
+  quantize_rows<T>(x, s, xq.data(), x_scale.data(), portable);
+  const auto* ws = packed.data_ptr<int8_t>();
+  T* ys = y.data_ptr<T>();
+  const int64_t panel_size = s.groups * kGroupBytes;
+#if defined(KVLOOM_VNNI_DOT)
+  const bool fast = !portable;
+#else
+  const bool fast = false;
+#endif
+  at::parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < s.M; m0 += kRowChunk) {
+      const int64_t m1 = std::min(s.M, m0 + kRowChunk);
+      for (int64_t panel = begin; panel < end; ++panel) {
+        const int64_t n0 = panel * kPanel, columns = std::min(kPanel, s.N - n0);
+        const int8_t* wp = ws + panel * panel_size;
+        const float* bp = bias ? bias + n0 : nullptr;
+        if (!fast) {
+          w8a8_portable_panel(xq.data() + m0 * Kp, Kp, x_scale.data() + m0, wp, s.groups, compensation + n0,
+                              w_scale + n0, bp, ys + m0 * s.N + n0, s.N, m1 - m0, columns);
+          continue;
+        }
+#if defined(KVLOOM_VNNI_DOT)
+        for (int64_t m = m0; m < m1; m += kRowsW8A8) {
+          const int64_t rows = std::min(kRowsW8A8, m1 - m);
+          kW8A8Kernels<T>[rows](xq.data() + m * Kp, Kp, x_scale.data() + m, wp, s.groups, compensation + n0,
+                                w_scale + n0, bp, ys + m * s.N + n0, s.N, columns);
+        }
+#endif
+      }
+    }
+  });
+}
+
+// y = dequantized(W8A8 product) (+ bias). x: [M, K] float32 or bfloat16, rows contiguous; packed:
+// pack_int8_weight's [N, K] layout; compensation: int32 [N]; scale, bias: float32 [N]; y: [M, N] in x's dtype.
+void gemm_w8a8(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor compensation, at::Tensor scale,
+               c10::optional<at::Tensor> bias, bool portable) {
+  const float* bs;
+  const Shapes s = check_arguments("gemm_w8a8", y, x, packed, scale, bias, &bs);
+  TORCH_CHECK(compensation.scalar_type() == at::kInt && compensation.is_contiguous() && compensation.numel() == s.N,
+              "gemm_w8a8: compensation must be a contiguous int32 [N]");
+  TORCH_CHECK(s.K <= kMaxW8A8K, "gemm_w8a8: K = ", s.K, " is more than the ", kMaxW8A8K,
+              " whose int32 sums cannot overflow; use gemm_int8_weight_only");
+  if (s.M == 0 || s.N == 0) return;
+  dispatch_float(x, "gemm_w8a8", [&](auto tag) {
+    using T = decltype(tag);
+    w8a8_typed<T>(y, x, packed, compensation.data_ptr<int32_t>(), scale.data_ptr<float>(), bs, s, portable);
+  });
+}
+
+// ---- weight-only ----------------------------------------------------------------------------------
+#if defined(KVLOOM_BF16_DOT)
+// 32 int8 of the packed layout (8 columns x 4 k) as bf16, in the same order: exact conversions.
+inline __m512bh widen_int8(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);  // elements 0-15 from lo, 16-31 from hi
+}
+
+inline __m512bh broadcast_group(const c10::BFloat16* x) {
+  int64_t word;
+  std::memcpy(&word, x, sizeof(word));
+  return (__m512bh)_mm512_set1_epi64(word);
+}
+
+// R rows of y for one panel. x rows (and, with kSplit, their lo parts) are bf16 of Kp = 4 * groups
+// values. acc[r][2v + h], lane 2c + p: column 16v + 8h + c, k pair p of each group.
+template <int R, bool kSplit, typename T>
+inline void weight_only_kernel(const c10::BFloat16* x_hi, const c10::BFloat16* x_lo, int64_t ldx,
+                               const int8_t* panel, int64_t groups, const float* w_scale, const float* bias, T* y,
+                               int64_t ldy, int64_t columns) {
+  __m512 acc[R][2 * kPanelVecs];
+  KVLOOM_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVLOOM_UNROLL
+    for (int v = 0; v < 2 * kPanelVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    KVLOOM_UNROLL
+    for (int v = 0; v < kPanelVecs; ++v) {
+      const int8_t* w = panel + g * kGroupBytes + v * 64;
+      const __m512bh w0 = widen_int8(w), w1 = widen_int8(w + 32);
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = broadcast_group(x_hi + r * ldx + g * kGroup);
+        acc[r][2 * v] = _mm512_dpbf16_ps(acc[r][2 * v], xv, w0);
+        acc[r][2 * v + 1] = _mm512_dpbf16_ps(acc[r][2 * v + 1], xv, w1);
+        if constexpr (kSplit) {
+          const __m512bh xl = broadcast_group(x_lo + r * ldx + g * kGroup);
+          acc[r][2 * v] = _mm512_dpbf16_ps(acc[r][2 * v], xl, w0);
+          acc[r][2 * v + 1] = _mm512_dpbf16_ps(acc[r][2 * v + 1], xl, w1);
+        }
+      }
+    }
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  KVLOOM_UNROLL
+  for (int v = 0; v < kPanelVecs; ++v) {
+    const int64_t left = columns - v * 16;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m512 ws = _mm512_maskz_loadu_ps(mask, w_scale + v * 16);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + v * 16) : _mm512_setzero_ps();
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m512 a0 = acc[r][2 * v], a1 = acc[r][2 * v + 1];
+      const __m512 sums = _mm512_add_ps(_mm512_permutex2var_ps(a0, even, a1), _mm512_permutex2var_ps(a0, odd, a1));
+      store_columns(y + r * ldy + v * 16, mask, _mm512_fmadd_ps(sums, ws, b));
+    }
+  }
+}
+
+template <typename T>
+using WeightOnlyKernel = void (*)(const c10::BFloat16*, const c10::BFloat16*, int64_t, const int8_t*, int64_t,
+                                  const float*, const float*, T*, int64_t, int64_t);
+
+template <bool kSplit, typename T>
+constexpr WeightOnlyKernel<T> kWeightOnlyKernels[kRowsWeightOnly + 1] = {
+    nullptr, &weight_only_kernel<1, kSplit, T>, &weight_only_kernel<2, kSplit, T>,
+    &weight_only_kernel<3, kSplit, T>, &weight_only_kernel<4, kSplit, T>};
+#endif
+
+// Plain loops: fp32 products and sums (exact products for bf16 x), the same epilogue.
+template <typename T>
+void weight_only_portable_panel(const T* x, int64_t ldx, int64_t K, const int8_t* panel, const float* w_scale,
+                                const float* bias, T* y, int64_t ldy, int64_t rows, int64_t columns) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[kPanel] = {};
+    const T* xr = x + r * ldx;
+    for (int64_t k = 0; k < K; ++k) {
+      const float xv = static_cast<float>(xr[k]);
+      const int8_t* w = panel + (k / kGroup) * kGroupBytes + k % kGroup;
+      for (int64_t c = 0; c < kPanel; ++c) acc[c] += xv * static_cast<float>(w[c * kGroup]);
+    }
+    for (int64_t c = 0; c < columns; ++c)
+      y[r * ldy + c] = static_cast<T>(std::fma(acc[c], w_scale[c], bias ? bias[c] : 0.0f));
+  }
+}
+
+template <typename T>
+void weight_only_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const float* w_scale,
+                       const float* bias, const Shapes& s, bool portable) {
+  const auto* ws = packed.data_ptr<int8_t>();
+  const T* xs = x.data_ptr<T>();
+  T* ys = y.data_ptr<T>();
+  const int64_t panel_size = s.groups * kGroupBytes;
+#if defined(KVLOOM_BF16_DOT)
+  const int64_t Kp = s.groups * kGroup;
+  constexpr bool kSplit = std::is_same_v<T, float>;
+  // The kernel reads whole groups of 4 bf16: x itself when it is bf16 and K a multiple of 4, else
+  // a zero-padded copy (for fp32 x: its bf16 hi part, and the lo part x - hi).
+  const bool copy = kSplit || s.K % kGroup != 0;
+  std::vector<c10::BFloat16> hi(copy && !portable ? s.M * Kp : 0), lo(kSplit && !portable ? s.M * Kp : 0);
+  if (copy && !portable) {
+    at::parallel_for(0, s.M, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        const T* xr = xs + m * x.stride(0);
+        for (int64_t k = 0; k < Kp; k += 16) {
+          const __mmask16 mask = lanes(Kp - k);
+          const __m512 value = load_lanes(xr + k, k < s.K ? lanes(s.K - k) : __mmask16(0));  // zeros past K
+          const __m256bh h = _mm512_cvtneps_pbh(value);
+          _mm256_mask_storeu_epi16(hi.data() + m * Kp + k, mask, (__m256i)h);
+          if constexpr (kSplit) {
+            const __m512 rest = _mm512_sub_ps(value, _mm512_cvtpbh_ps(h));  // exact in fp32
+            _mm256_mask_storeu_epi16(lo.data() + m * Kp + k, mask, (__m256i)_mm512_cvtneps_pbh(rest));
+          }
+        }
+      }
+    });
+  }
+  const auto* x_hi = copy ? hi.data() : reinterpret_cast<const c10::BFloat16*>(xs);
+  const int64_t ld_hi = copy ? Kp : x.stride(0);
+  const bool fast = !portable;
+#else
+  const bool fast = false;
+  (void)portable;
+#endif
+  at::parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < s.M; m0 += kRowChunk) {
+      const int64_t m1 = std::min(s.M, m0 + kRowChunk);
+      for (int64_t panel = begin; panel < end; ++panel) {
+        const int64_t n0 = panel * kPanel, columns = std::min(kPanel, s.N - n0);
+        const int8_t* wp = ws + panel * panel_size;
+        const float* bp = bias ? bias + n0 : nullptr;
+        if (!fast) {
+          weight_only_portable_panel(xs + m0 * x.stride(0), x.stride(0), s.K, wp, w_scale + n0, bp,
+                                     ys + m0 * s.N + n0, s.N, m1 - m0, columns);
+          continue;
+        }
+#if defined(KVLOOM_BF16_DOT)
+        for (int64_t m = m0; m < m1; m += kRowsWeightOnly) {
+          const int64_t rows = std::min(kRowsWeightOnly, m1 - m);
+          kWeightOnlyKernels<kSplit, T>[rows](x_hi + m * ld_hi, kSplit ? lo.data() + m * Kp : nullptr, ld_hi, wp,
+                                              s.groups, w_scale + n0, bp, ys + m * s.N + n0, s.N, columns);
+        }
+#endif
+      }
+    }
+  });
+}
+
+// y = (x q^T) * scale (+ bias), summed in fp32. Arguments as gemm_w8a8's, without the compensation.
+void gemm_int8_weight_only(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale,
+                           c10::optional<at::Tensor> bias, bool portable) {
+  const float* bs;
+  const Shapes s = check_arguments("gemm_int8_weight_only", y, x, packed, scale, bias, &bs);
+  if (s.M == 0 || s.N == 0) return;
+  dispatch_float(x, "gemm_int8_weight_only", [&](auto tag) {
+    using T = decltype(tag);
+    weight_only_typed<T>(y, x, packed, scale.data_ptr<float>(), bs, s, portable);
+  });
+}
+
+// Which fast kernels this build holds: bit 0 the W8A8 one (AVX512-VNNI), bit 1 the weight-only one
+// (AVX512-BF16). The ops run on plain loops wherever a bit is missing.
+int64_t int8_gemm_kernels() {
+  int64_t flags = 0;
+#if defined(KVLOOM_VNNI_DOT)
+  flags |= 1;
+#endif
+#if defined(KVLOOM_BF16_DOT)
+  flags |= 2;
+#endif
+  return flags;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvloom, m) {
+  m.def("gemm_w8a8(Tensor(a!) y, Tensor x, Tensor packed, Tensor compensation, Tensor scale, Tensor? bias, "
+        "bool portable=False) -> ()");
+  m.def("gemm_int8_weight_only(Tensor(a!) y, Tensor x, Tensor packed, Tensor scale, Tensor? bias, "
+        "bool portable=False) -> ()");
+  m.def("int8_gemm_kernels() -> int", &int8_gemm_kernels);
+}
+
+TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
+  m.impl("gemm_w8a8", &gemm_w8a8);
+  m.impl("gemm_int8_weight_only", &gemm_int8_weight_only);
+}

@@ -1,0 +1,342 @@
+"""The int8 products (csrc/gemm_int8.cpp, triton/int8.py) against the references in kvloom/ops/int8.py.
+
+W8A8 sums are exact integers, so the C++ kernel must land within one unit in the last place of the
+reference (which applies the scales in float64 and rounds once); its vector and plain-loop versions
+must agree bit for bit. Weight-only sums are fp32 in another order: within one ulp plus a sliver of
+the sum of |terms|.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Triton reads the variable when a kernel is decorated (tests/conftest.py may have set it already).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvloom.ops import cpu  # noqa: E402
+from kvloom.ops.int8 import (  # noqa: E402
+    NativeInt8Linear,
+    dequantize,
+    int8_linear_reference,
+    quantize_per_channel,
+    quantize_per_token,
+    w8a8_linear_reference,
+)
+from kvloom.ops.table import select_ops  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+DTYPE_NAMES = ["fp32", "bf16"]
+# (M, K, N): M = 1 and odd M, K not a multiple of 4 or of 64, N not a multiple of the 48-column panel.
+SHAPES = [(1, 576, 960), (1, 37, 50), (3, 95, 7), (8, 64, 48), (9, 1536, 100), (17, 6, 1), (33, 130, 97),
+          (300, 40, 49)]
+
+
+def ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype` values at each of t's magnitudes (the smallest normal's at zero)."""
+    tiny = torch.finfo(dtype).tiny
+    _, exponent = torch.frexp(t.double().abs().clamp_min(tiny))
+    return torch.ldexp(torch.full_like(t, torch.finfo(dtype).eps, dtype=torch.float64), exponent - 1)
+
+
+def assert_within(actual: torch.Tensor, expected: torch.Tensor, ulps: float, slack: torch.Tensor | float = 0.0
+                  ) -> None:
+    """|actual - expected| <= ulps units in the last place of expected (in actual's dtype) + slack."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    error = (actual.double() - expected.double()).abs()
+    allowed = ulps * ulp(expected, actual.dtype) + slack
+    worst = (error - allowed).argmax()
+    assert (error <= allowed).all(), (f"{int((error > allowed).sum())} values off; worst at {worst.item()}: "
+                                      f"{actual.flatten()[worst].item()} vs {expected.flatten()[worst].item()}")
+
+
+def problem(m: int, k: int, n: int, dtype: torch.dtype, seed: int, bias: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [m, k] in dtype, an int8 weight [n, k] with its scale, and a bias (or None)."""
+    torch.manual_seed(seed)
+    x = (torch.randn(m, k) * 2).to(dtype)
+    qweight, scale = quantize_per_channel(torch.randn(n, k) * 0.05)
+    return x, qweight, scale, (torch.randn(n) if bias else None)
+
+
+def w8a8_slack(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+               ) -> torch.Tensor:
+    """fp32 epilogue vs the float64 reference: a few fp32 roundings of the product term and the bias."""
+    qx, x_scale = quantize_per_token(x.reshape(-1, x.shape[-1]))
+    term = (qx.double() @ qweight.double().t()).abs() * x_scale.double()[:, None] * scale.double()
+    return 4 * 2.0 ** -24 * (term + (0 if bias is None else bias.double().abs()))
+
+
+def weight_only_slack(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+                      ) -> torch.Tensor:
+    """fp32 sums in another order (and, for fp32 x, its bf16 hi + lo split): a sliver of sum |terms|."""
+    terms = x.double().abs() @ qweight.double().abs().t() * scale.double()
+    return 2.0 ** -16 * (terms + (0 if bias is None else bias.double().abs()))
+
+
+@pytest.fixture(scope="module")
+def int8_kernels() -> None:
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels could not be built here")
+
+
+def run_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+             portable: bool) -> torch.Tensor:
+    m, n = x.shape[0], qweight.shape[0]
+    # A tail of sentinels after y shows that the masked stores of the last panel stay inside it.
+    buffer = torch.full((m * n + 64,), 7.0, dtype=x.dtype)
+    compensation = (qweight.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
+    torch.ops.kvloom.gemm_w8a8(buffer[:m * n].view(m, n), x, cpu.pack_int8_weight(qweight), compensation, scale,
+                               None if bias is None else bias.float(), portable)
+    assert (buffer[m * n:] == 7.0).all()
+    return buffer[:m * n].view(m, n)
+
+
+def run_weight_only(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                    portable: bool) -> torch.Tensor:
+    m, n = x.shape[0], qweight.shape[0]
+    buffer = torch.full((m * n + 64,), 7.0, dtype=x.dtype)
+    torch.ops.kvloom.gemm_int8_weight_only(buffer[:m * n].view(m, n), x, cpu.pack_int8_weight(qweight), scale,
+                                           None if bias is None else bias.float(), portable)
+    assert (buffer[m * n:] == 7.0).all()
+    return buffer[:m * n].view(m, n)
+
+
+# ---- quantization ---------------------------------------------------------------------------------
+def test_quantize_per_channel_round_trip() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(40, 70) * torch.logspace(-3, 2, 40)[:, None]
+    weight[5] = 0.0
+    qweight, scale = quantize_per_channel(weight)
+    assert qweight.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (40,)
+    # Each row's largest value maps to +-127 and every value is within half a step of its original.
+    nonzero = torch.arange(40) != 5
+    assert (qweight[nonzero].abs().amax(dim=1) == 127).all()
+    assert ((dequantize(qweight, scale) - weight).abs() <= scale[:, None] / 2 * (1 + 1e-6)).all()
+    assert scale[5] == 1.0 and (qweight[5] == 0).all()  # a zero row keeps scale 1
+    # Quantizing the dequantized weight again changes nothing.
+    again, again_scale = quantize_per_channel(dequantize(qweight, scale))
+    assert torch.equal(again, qweight)
+    torch.testing.assert_close(again_scale, scale, rtol=1e-6, atol=0)
+
+
+def test_quantize_per_channel_names_a_weight_of_the_wrong_rank() -> None:
+    with pytest.raises(ValueError, match=r"2-D weight \[out, in\], got shape \(3, 4, 5\)"):
+        quantize_per_channel(torch.zeros(3, 4, 5))
+
+
+def test_pack_layout() -> None:
+    qweight = (torch.arange(50 * 6) % 251 - 125).to(torch.int8).view(50, 6)
+    packed = cpu.pack_int8_weight(qweight)
+    assert packed.shape == (2, 2, 48, 4)
+    assert packed[0, 1, 7, :2].tolist() == qweight[7, 4:6].tolist()
+    assert packed[0, 1, 7, 2:].tolist() == [0, 0]  # K = 6: the last group's pad is zero
+    assert packed[1, 0, 1].tolist() == qweight[49, 0:4].tolist()
+    assert packed[1, :, 2:].abs().sum().item() == 0  # columns past N are zero
+
+
+# ---- the C++ kernels ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_w8a8_matches_reference(int8_kernels: None, dtype: torch.dtype, m: int, k: int, n: int) -> None:
+    for bias in (True, False):
+        x, qweight, scale, b = problem(m, k, n, dtype, seed=m * 7 + k + n, bias=bias)
+        expected = w8a8_linear_reference(x, qweight, scale, b)
+        fast = run_w8a8(x, qweight, scale, b, portable=False)
+        if dtype == torch.bfloat16:
+            assert_within(fast, expected, ulps=1)  # exact sums; only the final rounding may differ
+        else:
+            assert_within(fast, expected, ulps=1, slack=w8a8_slack(x, qweight, scale, b))
+        # The plain loops compute the same integers and the same fp32 epilogue.
+        assert torch.equal(run_w8a8(x, qweight, scale, b, portable=True), fast)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_weight_only_matches_reference(int8_kernels: None, dtype: torch.dtype, m: int, k: int, n: int) -> None:
+    for bias in (True, False):
+        x, qweight, scale, b = problem(m, k, n, dtype, seed=m * 5 + k + n, bias=bias)
+        expected = int8_linear_reference(x, qweight, scale, b)
+        slack = weight_only_slack(x, qweight, scale, b)
+        for portable in (False, True):
+            assert_within(run_weight_only(x, qweight, scale, b, portable), expected, ulps=1, slack=slack)
+
+
+def test_w8a8_quantizes_each_row_as_the_reference(int8_kernels: None) -> None:
+    """A zero row (scale 1), a row with one outlier, exact .5 ties (rounded to even) and the clamp."""
+    x = torch.randn(4, 70)
+    x[0] = 0.0
+    x[1, 3] = 1e4
+    x[2] = torch.arange(70) - 35.0  # amax 35: many values sit on x / scale = k + 0.5
+    x[3, :] = 127.0
+    x[3, 1::2] = -127.0
+    qweight, scale = quantize_per_channel(torch.randn(30, 70))
+    for dtype in DTYPES:
+        xd = x.to(dtype)
+        expected = w8a8_linear_reference(xd, qweight, scale)
+        for portable in (False, True):
+            actual = run_w8a8(xd, qweight, scale, None, portable)
+            assert_within(actual, expected, ulps=1, slack=w8a8_slack(xd, qweight, scale, None))
+        assert (actual[0] == 0).all()
+
+
+@pytest.mark.parametrize("k", [33, 64])
+def test_kernels_read_strided_rows_and_nothing_past_k(int8_kernels: None, k: int) -> None:
+    torch.manual_seed(k)
+    for dtype in DTYPES:
+        wide = torch.randn(10, 80).to(dtype)
+        wide[:, k:] = float("inf")  # past K: must reach neither the sums nor the row's scale
+        x = wide[:, :k]
+        qweight, scale = quantize_per_channel(torch.randn(20, k))
+        assert_within(run_w8a8(x, qweight, scale, None, False), w8a8_linear_reference(x, qweight, scale), ulps=1,
+                      slack=w8a8_slack(x, qweight, scale, None))
+        assert_within(run_weight_only(x, qweight, scale, None, False), int8_linear_reference(x, qweight, scale),
+                      ulps=1, slack=weight_only_slack(x, qweight, scale, None))
+
+
+def test_kernels_reject_a_weight_of_another_shape(int8_kernels: None) -> None:
+    x = torch.randn(4, 64)
+    packed = cpu.pack_int8_weight(torch.zeros(96, 32, dtype=torch.int8))
+    scale = torch.ones(96)
+    with pytest.raises(RuntimeError, match="packed weight does not match"):
+        torch.ops.kvloom.gemm_int8_weight_only(torch.empty(4, 96), x, packed, scale, None)
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
+        torch.ops.kvloom.gemm_w8a8(torch.empty(4, 96, dtype=torch.half), x.half(),
+                                   cpu.pack_int8_weight(torch.zeros(96, 64, dtype=torch.int8)),
+                                   torch.zeros(96, dtype=torch.int32), scale, None)
+
+
+def test_kernels_have_shape_only_versions_for_tracing(int8_kernels: None) -> None:
+    """torch.compile traces the ops on tensors without data (fake / meta): they must run there."""
+    qweight, scale = quantize_per_channel(torch.randn(20, 33))
+    meta = {name: t.to("meta") for name, t in vars(cpu.PackedInt8Weight(qweight, scale, None)).items()
+            if isinstance(t, torch.Tensor)}
+    x = torch.empty(3, 33, dtype=torch.bfloat16, device="meta")
+    y = torch.empty(3, 20, dtype=torch.bfloat16, device="meta")
+    torch.ops.kvloom.gemm_w8a8(y, x, meta["data"], meta["compensation"], meta["scale"], None)
+    torch.ops.kvloom.gemm_int8_weight_only(y, x, meta["data"], meta["scale"], None)
+
+
+# ---- PackedInt8Weight and the op table ------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
+def test_packed_int8_weight_picks_the_product_by_rows(int8_kernels: None, dtype: torch.dtype) -> None:
+    x, qweight, scale, bias = problem(4, 100, 70, dtype, seed=3)
+    packed = cpu.PackedInt8Weight(qweight, scale, bias, w8a8_min_rows=4)
+    assert_within(packed(x[:3]), int8_linear_reference(x[:3], qweight, scale, bias), ulps=1,
+                  slack=weight_only_slack(x[:3], qweight, scale, bias))
+    assert_within(packed(x), w8a8_linear_reference(x, qweight, scale, bias), ulps=1,
+                  slack=w8a8_slack(x, qweight, scale, bias))
+    # Leading dimensions pass through; so do rows that are not contiguous.
+    assert packed(x.view(2, 2, 100)).shape == (2, 2, 70)
+    torch.testing.assert_close(packed(x.t().contiguous().t()), packed(x), rtol=0, atol=0)
+
+
+def test_a_k_too_wide_for_int32_sums_takes_the_weight_only_product(int8_kernels: None) -> None:
+    k = cpu.W8A8_MAX_IN_FEATURES + 1
+    x, qweight, scale, _ = problem(2, k, 3, torch.bfloat16, seed=4, bias=False)
+    compensation = (qweight.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
+    with pytest.raises(RuntimeError, match=f"K = {k} is more than the {k - 1} whose int32 sums cannot overflow"):
+        torch.ops.kvloom.gemm_w8a8(torch.empty(2, 3, dtype=torch.bfloat16), x, cpu.pack_int8_weight(qweight),
+                                   compensation, scale, None)
+    assert_within(cpu.PackedInt8Weight(qweight, scale, None)(x), int8_linear_reference(x, qweight, scale), ulps=1,
+                  slack=weight_only_slack(x, qweight, scale, None))
+
+
+def test_packed_int8_weight_names_what_it_cannot_take(int8_kernels: None) -> None:
+    qweight, scale = quantize_per_channel(torch.randn(8, 16))
+    with pytest.raises(ValueError, match="float32 or bfloat16 activations, got torch.float16"):
+        cpu.PackedInt8Weight(qweight, scale, None)(torch.zeros(2, 16, dtype=torch.half))
+    with pytest.raises(ValueError, match=r"int8 \[out, in\] weight, got torch.float32"):
+        cpu.PackedInt8Weight(qweight.float(), scale, None)
+    with pytest.raises(ValueError, match=r"scale must have shape \(8,\), got \(9,\)"):
+        cpu.PackedInt8Weight(qweight, torch.ones(9), None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
+def test_select_ops_packs_int8_weights_for_the_cpu_kernels(dtype: torch.dtype) -> None:
+    ops = select_ops(torch.device("cpu"), dtype)
+    expected = cpu.PackedInt8Weight if cpu.int8_kernels_available() else NativeInt8Linear
+    assert ops.pack_linear_int8 is expected
+    assert select_ops(torch.device("cpu"), dtype, "reference").pack_linear_int8 is NativeInt8Linear
+    x, qweight, scale, bias = problem(3, 40, 20, dtype, seed=1)
+    layer = ops.pack_linear_int8(qweight, scale, bias)
+    if expected is cpu.PackedInt8Weight and len(x) >= cpu.W8A8_MIN_ROWS:
+        assert_within(layer(x), w8a8_linear_reference(x, qweight, scale, bias), ulps=1,
+                      slack=w8a8_slack(x, qweight, scale, bias))
+    else:
+        assert_within(layer(x), int8_linear_reference(x, qweight, scale, bias), ulps=1,
+                      slack=weight_only_slack(x, qweight, scale, bias))
+
+
+# ---- the Triton weight-only kernel (Triton's interpreter without CUDA) ----------------------------
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def triton_int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+                       ) -> torch.Tensor:
+    from kvloom.ops.cuda import Int8Linear
+
+    layer = Int8Linear(qweight.to(DEVICE), scale.to(DEVICE), None if bias is None else bias.to(DEVICE))
+    return layer(x.to(DEVICE)).cpu()
+
+
+# The interpreter's tl.dot gives wrong sums for bf16 operands, so it is tested with fp32 and fp16 here and
+# with bf16 on a GPU below.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 37, 50), (5, 64, 33), (20, 130, 70), (40, 16, 64)])
+def test_triton_int8_linear_matches_reference(dtype: torch.dtype, m: int, k: int, n: int) -> None:
+    x, qweight, scale, bias = problem(m, k, n, dtype, seed=m + k + n)
+    for b in (bias, None):
+        expected = int8_linear_reference(x, qweight, scale, b)
+        assert_within(triton_int8_linear(x, qweight, scale, b), expected, ulps=1,
+                      slack=weight_only_slack(x, qweight, scale, b))
+
+
+def test_triton_int8_linear_reads_strided_rows_and_keeps_leading_dims() -> None:
+    from kvloom.ops.cuda import Int8Linear
+
+    torch.manual_seed(0)
+    wide = torch.randn(6, 50, device=DEVICE)
+    wide[:, 40:] = float("inf")  # past K: must not reach the sums
+    qweight, scale = quantize_per_channel(torch.randn(24, 40))
+    layer = Int8Linear(qweight.to(DEVICE), scale.to(DEVICE), None)
+    x = wide[:, :40]
+    assert_within(layer(x).cpu(), int8_linear_reference(x.cpu(), qweight, scale), ulps=1,
+                  slack=weight_only_slack(x.cpu(), qweight, scale, None))
+    assert layer(x.reshape(2, 3, 40)).shape == (2, 3, 24)
+
+
+def test_triton_int8_linear_names_what_it_cannot_take() -> None:
+    from kvloom.ops.triton.int8 import int8_linear
+
+    x = torch.zeros(2, 8, device=DEVICE)
+    weight_t = torch.zeros(8, 4, dtype=torch.int8, device=DEVICE)
+    scale = torch.ones(4, device=DEVICE)
+    with pytest.raises(ValueError, match=r"weight_t must be a contiguous int8 \[K, N\] = \[8, 5\]"):
+        int8_linear(torch.empty(2, 5, device=DEVICE), x, weight_t, torch.ones(5, device=DEVICE), None)
+    with pytest.raises(ValueError, match="x must be float32, float16 or bfloat16"):
+        int8_linear(torch.empty(2, 4, device=DEVICE, dtype=torch.float64), x.double(), weight_t, scale, None)
+    with pytest.raises(ValueError, match=r"bias must be a contiguous float32 \[4\]"):
+        int8_linear(torch.empty(2, 4, device=DEVICE), x, weight_t, scale, torch.ones(3, device=DEVICE))
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 7, 64, 2048])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576), (576, 49152), (130, 70)])
+def test_gpu_triton_int8_linear_bf16_at_model_sizes(rows: int, k: int, n: int) -> None:
+    x, qweight, scale, bias = problem(rows, k, n, torch.bfloat16, seed=rows + k + n)
+    expected = int8_linear_reference(x, qweight, scale, bias)
+    assert_within(triton_int8_linear(x, qweight, scale, bias), expected, ulps=1,
+                  slack=weight_only_slack(x, qweight, scale, bias))
+
+
+def test_select_ops_on_cuda_packs_int8_weights_for_triton() -> None:
+    pytest.importorskip("triton")
+    from kvloom.ops import cuda
+    from kvloom.ops.table import _cuda_ops
+
+    assert _cuda_ops().pack_linear_int8 is cuda.Int8Linear
