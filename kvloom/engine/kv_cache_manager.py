@@ -101,14 +101,15 @@ class KVCacheManager:
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVCacheBlock] | None = None) -> bool:
+                       computed_blocks: list[KVCacheBlock] | None = None, num_lookahead_tokens: int = 0) -> bool:
         """Make request.block_ids cover num_computed_tokens + num_new_tokens. False if out of blocks.
 
         computed_blocks are prefix-cache hits (from get_computed_blocks) for a request with no
-        blocks yet; they are shared, not copied.
+        blocks yet; they are shared, not copied. ``num_lookahead_tokens`` more slots are covered too
+        (not computed, never named in the prefix cache): a draft model writes its guesses there.
         """
         num_tokens = request.num_computed_tokens + num_new_tokens
-        if not computed_blocks and num_tokens <= len(request.block_ids) * self.block_size:
+        if not computed_blocks and num_tokens + num_lookahead_tokens <= len(request.block_ids) * self.block_size:
             # The common decode step: the held blocks have room. Name a block that just filled up.
             if self.enable_prefix_caching and num_tokens // self.block_size > request.num_cached_blocks:
                 self._cache_full_blocks(request, num_tokens)
@@ -116,7 +117,8 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         if computed_blocks:
             num_tokens += len(computed_blocks) * self.block_size
-        num_new_blocks = self.blocks_needed(num_tokens) - len(request.block_ids) - len(computed_blocks)
+        num_new_blocks = (self.blocks_needed(num_tokens + num_lookahead_tokens) - len(request.block_ids)
+                          - len(computed_blocks))
         # Hits that sit in the free queue must come out of it too.
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_count == 0)
         if num_new_blocks > self.num_free_blocks - num_evictable_hits:
