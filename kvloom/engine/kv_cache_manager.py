@@ -35,12 +35,17 @@ class KVCacheBlock:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 drop_last_hit_block: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # EAGLE: a block's last position holds the head's KV of (that position, the token after it), and a hit's
+        # next token may differ from the request that filled the block; serving one block fewer makes the
+        # target recompute the last one, so the head's KV at the hit's end is always this request's.
+        self.drop_last_hit_block = drop_last_hit_block
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks[1:])
@@ -92,6 +97,8 @@ class KVCacheManager:
             if block is None or block.token_ids != tokens:
                 break
             hits.append(block)
+        if self.drop_last_hit_block and hits:
+            hits.pop()
         return hits, len(hits) * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:

@@ -53,9 +53,11 @@ class LLMEngine:
         self.executor = build_executor(resolved)
         num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.init_kv_cache(num_blocks)
-        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
-        self.max_num_batched_tokens = resolved.max_num_batched_tokens
         speculative = config.speculative
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching,
+                                               drop_last_hit_block=speculative is not None
+                                               and speculative.method in ("eagle", "eagle3"))
+        self.max_num_batched_tokens = resolved.max_num_batched_tokens
         proposer = None if speculative is None or speculative.uses_draft_model else NgramProposer(
             speculative.num_speculative_tokens, speculative.prompt_lookup_max, speculative.prompt_lookup_min)
         self.scheduler = Scheduler(

@@ -62,6 +62,8 @@ class DraftModelProposer:
 
     # EAGLE-3 reads these layers' inputs from the target (none here).
     aux_hidden_state_layers: tuple[int, ...] = ()
+    # EAGLE reads the target's hidden states (a draft model only its tokens).
+    reads_hidden_states = False
 
     def __init__(self, speculative: SpeculativeConfig, target_config: ModelConfig, target: nn.Module, ops: Ops,
                  device: torch.device, dtype: torch.dtype, max_model_len: int) -> None:
@@ -130,7 +132,7 @@ class DraftModelProposer:
                 build_inputs: BuildInputs) -> dict[str, list[int]]:
         """Run the first pass over every request's kept tokens, then feed the guesses back one position at a
         time; returns each proposing request's guesses. ``target_hidden``: the target's hidden states of
-        this step [T, H] (read by EAGLE; None for a draft model)."""
+        this step [T, H] (EAGLE-3: the auxiliary ones; read by EAGLE only)."""
         items: list[ScheduledRequest] = []
         rows: dict[str, list[int]] = {}
         num_drafts: dict[str, int] = {}
@@ -153,7 +155,7 @@ class DraftModelProposer:
             return {}
         items, inputs = build_inputs(items, self.sliding_window)
         hidden_in = None
-        if target_hidden is not None:
+        if self.reads_hidden_states:
             order = [row for item in items for row in rows[item.request_id]]
             hidden_in = self.combine_hidden_states(
                 target_hidden.index_select(0, torch.tensor(order, dtype=torch.long, device=self.device)))

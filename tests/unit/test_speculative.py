@@ -130,3 +130,13 @@ def test_scheduler_schedules_the_runners_drafts_and_reserves_lookahead_slots() -
     assert request.spec_token_ids == [31, 32, 33]
     out = scheduler.schedule()
     assert (out.scheduled[0].token_ids, out.scheduled[0].num_draft_tokens) == ([30], 0)  # one output left
+
+
+def test_prefix_hits_for_eagle_are_served_one_block_short() -> None:
+    """EAGLE's KV at a block's last position depends on the next token: the last hit block is recomputed."""
+    for drop, expected in ((False, 8), (True, 4)):
+        kv = KVCacheManager(num_blocks=16, block_size=4, drop_last_hit_block=drop)
+        first = Request("a", list(range(11)), SamplingParams(max_tokens=1))
+        assert kv.allocate_slots(first, 11)
+        second = Request("b", list(range(10)) + [99], SamplingParams(max_tokens=1))
+        assert kv.get_computed_blocks(second)[1] == expected
