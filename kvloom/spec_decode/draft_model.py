@@ -180,7 +180,7 @@ class DraftModelProposer:
                 break
             steps = [ScheduledRequest(active[j].request_id, positions[active[j].request_id] + step - 1,
                                       [token_list[j]], active[j].block_ids, samples=True) for j in keep]
-            order, inputs = build_inputs(steps, self.sliding_window)
+            _, inputs = build_inputs(steps, self.sliding_window)
             # build_inputs sorts decodes first: every item here is one token, so the order is kept.
             index = torch.tensor(keep, dtype=torch.long, device=self.device)
             logits_hidden, carried = self.forward(inputs, carried.index_select(0, index))
