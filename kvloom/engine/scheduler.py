@@ -46,7 +46,7 @@ class Scheduler:
         # tokens, and that many slots past a request's tokens are reserved for the draft's own KV.
         self.proposer = proposer
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.speculative_max_model_len = speculative_max_model_len or max_model_len
+        self.speculative_max_model_len = min(speculative_max_model_len or max_model_len, max_model_len)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.max_num_seqs = max_num_seqs
@@ -122,7 +122,8 @@ class Scheduler:
             drafts = self._propose(request, budget) if num_new == 1 else []
             request.spec_token_ids = []
             num_new += len(drafts)
-            lookahead = self._lookahead(request, request.num_computed_tokens + num_new - len(drafts))
+            lookahead = self._lookahead(request, request.num_computed_tokens + num_new,
+                                        request.num_computed_tokens + num_new - len(drafts) == request.num_tokens)
             while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -148,7 +149,8 @@ class Scheduler:
             if looks_up:
                 computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            lookahead = self._lookahead(request, num_hit_tokens + num_new)
+            lookahead = self._lookahead(request, num_hit_tokens + num_new,
+                                        num_hit_tokens + num_new == request.num_tokens)
             if not self.kv.allocate_slots(request, num_new, computed_blocks, num_lookahead_tokens=lookahead):
                 break
             if looks_up:
@@ -197,14 +199,15 @@ class Scheduler:
             return request.spec_token_ids[:room]
         return self.proposer.propose(request.all_token_ids, min(room, self.proposer.k))
 
-    def _lookahead(self, request: Request, num_tokens_after: int) -> int:
-        """Slots to reserve past the step's tokens for the runner's draft model: only when the step reaches
-        the request's last known token (the runner proposes then), and never past its final length."""
-        if (not self.num_lookahead_tokens or num_tokens_after < request.num_tokens
-                or not can_speculate(request.sampling_params, request.num_output_tokens)):
+    def _lookahead(self, request: Request, end: int, samples: bool) -> int:
+        """Slots to reserve past ``end`` (the step's last slot, drafts included) for the runner's draft model:
+        only when the step samples (the runner proposes then), and never past the request's final length
+        (a guess there could never be used, and check_fits promised no more)."""
+        if not self.num_lookahead_tokens or not samples or not can_speculate(request.sampling_params,
+                                                                            request.num_output_tokens):
             return 0
         final_length = request.num_prompt_tokens + request.max_tokens
-        return max(0, min(self.num_lookahead_tokens, final_length - num_tokens_after))
+        return max(0, min(self.num_lookahead_tokens, final_length - end))
 
     @staticmethod
     def _new_request_data(request: Request) -> NewRequestData:

@@ -26,13 +26,13 @@ def run(llm: LLM, params: SamplingParams | list[SamplingParams], prompts: list[l
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(tiny_llama3_dir: str) -> dict[str, list]:
-    """The target alone (greedy), per engine setting; computed once each."""
+def plain_outputs() -> dict[str, list]:
+    """The target alone (greedy), per engine setting and prompts; each computed once (by ``plain``)."""
     return {}
 
 
 def plain(tiny_llama3_dir: str, cache: dict[str, list], engine_args: dict, prompts: list[list[int]]) -> list:
-    key = repr(sorted(engine_args.items()))
+    key = repr((sorted(engine_args.items()), prompts))
     if key not in cache:
         cache[key] = run(LLM(model=tiny_llama3_dir, max_model_len=256, **engine_args),
                          greedy_params(len(prompts)), prompts)
