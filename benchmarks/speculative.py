@@ -5,7 +5,7 @@ alternated fresh engines, medians, and a check that every method gives the plain
     .venv/bin/python benchmarks/speculative.py --batch 1 --repeats 5 --num-speculative-tokens 4
     .venv/bin/python benchmarks/speculative.py --methods ngram draft_model --batch 1
         # draft_model: --draft-model PATH (default: the target itself, which accepts every draft: the upper
-        # bound of a draft model's speed-up; no smaller SmolLM2 is available offline)
+        # bound of the acceptance; no smaller SmolLM2 is available offline)
     .venv/bin/python benchmarks/speculative.py --methods eagle --eagle-model HEAD_DIR
 
 Figures, ``--methods ngram draft_model --batch 1`` (SmolLM2-135M-Instruct bf16 on the 2-core CPU, idle,
