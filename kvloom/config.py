@@ -118,20 +118,34 @@ class BackendConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (vLLM's ``speculative_config``): which proposer, and how many tokens it drafts."""
+    """Speculative decoding (vLLM's ``speculative_config``): which proposer, and how many tokens it drafts.
+
+    ``ngram`` looks drafts up in the request's own tokens (the scheduler proposes them); ``draft_model``,
+    ``eagle`` and ``eagle3`` run a second model (``model``) in the model runner after each step.
+    """
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_max: int
+    prompt_lookup_max: int = 0
     prompt_lookup_min: int = 1
+    model: str | None = None  # the draft model or EAGLE head (a HF directory or .gguf file)
+    max_model_len: int | None = None  # no drafts proposed at or past this position (the draft's own limit)
 
-    METHODS = ("ngram",)
-    NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
+    METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+    MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+    NOT_YET = ("medusa", "mtp")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """True when the runner proposes the drafts (with a second model), not the scheduler."""
+        return self.method in self.MODEL_METHODS
 
     @classmethod
     def from_engine_args(cls, config: dict[str, Any] | str | None, speculative_model: str | None,
-                         num_speculative_tokens: int | None) -> SpeculativeConfig | None:
-        """vLLM's dict / JSON, or the seeds' ``speculative_model`` + ``num_speculative_tokens``; None: off."""
+                         num_speculative_tokens: int | None,
+                         speculative_max_model_len: int | None = None) -> SpeculativeConfig | None:
+        """vLLM's dict / JSON, or the seeds' ``speculative_model`` + ``num_speculative_tokens`` (+
+        ``speculative_max_model_len``); None: off."""
         if isinstance(config, str):
             try:
                 config = json.loads(config) if config.strip() else None
@@ -145,22 +159,33 @@ class SpeculativeConfig:
         if speculative_model is not None:
             if values:
                 raise ValueError("give speculative_config or speculative_model, not both")
-            if speculative_model != "[ngram]":
-                raise ValueError(f"speculative_model={speculative_model!r}: draft models are not supported yet; "
-                                 f"use speculative_model='[ngram]' (n-gram prompt lookup)")
-            values["method"] = "ngram"
+            if speculative_model == "[ngram]":
+                values["method"] = "ngram"
+            else:
+                values["model"] = speculative_model
         if num_speculative_tokens is not None:
             if not values:
                 raise ValueError("num_speculative_tokens needs a speculative method: speculative_model='[ngram]' "
-                                 "or speculative_config={'method': 'ngram', ...}")
+                                 "or a draft model's path, or speculative_config={'method': ..., ...}")
             values.setdefault("num_speculative_tokens", num_speculative_tokens)
+        if speculative_max_model_len is not None:
+            if not values:
+                raise ValueError("speculative_max_model_len needs a speculative method (speculative_model or "
+                                 "speculative_config)")
+            values.setdefault("max_model_len", speculative_max_model_len)
         if not values:
             return None
-        allowed = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        allowed = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+                   "max_model_len"}
         unknown = sorted(set(values) - allowed)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        model = values.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(f"speculative_config: model must be a path to a draft model or EAGLE head, got {model!r}")
         method = values.get("method")
+        if method is None and model is not None:
+            method = _method_from_model_name(model)  # vLLM's shorthand: a model without a method
         if method in cls.NOT_YET:
             raise ValueError(f"speculative_config: method {method!r} is not supported yet; supported: "
                              f"{list(cls.METHODS)}")
@@ -169,6 +194,21 @@ class SpeculativeConfig:
         k = values.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        max_len = values.get("max_model_len")
+        if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1):
+            raise ValueError(f"speculative_config: max_model_len (speculative_max_model_len) must be an integer "
+                             f">= 1, got {max_len!r}")
+        if method != "ngram":
+            if model is None:
+                raise ValueError(f"speculative_config: method {method!r} needs 'model', the path of the "
+                                 f"{'draft model' if method == 'draft_model' else 'EAGLE head'}")
+            for key in ("prompt_lookup_max", "prompt_lookup_min"):
+                if key in values:
+                    raise ValueError(f"speculative_config: {key} is for method 'ngram' only, not {method!r}")
+            return cls(method, k, model=model, max_model_len=max_len)
+        if model is not None:
+            raise ValueError("speculative_config: method 'ngram' takes no 'model' (it looks drafts up in the "
+                             "request's own tokens)")
         lookup_max = values.get("prompt_lookup_max", k)
         lookup_min = values.get("prompt_lookup_min", 1)
         for name, value in (("prompt_lookup_max", lookup_max), ("prompt_lookup_min", lookup_min)):
@@ -177,7 +217,17 @@ class SpeculativeConfig:
         if lookup_min > lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min ({lookup_min}) must not exceed "
                              f"prompt_lookup_max ({lookup_max})")
-        return cls(method, k, lookup_max, lookup_min)
+        return cls(method, k, lookup_max, lookup_min, max_model_len=max_len)
+
+
+def _method_from_model_name(model: str) -> str:
+    """vLLM's guess when only a model is named: an EAGLE-3 or EAGLE head by its name, else a draft model."""
+    name = model.lower()
+    if "eagle3" in name or "eagle-3" in name:
+        return "eagle3"
+    if "eagle" in name:
+        return "eagle"
+    return "draft_model"
 
 
 def parse_overrides(overrides: dict[str, Any] | str | None) -> dict[str, Any]:
@@ -283,9 +333,13 @@ class EngineConfig:
         "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4}'"))
     speculative_model: str | None = field(default=None, metadata=_help(
-        "the seeds' spelling: '[ngram]' for n-gram prompt lookup (with --num-speculative-tokens)"))
+        "the seeds' spelling: a draft model's path, or '[ngram]' for n-gram prompt lookup (with "
+        "--num-speculative-tokens)"))
     num_speculative_tokens: int | None = field(default=None, metadata=_help(
         "draft tokens proposed per step (the seeds' spelling, with --speculative-model)"))
+    speculative_max_model_len: int | None = field(default=None, metadata=_help(
+        "no drafts are proposed at or past this many tokens (the seeds' spelling; the draft model's own "
+        "context length caps it too)"))
 
     backend: BackendConfig = field(init=False, repr=False, default_factory=BackendConfig)
     speculative: SpeculativeConfig | None = field(init=False, repr=False, default=None)
@@ -339,7 +393,8 @@ class EngineConfig:
             raise ValueError("quantized_checkpoint_path needs quantization='int8' (or override_backend_config "
                              "{\"quantized\": true})")
         self.speculative = SpeculativeConfig.from_engine_args(self.speculative_config, self.speculative_model,
-                                                              self.num_speculative_tokens)
+                                                              self.num_speculative_tokens,
+                                                              self.speculative_max_model_len)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -45,3 +47,14 @@ def configure_host(config: EngineConfig, device: torch.device) -> None:
         threads = config.backend.num_threads or os.cpu_count() or 1
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build modules whose parameters are created in ``dtype`` (torch's default dtype, restored after)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -68,9 +68,12 @@ class ModelRunnerOutput:
     """Per request that sampled: its new token ids (one each today; a speculative step may accept several),
     a logprobs row per new token where asked, and the rows of prompt logprobs computed this step.
     ``failed_request_ids``: requests whose logits held a NaN or an infinity; they sampled nothing
-    (no entry in ``sampled_token_ids``) and the engine must end them with an error."""
+    (no entry in ``sampled_token_ids``) and the engine must end them with an error.
+    ``draft_token_ids``: with a draft model or EAGLE, the tokens it guesses follow each request's new
+    tokens, for the scheduler to have the target check next step."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[LogprobsRow]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[LogprobsRow]] = field(default_factory=dict)
     failed_request_ids: list[str] = field(default_factory=list)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -356,3 +356,69 @@ def requantize_gguf(source: str, target: str, ggml_type: int = 8) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return target
+
+
+def build_tiny_eagle(path: str, target_dir: str, method: str = "eagle", *, seed: int = 0,
+                     draft_vocab_size: int | None = None, own_embedding: bool = False,
+                     aux_layer_ids: list[int] | None = None, fc_bias: bool = False) -> str:
+    """A random EAGLE head for the target checkpoint, in the layout vLLM loads (llama_eagle.py: ``fc``,
+    ``layers.0.*`` without an input norm; llama_eagle3.py: ``midlayer.*``, ``fc`` over 3 aux states, ``norm``,
+    ``lm_head`` over a draft vocabulary with ``d2t``, ``t2d``). One layer, the target's hidden size."""
+    import torch
+    from safetensors.torch import save_file
+
+    with open(os.path.join(target_dir, "config.json"), encoding="utf-8") as f:
+        target = json.load(f)
+    hidden, vocab = target["hidden_size"], target["vocab_size"]
+    heads, kv_heads, inter = target["num_attention_heads"], target["num_key_value_heads"], target["intermediate_size"]
+    head_dim = hidden // heads
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, std: float = 0.1) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * std
+
+    def norm() -> torch.Tensor:
+        return 1.0 + rand(hidden, std=0.05)
+
+    eagle3 = method == "eagle3"
+    prefix = "midlayer." if eagle3 else "layers.0."
+    width = 2 * hidden if eagle3 else hidden
+    tensors = {
+        f"{prefix}self_attn.q_proj.weight": rand(heads * head_dim, width),
+        f"{prefix}self_attn.k_proj.weight": rand(kv_heads * head_dim, width),
+        f"{prefix}self_attn.v_proj.weight": rand(kv_heads * head_dim, width),
+        f"{prefix}self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        f"{prefix}mlp.gate_proj.weight": rand(inter, hidden),
+        f"{prefix}mlp.up_proj.weight": rand(inter, hidden),
+        f"{prefix}mlp.down_proj.weight": rand(hidden, inter),
+        f"{prefix}post_attention_layernorm.weight": norm(),
+        "fc.weight": rand(hidden, (3 if eagle3 else 2) * hidden),
+    }
+    if fc_bias:
+        tensors["fc.bias"] = rand(hidden)
+    if own_embedding:
+        tensors["embed_tokens.weight"] = rand(vocab, hidden, std=0.3)
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLMEagle3" if eagle3 else "EagleLlamaForCausalLM"],
+        "model_type": "llama", "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 1,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab,
+        "max_position_embeddings": target["max_position_embeddings"], "rms_norm_eps": target["rms_norm_eps"],
+        "rope_theta": target.get("rope_theta", 10000.0), "torch_dtype": "float32",
+    }
+    if eagle3:
+        draft_vocab = draft_vocab_size or vocab
+        tensors[f"{prefix}input_layernorm.weight"] = norm()
+        tensors[f"{prefix}hidden_norm.weight"] = norm()
+        tensors["norm.weight"] = norm()
+        tensors["lm_head.weight"] = rand(draft_vocab, hidden, std=0.3)
+        # Draft id d is target id d + d2t[d]; t2d marks the target ids the draft vocabulary has.
+        target_ids = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values
+        tensors["d2t"] = target_ids - torch.arange(draft_vocab)
+        tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, target_ids, True)
+        config["draft_vocab_size"] = draft_vocab
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layer_ids or [0, 1, 1],
+                                  "use_aux_hidden_state": True}
+    os.makedirs(path, exist_ok=True)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, os.path.join(path, "model.safetensors"))
+    _write_json(os.path.join(path, "config.json"), config)
+    return path

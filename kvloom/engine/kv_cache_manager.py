@@ -35,12 +35,17 @@ class KVCacheBlock:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 drop_last_hit_block: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # EAGLE: a block's last position holds the head's KV of (that position, the token after it), and a hit's
+        # next token may differ from the request that filled the block; serving one block fewer makes the
+        # target recompute the last one, so the head's KV at the hit's end is always this request's.
+        self.drop_last_hit_block = drop_last_hit_block
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks[1:])
@@ -92,6 +97,8 @@ class KVCacheManager:
             if block is None or block.token_ids != tokens:
                 break
             hits.append(block)
+        if self.drop_last_hit_block and hits:
+            hits.pop()
         return hits, len(hits) * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -101,14 +108,15 @@ class KVCacheManager:
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVCacheBlock] | None = None) -> bool:
+                       computed_blocks: list[KVCacheBlock] | None = None, num_lookahead_tokens: int = 0) -> bool:
         """Make request.block_ids cover num_computed_tokens + num_new_tokens. False if out of blocks.
 
         computed_blocks are prefix-cache hits (from get_computed_blocks) for a request with no
-        blocks yet; they are shared, not copied.
+        blocks yet; they are shared, not copied. ``num_lookahead_tokens`` more slots are covered too
+        (not computed, never named in the prefix cache): a draft model writes its guesses there.
         """
         num_tokens = request.num_computed_tokens + num_new_tokens
-        if not computed_blocks and num_tokens <= len(request.block_ids) * self.block_size:
+        if not computed_blocks and num_tokens + num_lookahead_tokens <= len(request.block_ids) * self.block_size:
             # The common decode step: the held blocks have room. Name a block that just filled up.
             if self.enable_prefix_caching and num_tokens // self.block_size > request.num_cached_blocks:
                 self._cache_full_blocks(request, num_tokens)
@@ -116,7 +124,8 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         if computed_blocks:
             num_tokens += len(computed_blocks) * self.block_size
-        num_new_blocks = self.blocks_needed(num_tokens) - len(request.block_ids) - len(computed_blocks)
+        num_new_blocks = (self.blocks_needed(num_tokens + num_lookahead_tokens) - len(request.block_ids)
+                          - len(computed_blocks))
         # Hits that sit in the free queue must come out of it too.
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_count == 0)
         if num_new_blocks > self.num_free_blocks - num_evictable_hits:

@@ -53,13 +53,17 @@ class LLMEngine:
         self.executor = build_executor(resolved)
         num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.init_kv_cache(num_blocks)
-        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
-        self.max_num_batched_tokens = resolved.max_num_batched_tokens
         speculative = config.speculative
-        proposer = None if speculative is None else NgramProposer(
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching,
+                                               drop_last_hit_block=speculative is not None
+                                               and speculative.method in ("eagle", "eagle3"))
+        self.max_num_batched_tokens = resolved.max_num_batched_tokens
+        proposer = None if speculative is None or speculative.uses_draft_model else NgramProposer(
             speculative.num_speculative_tokens, speculative.prompt_lookup_max, speculative.prompt_lookup_min)
-        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
-                                   self.max_num_batched_tokens, self.max_model_len, proposer)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, proposer,
+            num_lookahead_tokens=speculative.num_speculative_tokens if speculative and speculative.uses_draft_model
+            else 0, speculative_max_model_len=speculative.max_model_len if speculative else None)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.scheduler.check_fits)
         self.output_processor = OutputProcessor(self.tokenizer)

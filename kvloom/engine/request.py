@@ -78,6 +78,8 @@ class Request:
         self.block_hashes: list[int] = []
         self.num_cached_blocks = 0  # leading blocks already named in the prefix cache
         self.first_scheduled_time: float | None = None
+        # Drafts the model runner proposed after the last step (draft model / EAGLE), for the next one.
+        self.spec_token_ids: list[int] = []
         # The text, logprobs and timings of the output live in the engine's OutputProcessor.
 
     @property

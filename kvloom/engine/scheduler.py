@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.request import ContextLengthError, Request, RequestStatus
+from kvloom.spec_decode import can_speculate
 from kvloom.spec_decode.ngram import NgramProposer
 from kvloom.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
@@ -37,10 +38,15 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, proposer: NgramProposer | None = None) -> None:
+                 max_num_batched_tokens: int, max_model_len: int, proposer: NgramProposer | None = None,
+                 num_lookahead_tokens: int = 0, speculative_max_model_len: int | None = None) -> None:
         self.kv = kv_cache_manager
-        # Speculative decoding: proposes draft tokens for decoding requests (None: off).
+        # Speculative decoding: the scheduler's own proposer (n-gram lookup), or num_lookahead_tokens > 0
+        # when the model runner proposes (a draft model, EAGLE): its drafts come back with each step's
+        # tokens, and that many slots past a request's tokens are reserved for the draft's own KV.
         self.proposer = proposer
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.speculative_max_model_len = min(speculative_max_model_len or max_model_len, max_model_len)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.max_num_seqs = max_num_seqs
@@ -113,9 +119,12 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            drafts = self._propose(request, budget) if num_new == 1 and self.proposer is not None else []
+            drafts = self._propose(request, budget) if num_new == 1 else []
+            request.spec_token_ids = []
             num_new += len(drafts)
-            while not self.kv.allocate_slots(request, num_new):
+            lookahead = self._lookahead(request, request.num_computed_tokens + num_new,
+                                        request.num_computed_tokens + num_new - len(drafts) == request.num_tokens)
+            while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_request_ids.append(victim.request_id)
@@ -140,7 +149,9 @@ class Scheduler:
             if looks_up:
                 computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if not self.kv.allocate_slots(request, num_new, computed_blocks):
+            lookahead = self._lookahead(request, num_hit_tokens + num_new,
+                                        num_hit_tokens + num_new == request.num_tokens)
+            if not self.kv.allocate_slots(request, num_new, computed_blocks, num_lookahead_tokens=lookahead):
                 break
             if looks_up:
                 self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
@@ -169,22 +180,34 @@ class Scheduler:
         return out
 
     def _propose(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens for a decoding request, within the budget, its output limit and max_model_len.
+        """Draft tokens for a decoding request, within the budget, its output limit, max_model_len and
+        speculative_max_model_len: the n-gram proposer's, or those the runner proposed last step.
 
         Requests whose sampling needs every position's logits in order (logprobs, penalties, min_tokens
         still to reach) are not speculated.
         """
-        params = request.sampling_params
-        if (params.logprobs is not None or params.prompt_logprobs is not None or params.presence_penalty
-                or params.frequency_penalty or params.repetition_penalty != 1.0
-                or request.num_output_tokens < params.min_tokens):
+        if self.proposer is None and not request.spec_token_ids:
+            return []
+        if not can_speculate(request.sampling_params, request.num_output_tokens):
             return []
         # One token comes from the target itself, so k drafts can add k + 1 outputs.
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
-                   self.max_model_len - request.num_tokens)
+                   self.speculative_max_model_len - request.num_tokens)
         if room <= 0:
             return []
+        if self.proposer is None:
+            return request.spec_token_ids[:room]
         return self.proposer.propose(request.all_token_ids, min(room, self.proposer.k))
+
+    def _lookahead(self, request: Request, end: int, samples: bool) -> int:
+        """Slots to reserve past ``end`` (the step's last slot, drafts included) for the runner's draft model:
+        only when the step samples (the runner proposes then), and never past the request's final length
+        (a guess there could never be used, and check_fits promised no more)."""
+        if not self.num_lookahead_tokens or not samples or not can_speculate(request.sampling_params,
+                                                                            request.num_output_tokens):
+            return 0
+        final_length = request.num_prompt_tokens + request.max_tokens
+        return max(0, min(self.num_lookahead_tokens, final_length - end))
 
     @staticmethod
     def _new_request_data(request: Request) -> NewRequestData:
@@ -195,6 +218,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -223,6 +247,8 @@ class Scheduler:
                 if request.check_stop():
                     finished.append(request)
                     break
+            else:
+                request.spec_token_ids = runner_output.draft_token_ids.get(item.request_id, [])
         for request in finished:
             self._remove_finished(request)
         return finished

@@ -104,16 +104,25 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # EAGLE-3 drafts from the residual stream entering these layers (0: the embeddings); set by the runner.
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata
-                ) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, H]."""
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions: [T] -> final hidden states [T, H]; with aux_hidden_state_layers, also the
+        residual stream entering each of those layers, side by side: ([T, H], [T, len(layers) * H])."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        streams: dict[int, torch.Tensor] = {}
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if index in self.aux_hidden_state_layers:
+                # A copy: the fused add + RMSNorm updates the residual in place.
+                streams[index] = hidden.clone() if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
         hidden, _ = self.norm(hidden, residual)
+        if self.aux_hidden_state_layers:
+            return hidden, torch.cat([streams[index] for index in self.aux_hidden_state_layers], dim=-1)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -21,9 +20,12 @@ from kvloom.layers.tensor_parallel import ProcessGroupLike, shard_model_for_tens
 from kvloom.models.registry import build_model, load_model_weights, process_weights_after_loading
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops, select_ops
+from kvloom.platform import default_dtype
 from kvloom.sample.rejection_sampler import RejectionOutput, rejection_sample
 from kvloom.sample.sampler import NONFINITE_TOKEN_ID, Sampler, SamplingMetadata, compute_logprobs_top
 from kvloom.sampling_params import SamplingParams
+from kvloom.spec_decode import build_model_proposer, can_speculate
+from kvloom.spec_decode.draft_model import DraftModelProposer, DraftRequest
 from kvloom.step_io import LogprobsRow, ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from kvloom.worker.compiled_artifacts import ArtifactStore
 from kvloom.worker.graphs import DecodeGraphs, default_token_gen_buckets, pick_bucket
@@ -70,16 +72,6 @@ class SpeculativeBatch:
     finite: torch.Tensor | None = None  # [S] bool, set when the drafts are scored
 
 
-@contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
 class ModelRunner:
     def __init__(self, config: ResolvedConfig, device: torch.device | None = None) -> None:
         self.config = config
@@ -103,6 +95,8 @@ class ModelRunner:
         self.context_length_buckets: list[int] | None = None
         # Set by a tensor-parallel executor: sends each step's inputs to the other ranks.
         self.broadcast_inputs: Callable[[ModelInputs], None] | None = None
+        # Speculative decoding with a draft model or EAGLE: proposes after each step (rank 0 only).
+        self.proposer: DraftModelProposer | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self, rank: int = 0, world_size: int = 1, group: ProcessGroupLike | None = None) -> None:
@@ -114,7 +108,7 @@ class ModelRunner:
         if self.ops.name == "triton":
             self.artifacts = ArtifactStore(self.config, self._token_gen_buckets())
             self.artifacts.open()  # before the first kernel compiles
-        with _default_dtype(self.dtype), torch.device(self.device):
+        with default_dtype(self.dtype), torch.device(self.device):
             model = build_model(self.model_config, self.ops)
         load_model_weights(model, self.config)
         if world_size > 1:
@@ -123,12 +117,21 @@ class ModelRunner:
         process_weights_after_loading(model, self.ops)
         self.sampler = Sampler(self.generator, argmax=self.ops.argmax)
         self.model = model.eval()
+        speculative = engine.speculative
+        if rank == 0 and speculative is not None and speculative.uses_draft_model:
+            # Unsharded on the driver, which holds the whole hidden states after each step.
+            self.proposer = build_model_proposer(speculative, self.config.model, model, self.ops, self.device,
+                                                 self.dtype, self.config.max_model_len)
+            # EAGLE-3 reads some layers' inputs: the target returns them beside its hidden states.
+            model.aux_hidden_state_layers = self.proposer.aux_hidden_state_layers
         self.load_seconds = time.perf_counter() - start
 
     def kv_bytes_per_block(self) -> int:
         mc = self.model_config
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * element
+        target = 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * element
+        # A block holds the draft's keys and values for its positions too (same block tables).
+        return target + (self.proposer.kv_bytes_per_block(self.block_size) if self.proposer is not None else 0)
 
     def determine_num_kv_blocks(self) -> int:
         """KV blocks that fit the budget, never more than max_num_seqs full-length sequences use, + the null
@@ -175,7 +178,8 @@ class ModelRunner:
             seq_lens=torch.tensor(lengths, device=device), query_start_loc=starts, seq_lens_host=lengths,
             num_decodes=0, block_size=self.block_size, sliding_window=self.sliding_window,
             query_start_loc_tensor=torch.tensor(starts, device=device), max_query_len=max(lengths))
-        hidden = self.model(torch.zeros(tokens, dtype=torch.long, device=device), positions, scratch, metadata)
+        hidden, _ = self._split(self.model(torch.zeros(tokens, dtype=torch.long, device=device), positions,
+                                           scratch, metadata))
         rows = min(engine.max_num_seqs, tokens)
         torch.log_softmax(self.model.compute_logits(hidden[:rows]).float(), dim=-1)
         torch.cuda.synchronize(self.device)
@@ -198,6 +202,8 @@ class ModelRunner:
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(mc.num_hidden_layers)]
+        if self.proposer is not None:
+            self.proposer.init_kv_cache(num_blocks, self.block_size)
         self.capture_graphs()
         if self.artifacts is not None:
             self.artifacts.close()
@@ -213,7 +219,8 @@ class ModelRunner:
             raise ValueError("enable_bucketing needs CUDA with the Triton ops (attention_backend 'auto' or "
                              f"'triton'); this engine runs the {self.ops.name!r} ops on {self.device}")
         self.context_length_buckets = backend.context_length_buckets
-        if engine.enforce_eager or engine.tensor_parallel_size > 1:
+        # EAGLE-3's target returns auxiliary hidden states too: its decode steps run eagerly.
+        if engine.enforce_eager or engine.tensor_parallel_size > 1 or self.model.aux_hidden_state_layers:
             return
         self.graphs = DecodeGraphs(self._forward_tokens, self._token_gen_buckets(), self.config.max_blocks_per_seq,
                                    self.block_size, self.sliding_window, self.device)
@@ -252,7 +259,7 @@ class ModelRunner:
             items, inputs = scheduled, None
             query_start_loc = list(range(len(items) + 1))
         else:
-            items, inputs = self._prepare_inputs(scheduled)
+            items, inputs = self._prepare_inputs(scheduled, self.sliding_window)
             query_start_loc = inputs.metadata.query_start_loc
         sampling_rows = [i for i, item in enumerate(items) if item.samples and not item.num_draft_tokens]
         speculative = self._prepare_speculative(items, query_start_loc)
@@ -263,12 +270,13 @@ class ModelRunner:
         if ids and len(sampling_rows) != query_start_loc[-1]:  # else: one token per request, each sampling
             last_token_index = torch.tensor([query_start_loc[i + 1] - 1 for i in sampling_rows], device=self.device)
 
+        aux_hidden = None
         if use_graph:
             hidden = self._decode_with_graph(scheduled)
         else:
             if self.broadcast_inputs is not None:
                 self.broadcast_inputs(inputs)
-            hidden = self.forward(inputs)
+            hidden, aux_hidden = self._split(self.forward(inputs))
         sampler_output = None
         if ids:
             last_hidden = hidden if last_token_index is None else hidden.index_select(0, last_token_index)
@@ -311,6 +319,10 @@ class ModelRunner:
                     rows = self._prompt_logprobs(item, state, hidden, query_start_loc[i])
                     if rows:
                         output.prompt_logprobs[item.request_id] = rows
+            if self.proposer is not None:
+                output.draft_token_ids = self.proposer.propose(
+                    self._draft_requests(items, query_start_loc, output),
+                    hidden if aux_hidden is None else aux_hidden, self._draft_inputs)
             return output
 
         return finish
@@ -364,9 +376,40 @@ class ModelRunner:
                                 max_drafts=self.config.engine.speculative.num_speculative_tokens)
 
     @torch.inference_mode()
-    def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """Final hidden states [T, H]; every tensor-parallel rank runs this on the same inputs."""
+    def forward(self, inputs: ModelInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states [T, H] (and, for EAGLE-3, the auxiliary ones [T, A * H]); every
+        tensor-parallel rank runs this on the same inputs."""
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+
+    @staticmethod
+    def _split(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return out if isinstance(out, tuple) else (out, None)
+
+    def _draft_requests(self, items: list[ScheduledRequest], query_start_loc: list[int],
+                        output: ModelRunnerOutput) -> list[DraftRequest]:
+        """What the draft runs after this step: per request the tokens the target kept (a speculated
+        request's rejected drafts dropped) and the token after them; guesses for those that sampled."""
+        failed = set(output.failed_request_ids)
+        requests = []
+        for i, item in enumerate(items):
+            new_tokens = output.sampled_token_ids.get(item.request_id)
+            if item.request_id in failed or (item.samples and not new_tokens):
+                continue
+            state = self.requests[item.request_id]
+            num_valid = item.num_new_tokens - item.num_draft_tokens
+            if item.num_draft_tokens:
+                num_valid += len(new_tokens) - 1  # the accepted drafts
+            start = item.num_computed_tokens
+            speculates = item.samples and can_speculate(state.sampling_params, len(state.output_token_ids))
+            requests.append(DraftRequest(item.request_id, start, _token_slice(state, start, start + num_valid + 1),
+                                         num_valid, item.block_ids, query_start_loc[i],
+                                         self.proposer.k if speculates else 0))
+        return requests
+
+    def _draft_inputs(self, items: list[ScheduledRequest], sliding_window: int | None
+                      ) -> tuple[list[ScheduledRequest], ModelInputs]:
+        """The draft's inputs for its passes: as the target's, never padded to a bucket."""
+        return self._prepare_inputs(items, sliding_window, pad=False)
 
     def _decode_with_graph(self, items: list[ScheduledRequest]) -> torch.Tensor:
         """A decode-only step through the captured graph of its bucket -> hidden states [n, H]."""
@@ -382,8 +425,10 @@ class ModelRunner:
         stop_ids = sorted(t for t in new.min_tokens_stop_ids if 0 <= t < self.vocab_size)
         return RequestState(new.prompt_token_ids, new.sampling_params, stop_ids)
 
-    def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], ModelInputs]:
-        """Flat input ids and positions [T], and the attention metadata, decodes first."""
+    def _prepare_inputs(self, scheduled: list[ScheduledRequest], sliding_window: int | None,
+                        pad: bool = True) -> tuple[list[ScheduledRequest], ModelInputs]:
+        """Flat input ids and positions [T], and the attention metadata, decodes first. ``sliding_window``:
+        the model's that runs them (the target's or a draft's); ``pad``: to a context-length bucket."""
         # Decodes first: they share one batched attention call.
         items = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         block_size = self.block_size
@@ -427,18 +472,18 @@ class ModelRunner:
             seq_lens_host=seq_lens,
             num_decodes=num_decodes,
             block_size=block_size,
-            sliding_window=self.sliding_window,
+            sliding_window=sliding_window,
             decode_num_blocks=decode_num_blocks,
             max_query_len=max(item.num_new_tokens for item in items),
         )
-        if self.context_length_buckets is not None and num_decodes < len(items):
+        if pad and self.context_length_buckets is not None and num_decodes < len(items):
             self._pad_to_context_bucket(input_ids, positions, slot_mapping, query_start_loc, seq_lens, metadata)
         if needs_decode_mask:
             key_pos = torch.arange(decode_num_blocks * block_size, device=device)[None, :]
             lens = metadata.seq_lens[:num_decodes, None]
             mask = key_pos < lens
-            if self.sliding_window is not None:
-                mask &= key_pos > lens - 1 - self.sliding_window
+            if sliding_window is not None:
+                mask &= key_pos > lens - 1 - sliding_window
             metadata.decode_mask = mask[:, None, None, :]
         return items, ModelInputs(torch.tensor(input_ids, dtype=torch.long, device=device),
                                   torch.tensor(positions, dtype=torch.long, device=device), metadata)
@@ -533,6 +578,17 @@ class ModelRunner:
         targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=self.device)
         ids, values, ranks = compute_logprobs_top(logprobs, targets, state.sampling_params.prompt_logprobs)
         return list(zip(ids.tolist(), values.tolist(), ranks.tolist()))
+
+
+def _token_slice(state: RequestState, start: int, end: int) -> list[int]:
+    """The request's tokens (prompt, then what it sampled) at positions [start, end)."""
+    prompt, outputs = state.prompt_token_ids, state.output_token_ids
+    n = len(prompt)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return outputs[start - n:end - n]
+    return prompt[start:] + outputs[:end - n]
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

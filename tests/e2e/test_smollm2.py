@@ -58,3 +58,14 @@ def test_smollm2_chat_answers(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
+
+
+def test_smollm2_as_its_own_draft_model_gives_the_same_tokens(llm: LLM) -> None:
+    """Draft-model speculation on the real model (the target drafting for itself: no smaller SmolLM2 ships
+    offline): the greedy tokens of the plain engine, and (fp32, the same weights) the guesses accepted."""
+    prompts = [p[:24] for p in mixed_prompts(49152, count=4, seed=5)]
+    speculative = LLM(model="SmolLM2-135M-Instruct", dtype="float32", max_model_len=256, max_num_seqs=16,
+                      speculative_model="SmolLM2-135M-Instruct", num_speculative_tokens=3)
+    assert kvloom_greedy(speculative, prompts, MAX_TOKENS) == kvloom_greedy(llm, prompts, MAX_TOKENS)
+    stats = speculative.llm_engine.scheduler.stats()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens, stats

@@ -73,13 +73,12 @@ def test_seeded_sampled_speculation_is_reproducible_whatever_shares_the_batch(ti
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"speculative_config": {"method": "eagle", "num_speculative_tokens": 2}}, "not supported yet"),
+    ({"speculative_config": {"method": "medusa", "num_speculative_tokens": 2}}, "not supported yet"),
     ({"speculative_config": {"method": "lookahead"}}, "method must be one of"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 0}}, "num_speculative_tokens"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "k": 3}}, "unknown key"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
                              "prompt_lookup_max": 2}}, "prompt_lookup_min"),
-    ({"speculative_model": "/models/draft"}, "draft models are not supported yet"),
     ({"num_speculative_tokens": 3}, "needs a speculative method"),
     ({"speculative_config": "{not json"}, "JSON object"),
 ])

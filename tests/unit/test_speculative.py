@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvloom.engine.kv_cache_manager import KVCacheManager
+from kvloom.engine.request import Request
+from kvloom.engine.scheduler import Scheduler
 from kvloom.sample.rejection_sampler import rejection_sample
+from kvloom.sampling_params import SamplingParams
 from kvloom.spec_decode.ngram import NgramProposer
+from kvloom.step_io import ModelRunnerOutput
 
 
 def test_ngram_proposes_the_continuation_of_the_most_recent_match() -> None:
@@ -97,3 +102,41 @@ def test_rejection_sampling_without_drafts_samples_the_target() -> None:
                            greedy=torch.tensor([False, True]))
     assert out.num_emitted.tolist() == [1, 1]
     assert out.output_token_ids.tolist() == [[1], [2]]
+
+
+def test_scheduler_schedules_the_runners_drafts_and_reserves_lookahead_slots() -> None:
+    """With a draft model the runner proposes: the scheduler keeps its drafts for the next step (cut to the
+    output limit), reserves slots past the step for the draft's own KV, and rolls back what was rejected."""
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, num_lookahead_tokens=3)
+    request = Request("a", list(range(10, 16)), SamplingParams(temperature=0, max_tokens=4))
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.scheduled[0].token_ids == list(range(10, 16))
+    assert len(request.block_ids) == 3  # 6 prompt tokens + 3 lookahead slots
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": [20]},
+                                                        draft_token_ids={"a": [21, 22, 23]}))
+    assert request.spec_token_ids == [21, 22, 23]
+    out = scheduler.schedule()
+    item = out.scheduled[0]
+    # 1 output so far, 4 allowed: the target's own token and 2 drafts at most.
+    assert (item.token_ids, item.num_draft_tokens, item.num_computed_tokens) == ([20, 21, 22], 2, 6)
+    assert request.spec_token_ids == []
+    assert len(request.block_ids) == 3  # 9 tokens + 1 lookahead slot: never past the final length (6 + 4)
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": [21, 30]},
+                                                        draft_token_ids={"a": [31, 32, 33]}))
+    assert request.output_token_ids == [20, 21, 30]
+    assert request.num_computed_tokens == 8  # the rejected draft (22) is computed again
+    assert request.spec_token_ids == [31, 32, 33]
+    out = scheduler.schedule()
+    assert (out.scheduled[0].token_ids, out.scheduled[0].num_draft_tokens) == ([30], 0)  # one output left
+
+
+def test_prefix_hits_for_eagle_are_served_one_block_short() -> None:
+    """EAGLE's KV at a block's last position depends on the next token: the last hit block is recomputed."""
+    for drop, expected in ((False, 8), (True, 4)):
+        kv = KVCacheManager(num_blocks=16, block_size=4, drop_last_hit_block=drop)
+        first = Request("a", list(range(11)), SamplingParams(max_tokens=1))
+        assert kv.allocate_slots(first, 11)
+        second = Request("b", list(range(10)) + [99], SamplingParams(max_tokens=1))
+        assert kv.get_computed_blocks(second)[1] == expected

@@ -1,0 +1,313 @@
+"""Speculative decoding with a second model (a draft model, EAGLE heads): greedy outputs equal the plain
+engine's under every batching mode, a draft that is the target itself has every guess accepted (so its KV
+cache stays in step through chunked prefill, prefix-cache hits and preemption), and bad configs are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvloom import LLM, SamplingParams
+
+
+def varied_prompts(count: int = 10) -> list[list[int]]:
+    """Prompts that share a 24-token head in pairs (prefix-cache hits), of many lengths."""
+    head = [7 + (j * 11) % 290 for j in range(24)]
+    return [(head if i % 2 else [])[:24] + [5 + (i * 13 + j * 7) % 300 for j in range(6 + 3 * i)]
+            for i in range(count)]
+
+
+def greedy_params(count: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=6 + 4 * (i % 5), ignore_eos=True) for i in range(count)]
+
+
+def run(llm: LLM, params: SamplingParams | list[SamplingParams], prompts: list[list[int]]) -> list:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs() -> dict[str, list]:
+    """The target alone (greedy), per engine setting and prompts; each computed once (by ``plain``)."""
+    return {}
+
+
+def plain(tiny_llama3_dir: str, cache: dict[str, list], engine_args: dict, prompts: list[list[int]]) -> list:
+    key = repr((sorted(engine_args.items()), prompts))
+    if key not in cache:
+        cache[key] = run(LLM(model=tiny_llama3_dir, max_model_len=256, **engine_args),
+                         greedy_params(len(prompts)), prompts)
+    return cache[key]
+
+
+@pytest.mark.parametrize("engine_args", [
+    {},
+    {"max_num_batched_tokens": 20},  # chunked prefill, and drafts cut to the budget
+    {"kv_cache_memory": 60 * 2048, "block_size": 4},  # preemption (a block holds target and draft KV)
+])
+def test_greedy_with_a_draft_model_equals_plain_greedy(tiny_llama3_dir: str, tiny_mistral_dir: str,
+                                                      plain_outputs: dict, engine_args: dict) -> None:
+    """A different model (a Mistral) drafts for the Llama target: few guesses hold, the output is the same."""
+    prompts = varied_prompts()
+    expected = plain(tiny_llama3_dir, plain_outputs, engine_args, prompts)
+    llm = LLM(model=tiny_llama3_dir, max_model_len=256, speculative_model=tiny_mistral_dir, num_speculative_tokens=3,
+              **engine_args)
+    assert run(llm, greedy_params(len(prompts)), prompts) == expected
+    assert run(llm, greedy_params(len(prompts)), prompts) == expected  # again: prefix-cache hits
+    stats = llm.llm_engine.scheduler.stats()
+    assert stats.num_draft_tokens > 0, stats
+    if "kv_cache_memory" in engine_args:
+        assert stats.num_preemptions > 0
+    kv = llm.llm_engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"max_num_batched_tokens": 20, "block_size": 4},  # chunked prefill
+    {"kv_cache_memory": 60 * 2048, "block_size": 4},  # preemption
+])
+def test_the_target_as_its_own_draft_has_every_guess_accepted(tiny_llama3_dir: str, plain_outputs: dict,
+                                                              engine_args: dict) -> None:
+    """The draft's KV cache is the target's, token for token: through chunked prefill, prefix-cache hits
+    (the second run) and preemption no guess is ever rejected."""
+    prompts = varied_prompts()
+    expected = plain(tiny_llama3_dir, plain_outputs, engine_args, prompts)
+    llm = LLM(model=tiny_llama3_dir, max_model_len=256, speculative_config={
+        "method": "draft_model", "model": tiny_llama3_dir, "num_speculative_tokens": 4}, **engine_args)
+    for _ in range(2):
+        assert run(llm, greedy_params(len(prompts)), prompts) == expected
+    stats = llm.llm_engine.scheduler.stats()
+    assert stats.prefix_cache_hits > 0
+    assert stats.num_draft_tokens > 100 and stats.num_accepted_tokens == stats.num_draft_tokens, stats
+
+
+def test_draft_model_in_mixed_batches(tiny_llama3_dir: str, tiny_mistral_dir: str) -> None:
+    """n > 1, logprobs (not speculated), seeded sampling and greedy requests share batches; greedy and logprob
+    requests match the plain engine, seeded sampled ones are reproducible whatever shares the batch."""
+    prompts = varied_prompts(6)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, n=2),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True)] * 2
+    expected = run(LLM(model=tiny_llama3_dir, max_model_len=256), params, prompts)
+    llm = LLM(model=tiny_llama3_dir, max_model_len=256, speculative_config={"model": tiny_mistral_dir,
+                                                                          "num_speculative_tokens": 2})
+    assert llm.llm_engine.config.speculative.method == "draft_model"  # vLLM's shorthand: a model, no method
+    got = run(llm, params, prompts)
+    for i in (0, 1, 3, 4):
+        assert got[i] == expected[i]
+    assert run(llm, params[2], prompts[2:3]) == got[2:3]
+    assert llm.llm_engine.scheduler.stats().num_draft_tokens > 0
+
+
+def test_no_drafts_past_speculative_max_model_len(tiny_llama3_dir: str) -> None:
+    prompts = [p for p in varied_prompts() if len(p) > 20][:3]
+    expected = run(LLM(model=tiny_llama3_dir, max_model_len=256), greedy_params(3), prompts)
+    llm = LLM(model=tiny_llama3_dir, max_model_len=256, speculative_model=tiny_llama3_dir, num_speculative_tokens=2,
+              speculative_max_model_len=20)
+    assert run(llm, greedy_params(3), prompts) == expected
+    assert llm.llm_engine.scheduler.stats().num_draft_tokens == 0
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "ngram' only"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "takes no 'model'"),
+    ({"model": "x", "num_speculative_tokens": 2, "max_model_len": 0}, "max_model_len"),
+    ({"model": "x", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+])
+def test_bad_draft_model_configs_are_value_errors(spec: dict, message: str) -> None:
+    from kvloom.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=spec)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_llama3_dir: str, tmp_path) -> None:
+    import tiny_models
+
+    draft = tiny_models.build_tiny_checkpoint(str(tmp_path / "draft"), arch="llama", vocab_size=512)
+    with pytest.raises(ValueError, match=r"vocabulary of 512 tokens, the target model 4\d\d"):
+        LLM(model=tiny_llama3_dir, max_model_len=256, speculative_model=draft, num_speculative_tokens=2)
+
+
+# ---- EAGLE ------------------------------------------------------------------------------------------
+def _rms_norm(x, weight, eps: float):
+    import torch
+
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _reference_eagle_guesses(target, weights: dict, config: dict, method: str, tokens: list[int], k: int
+                             ) -> list[int]:
+    """The head's k chained guesses after ``tokens`` in plain torch over whole sequences (no paging, no cache):
+    the head at position p reads (the target's hidden state at p, token p + 1); HF transformers gives the
+    target's hidden states."""
+    import torch
+
+    heads, kv_heads, hidden = config["num_attention_heads"], config["num_key_value_heads"], config["hidden_size"]
+    dim, eps, theta = hidden // heads, config["rms_norm_eps"], config["rope_theta"]
+    w = {name.removeprefix("model.").replace("midlayer.", "layers.0."): t.float() for name, t in weights.items()}
+    embed = w.get("embed_tokens.weight", target.model.embed_tokens.weight)
+    lm_head = w.get("lm_head.weight", target.lm_head.weight)
+
+    def rope(x, positions):
+        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2).float() / dim)
+        freqs = positions[:, None].float() * inv_freq[None]
+        cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+        rotated = torch.cat([-x[..., dim // 2:], x[..., :dim // 2]], -1)
+        return x * cos + rotated * sin
+
+    def layer(x, residual):
+        n = x.shape[0]
+        positions = torch.arange(n)
+        q = rope((x @ w["layers.0.self_attn.q_proj.weight"].T).view(n, heads, dim), positions)
+        key = rope((x @ w["layers.0.self_attn.k_proj.weight"].T).view(n, kv_heads, dim), positions)
+        v = (x @ w["layers.0.self_attn.v_proj.weight"].T).view(n, kv_heads, dim)
+        key, v = key.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, key) / dim ** 0.5
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * dim)
+        residual = attn @ w["layers.0.self_attn.o_proj.weight"].T + residual
+        x = _rms_norm(residual, w["layers.0.post_attention_layernorm.weight"], eps)
+        gate, up = x @ w["layers.0.mlp.gate_proj.weight"].T, x @ w["layers.0.mlp.up_proj.weight"].T
+        x = torch.nn.functional.silu(gate) * up
+        return x @ w["layers.0.mlp.down_proj.weight"].T, residual
+
+    with torch.no_grad():
+        states = target(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        if method == "eagle3":
+            aux = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+            features = torch.cat([states[i][0] for i in aux], -1) @ w["fc.weight"].T
+        else:
+            features = states[-1][0]
+        hidden_in, ids, guesses = list(features), list(tokens[1:]), []
+        for _ in range(k):
+            h, e = torch.stack(hidden_in), embed[torch.tensor(ids)]
+            if method == "eagle3":
+                x = torch.cat([_rms_norm(e, w["layers.0.input_layernorm.weight"], eps),
+                               _rms_norm(h, w["layers.0.hidden_norm.weight"], eps)], -1)
+                x, residual = layer(x, h)
+                out = x + residual
+                draft = int((_rms_norm(out, w["norm.weight"], eps)[-1] @ lm_head.T).argmax())
+                guess = draft + int(w["d2t"][draft])
+            else:
+                x = torch.cat([e, h], -1) @ w["fc.weight"].T + w.get("fc.bias", 0)
+                x, residual = layer(x, x)
+                out = x + residual
+                guess = int((out[-1] @ lm_head.T).argmax())
+            guesses.append(guess)
+            hidden_in.append(out[-1])
+            ids.append(guess)
+    return guesses
+
+
+EAGLE_HEADS = {
+    "eagle": {"method": "eagle"},  # the target's embedding and LM head
+    "eagle-own-embedding": {"method": "eagle", "own_embedding": True, "fc_bias": True},
+    "eagle3": {"method": "eagle3", "draft_vocab_size": 160},  # its own LM head over a draft vocabulary
+}
+
+
+@pytest.fixture(scope="module")
+def eagle_heads(tiny_llama3_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    import tiny_models
+
+    root = tmp_path_factory.mktemp("eagle_heads")
+    return {name: tiny_models.build_tiny_eagle(str(root / name), tiny_llama3_dir, **spec)
+            for name, spec in EAGLE_HEADS.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_target(tiny_llama3_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama3_dir, dtype="float32").eval()
+
+
+TIGHT = {"max_num_batched_tokens": 20, "kv_cache_memory": 70 * 1536, "block_size": 4}  # chunks, preemption
+
+
+@pytest.mark.parametrize("head, engine_args", [
+    ("eagle", {}), ("eagle", TIGHT), ("eagle3", {}), ("eagle3", TIGHT), ("eagle-own-embedding", {})])
+def test_eagle_guesses_equal_a_plain_torch_head_and_greedy_output_is_unchanged(
+        tiny_llama3_dir: str, eagle_heads: dict, plain_outputs: dict, hf_target, head: str, engine_args: dict
+) -> None:
+    """Every chain of guesses the paged head proposes (its KV cache kept in the target's blocks through
+    chunked prefill, prefix-cache hits and preemption) is what the head computes over the whole sequence;
+    the random head's guesses are rarely right, and the greedy output stays the target's."""
+    import json
+
+    from safetensors.torch import load_file
+
+    method = EAGLE_HEADS[head]["method"]
+    prompts = varied_prompts(6)
+    expected = plain(tiny_llama3_dir, plain_outputs, engine_args, prompts)
+    llm = LLM(model=tiny_llama3_dir, max_model_len=256, speculative_config={
+        "method": method, "model": eagle_heads[head], "num_speculative_tokens": 3}, **engine_args)
+    runner = llm.llm_engine.executor.driver
+    records = []
+    propose = runner.proposer.propose
+
+    def recording(requests, hidden, build_inputs):
+        drafts = propose(requests, hidden, build_inputs)
+        for request_id, guesses in drafts.items():
+            state = runner.requests[request_id]
+            records.append((state.prompt_token_ids + state.output_token_ids, guesses))
+        return drafts
+
+    runner.proposer.propose = recording
+    for _ in range(2):  # the second time with prefix-cache hits
+        assert run(llm, greedy_params(len(prompts)), prompts) == expected
+    stats = llm.llm_engine.scheduler.stats()
+    assert stats.num_draft_tokens > 0 and stats.prefix_cache_hits > 0
+    if "kv_cache_memory" in engine_args:
+        assert stats.num_preemptions > 0
+    with open(f"{eagle_heads[head]}/config.json") as f:
+        config = json.load(f)
+    weights = load_file(f"{eagle_heads[head]}/model.safetensors")
+    assert len(records) > 30
+    for tokens, guesses in records[len(records) // 2 - 4:len(records) // 2 + 4]:  # prefix hits among them
+        assert guesses == _reference_eagle_guesses(hf_target, weights, config, method, tokens, 3)[:len(guesses)]
+
+
+def _rewrite_head(path: str, drop: tuple[str, ...] = (), replace: dict | None = None, config: dict | None = None
+                  ) -> None:
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = {name: t for name, t in load_file(f"{path}/model.safetensors").items() if name not in drop}
+    save_file({**tensors, **(replace or {})}, f"{path}/model.safetensors")
+    with open(f"{path}/config.json") as f:
+        values = json.load(f)
+    for key, value in (config or {}).items():
+        if isinstance(value, dict):
+            values[key] = {**values.get(key, {}), **value}
+        else:
+            values[key] = value
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(values, f)
+
+
+@pytest.mark.parametrize("method, change, message", [
+    ("eagle", {"replace": {"fc.weight": "wide"}}, r"'fc.weight' has shape \(64, 129\), expected \(64, 128\)"),
+    ("eagle", {"replace": {"layers.0.self_attn.k_proj.weight": "wide"}}, "'layers.0.self_attn.k_proj.weight'"),
+    ("eagle", {"drop": ("layers.0.mlp.down_proj.weight",)}, r"missing 1 tensor.*mlp.down_proj"),
+    ("eagle", {"config": {"vocab_size": 1000}}, "vocab_size is 1000, the target model's 4"),
+    ("eagle3", {"config": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}},
+     r"eagle_aux_hidden_state_layer_ids must name 3 of the target's layers \(0..1\)"),
+    ("eagle3", {"drop": ("lm_head.weight",)}, "needs its own LM head"),
+    ("eagle3", {"config": {"target_hidden_size": 32}}, "target_hidden_size is 32"),
+])
+def test_a_mismatched_eagle_head_is_a_value_error_naming_what(tiny_llama3_dir: str, tmp_path, method: str,
+                                                              change: dict, message: str) -> None:
+    import tiny_models
+    import torch
+
+    path = tiny_models.build_tiny_eagle(str(tmp_path / "head"), tiny_llama3_dir, method,
+                                        draft_vocab_size=100 if method == "eagle3" else None)
+    replace = {name: torch.zeros(64, 129) if name == "fc.weight" else torch.zeros(32, 65)
+               for name in change.get("replace", {})}
+    _rewrite_head(path, change.get("drop", ()), replace, change.get("config"))
+    with pytest.raises(ValueError, match=message):
+        LLM(model=tiny_llama3_dir, max_model_len=256,
+            speculative_config={"method": method, "model": path, "num_speculative_tokens": 2})
