@@ -57,6 +57,9 @@ class BackendConfig:
     quantization_dtype: str = "int8"
     # With int8 weights: the LM head too (off by default: it is the layer whose error shows most).
     quantize_lm_head: bool = False
+    # With int8 weights on the CPU: quantize activations per token too (W8A8 on VNNI) for batches of 2+
+    # rows: 1.4-1.9x faster products than weight-only, at a perplexity cost (SmolLM2: +2.7% against +0.2%).
+    int8_activations: bool = False
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any] | str | None) -> BackendConfig:
@@ -106,7 +109,7 @@ class BackendConfig:
         if self.compiled_artifacts is not None and not isinstance(self.compiled_artifacts, str):
             raise ValueError(f"override_backend_config: compiled_artifacts must be a folder path, "
                              f"got {self.compiled_artifacts!r}")
-        for name in ("quantized", "quantize_lm_head"):
+        for name in ("quantized", "quantize_lm_head", "int8_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"override_backend_config: {name} must be true or false, got {getattr(self, name)!r}")
         dtype = QUANTIZATION_ALIASES.get(str(self.quantization_dtype).lower())

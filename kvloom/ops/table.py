@@ -20,7 +20,9 @@ one warning that says why.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,8 +73,10 @@ REFERENCE_OPS = Ops(name="reference", attention=reference.attention_reference, r
 
 
 def select_ops(device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
-               batch_hint: int = 64) -> Ops:
-    """The op table for a model on ``device`` in ``dtype``. ``batch_hint``: the usual rows of a GEMM."""
+               batch_hint: int = 64, int8_activations: bool = False) -> Ops:
+    """The op table for a model on ``device`` in ``dtype``. ``batch_hint``: the usual rows of a GEMM.
+    ``int8_activations``: int8 weights multiply int8-quantized activations (W8A8) on the CPU for batches of
+    2+ rows (faster, less accurate); otherwise int8 products are weight-only."""
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {attention_backend!r} is unknown; known: {list(ATTENTION_BACKENDS)}")
     if attention_backend == "reference":
@@ -86,13 +90,13 @@ def select_ops(device: torch.device, dtype: torch.dtype, attention_backend: str 
     if attention_backend == "triton" and device.type != "cuda":
         raise ValueError(f"attention backend 'triton' runs on CUDA only, the model is on {device}; "
                          f"use 'auto', 'cpu' or 'native'")
-    platform = _cpu_ops(dtype, batch_hint) if on_cpu else _cuda_ops()
+    platform = _cpu_ops(dtype, batch_hint, int8_activations) if on_cpu else _cuda_ops()
     if attention_backend == "native":
         return dataclasses.replace(platform, name="native", attention=native.attention, needs_decode_mask=True)
     return platform
 
 
-def _cpu_ops(dtype: torch.dtype, batch_hint: int) -> Ops:
+def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False) -> Ops:
     from kvloom.ops import cpu
 
     fmt = cpu.linear_format(dtype)  # oneDNN's packed GEMM even where our library is not built
@@ -100,7 +104,12 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int) -> Ops:
     if not cpu.cpu_kernel_available():
         return dataclasses.replace(NATIVE_OPS, pack_linear=pack)
     # csrc/gemm_int8.cpp for float32 and bfloat16 activations alike, where its AVX-512 kernels are built.
-    pack_int8 = cpu.PackedInt8Weight if cpu.int8_kernels_available() else int8.NativeInt8Linear
+    pack_int8 = int8.NativeInt8Linear
+    if cpu.int8_kernels_available():
+        # Weight-only unless asked: per-token int8 activations cost SmolLM2 +2.7% perplexity (benchmarks/
+        # int8_quality.py), against +0.2% weight-only.
+        rows = cpu.W8A8_MIN_ROWS if int8_activations else sys.maxsize
+        pack_int8 = functools.partial(cpu.PackedInt8Weight, w8a8_min_rows=rows)
     return Ops(name="cpu", attention=cpu.attention, rms_norm=cpu.rms_norm, add_rms_norm=cpu.add_rms_norm,
                rotary_embedding=cpu.rotary_embedding, silu_and_mul=cpu.silu_and_mul, argmax=cpu.argmax,
                pack_linear=pack, pack_linear_int8=pack_int8)

@@ -104,7 +104,8 @@ class ModelRunner:
         start = time.perf_counter()
         engine = self.config.engine
         self.ops = select_ops(self.device, self.dtype, engine.backend.attention_backend,
-                              batch_hint=min(engine.max_num_seqs, 256))
+                              batch_hint=min(engine.max_num_seqs, 256),
+                              int8_activations=engine.backend.int8_activations)
         if self.ops.name == "triton":
             self.artifacts = ArtifactStore(self.config, self._token_gen_buckets())
             self.artifacts.open()  # before the first kernel compiles

@@ -255,15 +255,17 @@ def test_packed_int8_weight_names_what_it_cannot_take(int8_kernels: None) -> Non
         cpu.PackedInt8Weight(qweight, torch.ones(9), None)
 
 
+@pytest.mark.parametrize("int8_activations", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
-def test_select_ops_packs_int8_weights_for_the_cpu_kernels(dtype: torch.dtype) -> None:
-    ops = select_ops(torch.device("cpu"), dtype)
-    expected = cpu.PackedInt8Weight if cpu.int8_kernels_available() else NativeInt8Linear
-    assert ops.pack_linear_int8 is expected
+def test_select_ops_packs_int8_weights_for_the_cpu_kernels(dtype: torch.dtype, int8_activations: bool) -> None:
+    """Weight-only by default (the accurate product); W8A8 for batches only when int8_activations asks."""
+    ops = select_ops(torch.device("cpu"), dtype, int8_activations=int8_activations)
     assert select_ops(torch.device("cpu"), dtype, "reference").pack_linear_int8 is NativeInt8Linear
     x, qweight, scale, bias = problem(3, 40, 20, dtype, seed=1)
     layer = ops.pack_linear_int8(qweight, scale, bias)
-    if expected is cpu.PackedInt8Weight and len(x) >= cpu.W8A8_MIN_ROWS:
+    fast = cpu.int8_kernels_available()
+    assert isinstance(layer, cpu.PackedInt8Weight if fast else NativeInt8Linear)
+    if fast and int8_activations:
         assert_within(layer(x), w8a8_linear_reference(x, qweight, scale, bias), ulps=1,
                       slack=w8a8_slack(x, qweight, scale, bias))
     else:
