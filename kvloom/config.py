@@ -322,8 +322,6 @@ class EngineConfig:
             if not ray_installed():
                 raise ValueError(f"distributed_executor_backend='ray' needs Ray, which is not installed; "
                                  f"{INSTALL_HINT}")
-        if self.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 is not available yet")
         self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not (
                 0 < self.gpu_memory_utilization <= 1):

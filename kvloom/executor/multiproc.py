@@ -99,7 +99,7 @@ def move_tensors(obj: Any, device: torch.device) -> None:
 
 # ---- process set-up -------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
+def main_module_hidden() -> Iterator[None]:
     """Start spawned processes without re-running the user's __main__ in them.
 
     spawn re-imports the parent's main script in every child so that objects defined there can be
@@ -326,7 +326,7 @@ class MultiprocExecutor(Executor):
                               wait_for_workers=False)
         context = mp.get_context("spawn")
         processes, conns = [], []
-        with _main_module_hidden():
+        with main_module_hidden():
             for rank in range(1, world_size):
                 parent_conn, child_conn = context.Pipe()
                 process = context.Process(

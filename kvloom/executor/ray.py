@@ -195,10 +195,11 @@ def _stop(ranks: _Ranks) -> None:
 
 
 def _bundles(config: ResolvedConfig, world_size: int, driver_ip: str) -> list[dict[str, float]]:
-    """Bundle 0 pins the driver's share to its node; one CPU (or GPU) bundle per other rank."""
+    """Bundle 0 pins the driver's share to its node (and its GPU, unless the driver is itself a Ray
+    actor that holds one: a data-parallel replica); one CPU (or GPU) bundle per other rank."""
     accelerator = "GPU" if config.device.type == "cuda" else "CPU"
     driver: dict[str, float] = {f"node:{driver_ip}": 0.001}
-    if accelerator == "GPU":
+    if accelerator == "GPU" and not ray.get_gpu_ids():
         driver["GPU"] = 1
     return [driver] + [{accelerator: 1} for _ in range(world_size - 1)]
 
