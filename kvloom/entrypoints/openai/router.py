@@ -48,7 +48,7 @@ from prometheus_client.registry import Collector
 from kvloom.config import EngineConfig, resolve_config
 from kvloom.engine.async_engine import EngineDeadError, stream_outputs
 from kvloom.engine.input_processor import EngineRequest, InputProcessor, PromptInput
-from kvloom.engine.replica import LocalReplica, RayReplica, ReplicaSpec, replica_config
+from kvloom.engine.replica import LocalReplica, RayReplica, ReplicaSpec, no_delay, replica_config
 from kvloom.engine.scheduler import SchedulerStats, check_request_fits
 from kvloom.loader.tokenizer import load_tokenizer
 from kvloom.loader.weights import resolve_model
@@ -377,6 +377,7 @@ class ReplicaRouter:
 
     def _dispatch(self, replica: _Replica, batch: list[tuple]) -> None:
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        engine_died = False
         with self._lock:
             for message in batch:
                 kind = message[0]
@@ -385,6 +386,7 @@ class ReplicaRouter:
                     continue
                 if kind == "dead":
                     replica.death = message[1]
+                    engine_died = True
                     continue
                 routed = self._requests.get(message[1])
                 if routed is None or routed.replica != replica.index:
@@ -399,6 +401,9 @@ class ReplicaRouter:
         for loop, items in deliveries.items():
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody listens
                 loop.call_soon_threadsafe(_put_all, items)
+        if engine_died:  # the replica's process lives on with a dead engine: out of the rotation, and gone
+            self._send(replica, ("shutdown", "its engine died"))
+            self._replica_died(replica, replica.death or "its engine died")
 
     def _account(self, replica: _Replica, routed: _Routed, output: RequestOutput) -> None:
         tokens = sum(len(completion.token_ids) for completion in output.outputs)
@@ -454,7 +459,7 @@ def _accept(listener: Listener, accepted: queue.SimpleQueue) -> None:
     """A thread: the replicas' connections, until the listener closes."""
     while True:
         try:
-            accepted.put(listener.accept())
+            accepted.put(no_delay(listener.accept()))
         except OSError:
             return
         except Exception:  # noqa: BLE001 - a client without the key: refused, keep listening
