@@ -161,10 +161,3 @@ def test_ray_shutdown_kills_the_actors_and_frees_the_placement_group(tiny_llama_
     with pytest.raises(RuntimeError, match="shut down"):
         greedy(llm, [[5, 6]])
 
-
-def test_ray_backend_without_ray_installed_is_a_clear_error(tiny_llama_dir: str, monkeypatch) -> None:
-    import kvloom.ray_cluster
-
-    monkeypatch.setattr(kvloom.ray_cluster, "ray_installed", lambda: False)
-    with pytest.raises(ValueError, match=r"needs Ray, which is not installed; install it with: pip install"):
-        EngineConfig(model=tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
