@@ -373,8 +373,12 @@ class EngineConfig:
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}")
-        if self.distributed_executor_backend == "ray" or self.data_parallel_size > 1:
-            raise ValueError("distributed_executor_backend='ray' and data_parallel_size > 1 are not available yet")
+        if self.distributed_executor_backend == "ray":
+            from kvloom.ray_cluster import INSTALL_HINT, ray_installed
+
+            if not ray_installed():
+                raise ValueError(f"distributed_executor_backend='ray' needs Ray, which is not installed; "
+                                 f"{INSTALL_HINT}")
         self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not (
                 0 < self.gpu_memory_utilization <= 1):

@@ -75,6 +75,36 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -
         q.put_nowait(item)
 
 
+async def stream_outputs(outputs: asyncio.Queue, request: EngineRequest, abort: Callable[[str], None]
+                         ) -> AsyncIterator[RequestOutput]:
+    """A request's outputs as they arrive on ``outputs`` (RequestOutputs, or an exception that
+    ends it), until the finished one. Outputs that pile up while the caller is busy are merged:
+    deltas are joined, otherwise the newest is kept. A caller that stops early aborts the request."""
+    deltas = request.sampling_params.output_kind == RequestOutputKind.DELTA
+    finished = False
+    try:
+        while True:
+            item = await outputs.get()
+            while not outputs.empty() and not isinstance(item, BaseException):
+                later = outputs.get_nowait()
+                if deltas and not isinstance(later, BaseException):
+                    item.add(later, aggregate=True)
+                else:
+                    item = later
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            if finished:
+                raise_if_failed(item)
+            yield item
+            if finished:
+                return
+    finally:
+        if not finished:
+            abort(request.request_id)
+
+
 class AsyncLLM:
     """An LLMEngine stepped by its own thread, with an asyncio ``generate`` per request."""
 
@@ -118,6 +148,7 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.input_processor = engine.input_processor  # reads only fixed state: safe on any thread
         self.max_model_len = engine.max_model_len
+        self.max_num_seqs = engine.config.max_num_seqs
         self.log_requests = log_requests
         self._num_prompt_tokens = 0  # totals since start-up, from the engine's IterationStats
         self._num_generation_tokens = 0
@@ -174,31 +205,10 @@ class AsyncLLM:
             request = self.input_processor.process(request_id, prompt, sampling_params,
                                                    arrival_time=arrival_time)
         request_id = request.request_id
-        deltas = request.sampling_params.output_kind == RequestOutputKind.DELTA
         stream = _Stream(request_id, asyncio.get_running_loop(), asyncio.Queue())
         self._submit(_Add(stream, request))
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                while not stream.queue.empty() and not isinstance(item, BaseException):
-                    later = stream.queue.get_nowait()
-                    if deltas and not isinstance(later, BaseException):
-                        item.add(later, aggregate=True)
-                    else:
-                        item = later
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                if finished:
-                    raise_if_failed(item)
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+        async for output in stream_outputs(stream.queue, request, self.abort):
+            yield output
 
     def abort(self, request_id: str | list[str]) -> None:
         """Stop requests and free their KV blocks (at the engine's next turn); unknown ids are ignored."""

@@ -37,6 +37,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         """``log_stats``: record IterationStats (token counts, latencies) for ``take_iteration_stats``."""
         start = time.perf_counter()
+        if config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: replicas run behind the server "
+                             f"(kvloom serve --data-parallel-size N); LLM and LLMEngine run one engine")
         self.config = config
         self.resolved = resolved = resolve_config(config)
         self.source = resolved.source

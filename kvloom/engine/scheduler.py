@@ -22,6 +22,26 @@ from kvloom.spec_decode.ngram import NgramProposer
 from kvloom.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
 
+def check_request_fits(max_model_len: int, block_size: int, num_usable_blocks: int, num_prompt_tokens: int,
+                       max_tokens: int | None, max_tokens_must_fit: bool = False) -> None:
+    """Refuse at once a request that could never be scheduled.
+
+    The prompt must leave room for one output token (longer outputs stop at ``max_model_len``);
+    with ``max_tokens_must_fit`` (the OpenAI server's rule) all of ``max_tokens`` must fit.
+    ContextLengthError when the context is too short, ValueError when the whole KV cache is.
+    A function of the limits alone, so a front holding no cache (the replica router) asks the same.
+    """
+    num_output_tokens = (max_tokens or 1) if max_tokens_must_fit else 1
+    if num_prompt_tokens + num_output_tokens > max_model_len:
+        raise ContextLengthError(max_model_len, num_prompt_tokens, num_output_tokens)
+    total = min(num_prompt_tokens + (max_tokens or 1), max_model_len)
+    needed = -(-total // block_size)
+    if needed > num_usable_blocks:
+        raise ValueError(f"The request needs {needed} KV cache blocks ({total} tokens) but the whole cache "
+                         f"holds {num_usable_blocks} blocks of {block_size} tokens; "
+                         f"raise kv_cache_memory or lower max_tokens.")
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     """The scheduler's state now; the counters are totals since start-up."""
@@ -60,22 +80,9 @@ class Scheduler:
     # ---- admission -------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None,
                    max_tokens_must_fit: bool = False) -> None:
-        """Refuse at once a request that could never be scheduled.
-
-        The prompt must leave room for one output token (longer outputs stop at ``max_model_len``);
-        with ``max_tokens_must_fit`` (the OpenAI server's rule) all of ``max_tokens`` must fit.
-        ContextLengthError when the context is too short, ValueError when the whole KV cache is.
-        """
-        num_output_tokens = (max_tokens or 1) if max_tokens_must_fit else 1
-        if num_prompt_tokens + num_output_tokens > self.max_model_len:
-            raise ContextLengthError(self.max_model_len, num_prompt_tokens, num_output_tokens)
-        total = num_prompt_tokens + (max_tokens or 1)
-        needed = self.kv.blocks_needed(min(total, self.max_model_len))
-        if needed > self.kv.num_usable_blocks:
-            raise ValueError(f"The request needs {needed} KV cache blocks "
-                             f"({min(total, self.max_model_len)} tokens) but the whole cache holds "
-                             f"{self.kv.num_usable_blocks} blocks of {self.kv.block_size} tokens; "
-                             f"raise kv_cache_memory or lower max_tokens.")
+        """Refuse at once a request that could never be scheduled (``check_request_fits``)."""
+        check_request_fits(self.max_model_len, self.kv.block_size, self.kv.num_usable_blocks,
+                           num_prompt_tokens, max_tokens, max_tokens_must_fit)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

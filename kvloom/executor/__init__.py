@@ -1,4 +1,6 @@
-"""Executors run the model runner(s): one process, or one process per tensor-parallel rank."""
+"""Executors run the model runner(s): one process, one process per tensor-parallel rank ("mp"),
+or one Ray actor per rank but the driver's ("ray"). With one rank there is nothing to distribute:
+the one-process executor runs whatever the backend."""
 
 from __future__ import annotations
 
@@ -7,6 +9,10 @@ from kvloom.executor.base import Executor
 
 
 def build_executor(config: ResolvedConfig) -> Executor:
+    if config.engine.tensor_parallel_size > 1 and config.engine.distributed_executor_backend == "ray":
+        from kvloom.executor.ray import RayExecutor
+
+        return RayExecutor(config)
     if config.engine.tensor_parallel_size > 1:
         from kvloom.executor.multiproc import MultiprocExecutor
 

@@ -81,25 +81,25 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def _dumps(message: tuple) -> bytes:
+def dumps_message(message: tuple) -> bytes:
     buffer = io.BytesIO()
     _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
     return buffer.getvalue()
 
 
-def _move_tensors(obj: Any, device: torch.device) -> None:
+def move_tensors(obj: Any, device: torch.device) -> None:
     """Move the tensor fields of a dataclass (and of dataclasses inside it) to device, in place."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if isinstance(value, torch.Tensor):
             setattr(obj, f.name, value.to(device))
         elif dataclasses.is_dataclass(value):
-            _move_tensors(value, device)
+            move_tensors(value, device)
 
 
 # ---- process set-up -------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
+def main_module_hidden() -> Iterator[None]:
     """Start spawned processes without re-running the user's __main__ in them.
 
     spawn re-imports the parent's main script in every child so that objects defined there can be
@@ -115,14 +115,24 @@ def _main_module_hidden() -> Iterator[None]:
             sys.modules["__main__"] = main
 
 
-def _new_process_group(backend: str, store: dist.Store, rank: int, world_size: int) -> ProcessGroupLike:
+def new_process_group(backend: str, store: dist.Store, rank: int, world_size: int,
+                      hostname: str | None = None) -> ProcessGroupLike:
     """A gloo / NCCL group object of our own rather than init_process_group's global default group,
-    so several engines (and a user's own torch.distributed) can live in one process."""
+    so several engines (and a user's own torch.distributed) can live in one process.
+
+    ``hostname``: the address gloo binds on this rank (ranks on several machines: the node's own
+    address); None lets gloo resolve the host name, which one machine needs no more than.
+    """
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = COLLECTIVE_TIMEOUT
         return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    return dist.ProcessGroupGloo(store, rank, world_size, COLLECTIVE_TIMEOUT)
+    if hostname is None:
+        return dist.ProcessGroupGloo(store, rank, world_size, COLLECTIVE_TIMEOUT)
+    gloo_options = dist.ProcessGroupGloo._Options()
+    gloo_options._timeout = COLLECTIVE_TIMEOUT
+    gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+    return dist.ProcessGroupGloo(store, rank, world_size, gloo_options)
 
 
 def _rank_device(device: torch.device, rank: int) -> torch.device:
@@ -164,12 +174,12 @@ def _worker_main(rank: int, world_size: int, store_port: int, backend: str, conf
             torch.set_num_threads(threads)
         else:
             torch.cuda.set_device(device)
-        conn.send_bytes(_dumps(("started",)))
+        conn.send_bytes(dumps_message(("started",)))
         store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False,
                               timeout=COLLECTIVE_TIMEOUT)
-        group = _new_process_group(backend, store, rank, world_size)
+        group = new_process_group(backend, store, rank, world_size)
         runner = build_rank_runner(config, device, rank, world_size, group)
-        conn.send_bytes(_dumps(("ready",)))
+        conn.send_bytes(dumps_message(("ready",)))
         while True:
             try:
                 message = pickle.loads(conn.recv_bytes())
@@ -179,11 +189,11 @@ def _worker_main(rank: int, world_size: int, store_port: int, backend: str, conf
             if kind == "inputs":
                 inputs: ModelInputs = message[1]
                 if device.type != "cpu":
-                    _move_tensors(inputs, device)
+                    move_tensors(inputs, device)
                 runner.forward(inputs)
             elif kind == "init_kv_cache":
                 runner.init_kv_cache(message[1])
-                conn.send_bytes(_dumps(("ready",)))
+                conn.send_bytes(dumps_message(("ready",)))
             elif kind == "shutdown":
                 with contextlib.suppress(Exception):
                     group.shutdown()
@@ -196,7 +206,7 @@ def _worker_main(rank: int, world_size: int, store_port: int, backend: str, conf
                 raise RuntimeError(f"unknown message {kind!r}")
     except BaseException as error:
         with contextlib.suppress(OSError):
-            conn.send_bytes(_dumps(("error", traceback.format_exc())))
+            conn.send_bytes(dumps_message(("error", traceback.format_exc())))
         if isinstance(error, ValueError):  # a user error (a bad checkpoint): the driver reports it, once
             sys.exit(1)
         raise
@@ -285,7 +295,7 @@ def _stop(workers: WorkerSet, groups: list[ProcessGroupLike]) -> None:
 
     Module-level on purpose: weakref.finalize and atexit hold it, and it must not hold the executor.
     """
-    shutdown = _dumps(("shutdown",))
+    shutdown = dumps_message(("shutdown",))
     for conn in workers.conns:
         with contextlib.suppress(OSError, ValueError):
             conn.send_bytes(shutdown)
@@ -326,7 +336,7 @@ class MultiprocExecutor(Executor):
                               wait_for_workers=False)
         context = mp.get_context("spawn")
         processes, conns = [], []
-        with _main_module_hidden():
+        with main_module_hidden():
             for rank in range(1, world_size):
                 parent_conn, child_conn = context.Pipe()
                 process = context.Process(
@@ -346,7 +356,7 @@ class MultiprocExecutor(Executor):
         atexit.register(self._finalizer)
         try:
             self.workers.wait_for("started")
-            group = _new_process_group(backend, store, 0, world_size)
+            group = new_process_group(backend, store, 0, world_size)
             self._groups.append(group)
             self.driver = build_rank_runner(config, _rank_device(device, 0), 0, world_size, group)
             self.workers.wait_for("ready")
@@ -362,7 +372,7 @@ class MultiprocExecutor(Executor):
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self._check_workers()
-        self.workers.send(_dumps(("init_kv_cache", num_blocks)))
+        self.workers.send(dumps_message(("init_kv_cache", num_blocks)))
         self.driver.init_kv_cache(num_blocks)
         self.workers.wait_for("ready")
 
@@ -412,7 +422,7 @@ class MultiprocExecutor(Executor):
     def _broadcast_inputs(self, inputs: ModelInputs) -> None:
         self._in_forward = True
         try:
-            self.workers.send(_dumps(("inputs", inputs)))
+            self.workers.send(dumps_message(("inputs", inputs)))
         except OSError as error:
             self._failed = self.workers.failure() or f"a worker's pipe broke: {error!r}"
             raise RuntimeError(self._failed) from error

@@ -3,7 +3,8 @@
 
 Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/health``, ``/version``,
 ``/tokenize``, ``/detokenize`` and ``/metrics``. One uvicorn process serves them on one asyncio
-loop; the engine steps in its own thread (AsyncLLM). With ``--api-key`` every route but
+loop; the engine steps in its own thread (AsyncLLM), or with ``--data-parallel-size N`` N engines
+run as replicas behind a router (``router.py``) that offers the same surface. With ``--api-key`` every route but
 ``/health`` (and ``/metrics``, unless ``--metrics-require-key``) needs the key.
 
 Every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. Request
@@ -482,8 +483,14 @@ def run_server(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     try:
         names = served_model_names(args)
-        engine = AsyncLLM.from_config(config, model_name=names[0], stats_interval=args.stats_interval,
-                          log_requests=not args.disable_log_requests)
+        if config.data_parallel_size > 1:
+            from kvloom.entrypoints.openai.router import ReplicaRouter
+
+            engine = ReplicaRouter(config, model_name=names[0], stats_interval=args.stats_interval,
+                                   log_requests=not args.disable_log_requests, log_level=level)
+        else:
+            engine = AsyncLLM.from_config(config, model_name=names[0], stats_interval=args.stats_interval,
+                                          log_requests=not args.disable_log_requests)
     except BaseException:
         sock.close()
         raise

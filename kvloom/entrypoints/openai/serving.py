@@ -192,8 +192,8 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.engine.model_config.vocab_size
-        self.max_num_seqs = engine.engine.config.max_num_seqs
+        self.vocab_size = engine.input_processor.vocab_size
+        self.max_num_seqs = engine.max_num_seqs
         self.max_logprobs = max_logprobs
         if max_chars_per_token is None:
             max_chars_per_token = max_chars_per_token_of(self.tokenizer)

@@ -1,0 +1,526 @@
+"""Data-parallel replicas behind one server: ``kvloom serve MODEL --data-parallel-size N``.
+
+``ReplicaRouter`` starts N replicas (``kvloom/engine/replica.py``: each a whole engine with its own
+tensor-parallel group, in a local process, or in a Ray actor with ``--distributed-executor-backend
+ray``) and offers the server what ``AsyncLLM`` offers it (``generate``, ``abort``, the tokenizer and
+input processor, health, stats, metrics, ``shutdown``), so the OpenAI layer does not know which it
+serves. Prompts are tokenized and validated here, once, against the replicas' smallest KV cache.
+
+Routing (``choose_replica``): each request goes to the live replica with the fewest outstanding
+tokens (prompt tokens not yet computed plus tokens still to generate, as this router counts them
+from the outputs it relays), except that a replica already holding the request's prompt prefix
+(the chained hashes of its first ``PREFIX_BLOCKS`` full KV blocks, remembered per replica as
+requests are routed) is preferred while it is at most one such request's worth busier, so a
+shared prefix is computed once and stays in one prefix cache.
+
+Failures: a replica whose connection ends (its process or actor died) or whose engine died is
+taken out of the rotation at once and each of its in-flight requests fails with
+``ReplicaDeadError`` naming it; the other replicas keep serving. Only when every replica is dead
+is the router dead (``/health`` 503).
+
+``/metrics``: every replica's metrics with a ``replica`` label, then the total over the live
+replicas without one (``kv_cache_usage_perc`` averaged, the rest summed), and per replica
+``kvloom:replica_up`` and ``kvloom:replica_outstanding_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from kvloom.config import EngineConfig, resolve_config
+from kvloom.engine.async_engine import EngineDeadError, stream_outputs
+from kvloom.engine.input_processor import EngineRequest, InputProcessor, PromptInput
+from kvloom.engine.replica import LocalReplica, RayReplica, ReplicaSpec, no_delay, replica_config
+from kvloom.engine.scheduler import SchedulerStats, check_request_fits
+from kvloom.loader.tokenizer import load_tokenizer
+from kvloom.loader.weights import resolve_model
+from kvloom.metrics import EngineStats
+from kvloom.outputs import RequestOutput
+from kvloom.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("kvloom")
+
+# Full KV blocks of a prompt's start whose hashes identify its prefix, and how many prefixes
+# the router remembers (least recently routed forgotten first).
+PREFIX_BLOCKS = 8
+MAX_REMEMBERED_PREFIXES = 1 << 16
+# How long start-up waits for the replicas to connect and build their engines.
+STARTUP_TIMEOUT_S = 900.0
+# How long shutdown lets a replica end its requests and leave before it is killed.
+SHUTDOWN_GRACE_S = 30.0
+
+
+class ReplicaDeadError(EngineDeadError):
+    """The replica serving a request died; the request is lost (the other replicas still serve)."""
+
+
+# ---- the routing policy (plain functions: tested without replicas) ----------------------------------
+def prefix_hashes(token_ids: tuple[int, ...] | list[int], block_size: int,
+                  max_blocks: int = PREFIX_BLOCKS) -> list[int]:
+    """Chained hashes of the prompt's first full blocks, shortest prefix first (as the KV cache
+    manager chains its block hashes: each covers every token before it)."""
+    hashes = []
+    parent = 0
+    for start in range(0, min(len(token_ids) // block_size, max_blocks) * block_size, block_size):
+        parent = hash((parent, tuple(token_ids[start:start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+def choose_replica(outstanding: dict[int, int], holder: int | None, slack: int) -> int:
+    """The replica for a request: the least loaded (fewest outstanding tokens, lowest index on a
+    tie), or ``holder`` (the replica holding the prompt's prefix) while it is at most ``slack``
+    tokens busier. ``outstanding`` has the live replicas only."""
+    if not outstanding:
+        raise ValueError("no live replica to route to")
+    least = min(outstanding, key=lambda index: (outstanding[index], index))
+    if holder is not None and holder in outstanding and outstanding[holder] - outstanding[least] <= slack:
+        return holder
+    return least
+
+
+# ---- the router's state ------------------------------------------------------------------------------
+@dataclass
+class _Routed:
+    """A request in flight on a replica, and the tokens it still owes that replica."""
+
+    request_id: str
+    replica: int
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    deltas: bool
+    prompt_tokens: int
+    charge: int  # prompt tokens + tokens to generate, as first charged
+    started: bool = False  # the first output arrived (the prompt is computed)
+    generated: int = 0
+    remaining: int = 0
+
+
+@dataclass
+class _Replica:
+    index: int
+    handle: LocalReplica | RayReplica
+    conn: Connection | None = None
+    pid: int | None = None
+    alive: bool = True
+    death: str | None = None
+    outstanding: int = 0
+    in_flight: set[str] = field(default_factory=set)
+    stats: EngineStats = field(default_factory=EngineStats)
+    metrics_text: bytes = b""
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+class ReplicaRouter:
+    """N replicas behind the server's ``AsyncLLM`` surface; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, *, model_name: str | None = None, stats_interval: float = 10.0,
+                 log_requests: bool = True, log_level: str = "info") -> None:
+        if config.data_parallel_size < 2:
+            raise ValueError(f"ReplicaRouter runs data_parallel_size >= 2 replicas, got {config.data_parallel_size}")
+        resolved = resolve_config(config)
+        self.config = config
+        self.block_size = resolved.block_size
+        self.max_model_len = resolved.max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else resolved.source)
+        self.model_name = model_name or config.model
+        self._lock = threading.Lock()  # the routing state: replicas' loads, requests, prefixes
+        self._requests: dict[str, _Routed] = {}
+        self._prefixes: OrderedDict[int, int] = OrderedDict()
+        self._dead_error: BaseException | None = None
+        self._closing = False
+        self.replicas: list[_Replica] = []
+        self._start(config, resolved.device.type, log_level, stats_interval, log_requests)
+        num_usable_blocks = self._num_usable_blocks
+
+        def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_tokens_must_fit: bool = False) -> None:
+            check_request_fits(self.max_model_len, self.block_size, num_usable_blocks, num_prompt_tokens,
+                               max_tokens, max_tokens_must_fit)
+
+        self.input_processor = InputProcessor(self.tokenizer, resolved.model.vocab_size, check_fits)
+        self.metrics = _RouterMetrics(self)
+        for replica in self.replicas:
+            threading.Thread(target=self._read, args=(replica,), name=f"kvloom-router-{replica.index}",
+                             daemon=True).start()
+        logger.info("serving %d data-parallel replicas (%s), %d usable KV blocks each at least",
+                    len(self.replicas), "Ray actors" if config.distributed_executor_backend == "ray"
+                    else "local processes", num_usable_blocks)
+
+    # ---- start-up ----------------------------------------------------------------------------------
+    def _start(self, config: EngineConfig, device: str, log_level: str, stats_interval: float,
+               log_requests: bool) -> None:
+        size = config.data_parallel_size
+        on_ray = config.distributed_executor_backend == "ray"
+        host = "127.0.0.1"
+        if on_ray:
+            from kvloom import ray_cluster
+
+            ray_cluster.connect("data_parallel_size with distributed_executor_backend='ray'")
+            host = ray_cluster.node_ip_address()
+        authkey = secrets.token_bytes(32)
+        listener = Listener((host, 0), authkey=authkey)
+        cpus = _cpu_shares(size, config) if not on_ray else [None] * size
+        threads = config.backend.num_threads
+        if threads is None and not on_ray and device == "cpu":
+            threads = max(1, len(_usable_cpus()) // (size * config.tensor_parallel_size)) * config.tensor_parallel_size
+        accepted: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_accept, args=(listener, accepted), name="kvloom-router-accept", daemon=True).start()
+        try:
+            for index in range(size):
+                spec = ReplicaSpec(index, replica_config(config, device, threads), listener.address, authkey,
+                                   self.model_name, log_level, stats_interval, log_requests, cpus[index])
+                handle = RayReplica(spec) if on_ray else LocalReplica(spec)
+                self.replicas.append(_Replica(index, handle))
+            self._num_usable_blocks = self._wait_ready(accepted)
+        except BaseException:
+            self._kill_all()
+            raise
+        finally:
+            listener.close()
+
+    def _wait_ready(self, accepted: queue.SimpleQueue) -> int:
+        """Wait until every replica has connected and built its engine; their fewest usable KV blocks."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        connections: list[Connection] = []  # not yet ready: what follows "ready" is for the reader thread
+        blocks: dict[int, int] = {}
+        while len(blocks) < len(self.replicas):
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    connections.append(accepted.get_nowait())
+            for conn in list(connections):
+                if not conn.poll():
+                    continue
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    connections.remove(conn)
+                    continue
+                if message[0] == "hello":
+                    replica = self.replicas[message[1]]
+                    replica.conn, replica.pid = conn, message[2]
+                elif message[0] == "ready":
+                    blocks[message[1]] = message[2]
+                    connections.remove(conn)
+                elif message[0] == "failed":
+                    error = message[2]
+                    if isinstance(error, ValueError):
+                        raise error
+                    raise RuntimeError(f"replica {message[1]} failed to start: {error}") from error
+            for replica in self.replicas:
+                if replica.index not in blocks and not replica.handle.alive():
+                    raise RuntimeError(f"replica {replica.index} {replica.handle.describe_exit()} while starting; "
+                                       f"its log is above")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the replicas did not start within {STARTUP_TIMEOUT_S:.0f}s "
+                                   f"({len(blocks)} of {len(self.replicas)} ready)")
+            time.sleep(0.05)
+        return min(blocks.values())
+
+    # ---- the AsyncLLM surface ----------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error
+
+    def check_health(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead_error}") from self._dead_error
+
+    def get_stats(self) -> EngineStats:
+        """The live replicas' latest stats, summed (KV cache usage averaged)."""
+        live = [r.stats for r in self.replicas if r.alive]
+        if not live:
+            return EngineStats()
+        totals = {f.name: sum(getattr(s.scheduler, f.name) for s in live)
+                  for f in dataclasses.fields(SchedulerStats)}
+        totals["kv_cache_usage"] /= len(live)
+        return EngineStats(scheduler=SchedulerStats(**totals), prompt_tokens=sum(s.prompt_tokens for s in live),
+                           generation_tokens=sum(s.generation_tokens for s in live),
+                           timestamp=max(s.timestamp for s in live))
+
+    def has_requests(self) -> bool:
+        return bool(self._requests)
+
+    async def generate(self, prompt: PromptInput | EngineRequest, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """AsyncLLM.generate on the replica ``choose_replica`` picks."""
+        self.check_health()
+        if isinstance(prompt, EngineRequest):
+            request = prompt
+            if sampling_params is not None and sampling_params is not request.sampling_params:
+                raise ValueError("an EngineRequest carries its own sampling_params; pass None")
+            if request_id is not None and request_id != request.request_id:
+                request = dataclasses.replace(request, request_id=request_id)
+        else:
+            if request_id is None:
+                raise ValueError("generate() needs a request_id")
+            request = self.input_processor.process(request_id, prompt, sampling_params, arrival_time=arrival_time)
+        routed = self._route(request)
+        self._send(self.replicas[routed.replica], ("add", request))
+        async for output in stream_outputs(routed.queue, request, self.abort):
+            yield output
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests on the replicas serving them (which answer with a last, finished output)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        by_replica: dict[int, list[str]] = {}
+        with self._lock:
+            for rid in ids:
+                routed = self._requests.get(rid)
+                if routed is not None:
+                    by_replica.setdefault(routed.replica, []).append(rid)
+        for index, rids in by_replica.items():
+            self._send(self.replicas[index], ("abort", rids))
+
+    def shutdown(self, timeout: float | None = SHUTDOWN_GRACE_S, reason: str = "the engine was shut down") -> None:
+        """Stop every replica (their requests end with EngineDeadError(reason)) and wait for them."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        for replica in self.replicas:
+            if replica.alive:
+                self._send(replica, ("shutdown", reason))
+        deadline = time.monotonic() + (timeout if timeout is not None else SHUTDOWN_GRACE_S)
+        for replica in self.replicas:
+            replica.handle.stop(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            if self._dead_error is None:
+                self._dead_error = EngineDeadError(reason)
+            failed = [(r, EngineDeadError(reason)) for r in self._requests.values()]
+            self._requests.clear()
+        self._deliver_errors(failed)
+
+    # ---- routing and bookkeeping -------------------------------------------------------------------
+    def _route(self, request: EngineRequest) -> _Routed:
+        params = request.sampling_params
+        prompt_tokens = len(request.prompt_token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_tokens
+        charge = prompt_tokens + params.n * max(1, min(max_tokens, self.max_model_len - prompt_tokens))
+        hashes = prefix_hashes(request.prompt_token_ids, self.block_size)
+        with self._lock:
+            if self._dead_error is not None:
+                raise EngineDeadError(f"the engine is dead: {self._dead_error}")
+            if request.request_id in self._requests:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            outstanding = {r.index: r.outstanding for r in self.replicas if r.alive}
+            holder = next((self._prefixes[h] for h in reversed(hashes) if h in self._prefixes), None)
+            index = choose_replica(outstanding, holder, slack=charge)
+            for h in hashes:
+                self._prefixes[h] = index
+                self._prefixes.move_to_end(h)
+            while len(self._prefixes) > MAX_REMEMBERED_PREFIXES:
+                self._prefixes.popitem(last=False)
+            routed = _Routed(request.request_id, index, asyncio.get_running_loop(), asyncio.Queue(),
+                             params.output_kind == RequestOutputKind.DELTA, prompt_tokens, charge, remaining=charge)
+            replica = self.replicas[index]
+            replica.outstanding += charge
+            replica.in_flight.add(request.request_id)
+            self._requests[request.request_id] = routed
+        return routed
+
+    def _send(self, replica: _Replica, message: tuple) -> None:
+        if not replica.alive or replica.conn is None:
+            return
+        try:
+            with replica.send_lock:
+                replica.conn.send(message)
+        except (OSError, ValueError) as error:
+            self._replica_died(replica, f"its connection broke ({error!r})")
+
+    def _read(self, replica: _Replica) -> None:
+        """A thread per replica: its outputs to their callers' queues; its death when it goes quiet."""
+        conn = replica.conn
+        while True:
+            try:
+                batch = conn.recv()
+            except (EOFError, OSError):
+                if not self._closing:
+                    self._replica_died(replica, f"its process {replica.handle.describe_exit()}")
+                else:
+                    self._replica_died(replica, "the server is shutting down")
+                return
+            except Exception:  # noqa: BLE001 - an unreadable batch: the replica cannot be trusted
+                logger.exception("replica %d sent an unreadable message", replica.index)
+                replica.handle.kill()
+                self._replica_died(replica, "it sent an unreadable message")
+                return
+            self._dispatch(replica, batch)
+
+    def _dispatch(self, replica: _Replica, batch: list[tuple]) -> None:
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        engine_died = False
+        with self._lock:
+            for message in batch:
+                kind = message[0]
+                if kind == "stats":
+                    replica.stats, replica.metrics_text = message[1], message[2]
+                    continue
+                if kind == "dead":
+                    replica.death = message[1]
+                    engine_died = True
+                    continue
+                routed = self._requests.get(message[1])
+                if routed is None or routed.replica != replica.index:
+                    continue
+                item = message[2]
+                finished = kind == "error" or item.finished
+                if kind == "output":
+                    self._account(replica, routed, item)
+                if finished:
+                    self._forget(replica, routed)
+                deliveries.setdefault(routed.loop, []).append((routed.queue, item))
+        for loop, items in deliveries.items():
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody listens
+                loop.call_soon_threadsafe(_put_all, items)
+        if engine_died:  # the replica's process lives on with a dead engine: out of the rotation, and gone
+            self._send(replica, ("shutdown", "its engine died"))
+            self._replica_died(replica, replica.death or "its engine died")
+
+    def _account(self, replica: _Replica, routed: _Routed, output: RequestOutput) -> None:
+        tokens = sum(len(completion.token_ids) for completion in output.outputs)
+        routed.generated = routed.generated + tokens if routed.deltas else tokens
+        routed.started = True
+        remaining = max(0, routed.charge - routed.prompt_tokens - routed.generated)
+        replica.outstanding += remaining - routed.remaining
+        routed.remaining = remaining
+
+    def _forget(self, replica: _Replica, routed: _Routed) -> None:
+        replica.outstanding -= routed.remaining
+        replica.in_flight.discard(routed.request_id)
+        self._requests.pop(routed.request_id, None)
+
+    def _replica_died(self, replica: _Replica, how: str) -> None:
+        """Out of the rotation; its in-flight requests fail; the router dies with its last replica."""
+        with self._lock:
+            if not replica.alive:
+                return
+            replica.alive = False
+            why = replica.death or how
+            message = f"replica {replica.index} (pid {replica.pid}) died: {why}"
+            failed = []
+            for rid in list(replica.in_flight):
+                routed = self._requests.pop(rid, None)
+                if routed is not None:
+                    failed.append((routed, ReplicaDeadError(f"{message}; the request was lost with it "
+                                                            f"(the other replicas keep serving)")))
+            replica.in_flight.clear()
+            replica.outstanding = 0
+            for h in [h for h, index in self._prefixes.items() if index == replica.index]:
+                del self._prefixes[h]
+            if not any(r.alive for r in self.replicas) and self._dead_error is None:
+                self._dead_error = EngineDeadError(f"every replica is dead; the last: {message}")
+        if not self._closing:
+            logger.error("%s; %d in-flight request(s) failed; %d replica(s) still serving", message, len(failed),
+                         sum(r.alive for r in self.replicas))
+        self._deliver_errors(failed)
+
+    def _deliver_errors(self, failed: list[tuple[_Routed, BaseException]]) -> None:
+        for routed, error in failed:
+            with contextlib.suppress(RuntimeError):
+                routed.loop.call_soon_threadsafe(routed.queue.put_nowait, error)
+
+    def _kill_all(self) -> None:
+        for replica in self.replicas:
+            replica.handle.kill()
+        for replica in self.replicas:
+            replica.handle.stop(5.0)
+
+
+def _accept(listener: Listener, accepted: queue.SimpleQueue) -> None:
+    """A thread: the replicas' connections, until the listener closes."""
+    while True:
+        try:
+            accepted.put(no_delay(listener.accept()))
+        except OSError:
+            return
+        except Exception:  # noqa: BLE001 - a client without the key: refused, keep listening
+            logger.warning("refused a connection to the replica router", exc_info=True)
+
+
+def _usable_cpus() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def _cpu_shares(size: int, config: EngineConfig) -> list[tuple[int, ...] | None]:
+    """Local replicas' cores: an equal share each when the machine's cores divide among them (so
+    two replicas never fight over one core), none (no pinning) otherwise or on CUDA."""
+    cpus = _usable_cpus()
+    per_replica = config.backend.num_threads or len(cpus) // size
+    if config.device.startswith("cuda") or per_replica < 1 or per_replica * size > len(cpus):
+        return [None] * size
+    return [tuple(cpus[i * per_replica:(i + 1) * per_replica]) for i in range(size)]
+
+
+# ---- /metrics ----------------------------------------------------------------------------------------
+class _ReplicaMetricsCollector(Collector):
+    def __init__(self, router: ReplicaRouter) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        totals: dict[str, dict[tuple, list[float]]] = {}
+        for replica in self.router.replicas:
+            if not replica.alive or not replica.metrics_text:
+                continue
+            for family in text_string_to_metric_families(replica.metrics_text.decode()):
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                for sample in family.samples:
+                    merged.add_sample(sample.name, {**sample.labels, "replica": str(replica.index)}, sample.value)
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    totals.setdefault(family.name, {}).setdefault(key, []).append(sample.value)
+        for name, merged in families.items():
+            for (sample_name, labels), values in totals.get(name, {}).items():
+                value = sum(values) / len(values) if name == "kvloom:kv_cache_usage_perc" else sum(values)
+                merged.add_sample(sample_name, dict(labels), value)
+            yield merged
+        up = Metric("kvloom:replica_up", "1 while the data-parallel replica serves, 0 once it died.", "gauge")
+        outstanding = Metric("kvloom:replica_outstanding_tokens",
+                             "Tokens the router counts as still owed by the replica (its routing load).", "gauge")
+        for replica in self.router.replicas:
+            labels = {"model_name": self.router.model_name, "replica": str(replica.index)}
+            up.add_sample("kvloom:replica_up", labels, 1.0 if replica.alive else 0.0)
+            outstanding.add_sample("kvloom:replica_outstanding_tokens", labels, float(replica.outstanding))
+        yield up
+        yield outstanding
+
+
+class _RouterMetrics:
+    """``render()`` as EngineMetrics has it: the replicas' metrics, labelled, and their total."""
+
+    def __init__(self, router: ReplicaRouter) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_ReplicaMetricsCollector(router))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
