@@ -334,26 +334,30 @@ def _clean_prompt(text: str) -> str | None:
     return text if 10 <= len(text) <= 400 else None
 
 
-def generate_prompts(llm: Any, count: int, seed: int) -> list[str]:
-    """``count`` distinct prompts that the target writes itself (temperature 0.8, one seed each)."""
+def generate_prompts(llm: Any, count: int, seed: int, deadline: float = math.inf) -> list[str]:
+    """Up to ``count`` distinct prompts that the target writes itself (temperature 0.8, one seed each).
+
+    Requests go in chunks; no new chunk starts after ``deadline`` (time.monotonic())."""
     from kvloom.sampling_params import SamplingParams
 
     prompts: list[str] = []
     seen: set[str] = set()
-    attempt = 0
-    while len(prompts) < count and attempt < 4:
-        wanted = int((count - len(prompts)) * 1.3) + 4
-        base = seed * 1_000_003 + attempt * wanted
+    index = seed * 1_000_003
+    chunk = 128
+    while len(prompts) < count and index < seed * 1_000_003 + 4 * count + chunk:
+        if prompts and time.monotonic() > deadline:
+            break
         conversations = [[{"role": "user", "content": PROMPT_KINDS[i % len(PROMPT_KINDS)].format(
-            field=FIELDS[(i // len(PROMPT_KINDS)) % len(FIELDS)])}] for i in range(base, base + wanted)]
+            field=FIELDS[(i // len(PROMPT_KINDS)) % len(FIELDS)])}] for i in range(index, index + chunk)]
         # No top-p: sorting the vocabulary for every row triples the step time on the CPU.
-        params = [SamplingParams(temperature=0.8, max_tokens=60, seed=base + i) for i in range(wanted)]
+        params = [SamplingParams(temperature=0.8, max_tokens=48, seed=i) for i in range(index, index + chunk)]
+        index += chunk
         for output in llm.chat(conversations, params, use_tqdm=False):
             prompt = _clean_prompt(output.outputs[0].text)
             if prompt is not None and prompt.lower() not in seen:
                 seen.add(prompt.lower())
                 prompts.append(prompt)
-        attempt += 1
+        print(f"  {len(prompts)} prompts written", flush=True)
     return prompts[:count]
 
 
@@ -365,7 +369,7 @@ def generate_responses(llm: Any, prompts: list[str], max_tokens: int, deadline: 
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     sequences: list[TrainingSequence] = []
-    chunk = 256
+    chunk = 128
     for start in range(0, len(prompts), chunk):
         if start and time.monotonic() > deadline:
             break
@@ -619,12 +623,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     llm = LLM(model=args.model, max_model_len=args.max_model_len, max_num_seqs=128,
               override_backend_config={"num_threads": threads})
     total_prompts = args.num_prompts + args.eval_prompts
-    prompts = generate_prompts(llm, total_prompts, args.seed)
-    print(f"{len(prompts)} prompts, e.g. {prompts[:3]}")
+    # Writing prompts may take a fifth of the budget, answering them until half of it; training needs the rest.
+    prompts = generate_prompts(llm, total_prompts, args.seed, deadline=start + 0.2 * budget)
+    print(f"{len(prompts)} prompts, e.g. {prompts[:3]}", flush=True)
     phase("prompts", began)
 
     began = time.monotonic()
-    # Generation may take at most half the budget; training needs the rest.
     sequences = generate_responses(llm, prompts, args.max_tokens, deadline=start + 0.5 * budget)
     del llm
     num_tokens = sum(len(s.token_ids) for s in sequences)
