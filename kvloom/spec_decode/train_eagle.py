@@ -92,10 +92,20 @@ FIELDS = (
     "cybersecurity", "smartphones", "home repair", "parenting", "pets", "friendship", "holidays",
     "fashion", "email writing", "time management", "public speaking", "farming", "inventions",
 )
+# The target writes two thirds of the prompts from these (the 135M model writes good questions, not
+# good task requests; few-shot lists confuse it).
 PROMPT_KINDS = (
-    "Write one question that a person might ask an AI assistant about {field}. Write only the question.",
-    "Write one request that asks an AI assistant to do a task about {field}, such as explaining, listing, "
-    "comparing, summarizing or writing something. Write only the request.",
+    "Write one question a curious person might ask about {field}. Reply with only the question.",
+    "Write one question a student might ask a teacher about {field}. Reply with only the question.",
+)
+# The other third: tasks, filled in with a field.
+TASK_TEMPLATES = (
+    "Explain {field} to a beginner.", "Write a short story that involves {field}.",
+    "Give me three tips about {field}.", "Write a short poem about {field}.",
+    "What are the most important ideas in {field}?", "Summarize the history of {field} in a paragraph.",
+    "List five interesting facts about {field}.", "Write an email to a friend about {field}.",
+    "What are common mistakes people make with {field}?", "Describe a day in the life of someone who works "
+    "in {field}.", "Compare two different approaches to {field}.", "Write the opening of a blog post about {field}.",
 )
 EVAL_DRAFT_TOKENS = 4
 P_LOSS_WEIGHT = 0.1  # EAGLE's weight of the token loss next to the feature loss
@@ -252,12 +262,6 @@ class Target:
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.lm_head.weight  # [V, H]
 
-    def last_layer_weights(self, source: ModelSource) -> dict[str, torch.Tensor]:
-        """The last decoder layer's tensors under HF names less the layer prefix (self_attn.q_proj.weight, ...)."""
-        prefix = f"model.layers.{self.config.num_hidden_layers - 1}."
-        return {name.removeprefix(prefix): tensor for name, tensor in iter_weights(source)
-                if name.startswith(prefix)}
-
     @torch.inference_mode()
     def forward(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
         """Token ids of whole sequences ([n_i] each) -> their features ([n_i, H] each): the hidden states
@@ -293,13 +297,21 @@ class Target:
                  deadline: float = math.inf) -> list[TrainingSequence]:
         """Fill sequences' features ([n, H] bfloat16) until ``deadline`` (time.monotonic()); returns
         the sequences that have them."""
-        done = []
-        for batch in _length_batches(sequences, max_batch_tokens):
+        done: list[TrainingSequence] = []
+        batch: list[TrainingSequence] = []
+        # One flat prefill per batch, no padding: sequences go in their order, max_batch_tokens at a time.
+        for index, sequence in enumerate(sequences):
+            batch.append(sequence)
+            batch_tokens = sum(len(s.token_ids) for s in batch)
+            last = index == len(sequences) - 1
+            if not last and batch_tokens + len(sequences[index + 1].token_ids) <= max_batch_tokens:
+                continue
             if done and time.monotonic() > deadline:
                 break
-            for sequence, features in zip(batch, self.forward([s.token_ids for s in batch])):
-                sequence.features = features.to(torch.bfloat16).clone()
-                done.append(sequence)
+            for s, features in zip(batch, self.forward([s.token_ids for s in batch])):
+                s.features = features.to(torch.bfloat16).clone()
+                done.append(s)
+            batch = []
         return done
 
 
@@ -325,13 +337,22 @@ def _length_batches(sequences: list[TrainingSequence], max_batch_tokens: int,
 
 
 def _clean_prompt(text: str) -> str | None:
-    """The prompt in a generated reply, or None when there is none worth keeping."""
+    """The question in a generated reply (quoted, after a colon, or the whole first line), or None."""
     text = text.strip().split("\n")[0].strip()
-    quoted = re.search(r'"([^"]{10,})"', text)
+    quoted = re.search(r'"([^"]{10,})"', text) or re.search(r"'([^']{10,}\?)'", text)
     if quoted:
         text = quoted.group(1)
-    text = re.sub(r"^(question|request|instruction)\s*:\s*", "", text, flags=re.IGNORECASE).strip()
-    return text if 10 <= len(text) <= 400 else None
+    elif ":" in text:
+        text = text.rpartition(":")[2]
+    text = text.strip()
+    return text if 10 <= len(text) <= 300 and "?" in text else None
+
+
+def task_prompts(count: int, seed: int) -> list[str]:
+    """Up to ``count`` task prompts from TASK_TEMPLATES x FIELDS, in a seeded order."""
+    prompts = [template.format(field=field) for template in TASK_TEMPLATES for field in FIELDS]
+    random.Random(seed).shuffle(prompts)
+    return prompts[:count]
 
 
 def generate_prompts(llm: Any, count: int, seed: int, deadline: float = math.inf) -> list[str]:
@@ -350,7 +371,7 @@ def generate_prompts(llm: Any, count: int, seed: int, deadline: float = math.inf
         conversations = [[{"role": "user", "content": PROMPT_KINDS[i % len(PROMPT_KINDS)].format(
             field=FIELDS[(i // len(PROMPT_KINDS)) % len(FIELDS)])}] for i in range(index, index + chunk)]
         # No top-p: sorting the vocabulary for every row triples the step time on the CPU.
-        params = [SamplingParams(temperature=0.8, max_tokens=48, seed=i) for i in range(index, index + chunk)]
+        params = [SamplingParams(temperature=0.8, max_tokens=40, seed=i) for i in range(index, index + chunk)]
         index += chunk
         for output in llm.chat(conversations, params, use_tqdm=False):
             prompt = _clean_prompt(output.outputs[0].text)
@@ -369,7 +390,7 @@ def generate_responses(llm: Any, prompts: list[str], max_tokens: int, deadline: 
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     sequences: list[TrainingSequence] = []
-    chunk = 128
+    chunk = 64
     for start in range(0, len(prompts), chunk):
         if start and time.monotonic() > deadline:
             break
@@ -413,21 +434,25 @@ def _training_batch(batch: list[TrainingSequence], embed: torch.Tensor, noise: f
 
 
 def head_losses(head: EagleHead, lm_head: torch.Tensor, embeds: torch.Tensor, features: torch.Tensor,
-                target_features: torch.Tensor, next_tokens: torch.Tensor, mask: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(feature loss v, token loss p, top-1 accuracy) on the masked steps."""
+                target_features: torch.Tensor, next_tokens: torch.Tensor, mask: torch.Tensor,
+                ce_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(feature loss v, token loss p, top-1 accuracy) on the masked steps; p and the accuracy only on
+    ``ce_rows`` of them when given (the LM head's [V, H] product is most of a step's time)."""
     positions = torch.arange(embeds.shape[1])
     out = head(embeds, features, positions)[mask]
     v = F.smooth_l1_loss(out.float(), target_features[mask])
+    labels = next_tokens[mask]
+    if ce_rows is not None:
+        out, labels = out[ce_rows], labels[ce_rows]
     logits = out @ lm_head.to(out.dtype).T
-    p = F.cross_entropy(logits.float(), next_tokens[mask])
-    accuracy = (logits.argmax(-1) == next_tokens[mask]).float().mean()
+    p = F.cross_entropy(logits.float(), labels)
+    accuracy = (logits.argmax(-1) == labels).float().mean()
     return v, p, accuracy
 
 
 def train_head(head: EagleHead, target: Target, sequences: list[TrainingSequence], deadline: float, *,
                lr: float, max_batch_tokens: int, max_epochs: int, noise: float, seed: int,
-               log_every_s: float = 30.0) -> list[float]:
+               ce_fraction: float = 1.0, log_every_s: float = 30.0) -> list[float]:
     """AdamW until ``deadline`` (time.monotonic()) or max_epochs; returns the loss of every step."""
     embed = target.embed_weight.detach()
     lm_head = target.lm_head_weight.detach()
@@ -452,8 +477,12 @@ def train_head(head: EagleHead, target: Target, sequences: list[TrainingSequence
             tensors = _training_batch(batch, embed, noise, noise_rng)
             if not tensors[4].any():
                 continue
+            rows = int(tensors[4].sum())
+            ce_rows = None
+            if ce_fraction < 1.0:
+                ce_rows = torch.randperm(rows, generator=noise_rng)[:max(1, round(ce_fraction * rows))]
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                v, p, accuracy = head_losses(head, lm_head, *tensors)
+                v, p, accuracy = head_losses(head, lm_head, *tensors, ce_rows=ce_rows)
             loss = v + P_LOSS_WEIGHT * p
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -570,22 +599,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "epochs (default %(default)s)")
     parser.add_argument("--noise", type=float, default=0.2, help="width of the uniform noise added to input "
                         "features while training, EAGLE's 0.2 (default %(default)s)")
-    parser.add_argument("--init", choices=("last-layer", "random"), default="last-layer",
-                        help="start the head's layer from the target's last layer or at random "
-                             "(default %(default)s)")
+    parser.add_argument("--ce-fraction", type=float, default=0.25, help="share of each batch's steps whose "
+                        "token loss is computed: the LM head's product is most of a step (default %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=512, help="the generating engine's max_model_len")
+    parser.add_argument("--replies", default=None, help="a file of the replies (token ids and features): "
+                        "read when it exists, skipping phases 1 and 2, and written after the features")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: KVLOOM_NUM_THREADS, "
                         "else every core)")
     parser.add_argument("--seed", type=int, default=0)
     return parser
-
-
-def _init_from_last_layer(head: EagleHead, target: Target, source: ModelSource) -> None:
-    """Copy the target's last decoder layer (less its input norm) into the head's layer."""
-    last = target.last_layer_weights(source)
-    with torch.no_grad():
-        for name, param in head.layers[0].named_parameters():
-            param.copy_(last[name])
 
 
 def _split(sequences: Sequence[TrainingSequence], eval_count: int, seed: int
@@ -597,12 +619,47 @@ def _split(sequences: Sequence[TrainingSequence], eval_count: int, seed: int
     return shuffled[eval_count:], shuffled[:eval_count]
 
 
+def generate_data(args: argparse.Namespace, threads: int, start: float, budget: float,
+                  phase: Any) -> list[TrainingSequence]:
+    """Phases 1 and 2 with kvloom's engine: prompts the target writes, then its greedy replies."""
+    from kvloom.llm import LLM
+
+    began = time.monotonic()
+    llm = LLM(model=args.model, max_model_len=args.max_model_len, max_num_seqs=128,
+              override_backend_config={"num_threads": threads})
+    # Writing prompts may take 10% of the budget and answering them until 35%; the features cost about
+    # as much again, and training needs the rest.
+    total = args.num_prompts + args.eval_prompts
+    tasks = task_prompts(total // 3, args.seed)
+    prompts = generate_prompts(llm, total - len(tasks), args.seed, deadline=start + 0.1 * budget)
+    prompts += tasks
+    random.Random(args.seed).shuffle(prompts)
+    print(f"{len(prompts)} prompts, e.g. {prompts[:3]}", flush=True)
+    phase("prompts", began)
+    began = time.monotonic()
+    sequences = generate_responses(llm, prompts, args.max_tokens, deadline=start + 0.35 * budget)
+    phase("responses", began)
+    return sequences
+
+
+def save_replies(sequences: list[TrainingSequence], path: Path) -> None:
+    """Token ids, prompt lengths and (where computed) features, for a later run's --replies."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save([(s.token_ids.to(torch.int32), s.prompt_len, s.features) for s in sequences], path)
+
+
+def load_replies(path: Path) -> list[TrainingSequence]:
+    return [TrainingSequence(ids.long(), prompt_len, features) for ids, prompt_len, features in torch.load(path)]
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     for name in ("num_prompts", "eval_prompts", "max_tokens", "num_speculative_tokens", "batch_tokens",
                  "max_epochs", "max_model_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not 0.0 < args.ce_fraction <= 1.0:
+        raise ValueError(f"--ce-fraction must be in (0, 1], got {args.ce_fraction}")
     if args.minutes <= 0:
         raise ValueError(f"--minutes must be positive, got {args.minutes}")
     start = time.monotonic()
@@ -617,42 +674,40 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         timings[name] = time.monotonic() - began
         print(f"[{name}] {timings[name]:.1f} s (total {time.monotonic() - start:.1f} s)", flush=True)
 
-    from kvloom.llm import LLM
-
-    began = time.monotonic()
-    llm = LLM(model=args.model, max_model_len=args.max_model_len, max_num_seqs=128,
-              override_backend_config={"num_threads": threads})
-    total_prompts = args.num_prompts + args.eval_prompts
-    # Writing prompts may take a fifth of the budget, answering them until half of it; training needs the rest.
-    prompts = generate_prompts(llm, total_prompts, args.seed, deadline=start + 0.2 * budget)
-    print(f"{len(prompts)} prompts, e.g. {prompts[:3]}", flush=True)
-    phase("prompts", began)
-
-    began = time.monotonic()
-    sequences = generate_responses(llm, prompts, args.max_tokens, deadline=start + 0.5 * budget)
-    del llm
+    replies_path = Path(args.replies).expanduser() if args.replies else None
+    if replies_path is not None and replies_path.exists():
+        began = time.monotonic()
+        sequences = load_replies(replies_path)
+        print(f"{len(sequences)} replies from {replies_path}", flush=True)
+        phase("responses", began)
+    else:
+        sequences = generate_data(args, threads, start, budget, phase)
     num_tokens = sum(len(s.token_ids) for s in sequences)
     num_response = sum(len(s.token_ids) - s.prompt_len for s in sequences)
-    print(f"{len(sequences)} replies: {num_tokens} tokens, {num_response} of them generated")
-    phase("responses", began)
+    print(f"{len(sequences)} replies: {num_tokens} tokens, {num_response} of them generated", flush=True)
 
     began = time.monotonic()
     torch.set_num_threads(threads)
     target = Target(source)
-    # Features may run until 60% of the budget; sequences left without them are dropped.
-    sequences = target.features(sequences, max_batch_tokens=4096, deadline=start + 0.6 * budget)
-    print(f"features of {len(sequences)} sequences ({sum(len(s.token_ids) for s in sequences)} tokens)")
+    # Features cost about what decoding did per token: they may take 30% of the time left; sequences
+    # left without them are dropped.
+    now = time.monotonic()
+    target.features([s for s in sequences if s.features is None], max_batch_tokens=4096,
+                    deadline=now + 0.3 * max(start + budget - now, 0.0))
+    if replies_path is not None:
+        save_replies(sequences, replies_path)
+    sequences = [s for s in sequences if s.features is not None]
+    print(f"features of {len(sequences)} sequences ({sum(len(s.token_ids) for s in sequences)} tokens)",
+          flush=True)
     phase("features", began)
 
     train, held_out = _split(sequences, args.eval_prompts, args.seed)
     head = EagleHead(target.config)
-    if args.init == "last-layer":
-        _init_from_last_layer(head, target, source)
     began = time.monotonic()
-    eval_reserve = min(0.05 * budget, 120.0)
+    eval_reserve = min(0.08 * budget, 150.0)
     losses = train_head(head, target, train, start + budget - eval_reserve, lr=args.lr,
                         max_batch_tokens=args.batch_tokens, max_epochs=args.max_epochs, noise=args.noise,
-                        seed=args.seed)
+                        seed=args.seed, ce_fraction=args.ce_fraction)
     if losses:
         window = max(len(losses) // 10, 1)
         print(f"{len(losses)} steps; loss {sum(losses[:window]) / window:.4f} (first tenth) -> "
