@@ -17,7 +17,8 @@ import torch
 from kvloom import LLM, SamplingParams
 from kvloom.layers.linear import Linear
 from kvloom.ops import int8
-from tests.e2e.test_correctness import hf_greedy, kvloom_greedy, mixed_prompts
+
+from .test_correctness import hf_greedy, kvloom_greedy, mixed_prompts
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
