@@ -4,12 +4,14 @@ Wall time is what a step waits; with --threads 1 the CPU time is printed too, wh
 on a shared host.
 
     .venv/bin/python benchmarks/attention_micro.py [--threads 2] [--repeats 30] [--backends native,cpu]
+    .venv/bin/python benchmarks/attention_micro.py --backends cpu-rows,cpu   # the key cache's two layouts
 
 Two batches with SmolLM2-135M's shapes (9 query heads, 3 KV heads, head size 64, bf16, blocks of 16):
 a decode batch (64 requests, ~384 cached tokens each) and a prefill batch (16 fresh prompts of ~150
-tokens). Each call reads a different layer's cache in turn, as a model would, so the K/V come from
-memory rather than from a cache the previous call warmed. The metadata is built as the model
-runner builds it (decodes padded to a 64-token bucket for 'native').
+tokens). 'cpu' reads the key cache in the layout the op table allocates (pairs where the build has
+AVX512-BF16), 'cpu-rows' the same kernel on keys in rows. Each call reads a different layer's cache
+in turn, as a model would, so the K/V come from memory rather than from a cache the previous call
+warmed. The metadata is built as the model runner builds it (decodes padded to a 64-token bucket for 'native').
 """
 
 from __future__ import annotations
@@ -68,18 +70,32 @@ def build_step(batch: list[tuple[int, int]], layers: int, dtype: torch.dtype, se
     return metadata, q, k, v, caches
 
 
+def in_layout(ops, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The caches (keys in rows) with their keys copied into the layout ``ops`` allocates."""
+    out = []
+    for key_cache, value_cache in caches:
+        blocks = key_cache.shape[0]
+        key_like, _ = ops.allocate_kv_cache(1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, key_cache.dtype, "cpu")
+        if key_like.dim() == 5:  # [blocks, block_size, Hkv, D] -> [blocks, Hkv, D / 2, block_size, 2]
+            key_cache = key_cache.view(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM // 2, 2).permute(0, 2, 3, 1, 4)
+        out.append((key_cache.contiguous(), value_cache))
+    return out
+
+
 def time_backends(name: str, backends: list[str], step, repeats: int) -> None:
-    metadata, q, k, v, caches = step
+    metadata, q, k, v, rows_caches = step
     scale = HEAD_DIM ** -0.5
-    attention = {b: select_ops(torch.device("cpu"), torch.bfloat16, b).attention for b in backends}
+    ops = {b: select_ops(torch.device("cpu"), torch.bfloat16, b.removesuffix("-rows")) for b in backends}
+    attention = {b: ops[b].attention for b in backends}
+    layer_caches = {b: rows_caches if b.endswith("-rows") else in_layout(ops[b], rows_caches) for b in backends}
     times: dict[str, list[float]] = {b: [] for b in backends}
     cpu_times: dict[str, list[float]] = {b: [] for b in backends}
     outputs = {}
     for b in backends:  # warm-up, and the outputs to compare
-        outputs[b] = attention[b](q, k, v, *caches[0], metadata, scale)
+        outputs[b] = attention[b](q, k, v, *layer_caches[b][0], metadata, scale)
     for i in range(repeats):
         for b in backends:
-            layer = caches[i % len(caches)]
+            layer = layer_caches[b][i % len(rows_caches)]
             start, cpu_start = time.perf_counter(), time.process_time()
             attention[b](q, k, v, *layer, metadata, scale)
             times[b].append(time.perf_counter() - start)
@@ -107,8 +123,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     backends = args.backends.split(",")
-    if "cpu" in backends and select_ops(torch.device("cpu"), torch.bfloat16, "cpu").name != "cpu":
-        backends.remove("cpu")  # the kernel could not be built (the warning said why)
+    if select_ops(torch.device("cpu"), torch.bfloat16, "cpu").name != "cpu":  # the warning said why
+        backends = [b for b in backends if not b.startswith("cpu")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"Hq={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} bf16, block size {BLOCK_SIZE}")
     rng = random.Random(0)

@@ -192,6 +192,12 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
+def pairs_keys(head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel reads this cache's keys in the pairs layout (bf16 with AVX512-BF16, head_dim % 32 == 0,
+    block_size % 16 == 0): then nothing is transposed at attention time."""
+    return dtype == torch.bfloat16 and bool(torch.ops.kvloom.paired_keys_supported(head_dim, block_size))
+
+
 # ---- the small ops --------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, H] -> a new [T, H]."""

@@ -11,12 +11,29 @@ import torch.nn.functional as F
 from kvloom.ops.metadata import AttentionMetadata
 
 
+def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      device: torch.device | str = "cpu", paired_keys: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's zeroed (key_cache, value_cache). The value cache is [num_blocks, block_size, Hkv, D] ("rows");
+    the key cache the same, or with ``paired_keys`` [num_blocks, Hkv, D / 2, block_size, 2] ("pairs": per
+    block and kv head, each pair of dimensions holds its keys side by side, as the CPU score kernel reads
+    them; see csrc/paged_attention.cpp)."""
+    value_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_shape = (num_blocks, num_kv_heads, head_dim // 2, block_size, 2) if paired_keys else value_shape
+    return (torch.zeros(key_shape, dtype=dtype, device=device), torch.zeros(value_shape, dtype=dtype, device=device))
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """key, value: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]."""
+    """key, value: [T, Hkv, D]; caches as allocate_kv_cache makes them (keys in rows or pairs)."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    if key_cache.dim() == 4:
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+        return
+    block_size = key_cache.shape[3]
+    pairs = key.to(key_cache.dtype).view(-1, num_kv_heads, head_dim // 2, 2)
+    key_cache[slot_mapping // block_size, :, :, slot_mapping % block_size] = pairs
 
 
 def causal_mask(query_len: int, seq_len: int, sliding_window: int | None, device: torch.device
@@ -31,11 +48,13 @@ def causal_mask(query_len: int, seq_len: int, sliding_window: int | None, device
 
 
 def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len positions of one request's K or V: [seq_len, Hkv, D]."""
-    block_size = cache.shape[1]
+    """The first seq_len positions of one request's K or V (rows or paired keys): [seq_len, Hkv, D]."""
+    block_size = cache.shape[3] if cache.dim() == 5 else cache.shape[1]
     positions = torch.arange(seq_len, device=cache.device)
-    slots = block_row[positions // block_size] * block_size + positions % block_size
-    return cache.view(-1, cache.shape[2], cache.shape[3]).index_select(0, slots)
+    blocks, offsets = block_row[positions // block_size], positions % block_size
+    if cache.dim() == 5:
+        return cache[blocks, :, :, offsets].flatten(2)  # [S, Hkv, D / 2, 2] -> [S, Hkv, D]
+    return cache.view(-1, cache.shape[2], cache.shape[3]).index_select(0, blocks * block_size + offsets)
 
 
 def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -30,6 +30,7 @@ import torch
 
 from kvloom.ops import ATTENTION_BACKENDS, int8, native, reference
 from kvloom.ops.metadata import AttentionMetadata
+from kvloom.ops.reference import allocate_kv_cache
 
 logger = logging.getLogger("kvloom")
 
@@ -62,6 +63,15 @@ class Ops:
     pack_linear_int8: PackInt8Fn = int8.NativeInt8Linear
     # The native attention's batched decode reads a block table padded to a bucketed width and a mask.
     needs_decode_mask: bool = False
+    # (head_dim, block_size, dtype) -> whether attention reads keys in the pairs layout (ops/reference.py
+    # allocate_kv_cache); None: always rows.
+    pairs_keys: Callable[[int, int, torch.dtype], bool] | None = None
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                          dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's zeroed (key_cache, value_cache) in the layout this table's attention reads."""
+        paired = self.pairs_keys is not None and self.pairs_keys(head_dim, block_size, dtype)
+        return allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, paired_keys=paired)
 
 
 NATIVE_OPS = Ops(name="native", attention=native.attention, rms_norm=native.rms_norm,
@@ -92,7 +102,8 @@ def select_ops(device: torch.device, dtype: torch.dtype, attention_backend: str 
                          f"use 'auto', 'cpu' or 'native'")
     platform = _cpu_ops(dtype, batch_hint, int8_activations) if on_cpu else _cuda_ops()
     if attention_backend == "native":
-        return dataclasses.replace(platform, name="native", attention=native.attention, needs_decode_mask=True)
+        return dataclasses.replace(platform, name="native", attention=native.attention, needs_decode_mask=True,
+                                   pairs_keys=None)
     return platform
 
 
@@ -112,7 +123,7 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
         pack_int8 = functools.partial(cpu.PackedInt8Weight, w8a8_min_rows=rows)
     return Ops(name="cpu", attention=cpu.attention, rms_norm=cpu.rms_norm, add_rms_norm=cpu.add_rms_norm,
                rotary_embedding=cpu.rotary_embedding, silu_and_mul=cpu.silu_and_mul, argmax=cpu.argmax,
-               pack_linear=pack, pack_linear_int8=pack_int8)
+               pack_linear=pack, pack_linear_int8=pack_int8, pairs_keys=cpu.pairs_keys)
 
 
 def _cuda_ops() -> Ops:

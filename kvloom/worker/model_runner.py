@@ -196,13 +196,12 @@ class ModelRunner:
         return budget
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Per layer a key and a value tensor of [num_blocks, block_size, num_kv_heads, head_dim]."""
+        """Per layer a key and a value cache of num_blocks blocks, in the layout the ops' attention reads
+        (ops/reference.py allocate_kv_cache)."""
         mc = self.model_config
-        shape = (num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(mc.num_hidden_layers)]
+        self.kv_caches = [self.ops.allocate_kv_cache(num_blocks, self.block_size, mc.num_key_value_heads,
+                                                     mc.head_dim, self.dtype, self.device)
+                          for _ in range(mc.num_hidden_layers)]
         if self.proposer is not None:
             self.proposer.init_kv_cache(num_blocks, self.block_size)
         self.capture_graphs()

@@ -341,13 +341,21 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
 
 // key, value: [T, Hkv, D] (rows may be strided views of a fused qkv; D contiguous);
 // caches: [num_blocks, block_size, Hkv, D] contiguous; slot_mapping: [T]. Row t goes to its slot.
+// key, value: [T, Hkv, D] (rows contiguous); value_cache: [num_blocks, block_size, Hkv, D]; key_cache:
+// the same, or paired [num_blocks, Hkv, D / 2, block_size, 2] (paged_attention.cpp): there a key's
+// pairs (K[2p], K[2p+1]) go one 32-bit word each, block_size words apart.
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                     at::Tensor slot_mapping) {
+  const bool paired = key_cache.dim() == 5;
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.is_contiguous() &&
-                  value_cache.is_contiguous(), "write_kv_cache: bad layout");
+                  value_cache.is_contiguous() && value_cache.dim() == 4 &&
+                  (!paired || (key_cache.size(2) * 2 == key.size(2) && key_cache.size(4) == 2 &&
+                               key.element_size() == 2)),
+              "write_kv_cache: bad layout");
   TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
               "write_kv_cache: the new keys and values must have the cache's dtype");
   const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+  const int64_t block_size = value_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t row_bytes = dim * key.element_size();
   char* kc = static_cast<char*>(key_cache.data_ptr());
@@ -355,11 +363,22 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::
   const char* ks = static_cast<const char*>(key.data_ptr());
   const char* vs = static_cast<const char*>(value.data_ptr());
   const int64_t es = key.element_size();
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+  // One token's heads per task: its rows land on lines no other token touches (in the pairs layout,
+  // a line holds 16 slots of one pair, shared by the tokens of a block: slots of a line are words
+  // apart, so writers of one line never write the same bytes).
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t];
       for (int64_t h = 0; h < heads; ++h) {
-        std::memcpy(kc + (slot * heads + h) * row_bytes, ks + (t * key.stride(0) + h * key.stride(1)) * es, row_bytes);
+        const char* k = ks + (t * key.stride(0) + h * key.stride(1)) * es;
+        if (paired) {
+          const int64_t block = slot / block_size, offset = slot % block_size;
+          auto* words = reinterpret_cast<int32_t*>(kc) + ((block * heads + h) * (dim / 2)) * block_size + offset;
+          const auto* pairs = reinterpret_cast<const int32_t*>(k);
+          for (int64_t p = 0; p < dim / 2; ++p) words[p * block_size] = pairs[p];
+        } else {
+          std::memcpy(kc + (slot * heads + h) * row_bytes, k, row_bytes);
+        }
         std::memcpy(vc + (slot * heads + h) * row_bytes, vs + (t * value.stride(0) + h * value.stride(1)) * es,
                     row_bytes);
       }

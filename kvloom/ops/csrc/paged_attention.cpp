@@ -12,10 +12,18 @@
 // takes every kv head of its request when there are enough requests to keep the threads busy:
 // it then reads whole slots, which the memory system streams much faster than one head's rows.
 //
-// Keys go by in tiles of kKeyTile (64 with AVX-512), the next tile prefetched. Per kv head: the
-// K tile is transposed into a small buffer so that S = Q K^T is broadcast FMAs (no horizontal
-// sums; bf16 pairs by vdpbf16ps where the CPU has AVX512-BF16), then an online softmax per row,
-// then O += P V with V read straight from the cache. Everything accumulates in fp32.
+// Keys go by in tiles of kKeyTile (64 with AVX-512), the next tile prefetched. Per kv head:
+// S = Q K^T as broadcast FMAs over a K tile with the keys along the vectors (no horizontal sums;
+// bf16 pairs by vdpbf16ps where the CPU has AVX512-BF16), then an online softmax per row, then
+// O += P V with V read straight from the cache. Everything accumulates in fp32.
+//
+// Two layouts of the key cache:
+//   rows   [num_blocks, block_size, Hkv, D], as the value cache: each tile is transposed into a small
+//          buffer first, which costs about as much as the scores themselves at decode;
+//   pairs  [num_blocks, Hkv, D / 2, block_size, 2] (bf16 with vdpbf16ps, block_size % 16 == 0,
+//          D % 32 == 0): a block holds, per kv head and pair p, its keys' words (K[2p], K[2p+1]) side
+//          by side, so 16 keys of one pair are one vector read straight from the cache. The KV write
+//          (fused_ops.cpp) lays keys out so; nothing is transposed at attention time.
 
 #include "cpu_capability.h"
 
@@ -145,9 +153,10 @@ struct FloatKeys {
       for (int j = 0; j < kKeyTile; ++j) key_t[d * kKeyTile + j] = static_cast<float>(rows[j][d]);
   }
 
-  // query: R rows of head_dim words; scores: R rows of kKeyTile.
+  // query: R rows of head_dim words; keys[v] + d * stride: the kVecSize keys of vector v at dimension d;
+  // scores: R rows of kKeyTile.
   template <int R>
-  static void score(const float* query, const float* key_t, int head_dim, float* scores) {
+  static void score(const float* query, const float* const* keys, int64_t stride, int head_dim, float* scores) {
     Vec acc[R][kKeyVecs];
     KVLOOM_UNROLL
     for (int r = 0; r < R; ++r)
@@ -156,7 +165,7 @@ struct FloatKeys {
     for (int d = 0; d < head_dim; ++d) {
       Vec k[kKeyVecs];
       KVLOOM_UNROLL
-      for (int v = 0; v < kKeyVecs; ++v) k[v] = Vec::loadu(key_t + d * kKeyTile + v * kVecSize);
+      for (int v = 0; v < kKeyVecs; ++v) k[v] = Vec::loadu(keys[v] + d * stride);
       KVLOOM_UNROLL
       for (int r = 0; r < R; ++r) {
         const Vec q(query[r * head_dim + d]);
@@ -195,8 +204,9 @@ struct PairKeys {
     }
   }
 
+  // keys[v] + p * stride: the 16 words of pair p of vector v's keys (the buffer or the paired cache).
   template <int R>
-  static void score(const float* query, const float* key_t, int head_dim, float* scores) {
+  static void score(const float* query, const float* const* keys, int64_t stride, int head_dim, float* scores) {
     const auto* q = reinterpret_cast<const int32_t*>(query);
     const int pairs = head_dim / 2;
     __m512 acc[R][kKeyVecs];
@@ -207,7 +217,7 @@ struct PairKeys {
     for (int p = 0; p < pairs; ++p) {
       __m512bh k[kKeyVecs];
       KVLOOM_UNROLL
-      for (int v = 0; v < kKeyVecs; ++v) k[v] = (__m512bh)_mm512_loadu_ps(key_t + p * kKeyTile + v * 16);
+      for (int v = 0; v < kKeyVecs; ++v) k[v] = (__m512bh)_mm512_loadu_ps(keys[v] + p * stride);
       KVLOOM_UNROLL
       for (int r = 0; r < R; ++r) {
         const auto qp = (__m512bh)_mm512_set1_epi32(q[r * pairs + p]);
@@ -295,7 +305,9 @@ struct Problem {
   const int64_t* query_start_loc;
   int64_t query_stride_token, query_stride_head;
   int64_t out_stride_token, out_stride_head;
-  int64_t cache_stride_block, cache_stride_slot, cache_stride_head;  // the same for keys and values
+  int64_t value_stride_block, value_stride_slot, value_stride_head;  // and the key cache's in the rows layout
+  bool paired_keys;                                                 // the pairs layout (see the top)
+  int64_t key_stride_block, key_stride_head;                         // in the pairs layout, in elements
 };
 
 // Per-thread buffers, kept across calls so that steady-state calls allocate nothing.
@@ -408,11 +420,11 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* 
     hi = pos + 1;
   };
 
-  // Element offsets of the slots of positions [k0, k0 + n) in the cache.
+  // Element offsets of the slots of positions [k0, k0 + n) in the value cache (and the rows key cache).
   const auto find_slots = [&](int64_t k0, int n, int64_t* offsets) {
     int64_t block = k0 / pb.block_size, slot = k0 % pb.block_size;
     for (int j = 0; j < n; ++j) {
-      offsets[j] = blocks[block] * pb.cache_stride_block + slot * pb.cache_stride_slot;
+      offsets[j] = blocks[block] * pb.value_stride_block + slot * pb.value_stride_slot;
       if (++slot == pb.block_size) {
         slot = 0;
         ++block;
@@ -421,45 +433,68 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* 
   };
   // Blocks lie scattered over the cache, too far apart for the hardware prefetcher: ask for the
   // next tile's rows (the item's kv heads of each slot, contiguous) while this tile is computed.
-  const int64_t heads_offset = item.first_kv_head * pb.cache_stride_head;
-  const int64_t heads_length = (item.num_kv_heads - 1) * pb.cache_stride_head + head_dim;
-  const auto prefetch_slots = [&](const int64_t* offsets, int n) {
+  const auto prefetch = [](const T* start, int64_t length) {
+    const auto first = reinterpret_cast<uintptr_t>(start) & ~uintptr_t{63};
+    const auto last = reinterpret_cast<uintptr_t>(start + length) - 1;
+    for (uintptr_t line = first; line <= last; line += 64) __builtin_prefetch(reinterpret_cast<const void*>(line));
+  };
+  const int64_t heads_offset = item.first_kv_head * pb.value_stride_head;
+  const int64_t heads_length = (item.num_kv_heads - 1) * pb.value_stride_head + head_dim;
+  // The pairs layout: a run of kVecSize keys within one block, one line of 16 words per pair.
+  const auto key_run = [&](int64_t pos, int64_t kv_head) {
+    return key_cache + blocks[pos / pb.block_size] * pb.key_stride_block + kv_head * pb.key_stride_head +
+           pos % pb.block_size * 2;
+  };
+  const auto prefetch_tile = [&](const int64_t* offsets, int64_t k0, int n) {
     for (int j = 0; j < n; ++j) {
-      for (const T* cache : {key_cache, value_cache}) {
-        const T* start = cache + offsets[j] + heads_offset;
-        const auto first = reinterpret_cast<uintptr_t>(start) & ~uintptr_t{63};
-        const auto last = reinterpret_cast<uintptr_t>(start + heads_length) - 1;
-        for (uintptr_t line = first; line <= last; line += 64) __builtin_prefetch(reinterpret_cast<const void*>(line));
-      }
+      prefetch(value_cache + offsets[j] + heads_offset, heads_length);
+      if (!pb.paired_keys) prefetch(key_cache + offsets[j] + heads_offset, heads_length);
     }
+    if (pb.paired_keys)
+      for (int j = 0; j < n; j += kVecSize)
+        for (int64_t h = 0; h < item.num_kv_heads; ++h) {
+          const T* run = key_run(k0 + j, item.first_kv_head + h);
+          for (int p = 0; p < head_dim / 2; ++p) __builtin_prefetch(run + p * pb.block_size * 2);
+        }
   };
 
-  const int64_t key_begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  int64_t key_begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  // Paired runs start at multiples of kVecSize: begin there (the keys before key_begin are masked).
+  if (pb.paired_keys) key_begin -= key_begin % kVecSize;
   const int64_t key_end = first_pos + item.num_queries;
   const auto tile_size = [&](int64_t k0) { return static_cast<int>(std::min<int64_t>(kKeyTile, key_end - k0)); };
   int64_t offsets[2][kKeyTile];  // this tile's slots and the next's
   find_slots(key_begin, tile_size(key_begin), offsets[0]);
-  prefetch_slots(offsets[0], tile_size(key_begin));
+  prefetch_tile(offsets[0], key_begin, tile_size(key_begin));
+  const float* key_vectors[kKeyVecs];  // where S = Q K^T reads each vector of keys, and its stride
+  int64_t key_stride = kKeyTile;
   for (int64_t k0 = key_begin, t = 0; k0 < key_end; k0 += kKeyTile, ++t) {
     const int n = tile_size(k0);
     const int64_t* slots = offsets[t % 2];
     if (k0 + kKeyTile < key_end) {
       find_slots(k0 + kKeyTile, tile_size(k0 + kKeyTile), offsets[(t + 1) % 2]);
-      prefetch_slots(offsets[(t + 1) % 2], tile_size(k0 + kKeyTile));
+      prefetch_tile(offsets[(t + 1) % 2], k0 + kKeyTile, tile_size(k0 + kKeyTile));
     }
     for (int h = 0; h < item.num_kv_heads; ++h) {
-      const int64_t head_offset = (item.first_kv_head + h) * pb.cache_stride_head;
-      for (int j = 0; j < n; ++j) {
-        key_rows[j] = key_cache + slots[j] + head_offset;
-        value_rows[j] = value_cache + slots[j] + head_offset;
+      const int64_t head_offset = (item.first_kv_head + h) * pb.value_stride_head;
+      for (int j = 0; j < n; ++j) value_rows[j] = value_cache + slots[j] + head_offset;
+      if (pb.paired_keys) {
+        // Vectors past the tile's last key read the first one's keys again: their scores are masked.
+        key_stride = pb.block_size;
+        for (int v = 0; v < kKeyVecs; ++v)
+          key_vectors[v] = reinterpret_cast<const float*>(
+              key_run(k0 + (v * kVecSize < n ? v * kVecSize : 0), item.first_kv_head + h));
+      } else {
+        for (int j = 0; j < n; ++j) key_rows[j] = key_cache + slots[j] + head_offset;
+        for (int j = n; j < kKeyTile; ++j) key_rows[j] = zero_row<T>();
+        Keys::pack_keys(key_rows, head_dim, scratch.key_t.data());
+        for (int v = 0; v < kKeyVecs; ++v) key_vectors[v] = scratch.key_t.data() + v * kVecSize;
       }
-      for (int j = n; j < kKeyTile; ++j) key_rows[j] = zero_row<T>();
-      Keys::pack_keys(key_rows, head_dim, scratch.key_t.data());
 
       const float* q_head = scratch.query.data() + static_cast<size_t>(h) * head_rows * words;
       for (int r0 = 0; r0 < head_rows; r0 += kScoreRows) {
         with_row_count(std::min(kScoreRows, head_rows - r0), [&](auto r) {
-          Keys::template score<decltype(r)::value>(q_head + r0 * words, scratch.key_t.data(), head_dim,
+          Keys::template score<decltype(r)::value>(q_head + r0 * words, key_vectors, key_stride, head_dim,
                                                    s_tile + r0 * kKeyTile);
         });
       }
@@ -505,17 +540,40 @@ void check_rows(const at::Tensor& t, const char* name) {
 
 }  // namespace
 
-// out, query: [T, Hq, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, D];
-// block_table: [B, max_blocks]; seq_lens: [B]; query_start_loc: [B + 1]; sliding_window <= 0: none.
+// Whether this build reads bf16 keys in the pairs layout for this head size and block size.
+bool paired_keys_supported(int64_t head_dim, int64_t block_size) {
+#if defined(KVLOOM_BF16_DOT)
+  return head_dim % 32 == 0 && head_dim <= kMaxHeadDim && block_size % kVecSize == 0;
+#else
+  return false;
+#endif
+}
+
+// out, query: [T, Hq, D]; value_cache: [num_blocks, block_size, Hkv, D]; key_cache: the same (rows) or
+// [num_blocks, Hkv, D / 2, block_size, 2] (pairs, see the top); block_table: [B, max_blocks]; seq_lens: [B];
+// query_start_loc: [B + 1]; sliding_window <= 0: none.
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "paged_attention: query and out must be "
               "[num_tokens, num_heads, head_dim] of one shape, got ", query.sizes(), " and ", out.sizes());
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
-                  key_cache.strides() == value_cache.strides(),
-              "paged_attention: key_cache and value_cache must be [num_blocks, block_size, num_kv_heads, "
-              "head_dim] of one shape and layout, got ", key_cache.sizes(), " and ", value_cache.sizes());
+  TORCH_CHECK(value_cache.dim() == 4, "paged_attention: value_cache must be [num_blocks, block_size, "
+              "num_kv_heads, head_dim], got ", value_cache.sizes());
+  const bool paired = key_cache.dim() == 5;
+  if (paired) {
+    const auto v = value_cache.sizes();
+    TORCH_CHECK(key_cache.sizes() == at::IntArrayRef({v[0], v[2], v[3] / 2, v[1], 2}) && v[3] % 2 == 0 &&
+                    key_cache.is_contiguous() && key_cache.scalar_type() == at::kBFloat16 &&
+                    paired_keys_supported(v[3], v[1]),
+                "paged_attention: a paired key_cache must be a contiguous bfloat16 [num_blocks, num_kv_heads, "
+                "head_dim / 2, block_size, 2] for a value_cache of ", v, ", with a head_dim and block_size "
+                "this build pairs (paired_keys_supported); got ", key_cache.sizes(), " ", key_cache.scalar_type());
+  } else {
+    TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
+                    key_cache.strides() == value_cache.strides(),
+                "paged_attention: key_cache and value_cache must be [num_blocks, block_size, num_kv_heads, "
+                "head_dim] of one shape and layout, got ", key_cache.sizes(), " and ", value_cache.sizes());
+  }
   const auto dtype = query.scalar_type();
   TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
               "paged_attention: query, out and the caches must share one dtype");
@@ -529,12 +587,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(scale > 0, "paged_attention: scale must be positive, got ", scale);
 
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t num_blocks = value_cache.size(0), block_size = value_cache.size(1);
+  const int64_t num_kv_heads = value_cache.size(2);
   const int64_t batch = seq_lens.size(0);
-  TORCH_CHECK(key_cache.size(3) == head_dim && head_dim >= 1 && head_dim <= kMaxHeadDim,
+  TORCH_CHECK(value_cache.size(3) == head_dim && head_dim >= 1 && head_dim <= kMaxHeadDim,
               "paged_attention: head_dim must match the cache and be in [1, ", kMaxHeadDim, "], got ", head_dim,
-              " and ", key_cache.size(3));
+              " and ", value_cache.size(3));
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_attention: num_heads (", num_heads,
               ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
   TORCH_CHECK(query_start_loc.size(0) == batch + 1 && block_table.size(0) >= batch,
@@ -554,9 +612,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   pb.query_stride_head = query.stride(1);
   pb.out_stride_token = out.stride(0);
   pb.out_stride_head = out.stride(1);
-  pb.cache_stride_block = key_cache.stride(0);
-  pb.cache_stride_slot = key_cache.stride(1);
-  pb.cache_stride_head = key_cache.stride(2);
+  pb.value_stride_block = value_cache.stride(0);
+  pb.value_stride_slot = value_cache.stride(1);
+  pb.value_stride_head = value_cache.stride(2);
+  pb.paired_keys = paired;
+  pb.key_stride_block = key_cache.stride(0);
+  pb.key_stride_head = key_cache.stride(1);
 
   // Check every index the items will follow (a bad one would read outside the cache).
   const int64_t max_blocks = block_table.size(1);
@@ -613,6 +674,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
         break;
       }
 #endif
+      TORCH_CHECK(!paired, "paged_attention: no paired-key kernel in this build");
       run(c10::BFloat16(), FloatKeys());
       break;
     case at::kHalf: run(c10::Half(), FloatKeys()); break;
@@ -623,6 +685,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window) -> ()");
+  m.def("paired_keys_supported(int head_dim, int block_size) -> bool", &paired_keys_supported);
 }
 
 TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
