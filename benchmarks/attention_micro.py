@@ -8,8 +8,8 @@ on a shared host.
 
 Two batches with SmolLM2-135M's shapes (9 query heads, 3 KV heads, head size 64, bf16, blocks of 16):
 a decode batch (64 requests, ~384 cached tokens each) and a prefill batch (16 fresh prompts of ~150
-tokens). 'cpu' reads the key cache in the layout the op table allocates (pairs where the build has
-AVX512-BF16), 'cpu-rows' the same kernel on keys in rows. Each call reads a different layer's cache
+tokens). 'cpu' reads the caches in the layout the op table allocates (pairs where the build has
+AVX512-BF16), 'cpu-rows' the same kernel on caches in rows. Each call reads a different layer's cache
 in turn, as a model would, so the K/V come from memory rather than from a cache the previous call
 warmed. The metadata is built as the model runner builds it (decodes padded to a 64-token bucket for 'native').
 """
@@ -71,14 +71,15 @@ def build_step(batch: list[tuple[int, int]], layers: int, dtype: torch.dtype, se
 
 
 def in_layout(ops, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The caches (keys in rows) with their keys copied into the layout ``ops`` allocates."""
+    """The caches (in rows) copied into the layout ``ops`` allocates."""
     out = []
     for key_cache, value_cache in caches:
         blocks = key_cache.shape[0]
         key_like, _ = ops.allocate_kv_cache(1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, key_cache.dtype, "cpu")
-        if key_like.dim() == 5:  # [blocks, block_size, Hkv, D] -> [blocks, Hkv, D / 2, block_size, 2]
+        if key_like.dim() == 5:  # the pairs layout (ops/reference.py allocate_kv_cache)
             key_cache = key_cache.view(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM // 2, 2).permute(0, 2, 3, 1, 4)
-        out.append((key_cache.contiguous(), value_cache))
+            value_cache = value_cache.view(blocks, BLOCK_SIZE // 2, 2, KV_HEADS, HEAD_DIM).permute(0, 3, 1, 4, 2)
+        out.append((key_cache.contiguous(), value_cache.contiguous()))
     return out
 
 

@@ -192,10 +192,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
-def pairs_keys(head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
-    """Whether the kernel reads this cache's keys in the pairs layout (bf16 with AVX512-BF16, head_dim % 32 == 0,
-    block_size % 16 == 0): then nothing is transposed at attention time."""
-    return dtype == torch.bfloat16 and bool(torch.ops.kvloom.paired_keys_supported(head_dim, block_size))
+def pairs_layout(head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel reads these caches in the pairs layout (bf16 with AVX512-BF16, head_dim % 32 == 0,
+    block_size % 16 == 0; ops/reference.py allocate_kv_cache): then nothing is transposed at attention time."""
+    return dtype == torch.bfloat16 and bool(torch.ops.kvloom.pairs_layout_supported(head_dim, block_size))
 
 
 # ---- the small ops --------------------------------------------------------------------------------

@@ -12,28 +12,35 @@ from kvloom.ops.metadata import AttentionMetadata
 
 
 def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                      device: torch.device | str = "cpu", paired_keys: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's zeroed (key_cache, value_cache). The value cache is [num_blocks, block_size, Hkv, D] ("rows");
-    the key cache the same, or with ``paired_keys`` [num_blocks, Hkv, D / 2, block_size, 2] ("pairs": per
-    block and kv head, each pair of dimensions holds its keys side by side, as the CPU score kernel reads
-    them; see csrc/paged_attention.cpp)."""
-    value_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_shape = (num_blocks, num_kv_heads, head_dim // 2, block_size, 2) if paired_keys else value_shape
-    return (torch.zeros(key_shape, dtype=dtype, device=device), torch.zeros(value_shape, dtype=dtype, device=device))
+                      device: torch.device | str = "cpu", pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's zeroed (key_cache, value_cache), in one of two layouts:
+
+    rows   both [num_blocks, block_size, Hkv, D];
+    pairs  keys [num_blocks, Hkv, D / 2, block_size, 2] and values [num_blocks, Hkv, block_size / 2, D, 2]: per
+           block and kv head, keys as pairs of dimensions with the block's keys side by side, and values as
+           pairs of keys with the dimensions side by side, as the CPU kernel's bf16 dot products read them
+           (csrc/paged_attention.cpp).
+    """
+    if not pairs:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    return (torch.zeros(num_blocks, num_kv_heads, head_dim // 2, block_size, 2, dtype=dtype, device=device),
+            torch.zeros(num_blocks, num_kv_heads, block_size // 2, head_dim, 2, dtype=dtype, device=device))
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """key, value: [T, Hkv, D]; caches as allocate_kv_cache makes them (keys in rows or pairs)."""
+    """key, value: [T, Hkv, D]; caches as allocate_kv_cache makes them (rows or pairs)."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     if key_cache.dim() == 4:
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
         return
     block_size = key_cache.shape[3]
-    pairs = key.to(key_cache.dtype).view(-1, num_kv_heads, head_dim // 2, 2)
-    key_cache[slot_mapping // block_size, :, :, slot_mapping % block_size] = pairs
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    key_cache[blocks, :, :, offsets] = key.view(-1, num_kv_heads, head_dim // 2, 2)
+    value_cache[blocks, :, offsets // 2, :, offsets % 2] = value
 
 
 def causal_mask(query_len: int, seq_len: int, sliding_window: int | None, device: torch.device
@@ -48,13 +55,23 @@ def causal_mask(query_len: int, seq_len: int, sliding_window: int | None, device
 
 
 def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len positions of one request's K or V (rows or paired keys): [seq_len, Hkv, D]."""
-    block_size = cache.shape[3] if cache.dim() == 5 else cache.shape[1]
+    """The first seq_len positions of one request's K or V, from a rows cache: [seq_len, Hkv, D]."""
+    block_size = cache.shape[1]
     positions = torch.arange(seq_len, device=cache.device)
+    slots = block_row[positions // block_size] * block_size + positions % block_size
+    return cache.view(-1, cache.shape[2], cache.shape[3]).index_select(0, slots)
+
+
+def gather_keys_values(key_cache: torch.Tensor, value_cache: torch.Tensor, block_row: torch.Tensor,
+                       seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first seq_len positions of one request's K and V, from caches in either layout: [seq_len, Hkv, D] each."""
+    if key_cache.dim() == 4:
+        return (gather_sequence(key_cache, block_row, seq_len), gather_sequence(value_cache, block_row, seq_len))
+    block_size = key_cache.shape[3]
+    positions = torch.arange(seq_len, device=key_cache.device)
     blocks, offsets = block_row[positions // block_size], positions % block_size
-    if cache.dim() == 5:
-        return cache[blocks, :, :, offsets].flatten(2)  # [S, Hkv, D / 2, 2] -> [S, Hkv, D]
-    return cache.view(-1, cache.shape[2], cache.shape[3]).index_select(0, blocks * block_size + offsets)
+    keys = key_cache[blocks, :, :, offsets].flatten(2)  # [S, Hkv, D / 2, 2] -> [S, Hkv, D]
+    return keys, value_cache[blocks, :, offsets // 2, :, offsets % 2]
 
 
 def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -68,8 +85,7 @@ def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     for i in range(metadata.num_requests):
         start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
         seq_len = metadata.seq_lens_host[i]
-        k = gather_sequence(key_cache, metadata.block_table[i], seq_len).float()
-        v = gather_sequence(value_cache, metadata.block_table[i], seq_len).float()
+        k, v = (t.float() for t in gather_keys_values(key_cache, value_cache, metadata.block_table[i], seq_len))
         k = k.repeat_interleave(group, dim=1)  # [S, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         q = query[start:end].float()  # [Q, Hq, D]

@@ -63,15 +63,15 @@ class Ops:
     pack_linear_int8: PackInt8Fn = int8.NativeInt8Linear
     # The native attention's batched decode reads a block table padded to a bucketed width and a mask.
     needs_decode_mask: bool = False
-    # (head_dim, block_size, dtype) -> whether attention reads keys in the pairs layout (ops/reference.py
+    # (head_dim, block_size, dtype) -> whether attention reads the caches in the pairs layout (ops/reference.py
     # allocate_kv_cache); None: always rows.
-    pairs_keys: Callable[[int, int, torch.dtype], bool] | None = None
+    pairs_layout: Callable[[int, int, torch.dtype], bool] | None = None
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                           dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's zeroed (key_cache, value_cache) in the layout this table's attention reads."""
-        paired = self.pairs_keys is not None and self.pairs_keys(head_dim, block_size, dtype)
-        return allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, paired_keys=paired)
+        pairs = self.pairs_layout is not None and self.pairs_layout(head_dim, block_size, dtype)
+        return allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, pairs=pairs)
 
 
 NATIVE_OPS = Ops(name="native", attention=native.attention, rms_norm=native.rms_norm,
@@ -103,7 +103,7 @@ def select_ops(device: torch.device, dtype: torch.dtype, attention_backend: str 
     platform = _cpu_ops(dtype, batch_hint, int8_activations) if on_cpu else _cuda_ops()
     if attention_backend == "native":
         return dataclasses.replace(platform, name="native", attention=native.attention, needs_decode_mask=True,
-                                   pairs_keys=None)
+                                   pairs_layout=None)
     return platform
 
 
@@ -123,7 +123,7 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
         pack_int8 = functools.partial(cpu.PackedInt8Weight, w8a8_min_rows=rows)
     return Ops(name="cpu", attention=cpu.attention, rms_norm=cpu.rms_norm, add_rms_norm=cpu.add_rms_norm,
                rotary_embedding=cpu.rotary_embedding, silu_and_mul=cpu.silu_and_mul, argmax=cpu.argmax,
-               pack_linear=pack, pack_linear_int8=pack_int8, pairs_keys=cpu.pairs_keys)
+               pack_linear=pack, pack_linear_int8=pack_int8, pairs_layout=cpu.pairs_layout)
 
 
 def _cuda_ops() -> Ops:

@@ -40,10 +40,12 @@ def build_batch(batch: list[tuple[int, int]], block_size: int, sliding_window: i
     return metadata, placed.num_blocks
 
 
-def paired(key_cache: torch.Tensor) -> torch.Tensor:
-    """A rows key cache [num_blocks, block_size, Hkv, D] in the pairs layout [num_blocks, Hkv, D / 2, block_size, 2]."""
+def in_pairs(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows caches [num_blocks, block_size, Hkv, D] in the pairs layout (ops/reference.py allocate_kv_cache)."""
     blocks, block_size, kv_heads, head_dim = key_cache.shape
-    return key_cache.view(blocks, block_size, kv_heads, head_dim // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+    keys = key_cache.view(blocks, block_size, kv_heads, head_dim // 2, 2).permute(0, 2, 3, 1, 4)
+    values = value_cache.view(blocks, block_size // 2, 2, kv_heads, head_dim).permute(0, 3, 1, 4, 2)
+    return keys.contiguous(), values.contiguous()
 
 
 def random_step(batch: list[tuple[int, int]], block_size: int, sliding_window: int | None, heads: int,
@@ -156,8 +158,9 @@ def test_query_start_loc_tensor_is_built_once_per_step() -> None:
     assert metadata.query_start_loc_tensor is built
 
 
-needs_pairs = pytest.mark.skipif(not cpu.cpu_kernel_available() or not torch.ops.kvloom.paired_keys_supported(64, 16),
-                                 reason="this build has no paired-key kernel (AVX512-BF16)")
+needs_pairs = pytest.mark.skipif(
+    not cpu.cpu_kernel_available() or not torch.ops.kvloom.pairs_layout_supported(64, 16),
+    reason="this build has no pairs-layout kernel (AVX512-BF16)")
 
 
 @needs_pairs
@@ -165,32 +168,39 @@ needs_pairs = pytest.mark.skipif(not cpu.cpu_kernel_available() or not torch.ops
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("kv_heads,group", [(2, 1), (3, 3), (2, 4)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_paired_key_cache_matches_reference(sliding_window: int | None, block_size: int, kv_heads: int,
-                                            group: int, head_dim: int) -> None:
-    """Keys in the pairs layout: the same outputs, and the step's keys written there as the reference writes them."""
+def test_pairs_layout_matches_reference(sliding_window: int | None, block_size: int, kv_heads: int,
+                                       group: int, head_dim: int) -> None:
+    """Caches in the pairs layout: the reference's outputs, and the step's keys and values written as it writes them."""
     metadata, qkv, key_cache, value_cache = random_step(MIXED_BATCH, block_size, sliding_window, kv_heads * group,
                                                         kv_heads, head_dim, torch.bfloat16)
-    assert_matches_reference(metadata, qkv, paired(key_cache), value_cache, **tolerance(torch.bfloat16))
+    assert_matches_reference(metadata, qkv, *in_pairs(key_cache, value_cache), **tolerance(torch.bfloat16))
 
 
 @needs_pairs
-def test_paired_keys_give_the_rows_layouts_outputs() -> None:
-    """Both layouts run the same products in the same order: bit-identical outputs and equal caches."""
-    metadata, qkv, key_cache, value_cache = random_step(MIXED_BATCH + [(1, 300), (70, 90)], 16, None, 9, 3, 64,
-                                                        torch.bfloat16)
-    keys_in_pairs, values = paired(key_cache), value_cache.clone()
-    rows = attention_cpu(*qkv, key_cache, value_cache, metadata, 0.125)
-    pairs = attention_cpu(*qkv, keys_in_pairs, values, metadata, 0.125)
-    torch.testing.assert_close(pairs, rows, atol=0, rtol=0)
-    torch.testing.assert_close(keys_in_pairs, paired(key_cache), atol=0, rtol=0)
+def test_pairs_layout_with_non_finite_values_in_unused_slots() -> None:
+    """An odd key count leaves the last pair's partner slot unread: whatever it holds (here inf and NaN, as a
+    block's earlier owner may have left) cannot reach the output."""
+    batch = [(1, 20), (3, 0), (1, 44)]  # odd sequence lengths
+    metadata, qkv, key_cache, value_cache = random_step(batch, 16, None, 4, 2, 64, torch.bfloat16)
+    key_cache.fill_(float("inf"))
+    value_cache.fill_(float("nan"))
+    for i, (_, cached) in enumerate(batch):  # finite keys and values where the requests' contexts lie
+        for pos in range(cached):
+            block = metadata.block_table[i, pos // 16]
+            key_cache[block, pos % 16] = torch.randn(2, 64).to(torch.bfloat16)
+            value_cache[block, pos % 16] = torch.randn(2, 64).to(torch.bfloat16)
+    expected = attention_reference(*qkv, key_cache.clone(), value_cache.clone(), metadata, 0.125)
+    got = attention_cpu(*qkv, *in_pairs(key_cache, value_cache), metadata, 0.125)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, **tolerance(torch.bfloat16))
 
 
-def test_cpu_ops_allocate_paired_keys_only_where_the_kernel_reads_them() -> None:
+def test_cpu_ops_allocate_the_pairs_layout_only_where_the_kernel_reads_it() -> None:
     ops = select_ops(torch.device("cpu"), torch.bfloat16, "cpu")
-    supported = torch.ops.kvloom.paired_keys_supported(64, 16)
+    supported = torch.ops.kvloom.pairs_layout_supported(64, 16)
     key_cache, value_cache = ops.allocate_kv_cache(5, 16, 3, 64, torch.bfloat16, "cpu")
-    assert value_cache.shape == (5, 16, 3, 64)
     assert key_cache.shape == ((5, 3, 32, 16, 2) if supported else (5, 16, 3, 64))
+    assert value_cache.shape == ((5, 3, 8, 64, 2) if supported else (5, 16, 3, 64))
     for args in ((5, 1, 3, 64, torch.bfloat16), (5, 16, 3, 64, torch.float32), (5, 16, 3, 72, torch.bfloat16)):
         assert ops.allocate_kv_cache(*args, "cpu")[0].dim() == 4
     native = select_ops(torch.device("cpu"), torch.bfloat16, "native")

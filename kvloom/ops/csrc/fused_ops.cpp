@@ -341,21 +341,21 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
 
 // key, value: [T, Hkv, D] (rows may be strided views of a fused qkv; D contiguous);
 // caches: [num_blocks, block_size, Hkv, D] contiguous; slot_mapping: [T]. Row t goes to its slot.
-// key, value: [T, Hkv, D] (rows contiguous); value_cache: [num_blocks, block_size, Hkv, D]; key_cache:
-// the same, or paired [num_blocks, Hkv, D / 2, block_size, 2] (paged_attention.cpp): there a key's
-// pairs (K[2p], K[2p+1]) go one 32-bit word each, block_size words apart.
+// key, value: [T, Hkv, D] (rows contiguous); the caches in the rows layout [num_blocks, block_size, Hkv, D],
+// or in the pairs layout of paged_attention.cpp: keys [num_blocks, Hkv, D / 2, block_size, 2] (a key's
+// pairs (K[2p], K[2p+1]) one 32-bit word each, block_size words apart) and values [num_blocks, Hkv,
+// block_size / 2, D, 2] (V[d] at word d of its pair of slots, in the half of its slot's parity).
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                     at::Tensor slot_mapping) {
   const bool paired = key_cache.dim() == 5;
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.is_contiguous() &&
-                  value_cache.is_contiguous() && value_cache.dim() == 4 &&
-                  (!paired || (key_cache.size(2) * 2 == key.size(2) && key_cache.size(4) == 2 &&
-                               key.element_size() == 2)),
+                  value_cache.is_contiguous() && value_cache.dim() == key_cache.dim() &&
+                  (!paired || (key_cache.size(2) * 2 == key.size(2) && key.element_size() == 2)),
               "write_kv_cache: bad layout");
   TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
               "write_kv_cache: the new keys and values must have the cache's dtype");
   const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
-  const int64_t block_size = value_cache.size(1);
+  const int64_t block_size = paired ? key_cache.size(3) : key_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t row_bytes = dim * key.element_size();
   char* kc = static_cast<char*>(key_cache.data_ptr());
@@ -363,24 +363,24 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::
   const char* ks = static_cast<const char*>(key.data_ptr());
   const char* vs = static_cast<const char*>(value.data_ptr());
   const int64_t es = key.element_size();
-  // One token's heads per task: its rows land on lines no other token touches (in the pairs layout,
-  // a line holds 16 slots of one pair, shared by the tokens of a block: slots of a line are words
-  // apart, so writers of one line never write the same bytes).
+  // Tokens spread over the threads. In the pairs layout, tokens of one block share lines but never bytes.
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t slot = slots[t];
+      const int64_t slot = slots[t], block = slot / block_size, offset = slot % block_size;
       for (int64_t h = 0; h < heads; ++h) {
         const char* k = ks + (t * key.stride(0) + h * key.stride(1)) * es;
-        if (paired) {
-          const int64_t block = slot / block_size, offset = slot % block_size;
-          auto* words = reinterpret_cast<int32_t*>(kc) + ((block * heads + h) * (dim / 2)) * block_size + offset;
-          const auto* pairs = reinterpret_cast<const int32_t*>(k);
-          for (int64_t p = 0; p < dim / 2; ++p) words[p * block_size] = pairs[p];
-        } else {
+        const char* v = vs + (t * value.stride(0) + h * value.stride(1)) * es;
+        if (!paired) {
           std::memcpy(kc + (slot * heads + h) * row_bytes, k, row_bytes);
+          std::memcpy(vc + (slot * heads + h) * row_bytes, v, row_bytes);
+          continue;
         }
-        std::memcpy(vc + (slot * heads + h) * row_bytes, vs + (t * value.stride(0) + h * value.stride(1)) * es,
-                    row_bytes);
+        const int64_t head_block = block * heads + h;
+        auto* key_words = reinterpret_cast<int32_t*>(kc) + head_block * (dim / 2) * block_size + offset;
+        for (int64_t p = 0; p < dim / 2; ++p) std::memcpy(key_words + p * block_size, k + 4 * p, 4);
+        auto* value_halves = reinterpret_cast<uint16_t*>(vc) + (head_block * (block_size / 2) + offset / 2) * dim * 2 +
+                             offset % 2;
+        for (int64_t d = 0; d < dim; ++d) std::memcpy(value_halves + 2 * d, v + 2 * d, 2);
       }
     }
   });

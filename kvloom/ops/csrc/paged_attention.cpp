@@ -17,13 +17,16 @@
 // bf16 pairs by vdpbf16ps where the CPU has AVX512-BF16), then an online softmax per row, then
 // O += P V with V read straight from the cache. Everything accumulates in fp32.
 //
-// Two layouts of the key cache:
-//   rows   [num_blocks, block_size, Hkv, D], as the value cache: each tile is transposed into a small
+// Two layouts of the caches:
+//   rows   keys and values [num_blocks, block_size, Hkv, D]: each K tile is transposed into a small
 //          buffer first, which costs about as much as the scores themselves at decode;
-//   pairs  [num_blocks, Hkv, D / 2, block_size, 2] (bf16 with vdpbf16ps, block_size % 16 == 0,
-//          D % 32 == 0): a block holds, per kv head and pair p, its keys' words (K[2p], K[2p+1]) side
-//          by side, so 16 keys of one pair are one vector read straight from the cache. The KV write
-//          (fused_ops.cpp) lays keys out so; nothing is transposed at attention time.
+//   pairs  (bf16 with vdpbf16ps, block_size % 16 == 0, D % 32 == 0) keys [num_blocks, Hkv, D / 2,
+//          block_size, 2]: per block and kv head, the words (K[j][2p], K[j][2p+1]) of its keys j side
+//          by side for each pair p, so 16 keys of one pair are one vector read in place; values
+//          [num_blocks, Hkv, block_size / 2, D, 2]: the words (V[2i][d], V[2i+1][d]) of each pair of
+//          keys, so that O += P V multiplies pairs of keys by vdpbf16ps too (P rounded to bf16, as HF
+//          rounds the probabilities). The KV write (fused_ops.cpp) lays them out so; nothing is
+//          transposed or converted at attention time.
 
 #include "cpu_capability.h"
 
@@ -286,6 +289,72 @@ void add_probs_times_values(const float* probs, int rows, const T* const* values
   }
 }
 
+#if defined(KVLOOM_BF16_DOT)
+// The pairs layout's O += P V: P rounded to bf16 (as HF rounds the probabilities before its product
+// with V) and pairs of keys multiplied by vdpbf16ps, half the instructions of the fp32 FMAs and no
+// conversions of V. probs: R rows of `stride` words, word i = (P[r][2i], P[r][2i+1]);
+// value_pairs[i]: head_dim words, word d = (V[2i][d], V[2i+1][d]).
+template <int R, int C>
+inline void value_pair_block(const int32_t* probs, int stride, const float* const* value_pairs, int pairs,
+                             int column, float* out, int out_stride) {
+  __m512 acc[R][C];
+  KVLOOM_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVLOOM_UNROLL
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_ps(out + r * out_stride + column + c * 16);
+  for (int i = 0; i < pairs; ++i) {
+    __m512bh v[C];
+    KVLOOM_UNROLL
+    for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_ps(value_pairs[i] + column + c * 16);
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const auto p = (__m512bh)_mm512_set1_epi32(probs[r * stride + i]);
+      KVLOOM_UNROLL
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], p, v[c]);
+    }
+  }
+  KVLOOM_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVLOOM_UNROLL
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * out_stride + column + c * 16, acc[r][c]);
+}
+
+// probs: `rows` rows of kKeyTile fp32 (keys [0, n) used; head_dim % 32 == 0); value_pairs: ceil(n / 2) pair rows.
+// An odd last key has no partner in the tile (its slot's partner may hold anything, even a non-finite
+// value), so it is added alone.
+inline void add_probs_times_value_pairs(const float* probs, int rows, const float* const* value_pairs, int n,
+                                        int head_dim, float* out, int out_stride, int32_t* probs_bf16) {
+  constexpr int kStride = kKeyTile / 2;
+  for (int r = 0; r < rows; ++r)
+    for (int v = 0; v < kKeyVecs; v += 2) {
+      const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(probs + r * kKeyTile + (v + 1) * 16),
+                                                _mm512_loadu_ps(probs + r * kKeyTile + v * 16));
+      _mm512_storeu_si512(probs_bf16 + r * kStride + v * 8, (__m512i)pair);
+    }
+  const int pairs = n / 2;
+  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const int block = std::min(kRowBlock, rows - r0);
+    const int32_t* p = probs_bf16 + r0 * kStride;
+    float* o = out + r0 * out_stride;
+    with_row_count(block, [&](auto r) {
+      constexpr int R = decltype(r)::value;
+      constexpr int C = R * 4 <= kAccumulators ? 4 : kAccumulators / R;
+      int column = 0;
+      for (; column + C * 16 <= head_dim; column += C * 16)
+        value_pair_block<R, C>(p, kStride, value_pairs, pairs, column, o, out_stride);
+      for (; column < head_dim; column += 16) value_pair_block<R, 1>(p, kStride, value_pairs, pairs, column, o, out_stride);
+    });
+    if (n % 2 == 1) {
+      const auto* last = reinterpret_cast<const c10::BFloat16*>(value_pairs[pairs]);  // V[n - 1][d] at 2 d
+      for (int r = 0; r < block; ++r) {
+        const float prob = static_cast<float>(reinterpret_cast<const c10::BFloat16*>(p + r * kStride)[n - 1]);
+        for (int d = 0; d < head_dim; ++d) o[r * out_stride + d] += prob * static_cast<float>(last[2 * d]);
+      }
+    }
+  }
+}
+#endif
+
 // ---- the work ---------------------------------------------------------------------------------
 
 struct WorkItem {
@@ -305,14 +374,16 @@ struct Problem {
   const int64_t* query_start_loc;
   int64_t query_stride_token, query_stride_head;
   int64_t out_stride_token, out_stride_head;
-  int64_t value_stride_block, value_stride_slot, value_stride_head;  // and the key cache's in the rows layout
-  bool paired_keys;                                                 // the pairs layout (see the top)
-  int64_t key_stride_block, key_stride_head;                         // in the pairs layout, in elements
+  bool paired;                                     // the layout of both caches (see the top)
+  int64_t stride_block, stride_slot, stride_head;  // rows: the same in both caches
+  int64_t key_stride_block, key_stride_head;       // pairs, in elements
+  int64_t value_stride_block, value_stride_head;
 };
 
 // Per-thread buffers, kept across calls so that steady-state calls allocate nothing.
 struct Scratch {
   std::vector<float> query, out, scores, key_t, row_max, row_sum, new_max, correction;
+  std::vector<int32_t> probs_bf16;
   std::vector<const void*> key_rows, value_rows;
 };
 
@@ -394,9 +465,11 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* 
   scratch.correction.resize(head_rows);
   scratch.key_rows.resize(kKeyTile);
   scratch.value_rows.resize(kKeyTile);
+  if (pb.paired) scratch.probs_bf16.resize(static_cast<size_t>(head_rows) * kKeyTile / 2);
   float* s_tile = scratch.scores.data();
   auto key_rows = reinterpret_cast<const T**>(scratch.key_rows.data());
   auto value_rows = reinterpret_cast<const T**>(scratch.value_rows.data());
+  auto value_pairs = reinterpret_cast<const float**>(scratch.value_rows.data());  // the pairs layout's rows
 
   const int64_t i = item.request;
   const int64_t seq_len = pb.seq_lens[i];
@@ -420,51 +493,58 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* 
     hi = pos + 1;
   };
 
-  // Element offsets of the slots of positions [k0, k0 + n) in the value cache (and the rows key cache).
+  // The rows layout: element offsets of the slots of positions [k0, k0 + n), the same in both caches.
   const auto find_slots = [&](int64_t k0, int n, int64_t* offsets) {
     int64_t block = k0 / pb.block_size, slot = k0 % pb.block_size;
     for (int j = 0; j < n; ++j) {
-      offsets[j] = blocks[block] * pb.value_stride_block + slot * pb.value_stride_slot;
+      offsets[j] = blocks[block] * pb.stride_block + slot * pb.stride_slot;
       if (++slot == pb.block_size) {
         slot = 0;
         ++block;
       }
     }
   };
+  // The pairs layout: where the run of kVecSize keys from `pos` (a multiple of kVecSize, so within one
+  // block) begins in each cache: one 64-byte line per pair of dimensions in the key cache, and
+  // kVecSize / 2 rows of head_dim words in the value cache.
+  const auto key_run = [&](int64_t pos, int64_t kv_head) {
+    return key_cache + blocks[pos / pb.block_size] * pb.key_stride_block + kv_head * pb.key_stride_head +
+           pos % pb.block_size * 2;
+  };
+  const auto value_pair = [&](int64_t pos, int64_t kv_head) {  // pos even
+    return value_cache + blocks[pos / pb.block_size] * pb.value_stride_block + kv_head * pb.value_stride_head +
+           pos % pb.block_size * head_dim;
+  };
   // Blocks lie scattered over the cache, too far apart for the hardware prefetcher: ask for the
-  // next tile's rows (the item's kv heads of each slot, contiguous) while this tile is computed.
+  // next tile's keys and values (the item's kv heads) while this tile is computed.
   const auto prefetch = [](const T* start, int64_t length) {
     const auto first = reinterpret_cast<uintptr_t>(start) & ~uintptr_t{63};
     const auto last = reinterpret_cast<uintptr_t>(start + length) - 1;
     for (uintptr_t line = first; line <= last; line += 64) __builtin_prefetch(reinterpret_cast<const void*>(line));
   };
-  const int64_t heads_offset = item.first_kv_head * pb.value_stride_head;
-  const int64_t heads_length = (item.num_kv_heads - 1) * pb.value_stride_head + head_dim;
-  // The pairs layout: a run of kVecSize keys within one block, one line of 16 words per pair.
-  const auto key_run = [&](int64_t pos, int64_t kv_head) {
-    return key_cache + blocks[pos / pb.block_size] * pb.key_stride_block + kv_head * pb.key_stride_head +
-           pos % pb.block_size * 2;
-  };
+  const int64_t heads_offset = item.first_kv_head * pb.stride_head;
+  const int64_t heads_length = (item.num_kv_heads - 1) * pb.stride_head + head_dim;
   const auto prefetch_tile = [&](const int64_t* offsets, int64_t k0, int n) {
-    for (int j = 0; j < n; ++j) {
-      prefetch(value_cache + offsets[j] + heads_offset, heads_length);
-      if (!pb.paired_keys) prefetch(key_cache + offsets[j] + heads_offset, heads_length);
+    if (!pb.paired) {
+      for (int j = 0; j < n; ++j)
+        for (const T* cache : {key_cache, value_cache}) prefetch(cache + offsets[j] + heads_offset, heads_length);
+      return;
     }
-    if (pb.paired_keys)
-      for (int j = 0; j < n; j += kVecSize)
-        for (int64_t h = 0; h < item.num_kv_heads; ++h) {
-          const T* run = key_run(k0 + j, item.first_kv_head + h);
-          for (int p = 0; p < head_dim / 2; ++p) __builtin_prefetch(run + p * pb.block_size * 2);
-        }
+    for (int j = 0; j < n; j += kVecSize)
+      for (int64_t h = item.first_kv_head; h < item.first_kv_head + item.num_kv_heads; ++h) {
+        const T* run = key_run(k0 + j, h);
+        for (int p = 0; p < head_dim / 2; ++p) __builtin_prefetch(run + p * pb.block_size * 2);
+        prefetch(value_pair(k0 + j, h), static_cast<int64_t>(kVecSize) * head_dim);
+      }
   };
 
   int64_t key_begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
   // Paired runs start at multiples of kVecSize: begin there (the keys before key_begin are masked).
-  if (pb.paired_keys) key_begin -= key_begin % kVecSize;
+  if (pb.paired) key_begin -= key_begin % kVecSize;
   const int64_t key_end = first_pos + item.num_queries;
   const auto tile_size = [&](int64_t k0) { return static_cast<int>(std::min<int64_t>(kKeyTile, key_end - k0)); };
-  int64_t offsets[2][kKeyTile];  // this tile's slots and the next's
-  find_slots(key_begin, tile_size(key_begin), offsets[0]);
+  int64_t offsets[2][kKeyTile];  // the rows layout: this tile's slots and the next's
+  if (!pb.paired) find_slots(key_begin, tile_size(key_begin), offsets[0]);
   prefetch_tile(offsets[0], key_begin, tile_size(key_begin));
   const float* key_vectors[kKeyVecs];  // where S = Q K^T reads each vector of keys, and its stride
   int64_t key_stride = kKeyTile;
@@ -472,20 +552,23 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* 
     const int n = tile_size(k0);
     const int64_t* slots = offsets[t % 2];
     if (k0 + kKeyTile < key_end) {
-      find_slots(k0 + kKeyTile, tile_size(k0 + kKeyTile), offsets[(t + 1) % 2]);
+      if (!pb.paired) find_slots(k0 + kKeyTile, tile_size(k0 + kKeyTile), offsets[(t + 1) % 2]);
       prefetch_tile(offsets[(t + 1) % 2], k0 + kKeyTile, tile_size(k0 + kKeyTile));
     }
     for (int h = 0; h < item.num_kv_heads; ++h) {
-      const int64_t head_offset = (item.first_kv_head + h) * pb.value_stride_head;
-      for (int j = 0; j < n; ++j) value_rows[j] = value_cache + slots[j] + head_offset;
-      if (pb.paired_keys) {
+      const int64_t kv_head = item.first_kv_head + h;
+      if (pb.paired) {
         // Vectors past the tile's last key read the first one's keys again: their scores are masked.
         key_stride = pb.block_size;
         for (int v = 0; v < kKeyVecs; ++v)
-          key_vectors[v] = reinterpret_cast<const float*>(
-              key_run(k0 + (v * kVecSize < n ? v * kVecSize : 0), item.first_kv_head + h));
+          key_vectors[v] = reinterpret_cast<const float*>(key_run(k0 + (v * kVecSize < n ? v * kVecSize : 0), kv_head));
+        for (int j = 0; j < n; j += 2) value_pairs[j / 2] = reinterpret_cast<const float*>(value_pair(k0 + j, kv_head));
       } else {
-        for (int j = 0; j < n; ++j) key_rows[j] = key_cache + slots[j] + head_offset;
+        const int64_t head_offset = kv_head * pb.stride_head;
+        for (int j = 0; j < n; ++j) {
+          key_rows[j] = key_cache + slots[j] + head_offset;
+          value_rows[j] = value_cache + slots[j] + head_offset;
+        }
         for (int j = n; j < kKeyTile; ++j) key_rows[j] = zero_row<T>();
         Keys::pack_keys(key_rows, head_dim, scratch.key_t.data());
         for (int v = 0; v < kKeyVecs; ++v) key_vectors[v] = scratch.key_t.data() + v * kVecSize;
@@ -502,6 +585,13 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* 
       softmax_tile(s_tile, head_rows, pb.scale, k0, visible, scratch.row_max.data() + h * head_rows,
                    scratch.row_sum.data() + h * head_rows, o_head, out_stride, scratch.new_max.data(),
                    scratch.correction.data());
+#if defined(KVLOOM_BF16_DOT)
+      if (pb.paired) {
+        add_probs_times_value_pairs(s_tile, head_rows, value_pairs, n, head_dim, o_head, out_stride,
+                                    scratch.probs_bf16.data());
+        continue;
+      }
+#endif
       add_probs_times_values(s_tile, head_rows, value_rows, n, head_dim, o_head, out_stride);
     }
   }
@@ -540,8 +630,8 @@ void check_rows(const at::Tensor& t, const char* name) {
 
 }  // namespace
 
-// Whether this build reads bf16 keys in the pairs layout for this head size and block size.
-bool paired_keys_supported(int64_t head_dim, int64_t block_size) {
+// Whether this build reads bf16 caches in the pairs layout for this head size and block size.
+bool pairs_layout_supported(int64_t head_dim, int64_t block_size) {
 #if defined(KVLOOM_BF16_DOT)
   return head_dim % 32 == 0 && head_dim <= kMaxHeadDim && block_size % kVecSize == 0;
 #else
@@ -549,30 +639,36 @@ bool paired_keys_supported(int64_t head_dim, int64_t block_size) {
 #endif
 }
 
-// out, query: [T, Hq, D]; value_cache: [num_blocks, block_size, Hkv, D]; key_cache: the same (rows) or
-// [num_blocks, Hkv, D / 2, block_size, 2] (pairs, see the top); block_table: [B, max_blocks]; seq_lens: [B];
-// query_start_loc: [B + 1]; sliding_window <= 0: none.
+// out, query: [T, Hq, D]; the caches in the rows layout, both [num_blocks, block_size, Hkv, D], or in the
+// pairs layout (see the top), keys [num_blocks, Hkv, D / 2, block_size, 2] and values [num_blocks, Hkv,
+// block_size / 2, D, 2]; block_table: [B, max_blocks]; seq_lens: [B]; query_start_loc: [B + 1];
+// sliding_window <= 0: none.
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "paged_attention: query and out must be "
               "[num_tokens, num_heads, head_dim] of one shape, got ", query.sizes(), " and ", out.sizes());
-  TORCH_CHECK(value_cache.dim() == 4, "paged_attention: value_cache must be [num_blocks, block_size, "
-              "num_kv_heads, head_dim], got ", value_cache.sizes());
   const bool paired = key_cache.dim() == 5;
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = key_cache.size(0), num_kv_heads = key_cache.size(paired ? 1 : 2);
+  const int64_t block_size = key_cache.size(paired ? 3 : 1);
   if (paired) {
-    const auto v = value_cache.sizes();
-    TORCH_CHECK(key_cache.sizes() == at::IntArrayRef({v[0], v[2], v[3] / 2, v[1], 2}) && v[3] % 2 == 0 &&
-                    key_cache.is_contiguous() && key_cache.scalar_type() == at::kBFloat16 &&
-                    paired_keys_supported(v[3], v[1]),
-                "paged_attention: a paired key_cache must be a contiguous bfloat16 [num_blocks, num_kv_heads, "
-                "head_dim / 2, block_size, 2] for a value_cache of ", v, ", with a head_dim and block_size "
-                "this build pairs (paired_keys_supported); got ", key_cache.sizes(), " ", key_cache.scalar_type());
+    TORCH_CHECK(key_cache.sizes() == at::IntArrayRef({num_blocks, num_kv_heads, head_dim / 2, block_size, 2}) &&
+                    value_cache.sizes() ==
+                        at::IntArrayRef({num_blocks, num_kv_heads, block_size / 2, head_dim, 2}) &&
+                    key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                    key_cache.scalar_type() == at::kBFloat16 && pairs_layout_supported(head_dim, block_size),
+                "paged_attention: caches in the pairs layout must be contiguous bfloat16 keys [num_blocks, "
+                "num_kv_heads, head_dim / 2, block_size, 2] and values [num_blocks, num_kv_heads, block_size / 2, "
+                "head_dim, 2], of a head_dim and block_size this build pairs (pairs_layout_supported); got ",
+                key_cache.sizes(), " and ", value_cache.sizes(), " for head_dim ", head_dim);
   } else {
     TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
                     key_cache.strides() == value_cache.strides(),
                 "paged_attention: key_cache and value_cache must be [num_blocks, block_size, num_kv_heads, "
                 "head_dim] of one shape and layout, got ", key_cache.sizes(), " and ", value_cache.sizes());
+    TORCH_CHECK(key_cache.size(3) == head_dim, "paged_attention: head_dim must match the cache, got ", head_dim,
+                " and ", key_cache.size(3));
   }
   const auto dtype = query.scalar_type();
   TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
@@ -586,13 +682,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   check_index(query_start_loc, "query_start_loc", 1);
   TORCH_CHECK(scale > 0, "paged_attention: scale must be positive, got ", scale);
 
-  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_blocks = value_cache.size(0), block_size = value_cache.size(1);
-  const int64_t num_kv_heads = value_cache.size(2);
   const int64_t batch = seq_lens.size(0);
-  TORCH_CHECK(value_cache.size(3) == head_dim && head_dim >= 1 && head_dim <= kMaxHeadDim,
-              "paged_attention: head_dim must match the cache and be in [1, ", kMaxHeadDim, "], got ", head_dim,
-              " and ", value_cache.size(3));
+  TORCH_CHECK(head_dim >= 1 && head_dim <= kMaxHeadDim, "paged_attention: head_dim must be in [1, ", kMaxHeadDim,
+              "], got ", head_dim);
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_attention: num_heads (", num_heads,
               ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
   TORCH_CHECK(query_start_loc.size(0) == batch + 1 && block_table.size(0) >= batch,
@@ -612,12 +704,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   pb.query_stride_head = query.stride(1);
   pb.out_stride_token = out.stride(0);
   pb.out_stride_head = out.stride(1);
-  pb.value_stride_block = value_cache.stride(0);
-  pb.value_stride_slot = value_cache.stride(1);
-  pb.value_stride_head = value_cache.stride(2);
-  pb.paired_keys = paired;
+  pb.paired = paired;
+  pb.stride_block = key_cache.stride(0);
+  pb.stride_slot = key_cache.stride(1);
+  pb.stride_head = key_cache.stride(2);
   pb.key_stride_block = key_cache.stride(0);
   pb.key_stride_head = key_cache.stride(1);
+  pb.value_stride_block = value_cache.stride(0);
+  pb.value_stride_head = value_cache.stride(1);
 
   // Check every index the items will follow (a bad one would read outside the cache).
   const int64_t max_blocks = block_table.size(1);
@@ -674,7 +768,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
         break;
       }
 #endif
-      TORCH_CHECK(!paired, "paged_attention: no paired-key kernel in this build");
+      TORCH_CHECK(!paired, "paged_attention: no pairs-layout kernel in this build");
       run(c10::BFloat16(), FloatKeys());
       break;
     case at::kHalf: run(c10::Half(), FloatKeys()); break;
@@ -685,7 +779,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window) -> ()");
-  m.def("paired_keys_supported(int head_dim, int block_size) -> bool", &paired_keys_supported);
+  m.def("pairs_layout_supported(int head_dim, int block_size) -> bool", &pairs_layout_supported);
 }
 
 TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
