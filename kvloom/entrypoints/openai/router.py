@@ -46,7 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from kvloom.config import EngineConfig, resolve_config
-from kvloom.engine.async_engine import EngineDeadError, stream_outputs
+from kvloom.engine.async_engine import EngineDeadError, EngineHealth, stream_outputs
 from kvloom.engine.input_processor import EngineRequest, InputProcessor, PromptInput
 from kvloom.engine.replica import LocalReplica, RayReplica, ReplicaSpec, no_delay, replica_config
 from kvloom.engine.scheduler import SchedulerStats, check_request_fits
@@ -134,7 +134,7 @@ def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
         q.put_nowait(item)
 
 
-class ReplicaRouter:
+class ReplicaRouter(EngineHealth):
     """N replicas behind the server's ``AsyncLLM`` surface; see the module docstring."""
 
     def __init__(self, config: EngineConfig, *, model_name: str | None = None, stats_interval: float = 10.0,
@@ -241,18 +241,6 @@ class ReplicaRouter:
         return min(blocks.values())
 
     # ---- the AsyncLLM surface ----------------------------------------------------------------------
-    @property
-    def errored(self) -> bool:
-        return self._dead_error is not None
-
-    @property
-    def dead_error(self) -> BaseException | None:
-        return self._dead_error
-
-    def check_health(self) -> None:
-        if self._dead_error is not None:
-            raise EngineDeadError(f"the engine is dead: {self._dead_error}") from self._dead_error
-
     def get_stats(self) -> EngineStats:
         """The live replicas' latest stats, summed (KV cache usage averaged)."""
         live = [r.stats for r in self.replicas if r.alive]
@@ -327,8 +315,7 @@ class ReplicaRouter:
         charge = prompt_tokens + params.n * max(1, min(max_tokens, self.max_model_len - prompt_tokens))
         hashes = prefix_hashes(request.prompt_token_ids, self.block_size)
         with self._lock:
-            if self._dead_error is not None:
-                raise EngineDeadError(f"the engine is dead: {self._dead_error}")
+            self.check_health()
             if request.request_id in self._requests:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
             outstanding = {r.index: r.outstanding for r in self.replicas if r.alive}
