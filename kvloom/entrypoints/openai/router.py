@@ -18,7 +18,8 @@ taken out of the rotation at once and each of its in-flight requests fails with
 ``ReplicaDeadError`` naming it; the other replicas keep serving. Only when every replica is dead
 is the router dead (``/health`` 503).
 
-``/metrics``: every replica's metrics with a ``replica`` label, then the total over the live
+``/metrics``: every replica's metrics (observed here from the numbers each replica sends every
+0.25 s, rendered only when scraped) with a ``replica`` label, then the total over the live
 replicas without one (``kv_cache_usage_perc`` averaged, the rest summed), and per replica
 ``kvloom:replica_up`` and ``kvloom:replica_outstanding_tokens``.
 """
@@ -42,7 +43,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from kvloom.config import EngineConfig, resolve_config
@@ -52,7 +52,7 @@ from kvloom.engine.replica import LocalReplica, RayReplica, ReplicaSpec, no_dela
 from kvloom.engine.scheduler import SchedulerStats, check_request_fits
 from kvloom.loader.tokenizer import load_tokenizer
 from kvloom.loader.weights import resolve_model
-from kvloom.metrics import EngineStats
+from kvloom.metrics import EngineMetrics, EngineStats
 from kvloom.outputs import RequestOutput
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
 
@@ -125,7 +125,8 @@ class _Replica:
     outstanding: int = 0
     in_flight: set[str] = field(default_factory=set)
     stats: EngineStats = field(default_factory=EngineStats)
-    metrics_text: bytes = b""
+    metrics: EngineMetrics | None = None  # observed here from the replica's IterationStats
+    published: bool = False  # its first stats arrived (its metrics are shown from then on)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -194,7 +195,10 @@ class ReplicaRouter(EngineHealth):
                 spec = ReplicaSpec(index, replica_config(config, device, threads), listener.address, authkey,
                                    self.model_name, log_level, stats_interval, log_requests, cpus[index])
                 handle = RayReplica(spec) if on_ray else LocalReplica(spec)
-                self.replicas.append(_Replica(index, handle))
+                replica = _Replica(index, handle)
+                replica.metrics = EngineMetrics(self.model_name, self.max_model_len,
+                                                lambda replica=replica: replica.stats)
+                self.replicas.append(replica)
             self._num_usable_blocks = self._wait_ready(accepted)
         except BaseException:
             self._kill_all()
@@ -365,11 +369,12 @@ class ReplicaRouter(EngineHealth):
     def _dispatch(self, replica: _Replica, batch: list[tuple]) -> None:
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         engine_died = False
+        iterations = None
         with self._lock:
             for message in batch:
                 kind = message[0]
                 if kind == "stats":
-                    replica.stats, replica.metrics_text = message[1], message[2]
+                    replica.stats, iterations, replica.published = message[1], message[2], True
                     continue
                 if kind == "dead":
                     replica.death = message[1]
@@ -388,6 +393,8 @@ class ReplicaRouter(EngineHealth):
         for loop, items in deliveries.items():
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody listens
                 loop.call_soon_threadsafe(_put_all, items)
+        if iterations is not None:
+            replica.metrics.observe_iteration(iterations)
         if engine_died:  # the replica's process lives on with a dead engine: out of the rotation, and gone
             self._send(replica, ("shutdown", "its engine died"))
             self._replica_died(replica, replica.death or "its engine died")
@@ -478,9 +485,9 @@ class _ReplicaMetricsCollector(Collector):
         families: dict[str, Metric] = {}
         totals: dict[str, dict[tuple, list[float]]] = {}
         for replica in self.router.replicas:
-            if not replica.alive or not replica.metrics_text:
+            if not replica.alive or not replica.published:
                 continue
-            for family in text_string_to_metric_families(replica.metrics_text.decode()):
+            for family in replica.metrics.registry.collect():
                 merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
                 for sample in family.samples:
                     merged.add_sample(sample.name, {**sample.labels, "replica": str(replica.index)}, sample.value)
