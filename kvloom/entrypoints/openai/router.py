@@ -351,15 +351,22 @@ class ReplicaRouter(EngineHealth):
         """A thread per replica: its outputs to their callers' queues; its death when it goes quiet."""
         conn = replica.conn
         while True:
+            batch: list[tuple] = []
             try:
-                batch = conn.recv()
+                batch.extend(conn.recv())
+                # Steps that arrived while this thread was off the CPU go out together: one hand-off
+                # to the event loop (and one wake-up of it) for all of them.
+                while conn.poll():
+                    batch.extend(conn.recv())
             except (EOFError, OSError):
+                self._dispatch(replica, batch)  # what came before the connection ended
                 if not self._closing:
                     self._replica_died(replica, f"its process {replica.handle.describe_exit()}")
                 else:
                     self._replica_died(replica, "the server is shutting down")
                 return
             except Exception:  # noqa: BLE001 - an unreadable batch: the replica cannot be trusted
+                self._dispatch(replica, batch)
                 logger.exception("replica %d sent an unreadable message", replica.index)
                 replica.handle.kill()
                 self._replica_died(replica, "it sent an unreadable message")
