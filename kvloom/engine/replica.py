@@ -9,17 +9,18 @@ process of its own, a local process or a Ray actor, serving the router over one 
     ("abort", [request ids])  ────────────────────> AsyncLLM.abort
                                         <────────── batches of ("output", id, RequestOutput) / ("error", id, exc),
                                                     one batch per engine step, sent by the engine thread
-                                        <────────── ("stats", EngineStats, IterationStats) every 0.25 s when changed
+                                        <────────── ("stats", EngineStats) every 0.25 s when changed
+    ("metrics", n)  ──────────────────────────────> (a scrape of the router's /metrics)
+                                        <────────── ("metrics", n, the engine's metrics as Prometheus text)
                                         <────────── ("dead", why): the engine died; the replica exits
     ("shutdown", reason)  ────────────────────────> the engine stops; its requests end with that reason
 
 The connection is a ``multiprocessing.connection`` (pickles over an authenticated socket), the
-transport of the multiprocess executor's pipes. A replica sends numbers, not Prometheus text: the
-router observes each replica's IterationStats (merged over 0.25 s) into that replica's metrics and
-renders them when scraped, so a replica never spends ~2 ms rendering its registry while it steps
-(which held its GIL against the engine thread and showed in the router's p99 latency). A replica
-leaves when its connection closes (the router is gone), so no replica outlives its server. The
-router is ``kvloom/entrypoints/openai/router.py``.
+transport of the multiprocess executor's pipes. A replica renders its metrics only when the router
+is scraped, as AsyncLLM's server does: rendering them every 0.25 s cost ~2 ms with the GIL held
+against the engine thread, which showed in the router's p99 latency. A replica leaves when its connection closes (the
+router is gone), so no replica outlives its server. The router is
+``kvloom/entrypoints/openai/router.py``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from kvloom.config import EngineConfig, parse_overrides
 from kvloom.engine.async_engine import AsyncLLM, _Add, _Stream
 from kvloom.engine.input_processor import EngineRequest
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.output_processor import IterationStats
 from kvloom.outputs import RequestOutput
 
 logger = logging.getLogger("kvloom")
@@ -154,10 +154,7 @@ class _ConnectedAsyncLLM(AsyncLLM):
     cost about as much as the tiny test model's whole step)."""
 
     def __init__(self, spec: ReplicaSpec, outbox: _Outbox) -> None:
-        # Before the engine thread starts (inside AsyncLLM's constructor).
-        self.outbox = outbox
-        self._iterations_lock = threading.Lock()
-        self._iterations = IterationStats()  # what the steps did since the stats thread last sent it
+        self.outbox = outbox  # before the engine thread starts (inside AsyncLLM's constructor)
         super().__init__(lambda: LLMEngine(spec.config, log_stats=True), model_name=spec.model_name,
                          stats_interval=spec.stats_interval, log_requests=spec.log_requests)
 
@@ -174,19 +171,6 @@ class _ConnectedAsyncLLM(AsyncLLM):
                 del self._streams[output.request_id]
             batch.append(("output", output.request_id, output))
         self.outbox.send(batch)
-
-    def _record(self, stats: IterationStats) -> None:
-        super()._record(stats)
-        with self._iterations_lock:
-            merge_iteration_stats(self._iterations, stats)
-
-    def take_iterations(self) -> IterationStats | None:
-        """What the steps did since the last call (None: nothing), for the router's metrics."""
-        with self._iterations_lock:
-            taken, self._iterations = self._iterations, IterationStats()
-        empty = not (taken.num_prompt_tokens or taken.num_generation_tokens or taken.time_to_first_tokens
-                     or taken.inter_token_latencies or taken.finished_requests)
-        return None if empty else taken
 
     def _send(self, stream: _Stream, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
@@ -211,6 +195,8 @@ def _serve(conn: Connection, engine: _ConnectedAsyncLLM) -> None:
                 engine.outbox.send([("error", request.request_id, portable_error(error))])
         elif kind == "abort":
             engine.abort(message[1])
+        elif kind == "metrics":
+            engine.outbox.send([("metrics", message[1], engine.metrics.render())])
         elif kind == "shutdown":
             engine.shutdown(30.0, message[1])  # its requests end with the reason, sent by the engine thread
             return
@@ -218,25 +204,15 @@ def _serve(conn: Connection, engine: _ConnectedAsyncLLM) -> None:
             logger.error("unknown message from the router: %r", kind)
 
 
-def merge_iteration_stats(into: IterationStats, stats: IterationStats) -> None:
-    """Add ``stats`` to ``into``: token counts summed, per-request observations appended."""
-    into.num_prompt_tokens += stats.num_prompt_tokens
-    into.num_generation_tokens += stats.num_generation_tokens
-    into.time_to_first_tokens.extend(stats.time_to_first_tokens)
-    into.inter_token_latencies.extend(stats.inter_token_latencies)
-    into.finished_requests.extend(stats.finished_requests)
-
-
-def _publish_stats(engine: _ConnectedAsyncLLM, outbox: _Outbox) -> None:
-    """A thread: every STATS_INTERVAL_S, the engine's stats and what its steps did (when anything
-    changed); "dead" once the engine died (its requests' errors have gone out by then)."""
+def _publish_stats(engine: AsyncLLM, outbox: _Outbox) -> None:
+    """A thread: the engine's stats every STATS_INTERVAL_S when they changed (the router's routing
+    and ``get_stats``); "dead" once the engine died (its requests' errors have gone out by then)."""
     last = None
     while not outbox.closed:
         stats = engine.get_stats()
-        iterations = engine.take_iterations()
-        if stats is not last or iterations is not None:
+        if stats is not last:
             last = stats
-            outbox.send([("stats", stats, iterations)])
+            outbox.send([("stats", stats)])
         if engine.errored:
             outbox.send([("dead", f"the replica's engine is dead: {engine.dead_error}")])
             return

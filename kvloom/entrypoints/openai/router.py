@@ -18,8 +18,8 @@ taken out of the rotation at once and each of its in-flight requests fails with
 ``ReplicaDeadError`` naming it; the other replicas keep serving. Only when every replica is dead
 is the router dead (``/health`` 503).
 
-``/metrics``: every replica's metrics (observed here from the numbers each replica sends every
-0.25 s, rendered only when scraped) with a ``replica`` label, then the total over the live
+``/metrics``: every replica's metrics (asked of the replicas at each scrape: a replica renders
+them only then, never while it steps unasked) with a ``replica`` label, then the total over the live
 replicas without one (``kv_cache_usage_perc`` averaged, the rest summed), and per replica
 ``kvloom:replica_up`` and ``kvloom:replica_outstanding_tokens``.
 """
@@ -43,6 +43,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from kvloom.config import EngineConfig, resolve_config
@@ -52,7 +53,7 @@ from kvloom.engine.replica import LocalReplica, RayReplica, ReplicaSpec, no_dela
 from kvloom.engine.scheduler import SchedulerStats, check_request_fits
 from kvloom.loader.tokenizer import load_tokenizer
 from kvloom.loader.weights import resolve_model
-from kvloom.metrics import EngineMetrics, EngineStats
+from kvloom.metrics import EngineStats
 from kvloom.outputs import RequestOutput
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
 
@@ -66,6 +67,9 @@ MAX_REMEMBERED_PREFIXES = 1 << 16
 STARTUP_TIMEOUT_S = 900.0
 # How long shutdown lets a replica end its requests and leave before it is killed.
 SHUTDOWN_GRACE_S = 30.0
+# How long a scrape of /metrics waits for the replicas' answers (a few ms: each renders its own)
+# before it shows a slow replica's previous answer. The wait holds the server's event loop.
+METRICS_WAIT_S = 0.1
 
 
 class ReplicaDeadError(EngineDeadError):
@@ -125,8 +129,9 @@ class _Replica:
     outstanding: int = 0
     in_flight: set[str] = field(default_factory=set)
     stats: EngineStats = field(default_factory=EngineStats)
-    metrics: EngineMetrics | None = None  # observed here from the replica's IterationStats
-    published: bool = False  # its first stats arrived (its metrics are shown from then on)
+    metrics_text: bytes = b""  # its latest answer to "metrics" (Prometheus text)
+    metrics_asked: int = 0  # how many times /metrics asked it; how many it answered
+    metrics_answered: int = 0
     send_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -154,6 +159,7 @@ class ReplicaRouter(EngineHealth):
         self._prefixes: OrderedDict[int, int] = OrderedDict()
         self._dead_error: BaseException | None = None
         self._closing = False
+        self._metrics_arrived = threading.Condition()  # a replica answered "metrics", or died
         self.replicas: list[_Replica] = []
         self._start(config, resolved.device.type, log_level, stats_interval, log_requests)
         num_usable_blocks = self._num_usable_blocks
@@ -195,10 +201,7 @@ class ReplicaRouter(EngineHealth):
                 spec = ReplicaSpec(index, replica_config(config, device, threads), listener.address, authkey,
                                    self.model_name, log_level, stats_interval, log_requests, cpus[index])
                 handle = RayReplica(spec) if on_ray else LocalReplica(spec)
-                replica = _Replica(index, handle)
-                replica.metrics = EngineMetrics(self.model_name, self.max_model_len,
-                                                lambda replica=replica: replica.stats)
-                self.replicas.append(replica)
+                self.replicas.append(_Replica(index, handle))
             self._num_usable_blocks = self._wait_ready(accepted)
         except BaseException:
             self._kill_all()
@@ -256,6 +259,18 @@ class ReplicaRouter(EngineHealth):
         return EngineStats(scheduler=SchedulerStats(**totals), prompt_tokens=sum(s.prompt_tokens for s in live),
                            generation_tokens=sum(s.generation_tokens for s in live),
                            timestamp=max(s.timestamp for s in live))
+
+    def refresh_metrics(self, timeout: float = METRICS_WAIT_S) -> None:
+        """Ask every live replica for its metrics and wait up to ``timeout`` for the answers."""
+        asked = []
+        for replica in self.replicas:
+            if replica.alive and replica.conn is not None:
+                replica.metrics_asked += 1
+                self._send(replica, ("metrics", replica.metrics_asked))
+                asked.append(replica)
+        with self._metrics_arrived:
+            self._metrics_arrived.wait_for(
+                lambda: all(not r.alive or r.metrics_answered >= r.metrics_asked for r in asked), timeout)
 
     def has_requests(self) -> bool:
         return bool(self._requests)
@@ -375,13 +390,16 @@ class ReplicaRouter(EngineHealth):
 
     def _dispatch(self, replica: _Replica, batch: list[tuple]) -> None:
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
-        engine_died = False
-        iterations = None
+        engine_died = metrics_arrived = False
         with self._lock:
             for message in batch:
                 kind = message[0]
                 if kind == "stats":
-                    replica.stats, iterations, replica.published = message[1], message[2], True
+                    replica.stats = message[1]
+                    continue
+                if kind == "metrics":
+                    replica.metrics_answered, replica.metrics_text = message[1], message[2]
+                    metrics_arrived = True
                     continue
                 if kind == "dead":
                     replica.death = message[1]
@@ -400,8 +418,9 @@ class ReplicaRouter(EngineHealth):
         for loop, items in deliveries.items():
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody listens
                 loop.call_soon_threadsafe(_put_all, items)
-        if iterations is not None:
-            replica.metrics.observe_iteration(iterations)
+        if metrics_arrived:
+            with self._metrics_arrived:
+                self._metrics_arrived.notify_all()
         if engine_died:  # the replica's process lives on with a dead engine: out of the rotation, and gone
             self._send(replica, ("shutdown", "its engine died"))
             self._replica_died(replica, replica.death or "its engine died")
@@ -439,6 +458,8 @@ class ReplicaRouter(EngineHealth):
                 del self._prefixes[h]
             if not any(r.alive for r in self.replicas) and self._dead_error is None:
                 self._dead_error = EngineDeadError(f"every replica is dead; the last: {message}")
+        with self._metrics_arrived:  # a scrape waiting for its metrics waits no longer
+            self._metrics_arrived.notify_all()
         if not self._closing:
             logger.error("%s; %d in-flight request(s) failed; %d replica(s) still serving", message, len(failed),
                          sum(r.alive for r in self.replicas))
@@ -492,9 +513,9 @@ class _ReplicaMetricsCollector(Collector):
         families: dict[str, Metric] = {}
         totals: dict[str, dict[tuple, list[float]]] = {}
         for replica in self.router.replicas:
-            if not replica.alive or not replica.published:
+            if not replica.alive or not replica.metrics_text:
                 continue
-            for family in replica.metrics.registry.collect():
+            for family in text_string_to_metric_families(replica.metrics_text.decode()):
                 merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
                 for sample in family.samples:
                     merged.add_sample(sample.name, {**sample.labels, "replica": str(replica.index)}, sample.value)
@@ -520,8 +541,10 @@ class _RouterMetrics:
     """``render()`` as EngineMetrics has it: the replicas' metrics, labelled, and their total."""
 
     def __init__(self, router: ReplicaRouter) -> None:
+        self.router = router
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_ReplicaMetricsCollector(router))
 
     def render(self) -> bytes:
+        self.router.refresh_metrics()
         return generate_latest(self.registry)
