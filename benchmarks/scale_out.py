@@ -3,6 +3,7 @@ alternated (A, B, A, B, ...), reported as medians with their spread.
 
     PYTHONPATH=. .venv/bin/python benchmarks/scale_out.py executor   # Ray vs mp executor at TP=2
     PYTHONPATH=. .venv/bin/python benchmarks/scale_out.py router     # the router's added latency
+    PYTHONPATH=. .venv/bin/python benchmarks/scale_out.py router --baseline-root ../main  # ... before / after
     PYTHONPATH=. .venv/bin/python benchmarks/scale_out.py replicas   # 2 replicas vs 1, one core each
     PYTHONPATH=. .venv/bin/python benchmarks/scale_out.py all --json bench_results/scale_out.json
 
@@ -17,6 +18,8 @@ router: sequential requests (16-token prompt, 8 greedy tokens, streamed as delta
     asks) through ``ReplicaRouter`` with 2 replicas against one ``AsyncLLM`` in the process, on the
     tests' tiny random model so that the model's time does not hide the router's; every engine on
     one torch thread. The added latency is the router's p50 / p99 minus AsyncLLM's (target p99 <= 1 ms).
+    With ``--baseline-root`` (another checkout, e.g. main before a change) the router of that checkout
+    runs too, in the same alternation (direct, router there, router here), against the same direct runs.
 replicas: the standard workload (SmolLM2-135M, the default model) sent all at once, N concurrent
     requests, through ``ReplicaRouter`` with 2 replicas each with ``num_threads`` 1 (each pinned to a
     core) against one ``AsyncLLM`` with ``num_threads`` 1: output tokens/s and the ratio (target >= 1.6x).
@@ -181,9 +184,10 @@ CHILDREN = {"executor": child_executor, "router": child_router, "replicas": chil
 
 
 # ---- the parent: alternated fresh processes ----------------------------------------------------------
-def run_child(kind: str, options: list[str], ray_dir: str) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", kind, *options]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+def run_child(kind: str, options: list[str], ray_dir: str, root: Path = ROOT) -> dict[str, Any]:
+    """One measured run in a fresh process, of the checkout at ``root`` (this one by default)."""
+    command = [sys.executable, str(root / "benchmarks" / "scale_out.py"), "--child", kind, *options]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "RAY_TMPDIR": ray_dir, "RAY_ADDRESS": ""}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -224,25 +228,34 @@ def measure_executor(args: argparse.Namespace, work: Path, ray_dir: str) -> dict
 
 def measure_router(args: argparse.Namespace, work: Path, ray_dir: str) -> dict[str, Any]:
     model = tiny_checkpoint(work / "tiny-model")
-    runs: dict[str, list[list[float]]] = {"direct": [], "router": []}
+    sides = [("direct", 1, ROOT), ("router", 2, ROOT)]
+    if args.baseline_root:
+        sides.insert(1, ("router_baseline", 2, Path(args.baseline_root).resolve()))
+    runs: dict[str, list[list[float]]] = {name: [] for name, _, _ in sides}
+    load: list[float] = []
     for repeat in range(args.repeats):
-        for name, dp in (("direct", 1), ("router", 2)):
+        for name, dp, root in sides:
+            load.append(os.getloadavg()[0])
             result = run_child("router", ["--model", str(model), "--dp", str(dp), "--requests", str(args.requests),
-                                          "--warmup", "20"], ray_dir)
+                                          "--warmup", "20"], ray_dir, root)
             latencies = result["latencies_ms"]
             log(f"router {name} #{repeat + 1}: p50 {percentile(latencies, 0.5):.3f} ms, "
-                f"p99 {percentile(latencies, 0.99):.3f} ms")
+                f"p99 {percentile(latencies, 0.99):.3f} ms (load average {load[-1]:.2f})")
             runs[name].append(latencies)
     pooled = {name: [x for run in values for x in run] for name, values in runs.items()}
-    summary = {f"{name}_{q}_ms": round(percentile(pooled[name], p), 3)
-               for name in pooled for q, p in (("p50", 0.5), ("p99", 0.99))}
-    summary["added_p50_ms"] = round(summary["router_p50_ms"] - summary["direct_p50_ms"], 3)
-    summary["added_p99_ms"] = round(summary["router_p99_ms"] - summary["direct_p99_ms"], 3)
-    summary["added_p50_per_repeat_ms"] = [round(percentile(r, 0.5) - percentile(d, 0.5), 3)
-                                          for r, d in zip(runs["router"], runs["direct"])]
-    summary["added_p99_per_repeat_ms"] = [round(percentile(r, 0.99) - percentile(d, 0.99), 3)
-                                          for r, d in zip(runs["router"], runs["direct"])]
-    return {"summary": summary}
+    summary: dict[str, Any] = {f"{name}_{q}_ms": round(percentile(pooled[name], p), 3)
+                               for name in pooled for q, p in (("p50", 0.5), ("p99", 0.99))}
+    for name in runs:
+        if name == "direct":
+            continue
+        prefix = "added" if name == "router" else f"added_{name.removeprefix('router_')}"
+        for q, p in (("p50", 0.5), ("p99", 0.99)):
+            summary[f"{prefix}_{q}_ms"] = round(summary[f"{name}_{q}_ms"] - summary[f"direct_{q}_ms"], 3)
+            per_repeat = [percentile(r, p) - percentile(d, p) for r, d in zip(runs[name], runs["direct"])]
+            summary[f"{prefix}_{q}_per_repeat_ms"] = [round(x, 3) for x in per_repeat]
+            summary[f"{prefix}_{q}_median_of_repeats_ms"] = round(statistics.median(per_repeat), 3)
+    summary["load_average_1min"] = f"{statistics.median(load):.2f} (min {min(load):.2f}, max {max(load):.2f})"
+    return {"runs": runs, "summary": summary}
 
 
 def measure_replicas(args: argparse.Namespace, work: Path, ray_dir: str) -> dict[str, Any]:
@@ -271,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="alternated runs of each side")
     parser.add_argument("--requests", type=int, default=300, help="router: sequential requests per run")
+    parser.add_argument("--baseline-root", help="router: also run the router of this other checkout (before / after)")
     parser.add_argument("--work-dir", help="where the generated checkpoints are kept (default: a temp dir)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)

@@ -45,6 +45,27 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped (a step failed, or the engine was shut down)."""
 
 
+class EngineHealth:
+    """What the server asks an engine about its health, for AsyncLLM and the data-parallel router
+    alike: ``errored``, ``dead_error`` and ``check_health``, read from ``_dead_error`` (why the
+    engine died; None while it serves), which each sets under its own lock."""
+
+    _dead_error: BaseException | None = None
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error
+
+    def check_health(self) -> None:
+        """EngineDeadError once the engine is dead; what ``generate`` checks first."""
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead_error}") from self._dead_error
+
+
 @dataclass
 class _Stream:
     """One request's way back to its caller."""
@@ -105,7 +126,7 @@ async def stream_outputs(outputs: asyncio.Queue, request: EngineRequest, abort: 
             abort(request.request_id)
 
 
-class AsyncLLM:
+class AsyncLLM(EngineHealth):
     """An LLMEngine stepped by its own thread, with an asyncio ``generate`` per request."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *, model_name: str | None = None,
@@ -165,18 +186,6 @@ class AsyncLLM:
         return cls(lambda: LLMEngine(config, log_stats=True), **kwargs)
 
     # ---- state -----------------------------------------------------------------------------
-    @property
-    def errored(self) -> bool:
-        return self._dead_error is not None
-
-    @property
-    def dead_error(self) -> BaseException | None:
-        return self._dead_error
-
-    def check_health(self) -> None:
-        if self._dead_error is not None:
-            raise EngineDeadError(f"the engine is dead: {self._dead_error}") from self._dead_error
-
     def get_stats(self) -> EngineStats:
         """The engine's state after its latest step (safe to call from any thread)."""
         return self._stats
@@ -231,8 +240,7 @@ class AsyncLLM:
 
     def _submit(self, command: _Add) -> None:
         with self._lock:
-            if self._dead_error is not None:
-                raise EngineDeadError(f"the engine is dead: {self._dead_error}")
+            self.check_health()
             self._commands.put(command)
 
     # ---- the engine thread -----------------------------------------------------------------

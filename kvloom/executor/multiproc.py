@@ -17,15 +17,15 @@ Each step's inputs go through a pipe per worker as one pickle whose tensors trav
 over gloo on the same machine), and the worker waits on the pipe with no timeout, so an idle engine
 never trips a collective's timeout. The all-reduces inside the model keep the ranks in lockstep.
 
-Failures: a worker that raises sends its traceback before it exits; the driver checks that its
-workers are alive before each step and turns a failed collective into a RuntimeError naming the
-dead rank, after which the executor refuses further steps. A worker exits when its pipe closes or
+Failures (the rules are ``LockstepExecutor``'s, in ``base.py``, shared with the Ray executor): a
+worker that raises sends its traceback before it exits; the driver checks that its workers are
+alive before each step and turns a failed collective into a RuntimeError naming the dead rank,
+after which the executor refuses further steps. A worker exits when its pipe closes or
 its parent process is gone, so killing the driver leaves no orphans.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -40,8 +40,7 @@ import threading
 import time
 import traceback
 import types
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -50,9 +49,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvloom.config import ResolvedConfig
-from kvloom.executor.base import Executor
+from kvloom.executor.base import LockstepExecutor
 from kvloom.layers.tensor_parallel import ProcessGroupLike, validate_tensor_parallel
-from kvloom.step_io import ModelRunnerOutput, SchedulerOutput
 from kvloom.worker.model_runner import ModelInputs, ModelRunner
 
 logger = logging.getLogger("kvloom")
@@ -156,6 +154,11 @@ def build_rank_runner(config: ResolvedConfig, device: torch.device, rank: int, w
 
 
 # ---- the worker process ---------------------------------------------------------------------------
+# The runner's methods the driver may call on a worker (``LockstepExecutor._send``); each answers
+# ("done", result). "forward" (no answer) and "shutdown" are handled apart.
+_WORKER_METHODS = frozenset({"init_kv_cache"})
+
+
 def _exit_when_orphaned(parent_pid: int) -> None:
     """A daemon thread: when the driver process is gone (killed, crashed), leave at once."""
     while True:
@@ -185,16 +188,13 @@ def _worker_main(rank: int, world_size: int, store_port: int, backend: str, conf
                 message = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):  # the driver is gone
                 return
-            kind = message[0]
-            if kind == "inputs":
-                inputs: ModelInputs = message[1]
+            method, args = message[0], message[1:]
+            if method == "forward":  # no answer: the collectives inside keep the ranks in step
+                inputs: ModelInputs = args[0]
                 if device.type != "cpu":
                     move_tensors(inputs, device)
                 runner.forward(inputs)
-            elif kind == "init_kv_cache":
-                runner.init_kv_cache(message[1])
-                conn.send_bytes(dumps_message(("ready",)))
-            elif kind == "shutdown":
+            elif method == "shutdown":
                 with contextlib.suppress(Exception):
                     group.shutdown()
                 conn.close()
@@ -202,8 +202,10 @@ def _worker_main(rank: int, world_size: int, store_port: int, backend: str, conf
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(0)
+            elif method in _WORKER_METHODS:
+                conn.send_bytes(dumps_message(("done", getattr(runner, method)(*args))))
             else:
-                raise RuntimeError(f"unknown message {kind!r}")
+                raise RuntimeError(f"unknown message {method!r}")
     except BaseException as error:
         with contextlib.suppress(OSError):
             conn.send_bytes(dumps_message(("error", traceback.format_exc())))
@@ -264,10 +266,12 @@ class WorkerSet:
         for conn in self.conns:
             conn.send_bytes(payload)
 
-    def wait_for(self, kind: str) -> None:
-        """Wait until every worker has sent ``kind``; RuntimeError as soon as one fails or dies."""
+    def wait_for(self, kind: str) -> list[Any]:
+        """Wait until every worker has sent ``kind``; what each sent with it, in rank order.
+        RuntimeError as soon as one fails or dies."""
         pending = dict(enumerate(self.conns, start=1))
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
+        answers: dict[int, Any] = {}
         while pending:
             ready = multiprocessing.connection.wait(list(pending.values()) + list(sentinels))
             for item in ready:
@@ -287,7 +291,9 @@ class WorkerSet:
                     self.errors[rank] = message[1]
                     raise RuntimeError(self.failure())
                 if message[0] == kind:
+                    answers[rank] = message[1] if len(message) > 1 else None
                     del pending[rank]
+        return [answers[rank] for rank in sorted(answers)]
 
 
 def _stop(workers: WorkerSet, groups: list[ProcessGroupLike]) -> None:
@@ -317,15 +323,16 @@ def _stop(workers: WorkerSet, groups: list[ProcessGroupLike]) -> None:
     groups.clear()
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(LockstepExecutor):
     """Tensor parallelism over ``config.tensor_parallel_size`` ranks; rank 0 is the driver."""
+
+    failure_report_s = 2.0  # a killed worker is reaped within milliseconds of its sockets closing
 
     def __init__(self, config: ResolvedConfig) -> None:
         world_size = config.engine.tensor_parallel_size
         device = config.device
         validate_tensor_parallel(config.model, world_size, device)
         self.world_size = world_size
-        self._failed: str | None = None
         backend = "nccl" if device.type == "cuda" else "gloo"
         threads = threads_per_rank(config, world_size)
         if device.type == "cpu":
@@ -349,11 +356,7 @@ class MultiprocExecutor(Executor):
                 conns.append(parent_conn)
         self.workers = WorkerSet(processes, conns)
         self._groups: list[ProcessGroupLike] = []
-        # Runs on shutdown(), when the executor is collected, or at interpreter exit (registered
-        # after multiprocessing's own exit hook, so it runs first and the workers leave politely).
-        self._finalizer = weakref.finalize(self, _stop, self.workers, self._groups)
-        self._finalizer.atexit = False
-        atexit.register(self._finalizer)
+        self._own_stop(_stop, self.workers, self._groups)
         try:
             self.workers.wait_for("started")
             group = new_process_group(backend, store, 0, world_size)
@@ -364,65 +367,19 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
         self._store = store
-        self._in_forward = False  # True from sending a step's inputs until rank 0's forward returns
-        self.driver.broadcast_inputs = self._broadcast_inputs
-        self.driver.model.register_forward_hook(self._forward_done)
+        self._start_lockstep()
         logger.info("tensor parallelism: %d ranks (%s), %d torch thread(s) each on the CPU",
                     world_size, backend, threads)
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self._check_workers()
-        self.workers.send(dumps_message(("init_kv_cache", num_blocks)))
-        self.driver.init_kv_cache(num_blocks)
-        self.workers.wait_for("ready")
+    # ---- LockstepExecutor's hooks -------------------------------------------------------------
+    def _send(self, method: str, *args: Any) -> None:
+        self.workers.send(dumps_message((method, *args)))
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._check_workers()
-        try:
-            return self.driver.execute(scheduler_output)
-        except BaseException as error:
-            failure = self.workers.failure()
-            if failure is None and self._in_forward:
-                # A collective fails as soon as a peer's socket closes, which can be a moment before the
-                # dying rank's process is reaped: give it that moment, so the error names the rank.
-                failure = self.workers.wait_failure(timeout=2.0)
-            if failure is None and not self._in_forward:
-                raise  # before the inputs went out or after the forward: the ranks are still in step
-            # A rank is gone, or rank 0 left the forward pass between two all-reduces (Ctrl-C,
-            # an error): the next collectives would pair up wrongly, so no further step runs.
-            self.workers.out_of_step = self._in_forward
-            self._failed = failure or (f"a step was interrupted inside the forward pass ({error!r}); "
-                                       f"the ranks are out of step")
-            if failure is not None and isinstance(error, Exception):
-                raise RuntimeError(failure) from error
-            raise
+    def _collect(self) -> list[Any]:
+        return self.workers.wait_for("done")
 
-    def execute_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
-        """The ranks run in lockstep with their failures checked around the step: it runs whole here."""
-        output = self.execute(scheduler_output)
-        return lambda: output
+    def _rank_failure(self, wait_s: float) -> str | None:
+        return self.workers.wait_failure(wait_s) if wait_s > 0 else self.workers.failure()
 
-    def shutdown(self) -> None:
-        atexit.unregister(self._finalizer)
-        self._finalizer()
-
-    # ---- internals ----------------------------------------------------------------------------
-    def _check_workers(self) -> None:
-        if self._failed is None:
-            self._failed = self.workers.failure()
-        if not self._finalizer.alive:
-            raise RuntimeError("the tensor-parallel executor was shut down")
-        if self._failed is not None:
-            raise RuntimeError(f"{self._failed}\nthe tensor-parallel engine cannot continue; "
-                               f"start a new one")
-
-    def _forward_done(self, *_: Any) -> None:
-        self._in_forward = False
-
-    def _broadcast_inputs(self, inputs: ModelInputs) -> None:
-        self._in_forward = True
-        try:
-            self.workers.send(dumps_message(("inputs", inputs)))
-        except OSError as error:
-            self._failed = self.workers.failure() or f"a worker's pipe broke: {error!r}"
-            raise RuntimeError(self._failed) from error
+    def _on_out_of_step(self) -> None:
+        self.workers.out_of_step = True

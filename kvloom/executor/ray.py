@@ -22,21 +22,19 @@ hands the actors the others.
 Failures: every actor also runs ``wait_forever`` in a concurrency group of its own; that call
 only ever ends when the actor dies, so one ``ray.wait`` before each step tells whether a rank is
 gone (killed, its node lost, an error in its forward), and a failed collective is turned into a
-RuntimeError naming the rank. After a failure the executor refuses every further step, so the
+RuntimeError naming the rank (``LockstepExecutor``'s rules, in ``base.py``, as the multiprocess
+executor's). After a failure the executor refuses every further step, so the
 engine fails its requests and reports itself dead instead of hanging. The actors belong to the
 process that made them: Ray kills them when it exits.
 """
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import contextlib
 import logging
 import pickle
 import threading
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +42,7 @@ import torch.distributed as dist
 
 from kvloom import ray_cluster
 from kvloom.config import ResolvedConfig
-from kvloom.executor.base import Executor
+from kvloom.executor.base import LockstepExecutor
 from kvloom.executor.multiproc import (
     COLLECTIVE_TIMEOUT,
     build_rank_runner,
@@ -54,7 +52,6 @@ from kvloom.executor.multiproc import (
     threads_per_rank,
 )
 from kvloom.layers.tensor_parallel import ProcessGroupLike, validate_tensor_parallel
-from kvloom.step_io import ModelRunnerOutput, SchedulerOutput
 from kvloom.worker.model_runner import ModelInputs, ModelRunner
 
 logger = logging.getLogger("kvloom")
@@ -63,8 +60,6 @@ ray = ray_cluster.require_ray("distributed_executor_backend='ray'")
 
 # How long the cluster may take to find room for every rank before start-up fails.
 PLACEMENT_TIMEOUT_S = 120.0
-# How long a failed step waits for Ray to tell which actor died, for the error message.
-_DEATH_REPORT_S = 5.0
 
 
 class RankWorker:
@@ -204,9 +199,13 @@ def _bundles(config: ResolvedConfig, world_size: int, driver_ip: str) -> list[di
     return [driver] + [{accelerator: 1} for _ in range(world_size - 1)]
 
 
-class RayExecutor(Executor):
+class RayExecutor(LockstepExecutor):
     """Tensor parallelism over ``config.tensor_parallel_size`` ranks; rank 0 is the driver, the
     others are Ray actors placed by one placement group."""
+
+    # A killed actor's death reaches the driver through Ray's control store, later than its gloo
+    # sockets close.
+    failure_report_s = 5.0
 
     def __init__(self, config: ResolvedConfig) -> None:
         world_size = config.engine.tensor_parallel_size
@@ -214,23 +213,19 @@ class RayExecutor(Executor):
         validate_tensor_parallel(config.model, world_size, device)
         ray_cluster.connect("distributed_executor_backend='ray'")
         self.world_size = world_size
-        self._failed: str | None = None
         backend = "nccl" if device.type == "cuda" else "gloo"
         threads = threads_per_rank(config, world_size)
         if device.type == "cpu":
             torch.set_num_threads(threads)
         self.ranks = ranks = _Ranks()
-        self._finalizer = weakref.finalize(self, _stop, ranks)
-        self._finalizer.atexit = False
-        atexit.register(self._finalizer)
+        self._replies: list[Any] = []  # the references of the last _send's calls
+        self._own_stop(_stop, ranks)
         try:
             self._start(config, backend, threads)
         except BaseException:
             self.shutdown()
             raise
-        self._in_forward = False  # True from sending a step's inputs until rank 0's forward returns
-        self.driver.broadcast_inputs = self._broadcast_inputs
-        self.driver.model.register_forward_hook(self._forward_done)
+        self._start_lockstep()
         logger.info("tensor parallelism on Ray: %d ranks (%s) on nodes %s", world_size, backend,
                     ", ".join([ray_cluster.node_ip_address()] + [ip for ip, _ in ranks.nodes]))
 
@@ -281,51 +276,20 @@ class RayExecutor(Executor):
     def determine_num_kv_blocks(self) -> int:
         """The fewest blocks any rank's memory holds (the nodes may differ)."""
         self._check_ranks()
-        theirs = ray.get([actor.determine_num_kv_blocks.remote() for actor in self.ranks.actors])
-        return min([self.driver.determine_num_kv_blocks(), *theirs])
+        self._send("determine_num_kv_blocks")
+        return min([self.driver.determine_num_kv_blocks(), *self._collect()])
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self._check_ranks()
-        refs = [actor.init_kv_cache.remote(num_blocks) for actor in self.ranks.actors]
-        self.driver.init_kv_cache(num_blocks)
-        ray.get(refs)
+    # ---- LockstepExecutor's hooks ---------------------------------------------------------------
+    def _send(self, method: str, *args: Any) -> None:
+        if method == "forward":  # its tensors as numpy arrays: ~10x faster than Ray's own pickling
+            args = (dumps_message(("forward", *args)),)
+        self._replies = [getattr(actor, method).remote(*args) for actor in self.ranks.actors]
+        if method == "forward":  # not waited for: failure() reads them before the next step
+            self.ranks.pending.extend(self._replies)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._check_ranks()
-        try:
-            return self.driver.execute(scheduler_output)
-        except BaseException as error:
-            failure = self.ranks.failure(wait_s=_DEATH_REPORT_S if isinstance(error, Exception) else 0.0)
-            if failure is None and not self._in_forward:
-                raise  # before the inputs went out or after the forward: the ranks are still in step
-            self._failed = failure or (f"a step was interrupted inside the forward pass ({error!r}); "
-                                       f"the ranks are out of step")
-            if failure is not None and isinstance(error, Exception):
-                raise RuntimeError(failure) from error
-            raise
+    def _collect(self) -> list[Any]:
+        replies, self._replies = self._replies, []
+        return ray.get(replies)
 
-    def execute_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
-        output = self.execute(scheduler_output)
-        return lambda: output
-
-    def shutdown(self) -> None:
-        atexit.unregister(self._finalizer)
-        self._finalizer()
-
-    # ---- internals ------------------------------------------------------------------------------
-    def _check_ranks(self) -> None:
-        if not self._finalizer.alive:
-            raise RuntimeError("the tensor-parallel executor was shut down")
-        if self._failed is None:
-            self._failed = self.ranks.failure()
-        if self._failed is not None:
-            raise RuntimeError(f"{self._failed}\nthe tensor-parallel engine cannot continue; start a new one")
-
-    def _forward_done(self, *_: Any) -> None:
-        self._in_forward = False
-
-    def _broadcast_inputs(self, inputs: ModelInputs) -> None:
-        payload = dumps_message(("inputs", inputs))
-        self._in_forward = True
-        self.ranks.pending.extend(actor.forward.remote(payload) for actor in self.ranks.actors)
-
+    def _rank_failure(self, wait_s: float) -> str | None:
+        return self.ranks.failure(wait_s)

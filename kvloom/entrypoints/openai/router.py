@@ -18,7 +18,8 @@ taken out of the rotation at once and each of its in-flight requests fails with
 ``ReplicaDeadError`` naming it; the other replicas keep serving. Only when every replica is dead
 is the router dead (``/health`` 503).
 
-``/metrics``: every replica's metrics with a ``replica`` label, then the total over the live
+``/metrics``: every replica's metrics (asked of the replicas at each scrape: a replica renders
+them only then, never while it steps unasked) with a ``replica`` label, then the total over the live
 replicas without one (``kv_cache_usage_perc`` averaged, the rest summed), and per replica
 ``kvloom:replica_up`` and ``kvloom:replica_outstanding_tokens``.
 """
@@ -46,7 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from kvloom.config import EngineConfig, resolve_config
-from kvloom.engine.async_engine import EngineDeadError, stream_outputs
+from kvloom.engine.async_engine import EngineDeadError, EngineHealth, stream_outputs
 from kvloom.engine.input_processor import EngineRequest, InputProcessor, PromptInput
 from kvloom.engine.replica import LocalReplica, RayReplica, ReplicaSpec, no_delay, replica_config
 from kvloom.engine.scheduler import SchedulerStats, check_request_fits
@@ -66,6 +67,9 @@ MAX_REMEMBERED_PREFIXES = 1 << 16
 STARTUP_TIMEOUT_S = 900.0
 # How long shutdown lets a replica end its requests and leave before it is killed.
 SHUTDOWN_GRACE_S = 30.0
+# How long a scrape of /metrics waits for the replicas' answers (a few ms: each renders its own)
+# before it shows a slow replica's previous answer. The wait holds the server's event loop.
+METRICS_WAIT_S = 0.1
 
 
 class ReplicaDeadError(EngineDeadError):
@@ -125,7 +129,9 @@ class _Replica:
     outstanding: int = 0
     in_flight: set[str] = field(default_factory=set)
     stats: EngineStats = field(default_factory=EngineStats)
-    metrics_text: bytes = b""
+    metrics_text: bytes = b""  # its latest answer to "metrics" (Prometheus text)
+    metrics_asked: int = 0  # how many times /metrics asked it; how many it answered
+    metrics_answered: int = 0
     send_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -134,7 +140,7 @@ def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
         q.put_nowait(item)
 
 
-class ReplicaRouter:
+class ReplicaRouter(EngineHealth):
     """N replicas behind the server's ``AsyncLLM`` surface; see the module docstring."""
 
     def __init__(self, config: EngineConfig, *, model_name: str | None = None, stats_interval: float = 10.0,
@@ -153,6 +159,7 @@ class ReplicaRouter:
         self._prefixes: OrderedDict[int, int] = OrderedDict()
         self._dead_error: BaseException | None = None
         self._closing = False
+        self._metrics_arrived = threading.Condition()  # a replica answered "metrics", or died
         self.replicas: list[_Replica] = []
         self._start(config, resolved.device.type, log_level, stats_interval, log_requests)
         num_usable_blocks = self._num_usable_blocks
@@ -241,18 +248,6 @@ class ReplicaRouter:
         return min(blocks.values())
 
     # ---- the AsyncLLM surface ----------------------------------------------------------------------
-    @property
-    def errored(self) -> bool:
-        return self._dead_error is not None
-
-    @property
-    def dead_error(self) -> BaseException | None:
-        return self._dead_error
-
-    def check_health(self) -> None:
-        if self._dead_error is not None:
-            raise EngineDeadError(f"the engine is dead: {self._dead_error}") from self._dead_error
-
     def get_stats(self) -> EngineStats:
         """The live replicas' latest stats, summed (KV cache usage averaged)."""
         live = [r.stats for r in self.replicas if r.alive]
@@ -264,6 +259,18 @@ class ReplicaRouter:
         return EngineStats(scheduler=SchedulerStats(**totals), prompt_tokens=sum(s.prompt_tokens for s in live),
                            generation_tokens=sum(s.generation_tokens for s in live),
                            timestamp=max(s.timestamp for s in live))
+
+    def refresh_metrics(self, timeout: float = METRICS_WAIT_S) -> None:
+        """Ask every live replica for its metrics and wait up to ``timeout`` for the answers."""
+        asked = []
+        for replica in self.replicas:
+            if replica.alive and replica.conn is not None:
+                replica.metrics_asked += 1
+                self._send(replica, ("metrics", replica.metrics_asked))
+                asked.append(replica)
+        with self._metrics_arrived:
+            self._metrics_arrived.wait_for(
+                lambda: all(not r.alive or r.metrics_answered >= r.metrics_asked for r in asked), timeout)
 
     def has_requests(self) -> bool:
         return bool(self._requests)
@@ -327,8 +334,7 @@ class ReplicaRouter:
         charge = prompt_tokens + params.n * max(1, min(max_tokens, self.max_model_len - prompt_tokens))
         hashes = prefix_hashes(request.prompt_token_ids, self.block_size)
         with self._lock:
-            if self._dead_error is not None:
-                raise EngineDeadError(f"the engine is dead: {self._dead_error}")
+            self.check_health()
             if request.request_id in self._requests:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
             outstanding = {r.index: r.outstanding for r in self.replicas if r.alive}
@@ -360,15 +366,22 @@ class ReplicaRouter:
         """A thread per replica: its outputs to their callers' queues; its death when it goes quiet."""
         conn = replica.conn
         while True:
+            batch: list[tuple] = []
             try:
-                batch = conn.recv()
+                batch.extend(conn.recv())
+                # Steps that arrived while this thread was off the CPU go out together: one hand-off
+                # to the event loop (and one wake-up of it) for all of them.
+                while conn.poll():
+                    batch.extend(conn.recv())
             except (EOFError, OSError):
+                self._dispatch(replica, batch)  # what came before the connection ended
                 if not self._closing:
                     self._replica_died(replica, f"its process {replica.handle.describe_exit()}")
                 else:
                     self._replica_died(replica, "the server is shutting down")
                 return
             except Exception:  # noqa: BLE001 - an unreadable batch: the replica cannot be trusted
+                self._dispatch(replica, batch)
                 logger.exception("replica %d sent an unreadable message", replica.index)
                 replica.handle.kill()
                 self._replica_died(replica, "it sent an unreadable message")
@@ -377,12 +390,16 @@ class ReplicaRouter:
 
     def _dispatch(self, replica: _Replica, batch: list[tuple]) -> None:
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
-        engine_died = False
+        engine_died = metrics_arrived = False
         with self._lock:
             for message in batch:
                 kind = message[0]
                 if kind == "stats":
-                    replica.stats, replica.metrics_text = message[1], message[2]
+                    replica.stats = message[1]
+                    continue
+                if kind == "metrics":
+                    replica.metrics_answered, replica.metrics_text = message[1], message[2]
+                    metrics_arrived = True
                     continue
                 if kind == "dead":
                     replica.death = message[1]
@@ -401,6 +418,9 @@ class ReplicaRouter:
         for loop, items in deliveries.items():
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody listens
                 loop.call_soon_threadsafe(_put_all, items)
+        if metrics_arrived:
+            with self._metrics_arrived:
+                self._metrics_arrived.notify_all()
         if engine_died:  # the replica's process lives on with a dead engine: out of the rotation, and gone
             self._send(replica, ("shutdown", "its engine died"))
             self._replica_died(replica, replica.death or "its engine died")
@@ -438,6 +458,8 @@ class ReplicaRouter:
                 del self._prefixes[h]
             if not any(r.alive for r in self.replicas) and self._dead_error is None:
                 self._dead_error = EngineDeadError(f"every replica is dead; the last: {message}")
+        with self._metrics_arrived:  # a scrape waiting for its metrics waits no longer
+            self._metrics_arrived.notify_all()
         if not self._closing:
             logger.error("%s; %d in-flight request(s) failed; %d replica(s) still serving", message, len(failed),
                          sum(r.alive for r in self.replicas))
@@ -519,8 +541,10 @@ class _RouterMetrics:
     """``render()`` as EngineMetrics has it: the replicas' metrics, labelled, and their total."""
 
     def __init__(self, router: ReplicaRouter) -> None:
+        self.router = router
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_ReplicaMetricsCollector(router))
 
     def render(self) -> bytes:
+        self.router.refresh_metrics()
         return generate_latest(self.registry)
