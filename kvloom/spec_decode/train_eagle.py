@@ -18,7 +18,11 @@ Phases, each timed and printed:
    weighs them, on response positions; AdamW with a cosine learning rate over the time left;
 5. evaluation: greedy chain speculative decoding with k drafts, simulated on held-out prompts: the head
    drafts k tokens feeding its own outputs back, the drafts that match the target's greedy tokens are
-   accepted, and the target adds one. Mean acceptance length = tokens per target step (1 + accepted).
+   accepted, and the target adds one. Mean acceptance length = tokens per target step (1 + accepted); also
+   printed in the engine's units, drafts accepted of drafts proposed (at k = 4 a length of 1.4 is ~10%).
+   The runtime drafts what this simulation does (exactly in float32, tests/unit/test_train_eagle.py), so
+   ``benchmarks/speculative.py --methods eagle --eagle-model OUT --workload chat`` should show about the
+   same length; on text unlike the training replies (its ``copy`` workload, a raw prompt) it is lower.
 
 The head is saved (default ``kvloom.envs.cache_dir() / "eagle" / <model>``, never in the repository) in the
 EAGLE-1 layout vLLM's ``llama_eagle.py`` loads, as yuhuili/EAGLE-LLaMA3-Instruct-8B ships it:
@@ -52,13 +56,14 @@ uses the target's (vLLM shares them when the checkpoint lacks them). One step at
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
 import random
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -357,53 +362,60 @@ def task_prompts(count: int, seed: int) -> list[str]:
     return prompts[:count]
 
 
-def generate_prompts(llm: Any, count: int, seed: int, deadline: float = math.inf) -> list[str]:
-    """Up to ``count`` distinct prompts that the target writes itself (temperature 0.8, one seed each).
+def chat_in_chunks(llm: Any, requests: Iterable[tuple[list[dict[str, str]], Any]], chunk: int,
+                   deadline: float = math.inf) -> Iterator[list[Any]]:
+    """Phases 1 and 2's time budget: (conversation, SamplingParams) requests sent to ``llm.chat`` ``chunk``
+    at a time; yields each chunk's outputs. No chunk after the first starts past ``deadline``
+    (time.monotonic()); the caller may stop early by leaving the loop."""
+    requests = iter(requests)
+    sent = False
+    while batch := list(itertools.islice(requests, chunk)):
+        if sent and time.monotonic() > deadline:
+            return
+        yield llm.chat([conversation for conversation, _ in batch], [params for _, params in batch],
+                       use_tqdm=False)
+        sent = True
 
-    Requests go in chunks; no new chunk starts after ``deadline`` (time.monotonic())."""
+
+def generate_prompts(llm: Any, count: int, seed: int, deadline: float = math.inf) -> list[str]:
+    """Up to ``count`` distinct prompts that the target writes itself (temperature 0.8, one seed each), from
+    at most 4 * count + 128 requests."""
     from kvloom.sampling_params import SamplingParams
 
+    first = seed * 1_000_003
+    # No top-p: sorting the vocabulary for every row triples the step time on the CPU.
+    requests = (([{"role": "user", "content": PROMPT_KINDS[i % len(PROMPT_KINDS)].format(
+        field=FIELDS[(i // len(PROMPT_KINDS)) % len(FIELDS)])}], SamplingParams(temperature=0.8, max_tokens=40, seed=i))
+        for i in range(first, first + 4 * count + 128))
     prompts: list[str] = []
     seen: set[str] = set()
-    index = seed * 1_000_003
-    chunk = 128
-    while len(prompts) < count and index < seed * 1_000_003 + 4 * count + chunk:
-        if prompts and time.monotonic() > deadline:
-            break
-        conversations = [[{"role": "user", "content": PROMPT_KINDS[i % len(PROMPT_KINDS)].format(
-            field=FIELDS[(i // len(PROMPT_KINDS)) % len(FIELDS)])}] for i in range(index, index + chunk)]
-        # No top-p: sorting the vocabulary for every row triples the step time on the CPU.
-        params = [SamplingParams(temperature=0.8, max_tokens=40, seed=i) for i in range(index, index + chunk)]
-        index += chunk
-        for output in llm.chat(conversations, params, use_tqdm=False):
+    for outputs in chat_in_chunks(llm, requests, chunk=128, deadline=deadline):
+        for output in outputs:
             prompt = _clean_prompt(output.outputs[0].text)
             if prompt is not None and prompt.lower() not in seen:
                 seen.add(prompt.lower())
                 prompts.append(prompt)
         print(f"  {len(prompts)} prompts written", flush=True)
+        if len(prompts) >= count:
+            break
     return prompts[:count]
 
 
 def generate_responses(llm: Any, prompts: list[str], max_tokens: int, deadline: float) -> list[TrainingSequence]:
-    """The target's greedy reply to each prompt, as (chat-templated prompt + reply) token sequences.
-
-    Prompts go in chunks; no new chunk starts after ``deadline`` (time.monotonic())."""
+    """The target's greedy reply to each prompt, as (chat-templated prompt + reply) token sequences."""
     from kvloom.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     sequences: list[TrainingSequence] = []
-    chunk = 64
-    for start in range(0, len(prompts), chunk):
-        if start and time.monotonic() > deadline:
-            break
-        conversations = [[{"role": "user", "content": p}] for p in prompts[start:start + chunk]]
-        print(f"  replies {start}..{start + len(conversations)} of {len(prompts)}", flush=True)
-        for output in llm.chat(conversations, params, use_tqdm=False):
+    for outputs in chat_in_chunks(llm, (([{"role": "user", "content": p}], params) for p in prompts), chunk=64,
+                                  deadline=deadline):
+        for output in outputs:
             prompt_ids = list(output.prompt_token_ids)
             response_ids = list(output.outputs[0].token_ids)
             if response_ids:
                 sequences.append(TrainingSequence(torch.tensor(prompt_ids + response_ids, dtype=torch.long),
-                                           len(prompt_ids)))
+                                                  len(prompt_ids)))
+        print(f"  {len(sequences)} of {len(prompts)} replies", flush=True)
     return sequences
 
 
