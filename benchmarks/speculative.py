@@ -1,17 +1,25 @@
-"""Speculative decoding against the plain engine on a copy-the-text workload (greedy): output tok/s,
-alternated fresh engines, medians, and a check that every method gives the plain engine's tokens.
+"""Speculative decoding against the plain engine (greedy): output tok/s, alternated fresh engines, medians,
+the drafts accepted and the mean acceptance length (tokens per target step, the unit train_eagle.py prints),
+and a check that every method gives the plain engine's tokens.
+
+Workloads (``--workload``): ``copy``, a raw prompt asking to copy a text (n-gram lookup's best case, and
+out of the distribution an EAGLE head trained on chat replies has seen); ``chat``, chat-templated
+questions answered until EOS or ``--max-tokens``, the kind of text train_eagle.py trains and evaluates on.
 
     .venv/bin/python benchmarks/speculative.py            # n-gram, SmolLM2 on the CPU, batch 1 and 8
     .venv/bin/python benchmarks/speculative.py --batch 1 --repeats 5 --num-speculative-tokens 4
     .venv/bin/python benchmarks/speculative.py --methods ngram draft_model --batch 1
         # draft_model: --draft-model PATH (default: the target itself, which accepts every draft: the upper
         # bound of the acceptance; no smaller SmolLM2 is available offline)
-    .venv/bin/python benchmarks/speculative.py --methods eagle --eagle-model HEAD_DIR
+    .venv/bin/python benchmarks/speculative.py --methods eagle --eagle-model HEAD_DIR --workload chat --batch 1
 
 Figures, ``--methods ngram draft_model --batch 1`` (SmolLM2-135M-Instruct bf16 on the 2-core CPU, idle,
 96 tokens, k = 4, medians of 3): plain 69.4 tok/s, ngram 96.2 (1.39x, 29 of 51 drafts accepted),
 draft_model with the target as its own draft 66.1 (0.95x, 78 of 78 accepted: every guess costs a
 target-sized decode step, so this bounds the acceptance, not the speed). All three gave the same tokens.
+EAGLE, the 18-minute train_eagle.py head (simulated length 1.385 on its held-out chat prompts, where the
+engine also gives 1.385), ``--batch 1``, k = 4, quiet: copy 0.55x (14 of 316 drafts, length 1.17), chat
+0.65x (22 of 287, length 1.30): each draft runs the LM head, so this weak a head does not pay at k = 4.
 """
 
 from __future__ import annotations
@@ -22,6 +30,13 @@ import time
 
 from kvloom import LLM, SamplingParams
 
+# Chat questions in the style of train_eagle.py's prompts (not among them).
+QUESTIONS = (
+    "What is the difference between a comet and an asteroid?", "How do plants make their own food?",
+    "Give me three tips for learning a new language.", "Why is the sky blue?",
+    "Explain what a Python list comprehension is.", "What causes the seasons on Earth?",
+    "Write a short poem about the ocean.", "How can I save money on groceries?",
+)
 TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
         "All that glitters is not gold. Actions speak louder than words. ")
 
@@ -38,6 +53,7 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft_model", "eagle", "eagle3"])
     parser.add_argument("--draft-model", default=None, help="the draft model (default: the target itself)")
     parser.add_argument("--eagle-model", default=None, help="the EAGLE head's directory (eagle / eagle3)")
+    parser.add_argument("--workload", choices=["copy", "chat"], default="copy")
     args = parser.parse_args()
     k = args.num_speculative_tokens
     configs: dict[str, dict | None] = {"plain": None}
@@ -51,23 +67,37 @@ def main() -> int:
             if args.eagle_model is None:
                 parser.error(f"--methods {method} needs --eagle-model")
             configs[method] = {"method": method, "model": args.eagle_model, "num_speculative_tokens": k}
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    # Copying runs to max_tokens; chat answers stop at EOS (tok/s counts the tokens made).
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.workload == "copy")
     for batch in args.batch:
-        prompts = [f"Copy this text exactly, twice:\n{TEXT * (1 + i % 2)}\nCopy:\n" for i in range(batch)]
+        if args.workload == "copy":
+            prompts = [f"Copy this text exactly, twice:\n{TEXT * (1 + i % 2)}\nCopy:\n" for i in range(batch)]
+        else:
+            prompts = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(batch)]
         rates: dict[str, list[float]] = {name: [] for name in configs}
         tokens: dict[str, list] = {}
         acceptance: dict[str, str] = {}
         for _ in range(args.repeats):
             for name, config in configs.items():
                 llm = LLM(model=args.model, max_model_len=512, speculative_config=config)
-                llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+                generate = llm.generate if args.workload == "copy" else llm.chat
+                generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+                before = llm.llm_engine.scheduler.stats()
                 start = time.perf_counter()
-                outputs = llm.generate(prompts, params, use_tqdm=False)
-                rates[name].append(batch * args.max_tokens / (time.perf_counter() - start))
+                outputs = generate(prompts, params, use_tqdm=False)
+                made = sum(len(o.outputs[0].token_ids) for o in outputs)
+                rates[name].append(made / (time.perf_counter() - start))
                 tokens[name] = [o.outputs[0].token_ids for o in outputs]
                 if config is not None:
                     stats = llm.llm_engine.scheduler.stats()
-                    acceptance[name] = f"{stats.num_accepted_tokens} of {stats.num_draft_tokens} drafts accepted"
+                    drafted = stats.num_draft_tokens - before.num_draft_tokens
+                    accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+                    # Each request's first token comes from its prefill; every later target step gives the
+                    # drafts it accepted and one token of its own.
+                    decoded = made - len(outputs)
+                    length = decoded / max(decoded - accepted, 1)
+                    acceptance[name] = (f"{accepted} of {drafted} drafts accepted, mean acceptance length "
+                                        f"{length:.2f}")
         plain = statistics.median(rates["plain"])
         line = [f"batch {batch}: plain {plain:.1f} tok/s ({' / '.join(f'{r:.1f}' for r in rates['plain'])})"]
         for name in args.methods:

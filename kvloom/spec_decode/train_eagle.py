@@ -18,7 +18,11 @@ Phases, each timed and printed:
    weighs them, on response positions; AdamW with a cosine learning rate over the time left;
 5. evaluation: greedy chain speculative decoding with k drafts, simulated on held-out prompts: the head
    drafts k tokens feeding its own outputs back, the drafts that match the target's greedy tokens are
-   accepted, and the target adds one. Mean acceptance length = tokens per target step (1 + accepted).
+   accepted, and the target adds one. Mean acceptance length = tokens per target step (1 + accepted); also
+   printed in the engine's units, drafts accepted of drafts proposed (at k = 4 a length of 1.4 is ~10%).
+   The runtime drafts what this simulation does (exactly in float32, tests/unit/test_train_eagle.py), so
+   ``benchmarks/speculative.py --methods eagle --eagle-model OUT --workload chat`` should show about the
+   same length; on text unlike the training replies (its ``copy`` workload, a raw prompt) it is lower.
 
 The head is saved (default ``kvloom.envs.cache_dir() / "eagle" / <model>``, never in the repository) in the
 EAGLE-1 layout vLLM's ``llama_eagle.py`` loads, as yuhuili/EAGLE-LLaMA3-Instruct-8B ships it:
@@ -52,13 +56,14 @@ uses the target's (vLLM shares them when the checkpoint lacks them). One step at
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
 import random
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,8 +192,10 @@ class Rotary(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # [D/2] float32, deliberately not a buffer: ``head.to(torch.bfloat16)`` would round it, and at
+        # position 200 a bfloat16 frequency is off by up to ~0.3 rad (SmolLM2), so the evaluated head would rotate
+        # differently from the runtime's (whose cos/sin table is built in float32, layers/rotary.py).
+        self.inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling).float()
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.float()[:, None] * self.inv_freq[None, :]
@@ -355,53 +362,60 @@ def task_prompts(count: int, seed: int) -> list[str]:
     return prompts[:count]
 
 
-def generate_prompts(llm: Any, count: int, seed: int, deadline: float = math.inf) -> list[str]:
-    """Up to ``count`` distinct prompts that the target writes itself (temperature 0.8, one seed each).
+def chat_in_chunks(llm: Any, requests: Iterable[tuple[list[dict[str, str]], Any]], chunk: int,
+                   deadline: float = math.inf) -> Iterator[list[Any]]:
+    """Phases 1 and 2's time budget: (conversation, SamplingParams) requests sent to ``llm.chat`` ``chunk``
+    at a time; yields each chunk's outputs. No chunk after the first starts past ``deadline``
+    (time.monotonic()); the caller may stop early by leaving the loop."""
+    requests = iter(requests)
+    sent = False
+    while batch := list(itertools.islice(requests, chunk)):
+        if sent and time.monotonic() > deadline:
+            return
+        yield llm.chat([conversation for conversation, _ in batch], [params for _, params in batch],
+                       use_tqdm=False)
+        sent = True
 
-    Requests go in chunks; no new chunk starts after ``deadline`` (time.monotonic())."""
+
+def generate_prompts(llm: Any, count: int, seed: int, deadline: float = math.inf) -> list[str]:
+    """Up to ``count`` distinct prompts that the target writes itself (temperature 0.8, one seed each), from
+    at most 4 * count + 128 requests."""
     from kvloom.sampling_params import SamplingParams
 
+    first = seed * 1_000_003
+    # No top-p: sorting the vocabulary for every row triples the step time on the CPU.
+    requests = (([{"role": "user", "content": PROMPT_KINDS[i % len(PROMPT_KINDS)].format(
+        field=FIELDS[(i // len(PROMPT_KINDS)) % len(FIELDS)])}], SamplingParams(temperature=0.8, max_tokens=40, seed=i))
+        for i in range(first, first + 4 * count + 128))
     prompts: list[str] = []
     seen: set[str] = set()
-    index = seed * 1_000_003
-    chunk = 128
-    while len(prompts) < count and index < seed * 1_000_003 + 4 * count + chunk:
-        if prompts and time.monotonic() > deadline:
-            break
-        conversations = [[{"role": "user", "content": PROMPT_KINDS[i % len(PROMPT_KINDS)].format(
-            field=FIELDS[(i // len(PROMPT_KINDS)) % len(FIELDS)])}] for i in range(index, index + chunk)]
-        # No top-p: sorting the vocabulary for every row triples the step time on the CPU.
-        params = [SamplingParams(temperature=0.8, max_tokens=40, seed=i) for i in range(index, index + chunk)]
-        index += chunk
-        for output in llm.chat(conversations, params, use_tqdm=False):
+    for outputs in chat_in_chunks(llm, requests, chunk=128, deadline=deadline):
+        for output in outputs:
             prompt = _clean_prompt(output.outputs[0].text)
             if prompt is not None and prompt.lower() not in seen:
                 seen.add(prompt.lower())
                 prompts.append(prompt)
         print(f"  {len(prompts)} prompts written", flush=True)
+        if len(prompts) >= count:
+            break
     return prompts[:count]
 
 
 def generate_responses(llm: Any, prompts: list[str], max_tokens: int, deadline: float) -> list[TrainingSequence]:
-    """The target's greedy reply to each prompt, as (chat-templated prompt + reply) token sequences.
-
-    Prompts go in chunks; no new chunk starts after ``deadline`` (time.monotonic())."""
+    """The target's greedy reply to each prompt, as (chat-templated prompt + reply) token sequences."""
     from kvloom.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     sequences: list[TrainingSequence] = []
-    chunk = 64
-    for start in range(0, len(prompts), chunk):
-        if start and time.monotonic() > deadline:
-            break
-        conversations = [[{"role": "user", "content": p}] for p in prompts[start:start + chunk]]
-        print(f"  replies {start}..{start + len(conversations)} of {len(prompts)}", flush=True)
-        for output in llm.chat(conversations, params, use_tqdm=False):
+    for outputs in chat_in_chunks(llm, (([{"role": "user", "content": p}], params) for p in prompts), chunk=64,
+                                  deadline=deadline):
+        for output in outputs:
             prompt_ids = list(output.prompt_token_ids)
             response_ids = list(output.outputs[0].token_ids)
             if response_ids:
                 sequences.append(TrainingSequence(torch.tensor(prompt_ids + response_ids, dtype=torch.long),
-                                           len(prompt_ids)))
+                                                  len(prompt_ids)))
+        print(f"  {len(sequences)} of {len(prompts)} replies", flush=True)
     return sequences
 
 
@@ -499,11 +513,26 @@ def train_head(head: EagleHead, target: Target, sequences: list[TrainingSequence
 # ------------------------------------------------------------------------------------------ phase 5
 
 
+@dataclass
+class Simulation:
+    """What greedy chain speculation with k drafts would do on some sequences (``simulate_speculation``)."""
+
+    mean_acceptance_length: float  # tokens per target step: 1 + the drafts it accepted
+    acceptance_by_position: list[float]  # draft i accepted / draft i reached (i.e. drafts 1..i-1 accepted)
+    # The engine's units (its scheduler stats, benchmarks/speculative.py): drafts proposed, min(k, tokens
+    # left) per step, and of them accepted. At k = 4 a mean length of 1.4 is only ~10% of drafts accepted.
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    # Per sequence, per target step: (tokens known when drafting, the drafts up to the first wrong one).
+    # The runtime's proposer must make the same drafts after the same prefix (tests/unit/test_train_eagle.py).
+    drafts: list[list[tuple[int, list[int]]]]
+
+
 @torch.inference_mode()
-def acceptance_length(head: EagleHead, target: Target, sequences: list[TrainingSequence],
-                      k: int = EVAL_DRAFT_TOKENS) -> tuple[float, list[float]]:
-    """Mean acceptance length of greedy chain speculation with k drafts, simulated on ``sequences``
-    (prompt + the target's greedy reply, with features), and the acceptance rate at each draft position.
+def simulate_speculation(head: EagleHead, target: Target, sequences: list[TrainingSequence],
+                         k: int = EVAL_DRAFT_TOKENS) -> Simulation:
+    """Greedy chain speculation with k drafts, simulated on ``sequences`` (prompt + the target's greedy
+    reply, with features).
 
     After the prompt the target has given x_P. Each step: the head, holding steps t <= p (x_{t+1}, f_t)
     in its KV cache, drafts d_1..d_k, step i reading (d_{i-1}, its own previous output); the drafts that
@@ -515,14 +544,17 @@ def acceptance_length(head: EagleHead, target: Target, sequences: list[TrainingS
     lm_head = target.lm_head_weight.to(dtype)
     tokens_made = 0
     target_steps = 0
+    proposed = 0
     accepted_at = [0] * k
     drafted_at = [0] * k
+    records: list[list[tuple[int, list[int]]]] = []
     for sequence in sequences:
         ids, features, n = sequence.token_ids, sequence.features.to(dtype), len(sequence.token_ids)
         p = sequence.prompt_len - 1  # the newest token the target has produced is x_{p+1}
         cache: list[torch.Tensor] = [torch.zeros(1, head.layers[0].num_kv_heads, 0, head.config.head_dim,
                                                  dtype=dtype) for _ in range(2)]
         done = 0  # steps 0..done-1 are in the cache
+        records.append([])
         while p + 1 < n - 1:
             # The true steps done..p enter the cache; the last one's output starts the chain.
             steps = torch.arange(done, p + 1)
@@ -531,8 +563,10 @@ def acceptance_length(head: EagleHead, target: Target, sequences: list[TrainingS
             remaining = n - 1 - (p + 1)  # reference tokens x_{p+2}..x_{n-1}
             draft_cache = list(cache)  # the drafts' keys and values go here, then are dropped
             accepted = 0
+            drafts: list[int] = []
             for i in range(min(k, remaining)):
                 token = int((out[0, -1] @ lm_head.T).argmax())
+                drafts.append(token)
                 drafted_at[i] += 1
                 if token != int(ids[p + 2 + i]):
                     break
@@ -540,12 +574,14 @@ def acceptance_length(head: EagleHead, target: Target, sequences: list[TrainingS
                 accepted_at[i] += 1
                 if i + 1 < min(k, remaining):
                     out = head(embed[token][None, None], out, torch.tensor([p + 1 + i]), draft_cache)
+            records[-1].append((p + 2, drafts))
+            proposed += min(k, remaining)
             made = min(accepted + 1, remaining)
             tokens_made += made
             target_steps += 1
             p += made
-    mean = tokens_made / max(target_steps, 1)
-    return mean, [a / max(d, 1) for a, d in zip(accepted_at, drafted_at)]
+    return Simulation(tokens_made / max(target_steps, 1), [a / max(d, 1) for a, d in zip(accepted_at, drafted_at)],
+                      proposed, sum(accepted_at), records)
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -717,13 +753,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     began = time.monotonic()
     save_head(head, target, out)
     saved = load_head(out, target.config)
-    mean, per_position = acceptance_length(saved, target, held_out, args.num_speculative_tokens)
+    simulation = simulate_speculation(saved, target, held_out, args.num_speculative_tokens)
     phase("evaluation", began)
-    rates = ", ".join(f"{rate:.2f}" for rate in per_position)
+    rates = ", ".join(f"{rate:.2f}" for rate in simulation.acceptance_by_position)
     print(f"saved to {out}")
-    print(f"mean acceptance length {mean:.3f} (k={args.num_speculative_tokens}, greedy, {len(held_out)} "
-          f"held-out prompts); acceptance rate by draft position: {rates}")
-    return {"out": str(out), "mean_acceptance_length": mean, "acceptance_by_position": per_position,
+    print(f"mean acceptance length {simulation.mean_acceptance_length:.3f} (k={args.num_speculative_tokens}, "
+          f"greedy, {len(held_out)} held-out chat prompts): {simulation.num_accepted_tokens} of "
+          f"{simulation.num_draft_tokens} drafts accepted; acceptance rate by draft position: {rates}")
+    return {"out": str(out), "mean_acceptance_length": simulation.mean_acceptance_length,
+            "acceptance_by_position": simulation.acceptance_by_position,
+            "num_draft_tokens": simulation.num_draft_tokens, "num_accepted_tokens": simulation.num_accepted_tokens,
             "losses": losses, "timings": timings, "num_sequences": len(sequences)}
 
 

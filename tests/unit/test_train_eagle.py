@@ -58,6 +58,82 @@ def test_head_with_cache_equals_head_on_whole_sequence(tiny_llama_dir: str) -> N
     torch.testing.assert_close(torch.cat([first, *rest], dim=1), whole, rtol=1e-5, atol=1e-5)
 
 
+def test_evaluated_head_keeps_float32_rotary_frequencies(tiny_llama_dir: str, tmp_path) -> None:
+    """A head loaded in bfloat16 for the evaluation rotates as the runtime does (a float32 table): its
+    rotary frequencies are not rounded with the weights."""
+    from kvloom.layers.rotary import rope_inverse_frequencies
+
+    target = train_eagle.Target(resolve_model(tiny_llama_dir), dtype=torch.float32)
+    train_eagle.save_head(train_eagle.EagleHead(target.config), target, tmp_path)
+    head = train_eagle.load_head(tmp_path, target.config, dtype=torch.bfloat16)
+    config = target.config
+    expected = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling).float()
+    assert head.rotary.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(head.rotary.inv_freq, expected, rtol=0, atol=0)
+
+
+def test_runtime_drafts_equal_the_trainers_simulation(tiny_llama_dir: str, tmp_path) -> None:
+    """The trainer/runtime convention check (issue 10): a head made by the trainer's code, briefly trained,
+    saved and loaded by the engine's EAGLE proposer, drafts after every prefix exactly what the trainer's
+    simulation drafts. Pins everything the two must agree on: the feature (the target's final hidden state
+    after its norm), the pairing (f_t with x_{t+1} at position t guesses x_{t+2}), fc's [embedding | feature]
+    order, layer 0 without an input norm, no final norm, the rotary table, the chain's positions, and the
+    first pass over the kept tokens after accepted and rejected drafts."""
+    import math
+
+    from kvloom import LLM, SamplingParams
+
+    target = train_eagle.Target(resolve_model(tiny_llama_dir), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 400, (n,), generator=generator).tolist() for n in (9, 23, 40)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def replies(llm: LLM) -> list[train_eagle.TrainingSequence]:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [train_eagle.TrainingSequence(torch.tensor(p + list(o.outputs[0].token_ids)), len(p))
+                for p, o in zip(prompts, outputs)]
+
+    # The head learns these very replies for a moment (8 epochs: about half its drafts hold, so the
+    # engine's steps after accepted drafts and after rejected ones are both compared).
+    sequences = replies(LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256))
+    target.features(sequences, max_batch_tokens=4096)
+    torch.manual_seed(0)
+    head = train_eagle.EagleHead(target.config)
+    train_eagle.train_head(head, target, sequences, math.inf, lr=3e-3, max_batch_tokens=1024, max_epochs=8,
+                           noise=0.0, seed=0, log_every_s=math.inf)
+    train_eagle.save_head(head, target, tmp_path)
+    simulation = train_eagle.simulate_speculation(train_eagle.load_head(tmp_path, target.config, torch.float32),
+                                                  target, sequences, k=3)
+
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, speculative_config={
+        "method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 3})
+    runner = llm.llm_engine.executor.driver
+    proposed: dict[tuple[int, ...], list[int]] = {}  # the tokens known when drafting -> the drafts
+    propose = runner.proposer.propose
+
+    def recording(requests, hidden, build_inputs):
+        drafts = propose(requests, hidden, build_inputs)
+        for request_id, guesses in drafts.items():
+            state = runner.requests[request_id]
+            proposed[tuple(state.prompt_token_ids + state.output_token_ids)] = guesses
+        return drafts
+
+    runner.proposer.propose = recording
+    assert [s.token_ids.tolist() for s in replies(llm)] == [s.token_ids.tolist() for s in sequences]
+
+    compared = 0
+    for sequence, steps in zip(sequences, simulation.drafts):
+        for known, drafts in steps:
+            prefix = tuple(sequence.token_ids[:known].tolist())
+            if prefix in proposed:  # the engine drafts nothing once no output token is left to speculate
+                assert proposed[prefix][:len(drafts)] == drafts, f"after {known} tokens"
+                compared += 1
+    # The same steps too (the engine accepted what the simulation did), but for each request's last, where
+    # the engine drafts no further than its output limit.
+    assert compared >= sum(len(steps) for steps in simulation.drafts) - len(sequences)
+    assert 0 < simulation.num_accepted_tokens < simulation.num_draft_tokens
+
+
 def test_training_saves_vllm_eagle_layout_and_lowers_loss(tiny_llama_dir: str, tmp_path) -> None:
     out = tmp_path / "head"
     result = train_eagle.main(["--model", tiny_llama_dir, "--out", str(out), "--minutes", "0.25",
