@@ -100,12 +100,11 @@ class DraftModelProposer:
         return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Per draft layer a key and a value tensor of [num_blocks, block_size, num_kv_heads, head_dim]."""
+        """Per draft layer a key and a value cache of num_blocks blocks, in the layout the ops' attention reads."""
         config = self.config
         self.block_size = block_size
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [self.ops.allocate_kv_cache(num_blocks, block_size, config.num_key_value_heads,
+                                                     config.head_dim, self.dtype, self.device)
                           for _ in range(config.num_hidden_layers)]
 
     # ---- proposing -------------------------------------------------------------------------
