@@ -60,6 +60,10 @@ class BackendConfig:
     # With int8 weights on the CPU: quantize activations per token too (W8A8 on VNNI) for batches of 2+
     # rows: 1.4-1.9x faster products than weight-only, at a perplexity cost (SmolLM2: +2.7% against +0.2%).
     int8_activations: bool = False
+    # With int8 activations: SmoothQuant's migration strength alpha in [0, 1] (None: no smoothing). Per input
+    # channel s = max|X|^alpha / max|W|^(1 - alpha), calibrated at quantize time and folded into the weights
+    # (kvloom/layers/smoothing.py); 0.5 is the paper's default.
+    int8_smoothing_alpha: float | None = None
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any] | str | None) -> BackendConfig:
@@ -112,6 +116,15 @@ class BackendConfig:
         for name in ("quantized", "quantize_lm_head", "int8_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"override_backend_config: {name} must be true or false, got {getattr(self, name)!r}")
+        alpha = self.int8_smoothing_alpha
+        if alpha is not None:
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+                raise ValueError(f"override_backend_config: int8_smoothing_alpha must be a number in [0, 1] "
+                                 f"(SmoothQuant's alpha, e.g. 0.5) or None, got {alpha!r}")
+            if not self.int8_activations:
+                raise ValueError("override_backend_config: int8_smoothing_alpha smooths int8 activations; "
+                                 "set int8_activations to true with it (weight-only int8 has nothing to smooth)")
+            self.int8_smoothing_alpha = float(alpha)
         dtype = QUANTIZATION_ALIASES.get(str(self.quantization_dtype).lower())
         if dtype is None:
             raise ValueError(f"override_backend_config: quantization_dtype must be one of "
