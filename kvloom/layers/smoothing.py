@@ -27,12 +27,16 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvloom.layers.linear import Linear
 from kvloom.ops.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kvloom.config import BackendConfig
 
 # What the factors depend on besides alpha and the model (part of a quantized checkpoint's fingerprint).
 CALIBRATION_TOKENS = 2048
@@ -53,6 +57,14 @@ class LayerSmoothing:
     gate_up: torch.Tensor  # [hidden]: divides post_attention_layernorm, multiplies gate/up columns
     o: torch.Tensor  # [num_kv_heads * head_dim]: divides v_proj rows, multiplies o_proj columns (per q head)
     down: torch.Tensor  # [intermediate]: divides up_proj rows, multiplies down_proj columns
+
+
+def smoothing_alpha(backend: BackendConfig, device: torch.device) -> float | None:
+    """The alpha the int8 weights are smoothed with: only where int8 activations are quantized (W8A8 is a
+    CPU product; elsewhere int8 products are weight-only, which smoothing cannot help)."""
+    if not backend.int8_activations or device.type != "cpu":
+        return None
+    return backend.int8_smoothing_alpha
 
 
 def calibration_text() -> str:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from kvloom.layers.quantization import finish_int8, int8_state, load_int8_state, quantize_as_read
-from kvloom.layers.smoothing import CALIBRATION_ID, calibrate, calibration_text, smooth_as_read
+from kvloom.layers.smoothing import CALIBRATION_ID, calibrate, calibration_text, smooth_as_read, smoothing_alpha
 from kvloom.loader import quantized_checkpoint
 from kvloom.loader.model_config import ModelConfig
 from kvloom.loader.tokenizer import load_tokenizer
@@ -49,7 +49,7 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
         model.load_weights(iter_weights(config.source))
         return
     lm_head = engine.backend.quantize_lm_head
-    alpha = engine.backend.int8_smoothing_alpha
+    alpha = smoothing_alpha(engine.backend, config.device)
     path = engine.quantized_checkpoint_path
     fingerprint = ""
     if path is not None:
