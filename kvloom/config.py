@@ -58,8 +58,13 @@ class BackendConfig:
     # With int8 weights: the LM head too (off by default: it is the layer whose error shows most).
     quantize_lm_head: bool = False
     # With int8 weights on the CPU: quantize activations per token too (W8A8 on VNNI) for batches of 2+
-    # rows: 1.4-1.9x faster products than weight-only, at a perplexity cost (SmolLM2: +2.7% against +0.2%).
-    int8_activations: bool = False
+    # rows: 1.4-1.9x faster products than weight-only, at a perplexity cost (SmolLM2: +3.3% against +0.3%
+    # weight-only) that smoothing (below) cuts to +0.7%. False: weight-only products.
+    int8_activations: bool = True
+    # With int8 activations on the CPU: SmoothQuant's migration strength alpha in [0, 1] (None: no smoothing).
+    # Per input channel s = max|X|^alpha / max|W|^(1 - alpha), calibrated at quantize time and folded into
+    # the weights (kvloom/layers/smoothing.py). Unused without int8_activations or off the CPU.
+    int8_smoothing_alpha: float | None = 0.65
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any] | str | None) -> BackendConfig:
@@ -112,6 +117,12 @@ class BackendConfig:
         for name in ("quantized", "quantize_lm_head", "int8_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"override_backend_config: {name} must be true or false, got {getattr(self, name)!r}")
+        alpha = self.int8_smoothing_alpha
+        if alpha is not None:
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+                raise ValueError(f"override_backend_config: int8_smoothing_alpha must be a number in [0, 1] "
+                                 f"(SmoothQuant's alpha, e.g. 0.5) or None, got {alpha!r}")
+            self.int8_smoothing_alpha = float(alpha)
         dtype = QUANTIZATION_ALIASES.get(str(self.quantization_dtype).lower())
         if dtype is None:
             raise ValueError(f"override_backend_config: quantization_dtype must be one of "

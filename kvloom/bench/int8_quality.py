@@ -1,6 +1,7 @@
 """int8 against bf16 on the default model: greedy agreement on real chat prompts, and perplexity.
 
     .venv/bin/python benchmarks/int8_quality.py [--model SmolLM2-135M-Instruct] [--json out.json]
+        [--int8-activations on|off] [--smoothing-alpha 0.65|none]
 
 - Greedy: 32 chat prompts (below, written for this test) through the chat template, 32 new tokens each
   at temperature 0, once with bf16 weights and once with int8; reported: the share of prompts whose
@@ -9,6 +10,9 @@
 - Perplexity: the first ``--ppl-tokens`` tokens of Python's own reference documentation (the
   ``pydoc_data`` package that ships with CPython: real English prose with code), scored in windows of
   ``--window`` tokens through prompt logprobs; reported: both perplexities and their ratio.
+- The int8 model has the engine's default settings unless told: ``--int8-activations off`` for
+  weight-only products (``on``: W8A8 for batches of 2+ rows on the CPU, which every measurement here
+  is), ``--smoothing-alpha`` for SmoothQuant's alpha (``none``: no smoothing; kvloom/layers/smoothing.py).
 - Memory: the bytes of the weights each model holds (parameters, int8 buffers and packed copies), and
   the resident memory of a fresh process after loading each (VmRSS; VmHWM is the peak during the load).
 """
@@ -129,32 +133,47 @@ def weight_bytes(llm: Any) -> int:
 _RSS_CHILD = """
 import json, sys
 from kvloom import LLM
-quantization, lm_head = sys.argv[2] or None, sys.argv[3] == "1"
+quantization, backend = sys.argv[2] or None, json.loads(sys.argv[3])
 llm = LLM(model=sys.argv[1], dtype="bfloat16", quantization=quantization, max_model_len=256,
-          kv_cache_memory="64MiB", override_backend_config={"quantize_lm_head": lm_head} if quantization else None)
+          kv_cache_memory="64MiB", override_backend_config=backend if quantization else None)
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 print(json.dumps({key: int(status[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}))
 """
 
 
-def process_memory(model: str, quantization: str | None, lm_head: bool) -> dict[str, int]:
+def process_memory(model: str, quantization: str | None, backend: dict[str, Any]) -> dict[str, int]:
     """VmRSS / VmHWM in bytes of a fresh process that loaded the model (64 MiB of KV cache)."""
-    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, model, quantization or "", "1" if lm_head else "0"],
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, model, quantization or "", json.dumps(backend)],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def int8_backend(lm_head: bool, activations: str | None = None, smoothing_alpha: str | None = None
+                 ) -> dict[str, Any]:
+    """override_backend_config of an int8 model: the head, and W8A8 ("on" / "off") and smoothing's alpha
+    (a number or "none") where given (else the engine's defaults)."""
+    backend: dict[str, Any] = {"quantize_lm_head": lm_head}
+    if activations is not None:
+        backend["int8_activations"] = activations == "on"
+    if smoothing_alpha is not None:
+        backend["int8_smoothing_alpha"] = None if smoothing_alpha == "none" else float(smoothing_alpha)
+    return backend
+
+
 def measure(model: str, quantization: str | None, max_tokens: int, ppl_tokens: int, window: int,
-            lm_head: bool) -> dict[str, Any]:
+            lm_head: bool, activations: str | None = None, smoothing_alpha: str | None = None) -> dict[str, Any]:
     from kvloom import LLM
 
-    overrides = {"quantize_lm_head": lm_head} if quantization else None
+    overrides = int8_backend(lm_head, activations, smoothing_alpha) if quantization else None
     start = time.perf_counter()
     llm = LLM(model=model, dtype="bfloat16", quantization=quantization, max_model_len=max(window + 1, 256),
               override_backend_config=overrides)
     load_s = time.perf_counter() - start
     text_ids = llm.get_tokenizer().encode(reference_text())[:ppl_tokens]
+    backend = llm.llm_engine.config.backend
     result = {"quantization": quantization or "bf16", "load_s": round(load_s, 2),
+              "int8_activations": bool(quantization) and backend.int8_activations,
+              "smoothing_alpha": backend.int8_smoothing_alpha if quantization and backend.int8_activations else None,
               "weight_bytes": weight_bytes(llm), "tokens": greedy_tokens(llm, max_tokens),
               "perplexity": perplexity(llm, text_ids, window), "ppl_tokens": len(text_ids)}
     llm.llm_engine.shutdown()
@@ -187,16 +206,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ppl-tokens", type=int, default=4096)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--quantize-lm-head", action="store_true", help="int8 embedding and LM head too")
+    parser.add_argument("--int8-activations", choices=("on", "off"), help="W8A8 (on) or weight-only (off)")
+    parser.add_argument("--smoothing-alpha", help="with W8A8: SmoothQuant's alpha, or none")
     parser.add_argument("--json", help="write the result here")
     parser.add_argument("--no-rss", action="store_true", help="skip the fresh-process memory measurement")
     args = parser.parse_args(argv)
     bf16 = measure(args.model, None, args.max_tokens, args.ppl_tokens, args.window, False)
-    int8 = measure(args.model, "int8", args.max_tokens, args.ppl_tokens, args.window, args.quantize_lm_head)
+    int8 = measure(args.model, "int8", args.max_tokens, args.ppl_tokens, args.window, args.quantize_lm_head,
+                   args.int8_activations, args.smoothing_alpha)
     result = {"model": args.model, "quantize_lm_head": args.quantize_lm_head,
+              "int8_activations": int8["int8_activations"], "smoothing_alpha": int8["smoothing_alpha"],
               **compare(bf16, int8, args.max_tokens)}
     if not args.no_rss:
         for name, quantization in (("bf16", None), ("int8", "int8")):
-            memory = process_memory(args.model, quantization, args.quantize_lm_head)
+            backend = int8_backend(args.quantize_lm_head, args.int8_activations, args.smoothing_alpha)
+            memory = process_memory(args.model, quantization, backend)
             result[f"rss_{name}"], result[f"peak_rss_{name}"] = memory["VmRSS"], memory["VmHWM"]
         result["rss_ratio"] = round(result["rss_int8"] / result["rss_bf16"], 4)
     print(json.dumps(result, indent=2))

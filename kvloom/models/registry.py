@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from kvloom.layers.quantization import finish_int8, int8_state, load_int8_state, quantize_as_read
+from kvloom.layers.smoothing import CALIBRATION_ID, calibrate, calibration_text, smooth_as_read, smoothing_alpha
 from kvloom.loader import quantized_checkpoint
 from kvloom.loader.model_config import ModelConfig
+from kvloom.loader.tokenizer import load_tokenizer
 from kvloom.loader.weights import iter_weights
 from kvloom.models.llama import LlamaForCausalLM, MistralForCausalLM
 from kvloom.ops.table import Ops
@@ -47,17 +49,25 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
         model.load_weights(iter_weights(config.source))
         return
     lm_head = engine.backend.quantize_lm_head
+    alpha = smoothing_alpha(engine.backend, config.device)
     path = engine.quantized_checkpoint_path
     fingerprint = ""
     if path is not None:
         fingerprint = quantized_checkpoint.fingerprint(
             config.source.path, dataclasses.asdict(config.model),
-            {"quantization": engine.quantization, "lm_head": lm_head, "dtype": str(config.dtype)})
+            {"quantization": engine.quantization, "lm_head": lm_head, "dtype": str(config.dtype),
+             "smoothing": None if alpha is None else {"alpha": alpha, "calibration": CALIBRATION_ID}})
         state = quantized_checkpoint.load(path, fingerprint)
         if state is not None:
             load_int8_state(model, state, lm_head)
             return
-    model.load_weights(quantize_as_read(iter_weights(config.source), lm_head))
+    weights = iter_weights(config.source)
+    if alpha is not None:
+        # Smoothing calibrates on the float model, then folds its factors into the tensors read again.
+        model.load_weights(iter_weights(config.source))
+        token_ids = load_tokenizer(config.source).encode(calibration_text())
+        weights = smooth_as_read(weights, calibrate(model, token_ids, alpha), config.model.num_attention_heads)
+    model.load_weights(quantize_as_read(weights, lm_head))
     finish_int8(model, lm_head)
     if path is not None:
         quantized_checkpoint.save(path, int8_state(model), fingerprint)
