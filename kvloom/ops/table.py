@@ -117,8 +117,8 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
     # csrc/gemm_int8.cpp for float32 and bfloat16 activations alike, where its AVX-512 kernels are built.
     pack_int8 = int8.NativeInt8Linear
     if cpu.int8_kernels_available():
-        # Weight-only unless asked: per-token int8 activations cost SmolLM2 +2.7% perplexity (benchmarks/
-        # int8_quality.py), against +0.2% weight-only.
+        # W8A8 for 2+ rows unless int8_activations is off: per-token int8 activations cost SmolLM2 +3.3%
+        # perplexity alone, +0.7% with the default smoothing (layers/smoothing.py; benchmarks/int8_quality.py).
         rows = cpu.W8A8_MIN_ROWS if int8_activations else sys.maxsize
         pack_int8 = functools.partial(cpu.PackedInt8Weight, w8a8_min_rows=rows)
     return Ops(name="cpu", attention=cpu.attention, rms_norm=cpu.rms_norm, add_rms_norm=cpu.add_rms_norm,
