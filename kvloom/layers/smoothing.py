@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from kvloom.layers.linear import Linear
-from kvloom.ops.metadata import AttentionMetadata
+from kvloom.ops.metadata import whole_prefill
 
 if TYPE_CHECKING:
     from kvloom.config import BackendConfig
@@ -114,18 +114,10 @@ def _prefill(model: nn.Module, token_ids: list[int], block_size: int = 16) -> to
     config = model.config
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    n = len(token_ids)
-    blocks = -(-n // block_size)
-    shape = (blocks + 1, block_size, config.num_key_value_heads, config.head_dim)  # block 0: the null block
+    metadata, positions, num_blocks = whole_prefill([len(token_ids)], block_size, config.sliding_window, device)
+    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
     kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                  for _ in range(config.num_hidden_layers)]
-    metadata = AttentionMetadata(
-        slot_mapping=torch.arange(n, device=device) + block_size, block_table=torch.arange(1, blocks + 1,
-                                                                                           device=device)[None],
-        seq_lens=torch.tensor([n], device=device), query_start_loc=[0, n], seq_lens_host=[n], num_decodes=0,
-        block_size=block_size, sliding_window=config.sliding_window,
-        query_start_loc_tensor=torch.tensor([0, n], device=device), max_query_len=n)
-    positions = torch.arange(n, device=device)
     return model(torch.tensor(token_ids, device=device), positions, kv_caches, metadata)
 
 

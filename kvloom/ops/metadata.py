@@ -36,3 +36,26 @@ class AttentionMetadata:
     @property
     def num_requests(self) -> int:
         return len(self.seq_lens_host)
+
+
+def whole_prefill(lengths: list[int], block_size: int, sliding_window: int | None,
+                  device: torch.device | str = "cpu") -> tuple[AttentionMetadata, torch.Tensor, int]:
+    """Whole sequences of these lengths prefilled in one step into fresh blocks of a scratch cache, laid
+    end to end from block 1 (block 0 stays the null block): (metadata, positions [sum(lengths)], the
+    cache's block count)."""
+    blocks = [-(-n // block_size) for n in lengths]
+    block_table = torch.zeros(len(lengths), max(blocks), dtype=torch.long)
+    slot_mapping, positions, starts = [], [], [0]
+    next_block = 1
+    for row, (n, count) in enumerate(zip(lengths, blocks)):
+        block_table[row, :count] = torch.arange(next_block, next_block + count)
+        slot_mapping.append(torch.arange(n) + next_block * block_size)
+        positions.append(torch.arange(n))
+        starts.append(starts[-1] + n)
+        next_block += count
+    metadata = AttentionMetadata(
+        slot_mapping=torch.cat(slot_mapping).to(device), block_table=block_table.to(device),
+        seq_lens=torch.tensor(lengths, dtype=torch.long, device=device), query_start_loc=starts,
+        query_start_loc_tensor=torch.tensor(starts, dtype=torch.long, device=device), seq_lens_host=list(lengths),
+        num_decodes=0, block_size=block_size, sliding_window=sliding_window, max_query_len=max(lengths))
+    return metadata, torch.cat(positions).to(device), next_block

@@ -78,7 +78,7 @@ from kvloom.loader import gguf, safetensors
 from kvloom.loader.model_config import ModelConfig
 from kvloom.loader.weights import DEFAULT_MODEL, ModelSource, iter_weights, load_model_config, resolve_model
 from kvloom.models.registry import build_model, process_weights_after_loading
-from kvloom.ops.metadata import AttentionMetadata
+from kvloom.ops.metadata import whole_prefill
 from kvloom.ops.table import select_ops
 
 # What the target writes prompts about (phase 1): broad, so the prompts cover chat, facts, code and
@@ -274,30 +274,15 @@ class Target:
         """Token ids of whole sequences ([n_i] each) -> their features ([n_i, H] each): the hidden states
         after the final norm, the vector the LM head reads. All sequences go in one prefill step."""
         block_size = self.block_size
-        lengths = [len(ids) for ids in sequences]
-        blocks = [-(-n // block_size) for n in lengths]
-        num_blocks = 1 + sum(blocks)  # block 0 is the null block that pads the block tables
         mc = self.config
+        metadata, positions, num_blocks = whole_prefill([len(ids) for ids in sequences], block_size,
+                                                        mc.sliding_window)
         shape = (num_blocks, block_size, mc.num_key_value_heads, mc.head_dim)
         if not self.kv_caches or self.kv_caches[0][0].shape[0] < num_blocks:
             self.kv_caches = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
                               for _ in range(mc.num_hidden_layers)]
-        block_table = torch.zeros(len(sequences), max(blocks), dtype=torch.long)
-        slot_mapping, positions, starts = [], [], [0]
-        next_block = 1
-        for row, (n, count) in enumerate(zip(lengths, blocks)):
-            block_table[row, :count] = torch.arange(next_block, next_block + count)
-            slot_mapping.append(torch.arange(n) + next_block * block_size)
-            positions.append(torch.arange(n))
-            starts.append(starts[-1] + n)
-            next_block += count
-        metadata = AttentionMetadata(
-            slot_mapping=torch.cat(slot_mapping), block_table=block_table,
-            seq_lens=torch.tensor(lengths, dtype=torch.long), query_start_loc=starts,
-            query_start_loc_tensor=torch.tensor(starts, dtype=torch.long), seq_lens_host=lengths,
-            num_decodes=0, block_size=block_size, sliding_window=mc.sliding_window,
-            max_query_len=max(lengths))
-        hidden = self.model(torch.cat(sequences), torch.cat(positions), self.kv_caches, metadata)
+        hidden = self.model(torch.cat(sequences), positions, self.kv_caches, metadata)
+        starts = metadata.query_start_loc
         return [hidden[start:end] for start, end in zip(starts, starts[1:])]
 
     def features(self, sequences: list[TrainingSequence], max_batch_tokens: int,
