@@ -15,7 +15,10 @@
   shapes (``benchmarks/int8_micro.py``; the figures and the rule are at ``W8A8_MIN_ROWS``). Plain loops read the same
   layout where those instructions are missing (the op table then keeps ``NativeInt8Linear``).
 
-The library is compiled at first use (-O3 -march=native, OpenMP; 10-60 s) into
+The kernels' loops run on kvloom's thread pool (csrc/parallel.h: torch.get_num_threads() threads, none
+of which a loop waits for if it has not started, so a busy core beside does not stall a step).
+
+The library is compiled at first use (-O3 -march=native; 10-60 s) into
 ``$KVLOOM_CACHE_DIR/extensions`` and loaded from there by later processes without compiling. When it
 cannot be built, ``cpu_kernel_available()`` is False (after one warning) and the op table falls back
 to the native ops.
@@ -44,9 +47,12 @@ from kvloom.ops.reference import write_kv_cache
 logger = logging.getLogger("kvloom")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-# Compiled into the same library: the fused norm / rotary / activation ops, the bf16 GEMM and the int8 GEMMs.
-SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name for name in ("fused_ops.cpp", "gemm.cpp", "gemm_int8.cpp")))
-HEADER = Path(__file__).parent / "csrc" / "cpu_capability.h"  # included by all of them
+# Compiled into the same library: the fused norm / rotary / activation ops, the bf16 GEMM, the int8 GEMMs
+# and the thread pool that all of them run their loops on.
+SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name
+                     for name in ("fused_ops.cpp", "gemm.cpp", "gemm_int8.cpp", "parallel.cpp")))
+# Included by them: the ISA flags (all) and the thread pool's loops.
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_capability.h", "parallel.h"))
 # Tried in order: tuned for this CPU, then portable (for compilers that reject -march=native).
 BUILD_VARIANTS = (("native", ["-march=native"]), ("portable", []))
 BUILD_LOCK_TIMEOUT_S = 900
@@ -68,7 +74,7 @@ def _cpu_identity() -> str:
 
 def _build_key(flags: list[str]) -> str:
     """Everything the binary depends on: a change in any of them builds a new one beside the old."""
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, HEADER)))
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS)))
     for part in (" ".join(flags), torch.__version__, sys.version, platform.machine(),
                  _cpu_identity() if "-march=native" in flags else ""):
         digest.update(part.encode())

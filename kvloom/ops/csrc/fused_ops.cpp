@@ -5,8 +5,8 @@
 // compare the two.
 
 #include "cpu_capability.h"
+#include "parallel.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
@@ -21,6 +21,8 @@
 #include <type_traits>
 
 namespace {
+
+using kvloom::parallel_for;
 
 template <typename T, typename F>
 void dispatch(const at::Tensor& t, const char* name, F&& f) {
@@ -198,7 +200,7 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
     T* xs = x.data_ptr<T>();
     T* rs = residual.data_ptr<T>();
     const T* ws = weight.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(hidden, 16384), [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows, grain_rows(hidden, 16384), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         T* xr = xs + r * hidden;
         T* rr = rs + r * hidden;
@@ -220,7 +222,7 @@ void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
     const T* xs = x.data_ptr<T>();
     T* os = out.data_ptr<T>();
     const T* ws = weight.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(hidden, 16384), [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows, grain_rows(hidden, 16384), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* xr = xs + r * hidden;
         const float sum = rms_first_pass<T, false>(xr, nullptr, hidden);
@@ -272,7 +274,7 @@ void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Te
   dispatch<void>(x, "rotary_embedding", [&](auto zero) {
     using T = decltype(zero);
     T* xs = x.data_ptr<T>();
-    at::parallel_for(0, tokens, grain_rows(heads * dim, 16384), [&](int64_t begin, int64_t end) {
+    parallel_for(0, tokens, grain_rows(heads * dim, 16384), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         rotary_token(xs + t * token_stride, heads, head_stride, half, cs + pos[t] * half, sn + pos[t] * half);
       }
@@ -333,7 +335,7 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
     using T = decltype(zero);
     const T* xs = x.data_ptr<T>();
     T* os = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(inner, 8192), [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows, grain_rows(inner, 8192), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) silu_and_mul_row(xs + r * 2 * inner, os + r * inner, inner);
     });
   });
@@ -364,7 +366,7 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::
   const char* vs = static_cast<const char*>(value.data_ptr());
   const int64_t es = key.element_size();
   // Tokens spread over the threads. In the pairs layout, tokens of one block share lines but never bytes.
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t], block = slot / block_size, offset = slot % block_size;
       for (int64_t h = 0; h < heads; ++h) {
@@ -458,7 +460,7 @@ void argmax_rows(at::Tensor out, at::Tensor x) {
   dispatch<void>(x, "argmax_rows", [&](auto zero) {
     using T = decltype(zero);
     const T* xs = x.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(cols, 16384), [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows, grain_rows(cols, 16384), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) os[r] = argmax_row(xs + r * cols, cols);
     });
   });

@@ -11,8 +11,8 @@
 // fp32 sums. Without AVX512-BF16 the op is not registered and callers keep oneDNN / F.linear.
 
 #include "cpu_capability.h"
+#include "parallel.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -24,6 +24,8 @@
 #include <immintrin.h>
 
 namespace {
+
+using kvloom::parallel_for;
 
 constexpr int64_t kPanelVecs = 3;                 // 16-column vectors per panel
 constexpr int64_t kPanel = 16 * kPanelVecs;       // output columns per panel
@@ -114,7 +116,7 @@ void gemm_bf16(at::Tensor y, at::Tensor x, at::Tensor packed, c10::optional<at::
   auto* ys = y.data_ptr<c10::BFloat16>();
   const int64_t ldx = x.stride(0), panel_size = pairs * kPanel * 2;
   // Whole panels per thread: each streams its share of the weight once per row chunk.
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
       const int64_t m1 = std::min(M, m0 + kRowChunk);
       for (int64_t panel = begin; panel < end; ++panel) {

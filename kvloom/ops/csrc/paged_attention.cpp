@@ -29,12 +29,11 @@
 //          transposed or converted at attention time.
 
 #include "cpu_capability.h"
+#include "parallel.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -46,6 +45,9 @@
 #include <vector>
 
 namespace {
+
+using kvloom::parallel_chunks;
+using kvloom::pool_threads;
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int kVecSize = Vec::size();
@@ -604,16 +606,14 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* 
   }
 }
 
-// The items on torch's OpenMP threads, longest first, handed out one at a time.
+// The items on kvloom's thread pool (parallel.h), longest first, handed out one at a time.
 template <typename T, typename Keys>
-void run_items(const Problem& pb, const std::vector<WorkItem>& items, int num_threads, const T* query,
-               const T* key_cache, const T* value_cache, T* out) {
-  const int64_t num_items = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
-  for (int64_t n = 0; n < num_items; ++n) {
+void run_items(const Problem& pb, const std::vector<WorkItem>& items, const T* query, const T* key_cache,
+               const T* value_cache, T* out) {
+  parallel_chunks(static_cast<int64_t>(items.size()), [&](int64_t n) {
     static thread_local Scratch scratch;
     run_item<T, Keys>(pb, items[n], query, key_cache, value_cache, out, scratch);
-  }
+  });
 }
 
 void check_index(const at::Tensor& t, const char* name, int64_t dims) {
@@ -732,7 +732,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 
   // A decode item takes every kv head of its request (whole slots) unless that leaves fewer than
   // about four items per thread; then as many heads as still allow that.
-  const int num_threads = at::get_num_threads();
+  const int num_threads = pool_threads();
   int64_t decode_heads = num_kv_heads;
   while (decode_heads > 1 && num_decodes * (num_kv_heads / decode_heads) < 4 * num_threads) {
     do --decode_heads; while (num_kv_heads % decode_heads != 0);
@@ -752,11 +752,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   }
   if (items.empty()) return;
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
-  const int threads = static_cast<int>(std::min<int64_t>(num_threads, static_cast<int64_t>(items.size())));
 
   const auto run = [&](auto zero, auto keys) {
     using T = decltype(zero);
-    run_items<T, decltype(keys)>(pb, items, threads, query.data_ptr<T>(), key_cache.data_ptr<T>(),
+    run_items<T, decltype(keys)>(pb, items, query.data_ptr<T>(), key_cache.data_ptr<T>(),
                                  value_cache.data_ptr<T>(), out.data_ptr<T>());
   };
   switch (dtype) {

@@ -1,0 +1,66 @@
+// kvloom's own thread pool for its kernels: parallel loops that never wait for a thread that has not
+// started.
+//
+// at::parallel_for (OpenMP) splits a loop into one static share per thread and ends with a barrier.
+// When another process holds one of the cores (the HTTP server, a tokenizer, a build), the share of
+// a descheduled thread waits for the scheduler to run it again, and every parallel region of a step
+// pays that wait: measured on the 2-core box with one busy process beside, a decode step's GEMMs
+// took 2-9x longer on two OpenMP threads than on one.
+//
+// Here a loop is cut into chunks that the calling thread and the pool's workers claim one at a time
+// from a shared counter. The caller works from the first chunk on and returns when every chunk is
+// done; a worker that is asleep or descheduled simply claims nothing, so the caller waits only for
+// chunks already running elsewhere, never for a thread that is not there. On a quiet machine the
+// workers are already spinning and the loop splits as OpenMP's would.
+//
+//     kvloom::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) { ... });
+//     kvloom::parallel_chunks(items, [&](int64_t item) { ... });  // one chunk each, in order claimed
+//
+// The pool has at::get_num_threads() - 1 workers (so torch.set_num_threads applies); a nested call, a
+// call while another thread holds the pool, or a single-thread setting runs inline.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace kvloom {
+
+// Runs fn(ctx, c) for every c in [0, num_chunks), spread over the pool; returns when all are done.
+// An exception thrown by a chunk is rethrown here (the first one; the others are dropped).
+void run_chunks(int64_t num_chunks, void (*fn)(void*, int64_t), void* ctx);
+
+// The threads a loop may use: the caller plus the workers.
+int pool_threads();
+
+// Most chunks a loop is cut into per thread: enough to even out a descheduled or slower thread.
+constexpr int64_t kChunksPerThread = 4;
+
+template <class F>
+void parallel_chunks(int64_t num_chunks, const F& f) {
+  if (num_chunks <= 0) return;
+  run_chunks(num_chunks, [](void* ctx, int64_t c) { (*static_cast<const F*>(ctx))(c); },
+             const_cast<void*>(static_cast<const void*>(&f)));
+}
+
+// at::parallel_for's contract: f(b, e) over disjoint ranges covering [begin, end), each at least
+// `grain` long (but the last), all of it inline when the range is no longer than `grain`.
+template <class F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  grain = std::max<int64_t>(grain, 1);
+  const int threads = pool_threads();
+  if (threads <= 1 || n <= grain) {
+    f(begin, end);
+    return;
+  }
+  const int64_t max_chunks = std::min<int64_t>((n + grain - 1) / grain, threads * kChunksPerThread);
+  const int64_t chunk = (n + max_chunks - 1) / max_chunks;
+  const int64_t num_chunks = (n + chunk - 1) / chunk;
+  parallel_chunks(num_chunks, [&](int64_t c) {
+    const int64_t b = begin + c * chunk;
+    f(b, std::min(end, b + chunk));
+  });
+}
+
+}  // namespace kvloom
