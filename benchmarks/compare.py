@@ -10,6 +10,9 @@ both engines alike. Prints the median of each figure and the ratio kvloom / peer
     .venv/bin/python benchmarks/compare.py --base hf --peer vllm   # two peers, no kvloom
     # one engine, two settings: kvloom int8 against kvloom bf16
     .venv/bin/python benchmarks/compare.py --peer kvloom --base-arg=--engine-arg=quantization=int8
+    # a noisy neighbour: one process spinning on a core for the whole comparison (as a busy HTTP
+    # server, tokenizer or build would)
+    .venv/bin/python benchmarks/compare.py --peer vllm --background-load 1
 """
 
 from __future__ import annotations
@@ -105,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra argument for the peer's script, repeatable")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--json", metavar="PATH", help="write every run and the medians as JSON")
+    parser.add_argument("--background-load", type=int, default=0, metavar="N",
+                        help="N processes spinning on the CPU through every run (default 0)")
     args = parser.parse_args(argv)
     if args.base == args.peer and args.base_arg == args.peer_arg:
         raise SystemExit("--base and --peer must differ (in engine or in --base-arg / --peer-arg)")
@@ -118,18 +123,27 @@ def main(argv: list[str] | None = None) -> int:
         labels = {side: f"{engine}[{' '.join(extra) or 'default'}]" for side, (engine, extra) in sides.items()}
         labels = {side: label.replace("--engine-arg=", "") for side, label in labels.items()}
     runs: dict[str, list[dict[str, Any]]] = {"base": [], "peer": []}
-    for repeat in range(args.repeats):
-        order = ["base", "peer"] if repeat % 2 == 0 else ["peer", "base"]
-        print(f"repeat {repeat + 1}/{args.repeats}", flush=True)
-        for side in order:
-            engine, extra = sides[side]
-            result = run_once(engine, args.num_prompts, extra, args.timeout, log_dir)
-            if result is not None:
-                runs[side].append(result)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.background_load)]
+    if spinners:
+        print(f"{len(spinners)} busy process(es) spinning beside every run", flush=True)
+    try:
+        for repeat in range(args.repeats):
+            order = ["base", "peer"] if repeat % 2 == 0 else ["peer", "base"]
+            print(f"repeat {repeat + 1}/{args.repeats}", flush=True)
+            for side in order:
+                engine, extra = sides[side]
+                result = run_once(engine, args.num_prompts, extra, args.timeout, log_dir)
+                if result is not None:
+                    runs[side].append(result)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
 
     base, peer = medians(runs["base"]), medians(runs["peer"])
+    beside = f", {args.background_load} busy process(es) beside" if args.background_load else ""
     print(f"\n== {labels['base']} vs {labels['peer']}: N={args.num_prompts}, medians of "
-          f"{len(runs['base'])} and {len(runs['peer'])} runs ==")
+          f"{len(runs['base'])} and {len(runs['peer'])} runs{beside} ==")
     width = max(12, *(len(label) for label in labels.values()))
     print(f"{'':<26} {labels['base']:>{width}} {labels['peer']:>{width}} {'ratio':>8}")
     ratios = {}
@@ -144,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(ratio = {labels['base']} / {labels['peer']}; higher is better for tok/s and GFLOP/s, "
           f"lower for seconds and MiB)")
     common.write_json(args.json, {"base": labels["base"], "peer": labels["peer"], "num_prompts": args.num_prompts,
+                                  "background_load": args.background_load,
                                   "runs": {labels[side]: runs[side] for side in runs},
                                   "medians": {labels["base"]: base, labels["peer"]: peer},
                                   "ratios": ratios, "machine": common.machine_info()})
