@@ -1,6 +1,7 @@
 // int8 linear layers for the CPU: y[M, N] = x[M, K] W[N, K]^T (+ bias) with W stored as int8 q[N, K]
-// and one fp32 scale per output column (kvloom/ops/int8.py says what each product means; its
-// references are the oracles the tests compare with). Two products read the same packed weight:
+// and one fp32 scale per output column, or per column and block of 32 k (a GGUF Q8_0 weight kept as it
+// is stored). kvloom/ops/int8.py says what each product means; its references are the oracles the tests
+// compare with. Three products read the same packed weight:
 //
 // - W8A8 (gemm_w8a8): each row of x is quantized to int8 with its own scale, as quantize_per_token
 //   does (the same fp32 division and round-half-to-even, so the same integers), shifted to u8 (+128)
@@ -11,6 +12,10 @@
 //   |q| <= 127) and fed to vdpbf16ps with x's bf16 values, summed in fp32 and scaled at the end, as
 //   int8_linear_reference does. An fp32 x is split into bf16 hi + lo parts (x - hi is exact in fp32
 //   and its bf16 rounding is 2^-17 of x), two dot products per weight vector.
+// - W8A8 on blocks (gemm_w8a8_blocks), for block-scaled weights: x quantized per (row, block of 32 k) as
+//   quantize_per_block does (llama.cpp's vec_dot_q8_0_q8_0), vpdpbusd sums each block exactly into int32,
+//   the block's compensation is taken out and the fp32 sum gains (int32 sum) * x_scale * w_scale with one
+//   FMA per block. Block scales and compensations are packed per panel, [panels][blocks][48].
 //
 // The weight is packed once (kvloom/ops/cpu.py, pack_int8_weight) into panels of kPanel = 48 output
 // columns: packed[panel][K/4][48][4] int8, so that one group of 4 k of 16 columns is one 64-byte
@@ -19,7 +24,8 @@
 // lane p its own pair, and the two lanes of each column are added at the end.
 //
 // Without AVX512-VNNI (or AVX512-BF16, for the weight-only kernel) the same packed layout is read by
-// plain loops; `portable=True` runs those anywhere, so tests pin both against the references.
+// plain loops; `portable=True` runs those anywhere, so tests pin both against the references. All three
+// products walk the panels with one loop (for_each_panel) and differ only in their micro-kernels.
 
 #include "cpu_capability.h"
 
@@ -47,6 +53,9 @@ constexpr int64_t kGroup = 4;                 // k per int32 lane of vpdpbusd
 constexpr int64_t kGroupBytes = kPanel * kGroup;
 constexpr int64_t kRowsW8A8 = 8;              // rows per W8A8 micro-kernel: 8 x 3 int32 sums
 constexpr int64_t kRowsWeightOnly = 4;        // rows per weight-only micro-kernel: 4 x 6 fp32 sums
+constexpr int64_t kRowsBlocks = 4;            // rows per W8A8-on-blocks micro-kernel: 4 x 3 int32 + 4 x 3 fp32 sums
+constexpr int64_t kBlock = 32;                // k per scale of a block-scaled weight (a Q8_0 block)
+constexpr int64_t kGroupsPerBlock = kBlock / kGroup;
 constexpr int64_t kRowChunk = 256;            // rows whose x stays in L2 while panels stream
 constexpr int32_t kShift = 128;               // s8 -> u8 for vpdpbusd's unsigned operand
 constexpr float kQmax = 127.0f;
@@ -57,6 +66,22 @@ struct Shapes {
   int64_t M, K, N, groups, panels;
 };
 
+// The loop every product shares: threads split the panels; rows go in chunks of kRowChunk (their
+// activations stay in L2 while the panels stream past), each chunk in calls of at most `step` rows:
+// body(m, rows, panel, n0, columns) writes y[m, m + rows) x [n0, n0 + columns).
+template <typename Body>
+void for_each_panel(const Shapes& s, int64_t step, const Body& body) {
+  at::parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < s.M; m0 += kRowChunk) {
+      const int64_t m1 = std::min(s.M, m0 + kRowChunk);
+      for (int64_t panel = begin; panel < end; ++panel) {
+        const int64_t n0 = panel * kPanel, columns = std::min(kPanel, s.N - n0);
+        for (int64_t m = m0; m < m1; m += step) body(m, std::min(step, m1 - m), panel, n0, columns);
+      }
+    }
+  });
+}
+
 template <typename F>
 void dispatch_float(const at::Tensor& t, const char* name, F&& f) {
   switch (t.scalar_type()) {
@@ -66,9 +91,11 @@ void dispatch_float(const at::Tensor& t, const char* name, F&& f) {
   }
 }
 
-// The checks both products share; returns the shapes and the bias pointer (or nullptr).
+// The checks every product shares; returns the shapes and the bias pointer (or nullptr). scale_numel:
+// the fp32 scales the product reads (N, or the packed blocks' panels * blocks * 48).
 Shapes check_arguments(const char* name, const at::Tensor& y, const at::Tensor& x, const at::Tensor& packed,
-                       const at::Tensor& scale, const c10::optional<at::Tensor>& bias, const float** bias_ptr) {
+                       const at::Tensor& scale, bool blocks, const c10::optional<at::Tensor>& bias,
+                       const float** bias_ptr) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.is_contiguous() && packed.is_contiguous(),
               name, ": x must be [M, K] with contiguous rows and y [M, N] contiguous");
   TORCH_CHECK(y.scalar_type() == x.scalar_type(), name, ": y must have x's dtype");
@@ -78,8 +105,15 @@ Shapes check_arguments(const char* name, const at::Tensor& y, const at::Tensor& 
   s.panels = (s.N + kPanel - 1) / kPanel;
   TORCH_CHECK(y.size(0) == s.M && packed.numel() == s.panels * s.groups * kGroupBytes, name,
               ": the packed weight does not match x [", s.M, ", ", s.K, "] and y [", y.size(0), ", ", s.N, "]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == s.N,
-              name, ": scale must be a contiguous float32 [N]");
+  if (blocks) {
+    TORCH_CHECK(s.K % kBlock == 0, name, ": K = ", s.K, " must be a multiple of ", kBlock, " (one scale per block)");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                    scale.numel() == s.panels * (s.K / kBlock) * kPanel,
+                name, ": scale must be the contiguous float32 block scales packed [panels, K / 32, 48]");
+  } else {
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == s.N,
+                name, ": scale must be a contiguous float32 [N]");
+  }
   *bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == s.N,
@@ -134,22 +168,29 @@ float quantize_row_portable(const T* x, int64_t K, int64_t Kp, uint8_t* q) {
   return scale;
 }
 
+// Every row of x to u8 rows of Kp = 4 * groups bytes. block == 0: one scale per row (scales[m]);
+// otherwise one per block of `block` k (K a multiple of it, so Kp = K): scales[m * K / block + b].
 template <typename T>
-void quantize_rows(const at::Tensor& x, const Shapes& s, uint8_t* q, float* scales, bool portable) {
+void quantize_rows(const at::Tensor& x, const Shapes& s, int64_t block, uint8_t* q, float* scales, bool portable) {
   const T* xs = x.data_ptr<T>();
   const int64_t ldx = x.stride(0), Kp = s.groups * kGroup;
+  const int64_t width = block ? block : s.K, padded = block ? block : Kp, per_row = s.K / width;
 #if !defined(CPU_CAPABILITY_AVX512)
   (void)portable;
 #endif
   at::parallel_for(0, s.M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < per_row; ++b) {
+        const T* xr = xs + m * ldx + b * width;
+        uint8_t* qr = q + m * Kp + b * padded;
 #if defined(CPU_CAPABILITY_AVX512)
-      if (!portable) {
-        scales[m] = quantize_row_avx512(xs + m * ldx, s.K, Kp, q + m * Kp);
-        continue;
-      }
+        if (!portable) {
+          scales[m * per_row + b] = quantize_row_avx512(xr, width, padded, qr);
+          continue;
+        }
 #endif
-      scales[m] = quantize_row_portable(xs + m * ldx, s.K, Kp, q + m * Kp);
+        scales[m * per_row + b] = quantize_row_portable(xr, width, padded, qr);
+      }
     }
   });
 }
@@ -250,7 +291,7 @@ void w8a8_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, co
   const int64_t Kp = s.groups * kGroup;
   std::vector<uint8_t> xq(s.M * Kp);
   std::vector<float> x_scale(s.M);
-  quantize_rows<T>(x, s, xq.data(), x_scale.data(), portable);
+  quantize_rows<T>(x, s, 0, xq.data(), x_scale.data(), portable);
   const auto* ws = packed.data_ptr<int8_t>();
   T* ys = y.data_ptr<T>();
   const int64_t panel_size = s.groups * kGroupBytes;
@@ -259,27 +300,19 @@ void w8a8_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, co
 #else
   const bool fast = false;
 #endif
-  at::parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < s.M; m0 += kRowChunk) {
-      const int64_t m1 = std::min(s.M, m0 + kRowChunk);
-      for (int64_t panel = begin; panel < end; ++panel) {
-        const int64_t n0 = panel * kPanel, columns = std::min(kPanel, s.N - n0);
-        const int8_t* wp = ws + panel * panel_size;
-        const float* bp = bias ? bias + n0 : nullptr;
-        if (!fast) {
-          w8a8_portable_panel(xq.data() + m0 * Kp, Kp, x_scale.data() + m0, wp, s.groups, compensation + n0,
-                              w_scale + n0, bp, ys + m0 * s.N + n0, s.N, m1 - m0, columns);
-          continue;
-        }
+  for_each_panel(s, fast ? kRowsW8A8 : kRowChunk, [&](int64_t m, int64_t rows, int64_t panel, int64_t n0,
+                                                      int64_t columns) {
+    const int8_t* wp = ws + panel * panel_size;
+    const float* bp = bias ? bias + n0 : nullptr;
 #if defined(KVLOOM_VNNI_DOT)
-        for (int64_t m = m0; m < m1; m += kRowsW8A8) {
-          const int64_t rows = std::min(kRowsW8A8, m1 - m);
-          kW8A8Kernels<T>[rows](xq.data() + m * Kp, Kp, x_scale.data() + m, wp, s.groups, compensation + n0,
-                                w_scale + n0, bp, ys + m * s.N + n0, s.N, columns);
-        }
-#endif
-      }
+    if (fast) {
+      kW8A8Kernels<T>[rows](xq.data() + m * Kp, Kp, x_scale.data() + m, wp, s.groups, compensation + n0,
+                            w_scale + n0, bp, ys + m * s.N + n0, s.N, columns);
+      return;
     }
+#endif
+    w8a8_portable_panel(xq.data() + m * Kp, Kp, x_scale.data() + m, wp, s.groups, compensation + n0, w_scale + n0,
+                        bp, ys + m * s.N + n0, s.N, rows, columns);
   });
 }
 
@@ -288,7 +321,7 @@ void w8a8_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, co
 void gemm_w8a8(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor compensation, at::Tensor scale,
                c10::optional<at::Tensor> bias, bool portable) {
   const float* bs;
-  const Shapes s = check_arguments("gemm_w8a8", y, x, packed, scale, bias, &bs);
+  const Shapes s = check_arguments("gemm_w8a8", y, x, packed, scale, false, bias, &bs);
   TORCH_CHECK(compensation.scalar_type() == at::kInt && compensation.is_contiguous() && compensation.numel() == s.N,
               "gemm_w8a8: compensation must be a contiguous int32 [N]");
   TORCH_CHECK(s.K <= kMaxW8A8K, "gemm_w8a8: K = ", s.K, " is more than the ", kMaxW8A8K,
@@ -427,27 +460,19 @@ void weight_only_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
   const bool fast = false;
   (void)portable;
 #endif
-  at::parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < s.M; m0 += kRowChunk) {
-      const int64_t m1 = std::min(s.M, m0 + kRowChunk);
-      for (int64_t panel = begin; panel < end; ++panel) {
-        const int64_t n0 = panel * kPanel, columns = std::min(kPanel, s.N - n0);
-        const int8_t* wp = ws + panel * panel_size;
-        const float* bp = bias ? bias + n0 : nullptr;
-        if (!fast) {
-          weight_only_portable_panel(xs + m0 * x.stride(0), x.stride(0), s.K, wp, w_scale + n0, bp,
-                                     ys + m0 * s.N + n0, s.N, m1 - m0, columns);
-          continue;
-        }
+  for_each_panel(s, fast ? kRowsWeightOnly : kRowChunk, [&](int64_t m, int64_t rows, int64_t panel, int64_t n0,
+                                                            int64_t columns) {
+    const int8_t* wp = ws + panel * panel_size;
+    const float* bp = bias ? bias + n0 : nullptr;
 #if defined(KVLOOM_BF16_DOT)
-        for (int64_t m = m0; m < m1; m += kRowsWeightOnly) {
-          const int64_t rows = std::min(kRowsWeightOnly, m1 - m);
-          kWeightOnlyKernels<kSplit, T>[rows](x_hi + m * ld_hi, kSplit ? lo.data() + m * Kp : nullptr, ld_hi, wp,
-                                              s.groups, w_scale + n0, bp, ys + m * s.N + n0, s.N, columns);
-        }
-#endif
-      }
+    if (fast) {
+      kWeightOnlyKernels<kSplit, T>[rows](x_hi + m * ld_hi, kSplit ? lo.data() + m * Kp : nullptr, ld_hi, wp,
+                                          s.groups, w_scale + n0, bp, ys + m * s.N + n0, s.N, columns);
+      return;
     }
+#endif
+    weight_only_portable_panel(xs + m * x.stride(0), x.stride(0), s.K, wp, w_scale + n0, bp, ys + m * s.N + n0, s.N,
+                               rows, columns);
   });
 }
 
@@ -455,7 +480,7 @@ void weight_only_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
 void gemm_int8_weight_only(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale,
                            c10::optional<at::Tensor> bias, bool portable) {
   const float* bs;
-  const Shapes s = check_arguments("gemm_int8_weight_only", y, x, packed, scale, bias, &bs);
+  const Shapes s = check_arguments("gemm_int8_weight_only", y, x, packed, scale, false, bias, &bs);
   if (s.M == 0 || s.N == 0) return;
   dispatch_float(x, "gemm_int8_weight_only", [&](auto tag) {
     using T = decltype(tag);
@@ -463,8 +488,150 @@ void gemm_int8_weight_only(at::Tensor y, at::Tensor x, at::Tensor packed, at::Te
   });
 }
 
-// Which fast kernels this build holds: bit 0 the W8A8 one (AVX512-VNNI), bit 1 the weight-only one
-// (AVX512-BF16). The ops run on plain loops wherever a bit is missing.
+// ---- W8A8 on blocks -------------------------------------------------------------------------------
+// xq: u8 rows of K bytes; x_scale: the rows' block scales (ldxs = blocks a row); compensation and
+// w_scale: the panel's [blocks][48] (zero past the real columns), compensation[b][c] = 128 * the
+// block's sum of q[n0 + c, k].
+#if defined(KVLOOM_VNNI_DOT)
+template <int R, typename T>
+inline void w8a8_blocks_kernel(const uint8_t* xq, int64_t ldq, const float* x_scale, int64_t ldxs,
+                               const int8_t* panel, int64_t blocks, const int32_t* compensation, const float* w_scale,
+                               const float* bias, T* y, int64_t ldy, int64_t columns) {
+  __m512 acc[R][kPanelVecs];
+  KVLOOM_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVLOOM_UNROLL
+    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i sums[R][kPanelVecs];
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r)
+      KVLOOM_UNROLL
+      for (int v = 0; v < kPanelVecs; ++v) sums[r][v] = _mm512_setzero_si512();
+    const int8_t* wb = panel + b * kGroupsPerBlock * kGroupBytes;
+    KVLOOM_UNROLL
+    for (int64_t j = 0; j < kGroupsPerBlock; ++j) {
+      __m512i wv[kPanelVecs];
+      KVLOOM_UNROLL
+      for (int v = 0; v < kPanelVecs; ++v) wv[v] = _mm512_loadu_si512(wb + j * kGroupBytes + v * 64);
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        int32_t word;
+        std::memcpy(&word, xq + r * ldq + (b * kGroupsPerBlock + j) * kGroup, sizeof(word));
+        const __m512i xv = _mm512_set1_epi32(word);
+        KVLOOM_UNROLL
+        for (int v = 0; v < kPanelVecs; ++v) sums[r][v] = _mm512_dpbusd_epi32(sums[r][v], xv, wv[v]);
+      }
+    }
+    KVLOOM_UNROLL
+    for (int v = 0; v < kPanelVecs; ++v) {
+      const __m512i comp = _mm512_loadu_si512(compensation + b * kPanel + v * 16);
+      const __m512 ws = _mm512_loadu_ps(w_scale + b * kPanel + v * 16);
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(x_scale[r * ldxs + b]));
+        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r][v], comp)), s, acc[r][v]);
+      }
+    }
+  }
+  KVLOOM_UNROLL
+  for (int v = 0; v < kPanelVecs; ++v) {
+    const int64_t left = columns - v * 16;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + v * 16) : _mm512_setzero_ps();
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) store_columns(y + r * ldy + v * 16, mask, _mm512_add_ps(acc[r][v], bv));
+  }
+}
+
+template <typename T>
+using W8A8BlocksKernel = void (*)(const uint8_t*, int64_t, const float*, int64_t, const int8_t*, int64_t,
+                                  const int32_t*, const float*, const float*, T*, int64_t, int64_t);
+
+template <typename T>
+constexpr W8A8BlocksKernel<T> kW8A8BlocksKernels[kRowsBlocks + 1] = {
+    nullptr, &w8a8_blocks_kernel<1, T>, &w8a8_blocks_kernel<2, T>, &w8a8_blocks_kernel<3, T>,
+    &w8a8_blocks_kernel<4, T>};
+#endif
+
+// The same integers and the same fp32 operations in the same order (bit for bit).
+template <typename T>
+void w8a8_blocks_portable_panel(const uint8_t* xq, int64_t ldq, const float* x_scale, int64_t ldxs,
+                                const int8_t* panel, int64_t blocks, const int32_t* compensation,
+                                const float* w_scale, const float* bias, T* y, int64_t ldy, int64_t rows,
+                                int64_t columns) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[kPanel] = {};
+    const uint8_t* xr = xq + r * ldq;
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t sums[kPanel] = {};
+      for (int64_t g = b * kGroupsPerBlock; g < (b + 1) * kGroupsPerBlock; ++g) {
+        const int8_t* w = panel + g * kGroupBytes;
+        for (int64_t c = 0; c < kPanel; ++c)
+          for (int64_t i = 0; i < kGroup; ++i) sums[c] += int32_t(xr[g * kGroup + i]) * int32_t(w[c * kGroup + i]);
+      }
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const float s = w_scale[b * kPanel + c] * x_scale[r * ldxs + b];
+        acc[c] = std::fma(static_cast<float>(sums[c] - compensation[b * kPanel + c]), s, acc[c]);
+      }
+    }
+    for (int64_t c = 0; c < columns; ++c) y[r * ldy + c] = static_cast<T>(acc[c] + (bias ? bias[c] : 0.0f));
+  }
+}
+
+template <typename T>
+void w8a8_blocks_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const int32_t* compensation,
+                       const float* w_scale, const float* bias, const Shapes& s, bool portable) {
+  const int64_t blocks = s.K / kBlock;
+  std::vector<uint8_t> xq(s.M * s.K);
+  std::vector<float> x_scale(s.M * blocks);
+  quantize_rows<T>(x, s, kBlock, xq.data(), x_scale.data(), portable);
+  const auto* ws = packed.data_ptr<int8_t>();
+  T* ys = y.data_ptr<T>();
+  const int64_t panel_size = s.groups * kGroupBytes, scales_size = blocks * kPanel;
+#if defined(KVLOOM_VNNI_DOT)
+  const bool fast = !portable;
+#else
+  const bool fast = false;
+#endif
+  for_each_panel(s, fast ? kRowsBlocks : kRowChunk, [&](int64_t m, int64_t rows, int64_t panel, int64_t n0,
+                                                        int64_t columns) {
+    const int8_t* wp = ws + panel * panel_size;
+    const int32_t* cp = compensation + panel * scales_size;
+    const float* sp = w_scale + panel * scales_size;
+    const float* bp = bias ? bias + n0 : nullptr;
+#if defined(KVLOOM_VNNI_DOT)
+    if (fast) {
+      kW8A8BlocksKernels<T>[rows](xq.data() + m * s.K, s.K, x_scale.data() + m * blocks, blocks, wp, blocks, cp,
+                                  sp, bp, ys + m * s.N + n0, s.N, columns);
+      return;
+    }
+#endif
+    w8a8_blocks_portable_panel(xq.data() + m * s.K, s.K, x_scale.data() + m * blocks, blocks, wp, blocks, cp, sp,
+                               bp, ys + m * s.N + n0, s.N, rows, columns);
+  });
+}
+
+// y = the W8A8 product on blocks (+ bias). x: [M, K] float32 or bfloat16 (K a multiple of 32), rows
+// contiguous; packed: pack_int8_weight's [N, K] layout; compensation (int32) and scale (float32): the
+// blocks' packed [panels, K / 32, 48]; bias: float32 [N]; y: [M, N] in x's dtype.
+void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor compensation, at::Tensor scale,
+                      c10::optional<at::Tensor> bias, bool portable) {
+  const float* bs;
+  const Shapes s = check_arguments("gemm_w8a8_blocks", y, x, packed, scale, true, bias, &bs);
+  TORCH_CHECK(compensation.scalar_type() == at::kInt && compensation.is_contiguous() &&
+                  compensation.numel() == scale.numel(),
+              "gemm_w8a8_blocks: compensation must be a contiguous int32 of the block scales' packed shape");
+  if (s.M == 0 || s.N == 0) return;
+  dispatch_float(x, "gemm_w8a8_blocks", [&](auto tag) {
+    using T = decltype(tag);
+    w8a8_blocks_typed<T>(y, x, packed, compensation.data_ptr<int32_t>(), scale.data_ptr<float>(), bs, s, portable);
+  });
+}
+
+// Which fast kernels this build holds: bit 0 the W8A8 ones, per token and on blocks (AVX512-VNNI),
+// bit 1 the weight-only one (AVX512-BF16). The ops run on plain loops wherever a bit is missing.
 int64_t int8_gemm_kernels() {
   int64_t flags = 0;
 #if defined(KVLOOM_VNNI_DOT)
@@ -483,10 +650,13 @@ TORCH_LIBRARY_FRAGMENT(kvloom, m) {
         "bool portable=False) -> ()");
   m.def("gemm_int8_weight_only(Tensor(a!) y, Tensor x, Tensor packed, Tensor scale, Tensor? bias, "
         "bool portable=False) -> ()");
+  m.def("gemm_w8a8_blocks(Tensor(a!) y, Tensor x, Tensor packed, Tensor compensation, Tensor scale, Tensor? bias, "
+        "bool portable=False) -> ()");
   m.def("int8_gemm_kernels() -> int", &int8_gemm_kernels);
 }
 
 TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
   m.impl("gemm_w8a8", &gemm_w8a8);
   m.impl("gemm_int8_weight_only", &gemm_int8_weight_only);
+  m.impl("gemm_w8a8_blocks", &gemm_w8a8_blocks);
 }
