@@ -15,7 +15,8 @@ ones), so every rank ends a step with the same hidden states and only rank 0 sam
 
 int8 weights (quantized before sharding) are cut the same way: a column-parallel layer keeps its rows'
 scales, a row-parallel one keeps every scale, since each is per output row and applies to every
-rank's partial sum.
+rank's partial sum. Block scales (GGUF Q8_0, one per row and block of 32 inputs) follow their rows in a
+column-parallel layer and their blocks in a row-parallel one, whose input share must then be whole blocks.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 
 from kvloom.layers.linear import Linear
 from kvloom.loader.model_config import ModelConfig
+from kvloom.ops.int8 import BLOCK
 
 # A torch.distributed process group, or a c10d backend object such as dist.ProcessGroupGloo(...)
 # (anything dist.all_reduce accepts as its group).
@@ -123,7 +125,15 @@ def _shard_rows_in(linear: Linear, rank: int, world_size: int, group: ProcessGro
     The bias is added once: rank 0 keeps it, the others drop it.
     """
     size = linear.in_features // world_size
-    if linear.quantized:  # the scales are per output row: every rank keeps all of them
+    if linear.quantized and linear.blocks:  # a rank keeps the scales of its own blocks
+        if size % BLOCK:
+            raise ValueError(f"tensor_parallel_size={world_size} gives each rank {size} of a layer's "
+                             f"{linear.in_features} inputs, which cuts its Q8_0 blocks of {BLOCK}: the int8 blocks "
+                             f"cannot be split so; use a tensor_parallel_size that leaves each rank a multiple "
+                             f"of {BLOCK} inputs, or override_backend_config {{\"int8_gguf_blocks\": false}}")
+        blocks = size // BLOCK
+        linear.weight_scale = linear.weight_scale[:, rank * blocks:(rank + 1) * blocks].contiguous()
+    if linear.quantized:  # per-row scales apply to every rank's partial sum: every rank keeps all of them
         linear.qweight = linear.qweight[:, rank * size:(rank + 1) * size].contiguous()
         linear.weight.data = linear.weight.data.new_empty(0, size)
     else:
