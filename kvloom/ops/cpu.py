@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from kvloom import envs
-from kvloom.ops.int8 import BLOCK, check_blocks_shape
+from kvloom.ops.int8 import check_blocks_shape
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.reference import write_kv_cache
 
@@ -403,11 +403,9 @@ class PackedInt8BlocksWeight:
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"PackedInt8BlocksWeight: bias must have shape ({self.out_features},), "
                              f"got {tuple(bias.shape)}")
-        self.data = pack_int8_weight(qweight)
-        blocks = self.in_features // BLOCK
-        # What the +128 shift of the activations adds to each block's sum: 128 * the block's sum of q.
-        block_sums = qweight.view(self.out_features, blocks, BLOCK).to(torch.int32).sum(dim=-1) * 128
-        self.compensation = pack_block_columns(block_sums.to(torch.int32))
+        # The panels of pack_int8_weight holding q + 128 as u8 (each byte's top bit flipped): the kernel's
+        # shift to vpdpbusd's unsigned operand is on the weight, so activations need no compensation per column.
+        self.data = pack_int8_weight(qweight).view(torch.uint8).bitwise_xor(0x80).view(torch.int8)
         self.scale = pack_block_columns(scale.float())
         self.bias = None if bias is None else bias.float().contiguous()
         self._product = torch.ops.kvloom.gemm_w8a8_blocks.default
@@ -420,5 +418,5 @@ class PackedInt8BlocksWeight:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype)
-        self._product(out, rows, self.data, self.compensation, self.scale, self.bias)
+        self._product(out, rows, self.data, self.scale, self.bias)
         return out if flat else out.view(*x.shape[:-1], self.out_features)

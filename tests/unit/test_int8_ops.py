@@ -136,8 +136,7 @@ def run_w8a8_blocks(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     m, n = x.shape[0], qweight.shape[0]
     buffer = torch.full((m * n + 64,), 7.0, dtype=x.dtype)
     packed = cpu.PackedInt8BlocksWeight(qweight, scale, bias)
-    torch.ops.kvloom.gemm_w8a8_blocks(buffer[:m * n].view(m, n), x, packed.data, packed.compensation, packed.scale,
-                                      packed.bias, portable)
+    torch.ops.kvloom.gemm_w8a8_blocks(buffer[:m * n].view(m, n), x, packed.data, packed.scale, packed.bias, portable)
     assert (buffer[m * n:] == 7.0).all()
     return buffer[:m * n].view(m, n)
 
@@ -286,11 +285,10 @@ def test_kernels_reject_a_weight_of_another_shape(int8_kernels: None) -> None:
                                    torch.zeros(96, dtype=torch.int32), scale, None)
     blocks = cpu.PackedInt8BlocksWeight(torch.zeros(96, 64, dtype=torch.int8), torch.ones(96, 2), None)
     with pytest.raises(RuntimeError, match="block scales packed"):
-        torch.ops.kvloom.gemm_w8a8_blocks(torch.empty(4, 96), x, blocks.data, blocks.compensation, scale, None)
+        torch.ops.kvloom.gemm_w8a8_blocks(torch.empty(4, 96), x, blocks.data, scale, None)
     narrow = cpu.pack_int8_weight(torch.zeros(96, 40, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="K = 40 must be a multiple of 32"):
-        torch.ops.kvloom.gemm_w8a8_blocks(torch.empty(4, 96), torch.randn(4, 40), narrow, blocks.compensation,
-                                          blocks.scale, None)
+        torch.ops.kvloom.gemm_w8a8_blocks(torch.empty(4, 96), torch.randn(4, 40), narrow, blocks.scale, None)
 
 
 def test_kernels_have_shape_only_versions_for_tracing(int8_kernels: None) -> None:
@@ -306,7 +304,7 @@ def test_kernels_have_shape_only_versions_for_tracing(int8_kernels: None) -> Non
     meta = {name: t.to("meta") for name, t in vars(cpu.PackedInt8BlocksWeight(qweight, scale, None)).items()
             if isinstance(t, torch.Tensor)}
     x = torch.empty(3, 64, dtype=torch.bfloat16, device="meta")
-    torch.ops.kvloom.gemm_w8a8_blocks(y, x, meta["data"], meta["compensation"], meta["scale"], None)
+    torch.ops.kvloom.gemm_w8a8_blocks(y, x, meta["data"], meta["scale"], None)
 
 
 # ---- PackedInt8Weight and the op table ------------------------------------------------------------

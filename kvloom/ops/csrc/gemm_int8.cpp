@@ -13,9 +13,12 @@
 //   int8_linear_reference does. An fp32 x is split into bf16 hi + lo parts (x - hi is exact in fp32
 //   and its bf16 rounding is 2^-17 of x), two dot products per weight vector.
 // - W8A8 on blocks (gemm_w8a8_blocks), for block-scaled weights: x quantized per (row, block of 32 k) as
-//   quantize_per_block does (llama.cpp's vec_dot_q8_0_q8_0), vpdpbusd sums each block exactly into int32,
-//   the block's compensation is taken out and the fp32 sum gains (int32 sum) * x_scale * w_scale with one
-//   FMA per block. Block scales and compensations are packed per panel, [panels][blocks][48].
+//   quantize_per_block does (llama.cpp's vec_dot_q8_0_q8_0), and vpdpbusd sums each block exactly into
+//   int32; then the fp32 sum gains (int32 sum) * x_scale * w_scale, one FMA per block. Here the shift
+//   to u8 is on the weight (packed as q + 128, the same panels with each byte's top bit flipped) and x
+//   stays s8: what the shift adds, 128 * the block's sum of x's codes, is one number per row and block,
+//   so each block's int32 sums start from minus it, and no per-column compensation is streamed with the
+//   weight. Block scales are packed per panel, [panels][blocks][48].
 //
 // The weight is packed once (kvloom/ops/cpu.py, pack_int8_weight) into panels of kPanel = 48 output
 // columns: packed[panel][K/4][48][4] int8, so that one group of 4 k of 16 columns is one 64-byte
@@ -124,9 +127,10 @@ Shapes check_arguments(const char* name, const at::Tensor& y, const at::Tensor& 
 }
 
 // ---- activations ----------------------------------------------------------------------------------
-// One row of x to u8 (q + 128) and its scale, as quantize_per_token: scale = amax / 127 (1 for a zero
-// row), q = round_half_even(x / scale) clamped to +-127. Columns K..Kp-1 get 128 (q = 0). The
-// division is a true fp32 division (not a product with 1 / scale), so q is the reference's integer.
+// One row of x to q + shift (u8 q + 128, or the s8 q itself with shift 0) and its scale, as
+// quantize_per_token: scale = amax / 127 (1 for a zero row), q = round_half_even(x / scale) clamped to
+// +-127. Columns K..Kp-1 get q = 0. The division is a true fp32 division (not a product with 1 / scale),
+// so q is the reference's integer. code_sum (if not null) gets the sum of the q.
 #if defined(CPU_CAPABILITY_AVX512)
 inline __mmask16 lanes(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 
@@ -138,40 +142,48 @@ inline __m512 load_lanes(const c10::BFloat16* p, __mmask16 mask) {
 }
 
 template <typename T>
-float quantize_row_avx512(const T* x, int64_t K, int64_t Kp, uint8_t* q) {
+float quantize_row_avx512(const T* x, int64_t K, int64_t Kp, int32_t shift, uint8_t* q, int32_t* code_sum) {
   __m512 amax = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_lanes(x + k, lanes(K - k))));
   const float row_max = _mm512_reduce_max_ps(amax);
   const float scale = row_max > 0.0f ? row_max / kQmax : 1.0f;
   const __m512 vscale = _mm512_set1_ps(scale), hi = _mm512_set1_ps(kQmax), lo = _mm512_set1_ps(-kQmax);
-  const __m512i shift = _mm512_set1_epi32(kShift);
+  const __m512i vshift = _mm512_set1_epi32(shift);
+  __m512i sums = _mm512_setzero_si512();
   for (int64_t k = 0; k < Kp; k += 16) {
     const __m512 v = load_lanes(x + k, k < K ? lanes(K - k) : __mmask16(0));  // zeros past K
     const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, vscale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512i i = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r))), shift);
-    _mm512_mask_cvtepi32_storeu_epi8(q + k, lanes(Kp - k), i);
+    const __m512i i = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r)));
+    sums = _mm512_add_epi32(sums, i);
+    _mm512_mask_cvtepi32_storeu_epi8(q + k, lanes(Kp - k), _mm512_add_epi32(i, vshift));
   }
+  if (code_sum) *code_sum = _mm512_reduce_add_epi32(sums);
   return scale;
 }
 #endif
 
 template <typename T>
-float quantize_row_portable(const T* x, int64_t K, int64_t Kp, uint8_t* q) {
+float quantize_row_portable(const T* x, int64_t K, int64_t Kp, int32_t shift, uint8_t* q, int32_t* code_sum) {
   float amax = 0.0f;
   for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[k])));
   const float scale = amax > 0.0f ? amax / kQmax : 1.0f;
+  int32_t sum = 0;
   for (int64_t k = 0; k < K; ++k) {
     const float r = std::min(kQmax, std::max(-kQmax, std::nearbyint(static_cast<float>(x[k]) / scale)));
-    q[k] = static_cast<uint8_t>(static_cast<int32_t>(r) + kShift);
+    sum += static_cast<int32_t>(r);
+    q[k] = static_cast<uint8_t>(static_cast<int32_t>(r) + shift);
   }
-  for (int64_t k = K; k < Kp; ++k) q[k] = kShift;
+  for (int64_t k = K; k < Kp; ++k) q[k] = static_cast<uint8_t>(shift);
+  if (code_sum) *code_sum = sum;
   return scale;
 }
 
-// Every row of x to u8 rows of Kp = 4 * groups bytes. block == 0: one scale per row (scales[m]);
-// otherwise one per block of `block` k (K a multiple of it, so Kp = K): scales[m * K / block + b].
+// Every row of x to rows of Kp = 4 * groups bytes of q + shift. block == 0: one scale per row
+// (scales[m]); otherwise one per block of `block` k (K a multiple of it, so Kp = K): scales[m * K / block
+// + b], and code_sums (if not null) the same places' sums of q.
 template <typename T>
-void quantize_rows(const at::Tensor& x, const Shapes& s, int64_t block, uint8_t* q, float* scales, bool portable) {
+void quantize_rows(const at::Tensor& x, const Shapes& s, int64_t block, int32_t shift, uint8_t* q, float* scales,
+                   int32_t* code_sums, bool portable) {
   const T* xs = x.data_ptr<T>();
   const int64_t ldx = x.stride(0), Kp = s.groups * kGroup;
   const int64_t width = block ? block : s.K, padded = block ? block : Kp, per_row = s.K / width;
@@ -183,13 +195,14 @@ void quantize_rows(const at::Tensor& x, const Shapes& s, int64_t block, uint8_t*
       for (int64_t b = 0; b < per_row; ++b) {
         const T* xr = xs + m * ldx + b * width;
         uint8_t* qr = q + m * Kp + b * padded;
+        int32_t* sum = code_sums ? code_sums + m * per_row + b : nullptr;
 #if defined(CPU_CAPABILITY_AVX512)
         if (!portable) {
-          scales[m * per_row + b] = quantize_row_avx512(xr, width, padded, qr);
+          scales[m * per_row + b] = quantize_row_avx512(xr, width, padded, shift, qr, sum);
           continue;
         }
 #endif
-        scales[m * per_row + b] = quantize_row_portable(xr, width, padded, qr);
+        scales[m * per_row + b] = quantize_row_portable(xr, width, padded, shift, qr, sum);
       }
     }
   });
@@ -291,7 +304,7 @@ void w8a8_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, co
   const int64_t Kp = s.groups * kGroup;
   std::vector<uint8_t> xq(s.M * Kp);
   std::vector<float> x_scale(s.M);
-  quantize_rows<T>(x, s, 0, xq.data(), x_scale.data(), portable);
+  quantize_rows<T>(x, s, 0, kShift, xq.data(), x_scale.data(), nullptr, portable);
   const auto* ws = packed.data_ptr<int8_t>();
   T* ys = y.data_ptr<T>();
   const int64_t panel_size = s.groups * kGroupBytes;
@@ -489,13 +502,13 @@ void gemm_int8_weight_only(at::Tensor y, at::Tensor x, at::Tensor packed, at::Te
 }
 
 // ---- W8A8 on blocks -------------------------------------------------------------------------------
-// xq: u8 rows of K bytes; x_scale: the rows' block scales (ldxs = blocks a row); compensation and
-// w_scale: the panel's [blocks][48] (zero past the real columns), compensation[b][c] = 128 * the
-// block's sum of q[n0 + c, k].
+// xq: s8 rows of K codes; x_scale, x_sum: the rows' block scales and sums of codes (ldxs = blocks a
+// row); panel: the weight as u8 (q + 128) in pack_int8_weight's layout; w_scale: the panel's
+// [blocks][48] (zero past the real columns).
 #if defined(KVLOOM_VNNI_DOT)
 template <int R, typename T>
-inline void w8a8_blocks_kernel(const uint8_t* xq, int64_t ldq, const float* x_scale, int64_t ldxs,
-                               const int8_t* panel, int64_t blocks, const int32_t* compensation, const float* w_scale,
+inline void w8a8_blocks_kernel(const int8_t* xq, int64_t ldq, const float* x_scale, const int32_t* x_sum,
+                               int64_t ldxs, const uint8_t* panel, int64_t blocks, const float* w_scale,
                                const float* bias, T* y, int64_t ldy, int64_t columns) {
   __m512 acc[R][kPanelVecs];
   KVLOOM_UNROLL
@@ -505,10 +518,12 @@ inline void w8a8_blocks_kernel(const uint8_t* xq, int64_t ldq, const float* x_sc
   for (int64_t b = 0; b < blocks; ++b) {
     __m512i sums[R][kPanelVecs];
     KVLOOM_UNROLL
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+      const __m512i start = _mm512_set1_epi32(-kShift * x_sum[r * ldxs + b]);  // takes the weight's shift out
       KVLOOM_UNROLL
-      for (int v = 0; v < kPanelVecs; ++v) sums[r][v] = _mm512_setzero_si512();
-    const int8_t* wb = panel + b * kGroupsPerBlock * kGroupBytes;
+      for (int v = 0; v < kPanelVecs; ++v) sums[r][v] = start;
+    }
+    const uint8_t* wb = panel + b * kGroupsPerBlock * kGroupBytes;
     KVLOOM_UNROLL
     for (int64_t j = 0; j < kGroupsPerBlock; ++j) {
       __m512i wv[kPanelVecs];
@@ -520,17 +535,16 @@ inline void w8a8_blocks_kernel(const uint8_t* xq, int64_t ldq, const float* x_sc
         std::memcpy(&word, xq + r * ldq + (b * kGroupsPerBlock + j) * kGroup, sizeof(word));
         const __m512i xv = _mm512_set1_epi32(word);
         KVLOOM_UNROLL
-        for (int v = 0; v < kPanelVecs; ++v) sums[r][v] = _mm512_dpbusd_epi32(sums[r][v], xv, wv[v]);
+        for (int v = 0; v < kPanelVecs; ++v) sums[r][v] = _mm512_dpbusd_epi32(sums[r][v], wv[v], xv);
       }
     }
     KVLOOM_UNROLL
     for (int v = 0; v < kPanelVecs; ++v) {
-      const __m512i comp = _mm512_loadu_si512(compensation + b * kPanel + v * 16);
       const __m512 ws = _mm512_loadu_ps(w_scale + b * kPanel + v * 16);
       KVLOOM_UNROLL
       for (int r = 0; r < R; ++r) {
         const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(x_scale[r * ldxs + b]));
-        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r][v], comp)), s, acc[r][v]);
+        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][v]), s, acc[r][v]);
       }
     }
   }
@@ -546,8 +560,8 @@ inline void w8a8_blocks_kernel(const uint8_t* xq, int64_t ldq, const float* x_sc
 }
 
 template <typename T>
-using W8A8BlocksKernel = void (*)(const uint8_t*, int64_t, const float*, int64_t, const int8_t*, int64_t,
-                                  const int32_t*, const float*, const float*, T*, int64_t, int64_t);
+using W8A8BlocksKernel = void (*)(const int8_t*, int64_t, const float*, const int32_t*, int64_t, const uint8_t*,
+                                  int64_t, const float*, const float*, T*, int64_t, int64_t);
 
 template <typename T>
 constexpr W8A8BlocksKernel<T> kW8A8BlocksKernels[kRowsBlocks + 1] = {
@@ -557,23 +571,23 @@ constexpr W8A8BlocksKernel<T> kW8A8BlocksKernels[kRowsBlocks + 1] = {
 
 // The same integers and the same fp32 operations in the same order (bit for bit).
 template <typename T>
-void w8a8_blocks_portable_panel(const uint8_t* xq, int64_t ldq, const float* x_scale, int64_t ldxs,
-                                const int8_t* panel, int64_t blocks, const int32_t* compensation,
-                                const float* w_scale, const float* bias, T* y, int64_t ldy, int64_t rows,
-                                int64_t columns) {
+void w8a8_blocks_portable_panel(const int8_t* xq, int64_t ldq, const float* x_scale, const int32_t* x_sum,
+                                int64_t ldxs, const uint8_t* panel, int64_t blocks, const float* w_scale,
+                                const float* bias, T* y, int64_t ldy, int64_t rows, int64_t columns) {
   for (int64_t r = 0; r < rows; ++r) {
     float acc[kPanel] = {};
-    const uint8_t* xr = xq + r * ldq;
+    const int8_t* xr = xq + r * ldq;
     for (int64_t b = 0; b < blocks; ++b) {
-      int32_t sums[kPanel] = {};
+      int32_t sums[kPanel];
+      std::fill(sums, sums + kPanel, -kShift * x_sum[r * ldxs + b]);
       for (int64_t g = b * kGroupsPerBlock; g < (b + 1) * kGroupsPerBlock; ++g) {
-        const int8_t* w = panel + g * kGroupBytes;
+        const uint8_t* w = panel + g * kGroupBytes;
         for (int64_t c = 0; c < kPanel; ++c)
-          for (int64_t i = 0; i < kGroup; ++i) sums[c] += int32_t(xr[g * kGroup + i]) * int32_t(w[c * kGroup + i]);
+          for (int64_t i = 0; i < kGroup; ++i) sums[c] += int32_t(w[c * kGroup + i]) * int32_t(xr[g * kGroup + i]);
       }
       for (int64_t c = 0; c < kPanel; ++c) {
         const float s = w_scale[b * kPanel + c] * x_scale[r * ldxs + b];
-        acc[c] = std::fma(static_cast<float>(sums[c] - compensation[b * kPanel + c]), s, acc[c]);
+        acc[c] = std::fma(static_cast<float>(sums[c]), s, acc[c]);
       }
     }
     for (int64_t c = 0; c < columns; ++c) y[r * ldy + c] = static_cast<T>(acc[c] + (bias ? bias[c] : 0.0f));
@@ -581,13 +595,14 @@ void w8a8_blocks_portable_panel(const uint8_t* xq, int64_t ldq, const float* x_s
 }
 
 template <typename T>
-void w8a8_blocks_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const int32_t* compensation,
-                       const float* w_scale, const float* bias, const Shapes& s, bool portable) {
+void w8a8_blocks_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const float* w_scale,
+                       const float* bias, const Shapes& s, bool portable) {
   const int64_t blocks = s.K / kBlock;
-  std::vector<uint8_t> xq(s.M * s.K);
+  std::vector<int8_t> xq(s.M * s.K);
   std::vector<float> x_scale(s.M * blocks);
-  quantize_rows<T>(x, s, kBlock, xq.data(), x_scale.data(), portable);
-  const auto* ws = packed.data_ptr<int8_t>();
+  std::vector<int32_t> x_sum(s.M * blocks);
+  quantize_rows<T>(x, s, kBlock, 0, reinterpret_cast<uint8_t*>(xq.data()), x_scale.data(), x_sum.data(), portable);
+  const auto* ws = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
   T* ys = y.data_ptr<T>();
   const int64_t panel_size = s.groups * kGroupBytes, scales_size = blocks * kPanel;
 #if defined(KVLOOM_VNNI_DOT)
@@ -597,36 +612,32 @@ void w8a8_blocks_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
 #endif
   for_each_panel(s, fast ? kRowsBlocks : kRowChunk, [&](int64_t m, int64_t rows, int64_t panel, int64_t n0,
                                                         int64_t columns) {
-    const int8_t* wp = ws + panel * panel_size;
-    const int32_t* cp = compensation + panel * scales_size;
+    const uint8_t* wp = ws + panel * panel_size;
     const float* sp = w_scale + panel * scales_size;
     const float* bp = bias ? bias + n0 : nullptr;
 #if defined(KVLOOM_VNNI_DOT)
     if (fast) {
-      kW8A8BlocksKernels<T>[rows](xq.data() + m * s.K, s.K, x_scale.data() + m * blocks, blocks, wp, blocks, cp,
-                                  sp, bp, ys + m * s.N + n0, s.N, columns);
+      kW8A8BlocksKernels<T>[rows](xq.data() + m * s.K, s.K, x_scale.data() + m * blocks, x_sum.data() + m * blocks,
+                                  blocks, wp, blocks, sp, bp, ys + m * s.N + n0, s.N, columns);
       return;
     }
 #endif
-    w8a8_blocks_portable_panel(xq.data() + m * s.K, s.K, x_scale.data() + m * blocks, blocks, wp, blocks, cp, sp,
-                               bp, ys + m * s.N + n0, s.N, rows, columns);
+    w8a8_blocks_portable_panel(xq.data() + m * s.K, s.K, x_scale.data() + m * blocks, x_sum.data() + m * blocks,
+                               blocks, wp, blocks, sp, bp, ys + m * s.N + n0, s.N, rows, columns);
   });
 }
 
 // y = the W8A8 product on blocks (+ bias). x: [M, K] float32 or bfloat16 (K a multiple of 32), rows
-// contiguous; packed: pack_int8_weight's [N, K] layout; compensation (int32) and scale (float32): the
-// blocks' packed [panels, K / 32, 48]; bias: float32 [N]; y: [M, N] in x's dtype.
-void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor compensation, at::Tensor scale,
-                      c10::optional<at::Tensor> bias, bool portable) {
+// contiguous; packed: pack_int8_weight's [N, K] layout of q + 128 (int8 storage of the u8 bits);
+// scale: float32 block scales packed [panels, K / 32, 48]; bias: float32 [N]; y: [M, N] in x's dtype.
+void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
+                      bool portable) {
   const float* bs;
   const Shapes s = check_arguments("gemm_w8a8_blocks", y, x, packed, scale, true, bias, &bs);
-  TORCH_CHECK(compensation.scalar_type() == at::kInt && compensation.is_contiguous() &&
-                  compensation.numel() == scale.numel(),
-              "gemm_w8a8_blocks: compensation must be a contiguous int32 of the block scales' packed shape");
   if (s.M == 0 || s.N == 0) return;
   dispatch_float(x, "gemm_w8a8_blocks", [&](auto tag) {
     using T = decltype(tag);
-    w8a8_blocks_typed<T>(y, x, packed, compensation.data_ptr<int32_t>(), scale.data_ptr<float>(), bs, s, portable);
+    w8a8_blocks_typed<T>(y, x, packed, scale.data_ptr<float>(), bs, s, portable);
   });
 }
 
@@ -650,8 +661,8 @@ TORCH_LIBRARY_FRAGMENT(kvloom, m) {
         "bool portable=False) -> ()");
   m.def("gemm_int8_weight_only(Tensor(a!) y, Tensor x, Tensor packed, Tensor scale, Tensor? bias, "
         "bool portable=False) -> ()");
-  m.def("gemm_w8a8_blocks(Tensor(a!) y, Tensor x, Tensor packed, Tensor compensation, Tensor scale, Tensor? bias, "
-        "bool portable=False) -> ()");
+  m.def("gemm_w8a8_blocks(Tensor(a!) y, Tensor x, Tensor packed, Tensor scale, Tensor? bias, bool portable=False) "
+        "-> ()");
   m.def("int8_gemm_kernels() -> int", &int8_gemm_kernels);
 }
 
