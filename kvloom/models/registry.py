@@ -13,7 +13,7 @@ from kvloom.layers.smoothing import CALIBRATION_ID, calibrate, calibration_text,
 from kvloom.loader import gguf, quantized_checkpoint
 from kvloom.loader.model_config import ModelConfig
 from kvloom.loader.tokenizer import load_tokenizer
-from kvloom.loader.weights import iter_weights
+from kvloom.loader.weights import ModelSource, iter_weights
 from kvloom.models.llama import LlamaForCausalLM, MistralForCausalLM
 from kvloom.ops.table import Ops
 
@@ -53,7 +53,7 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
         return
     lm_head = engine.backend.quantize_lm_head
     alpha = smoothing_alpha(engine.backend, config.device)
-    keep_q8_0 = keeps_q8_0_blocks(config)
+    keep_q8_0 = keeps_q8_0_blocks(config.source, engine.backend)
     if keep_q8_0 and alpha is not None:
         chosen = alpha != type(engine.backend).int8_smoothing_alpha  # set by hand: WARNING; the default: INFO
         logger.log(logging.WARNING if chosen else logging.INFO,
@@ -85,11 +85,10 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
         quantized_checkpoint.save(path, int8_state(model), fingerprint)
 
 
-def keeps_q8_0_blocks(config: ResolvedConfig) -> bool:
+def keeps_q8_0_blocks(source: ModelSource, backend: BackendConfig) -> bool:
     """Whether an int8 load keeps the GGUF's Q8_0 projections as their int8 codes and block scales: a GGUF
     with Q8_0 projection weights, int8 activations (the blocks' product quantizes them per block) and
     ``int8_gguf_blocks`` on."""
-    backend: BackendConfig = config.engine.backend
-    if config.source.kind != "gguf" or not backend.int8_activations or not backend.int8_gguf_blocks:
+    if source.kind != "gguf" or not backend.int8_activations or not backend.int8_gguf_blocks:
         return False
-    return any(name.endswith(LINEAR_WEIGHTS) for name in gguf.q8_0_weight_names(config.source.path))
+    return any(name.endswith(LINEAR_WEIGHTS) for name in gguf.q8_0_weight_names(source.path))
