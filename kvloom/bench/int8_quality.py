@@ -167,8 +167,8 @@ def measure(model: str, quantization: str | None, max_tokens: int, ppl_tokens: i
             lm_head: bool, activations: str | None = None, smoothing_alpha: str | None = None,
             gguf_blocks: str | None = None) -> dict[str, Any]:
     from kvloom import LLM
+    from kvloom.layers.quantization import keeps_q8_0_blocks
     from kvloom.loader.weights import resolve_model
-    from kvloom.models.registry import keeps_q8_0_blocks
 
     overrides = int8_backend(lm_head, activations, smoothing_alpha, gguf_blocks) if quantization else None
     start = time.perf_counter()

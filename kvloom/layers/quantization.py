@@ -16,13 +16,19 @@ times its block scales (exact in fp32), and is re-scaled per row from those.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvloom.layers.embedding import LMHead, VocabEmbedding
 from kvloom.layers.linear import Linear
+from kvloom.loader import gguf
 from kvloom.ops.int8 import Int8Blocks, Int8Rows
+
+if TYPE_CHECKING:
+    from kvloom.config import BackendConfig
+    from kvloom.loader.weights import ModelSource
 
 # HF names of the projections that int8 storage covers (the LM head and the embedding are an option).
 LINEAR_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
@@ -107,3 +113,12 @@ def load_int8_state(model: nn.Module, state: dict[str, torch.Tensor], lm_head: b
         raise ValueError(f"quantized checkpoint has {len(remaining)} tensor(s) this model does not, "
                          f"e.g. {sorted(remaining)[:3]}")
     finish_int8(model, lm_head)
+
+
+def keeps_q8_0_blocks(source: ModelSource, backend: BackendConfig) -> bool:
+    """Whether an int8 load keeps the GGUF's Q8_0 projections as their int8 codes and block scales: a GGUF
+    with Q8_0 projection weights, int8 activations (the blocks' product quantizes them per block) and
+    ``int8_gguf_blocks`` on."""
+    if source.kind != "gguf" or not backend.int8_activations or not backend.int8_gguf_blocks:
+        return False
+    return any(name.endswith(LINEAR_WEIGHTS) for name in gguf.q8_0_weight_names(source.path))

@@ -8,17 +8,17 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from kvloom.layers.quantization import LINEAR_WEIGHTS, finish_int8, int8_state, load_int8_state, quantize_as_read
+from kvloom.layers.quantization import finish_int8, int8_state, keeps_q8_0_blocks, load_int8_state, quantize_as_read
 from kvloom.layers.smoothing import CALIBRATION_ID, calibrate, calibration_text, smooth_as_read, smoothing_alpha
-from kvloom.loader import gguf, quantized_checkpoint
+from kvloom.loader import quantized_checkpoint
 from kvloom.loader.model_config import ModelConfig
 from kvloom.loader.tokenizer import load_tokenizer
-from kvloom.loader.weights import ModelSource, iter_weights
+from kvloom.loader.weights import iter_weights
 from kvloom.models.llama import LlamaForCausalLM, MistralForCausalLM
 from kvloom.ops.table import Ops
 
 if TYPE_CHECKING:
-    from kvloom.config import BackendConfig, ResolvedConfig
+    from kvloom.config import ResolvedConfig
 
 logger = logging.getLogger("kvloom")
 
@@ -83,12 +83,3 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
     finish_int8(model, lm_head)
     if path is not None:
         quantized_checkpoint.save(path, int8_state(model), fingerprint)
-
-
-def keeps_q8_0_blocks(source: ModelSource, backend: BackendConfig) -> bool:
-    """Whether an int8 load keeps the GGUF's Q8_0 projections as their int8 codes and block scales: a GGUF
-    with Q8_0 projection weights, int8 activations (the blocks' product quantizes them per block) and
-    ``int8_gguf_blocks`` on."""
-    if source.kind != "gguf" or not backend.int8_activations or not backend.int8_gguf_blocks:
-        return False
-    return any(name.endswith(LINEAR_WEIGHTS) for name in gguf.q8_0_weight_names(source.path))

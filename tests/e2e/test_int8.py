@@ -541,8 +541,21 @@ def test_row_parallel_split_must_keep_whole_blocks() -> None:
 
     linear = Linear(64, [8])
     linear.load_shard("weight", 0, int8.Int8Blocks(*int8.quantize_per_block(torch.randn(8, 64))))
-    with pytest.raises(ValueError, match="gives each rank 16 of a layer's 64 inputs, which cuts its Q8_0 blocks"):
+    with pytest.raises(ValueError, match=r"gives each rank 16 of the layer's inputs \(64\), which cuts the GGUF's "
+                                         r"Q8_0 blocks of 32"):
         _shard_rows_in(linear, 0, 4, None)
+
+
+def test_tensor_parallel_that_would_cut_q8_0_blocks_is_refused_before_any_process_starts() -> None:
+    from kvloom.layers.tensor_parallel import validate_tensor_parallel
+    from kvloom.loader.model_config import ModelConfig
+
+    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 96,
+                                       "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                       "num_key_value_heads": 2}, "config.json")
+    validate_tensor_parallel(config, 2, torch.device("cpu"))  # per-row int8 or float: fine
+    with pytest.raises(ValueError, match=r"each rank 48 of the attention output \(o_proj\) inputs \(96\)"):
+        validate_tensor_parallel(config, 2, torch.device("cpu"), int8_blocks=True)
 
 
 def test_a_fused_layer_of_rows_and_blocks_holds_blocks_exactly() -> None:
