@@ -277,6 +277,8 @@ def test_tensor_parallel_int8_equals_one_rank(tiny_llama_dir) -> None:
      r"int8_smoothing_alpha must be a number in \[0, 1\]"),
     ({"quantization": "int8", "override_backend_config": {"int8_activations": True, "int8_smoothing_alpha": "a"}},
      "int8_smoothing_alpha must be a number"),
+    ({"quantization": "int8", "override_backend_config": {"int8_gguf_blocks": "yes"}},
+     "int8_gguf_blocks must be true or false"),
 ])
 def test_bad_quantization_settings_are_named(tiny_llama_dir, kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
