@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/int8_micro.py                 # batches 1, 8, 64, 256, 2048
     .venv/bin/python benchmarks/int8_micro.py --rows 1 64 --repeats 41
 
-Per shape and batch: the bf16 packed GEMM (csrc/gemm.cpp), the int8 W8A8 product and the int8
-weight-only product, timed in turn within each repeat (so a burst of load from elsewhere hits all
-three alike), with the weight hot in cache: median microseconds, the spread (25th-75th percentile,
+Per shape and batch: the bf16 packed GEMM (csrc/gemm.cpp), the int8 W8A8 product, the int8
+weight-only product and the W8A8 product on Q8_0 blocks (scales per 32 k, activations quantized per
+block), timed in turn within each repeat (so a burst of load from elsewhere hits all four alike), with
+the weight hot in cache: median microseconds, the spread (25th-75th percentile,
 in % of the median) and each int8 product's speed-up over bf16. Then gemm_micro's model-like pass:
 30 layers' worth of distinct weights (more than the L3 holds), as a decode step streams them.
 Activations are bf16 (the model's dtype on the CPU); run it on a quiet machine.
@@ -20,8 +21,8 @@ from collections.abc import Callable
 import torch
 from gemm_micro import HEAD_SHAPE, LAYER_SHAPES, run_all
 
-from kvloom.ops.cpu import PackedInt8Weight, PackedWeight, int8_kernels_available, linear_format
-from kvloom.ops.int8 import quantize_per_channel
+from kvloom.ops.cpu import PackedInt8BlocksWeight, PackedInt8Weight, PackedWeight, int8_kernels_available, linear_format
+from kvloom.ops.int8 import quantize_per_block, quantize_per_channel
 
 NEVER = 1 << 62  # w8a8_min_rows that keeps a PackedInt8Weight on the weight-only product
 
@@ -48,20 +49,22 @@ def summary(samples: list[float]) -> tuple[float, float]:
 
 
 def products(weight: torch.Tensor, rows: int) -> list[object]:
-    """bf16 packed GEMM, int8 W8A8, int8 weight-only, for one bf16 [N, K] weight."""
+    """bf16 packed GEMM, int8 W8A8, int8 weight-only, W8A8 on Q8_0 blocks, for one bf16 [N, K] weight."""
     qweight, scale = quantize_per_channel(weight)
     return [PackedWeight(weight, None, "kvloom", rows), PackedInt8Weight(qweight, scale, None, w8a8_min_rows=0),
-            PackedInt8Weight(qweight, scale, None, w8a8_min_rows=NEVER)]
+            PackedInt8Weight(qweight, scale, None, w8a8_min_rows=NEVER),
+            PackedInt8BlocksWeight(*quantize_per_block(weight), None)]
 
 
-NAMES = ("bf16", "w8a8", "w-only")
+NAMES = ("bf16", "w8a8", "w-only", "blocks")
 
 
 def report(label: str, times: list[list[float]]) -> str:
     """One line: each product's median and spread, and the int8 ones' speed-up over bf16."""
     medians = [summary(t) for t in times]
     cells = " | ".join(f"{name} {m * 1e6:8.0f} us [{spread * 100:3.0f}%]" for name, (m, spread) in zip(NAMES, medians))
-    return f"{label}: {cells} | w8a8 x{medians[0][0] / medians[1][0]:.2f} w-only x{medians[0][0] / medians[2][0]:.2f}"
+    ratios = " ".join(f"{name} x{medians[0][0] / m:.2f}" for name, (m, _) in zip(NAMES[1:], medians[1:]))
+    return f"{label}: {cells} | {ratios}"
 
 
 def main() -> int:
@@ -82,14 +85,14 @@ def main() -> int:
             x = torch.randn(rows, k, dtype=torch.bfloat16)
             fns = products(torch.randn(n, k, dtype=torch.bfloat16), rows)
             repeats = args.repeats or (7 if rows * n > 10_000_000 else 31)
-            print(report(f"M={rows:5d} K={k:5d} N={n:6d}", alternated_seconds(fns, [x] * 3, repeats)))
+            print(report(f"M={rows:5d} K={k:5d} N={n:6d}", alternated_seconds(fns, [x] * len(fns), repeats)))
         weights = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(args.layers) for k, n in LAYER_SHAPES]
         inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k, _ in LAYER_SHAPES}
-        model = [[], [], []]
+        model: list[list[object]] = [[] for _ in NAMES]
         for weight in weights:
             for i, p in enumerate(products(weight, rows)):
                 model[i].append(p)
-        times = alternated_seconds([run_all] * 3, [(packed, inputs) for packed in model], 7)
+        times = alternated_seconds([run_all] * len(NAMES), [(packed, inputs) for packed in model], 7)
         print(report(f"M={rows:5d} {args.layers} layers of distinct weights", times))
     return 0
 

@@ -63,8 +63,14 @@ class BackendConfig:
     int8_activations: bool = True
     # With int8 activations on the CPU: SmoothQuant's migration strength alpha in [0, 1] (None: no smoothing).
     # Per input channel s = max|X|^alpha / max|W|^(1 - alpha), calibrated at quantize time and folded into
-    # the weights (kvloom/layers/smoothing.py). Unused without int8_activations or off the CPU.
+    # the weights (kvloom/layers/smoothing.py). Unused without int8_activations or off the CPU, and skipped
+    # (with a log line) when a GGUF's Q8_0 blocks are kept (below): their product needs no smoothing.
     int8_smoothing_alpha: float | None = 0.65
+    # With int8 weights and int8 activations: a GGUF's Q8_0 projections keep their own int8 codes and block
+    # scales (one per 32 inputs, no re-quantization), multiplied by activations quantized per (token, block)
+    # as llama.cpp does; smoothing is then skipped. False: Q8_0 weights are re-quantized per row (and
+    # smoothed) like any other. (CUDA has no block kernel: there the blocks become per-row int8 at load.)
+    int8_gguf_blocks: bool = True
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any] | str | None) -> BackendConfig:
@@ -114,7 +120,7 @@ class BackendConfig:
         if self.compiled_artifacts is not None and not isinstance(self.compiled_artifacts, str):
             raise ValueError(f"override_backend_config: compiled_artifacts must be a folder path, "
                              f"got {self.compiled_artifacts!r}")
-        for name in ("quantized", "quantize_lm_head", "int8_activations"):
+        for name in ("quantized", "quantize_lm_head", "int8_activations", "int8_gguf_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"override_backend_config: {name} must be true or false, got {getattr(self, name)!r}")
         alpha = self.int8_smoothing_alpha

@@ -1,7 +1,7 @@
 """int8 against bf16 on the default model: greedy agreement on real chat prompts, and perplexity.
 
     .venv/bin/python benchmarks/int8_quality.py [--model SmolLM2-135M-Instruct] [--json out.json]
-        [--int8-activations on|off] [--smoothing-alpha 0.65|none]
+        [--int8-activations on|off] [--smoothing-alpha 0.65|none] [--gguf-blocks on|off]
 
 - Greedy: 32 chat prompts (below, written for this test) through the chat template, 32 new tokens each
   at temperature 0, once with bf16 weights and once with int8; reported: the share of prompts whose
@@ -12,7 +12,8 @@
   ``--window`` tokens through prompt logprobs; reported: both perplexities and their ratio.
 - The int8 model has the engine's default settings unless told: ``--int8-activations off`` for
   weight-only products (``on``: W8A8 for batches of 2+ rows on the CPU, which every measurement here
-  is), ``--smoothing-alpha`` for SmoothQuant's alpha (``none``: no smoothing; kvloom/layers/smoothing.py).
+  is), ``--smoothing-alpha`` for SmoothQuant's alpha (``none``: no smoothing; kvloom/layers/smoothing.py),
+  ``--gguf-blocks off`` to re-quantize a GGUF's Q8_0 weights per row rather than keep their blocks.
 - Memory: the bytes of the weights each model holds (parameters, int8 buffers and packed copies), and
   the resident memory of a fresh process after loading each (VmRSS; VmHWM is the peak during the load).
 """
@@ -148,11 +149,13 @@ def process_memory(model: str, quantization: str | None, backend: dict[str, Any]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def int8_backend(lm_head: bool, activations: str | None = None, smoothing_alpha: str | None = None
-                 ) -> dict[str, Any]:
-    """override_backend_config of an int8 model: the head, and W8A8 ("on" / "off") and smoothing's alpha
-    (a number or "none") where given (else the engine's defaults)."""
+def int8_backend(lm_head: bool, activations: str | None = None, smoothing_alpha: str | None = None,
+                 gguf_blocks: str | None = None) -> dict[str, Any]:
+    """override_backend_config of an int8 model: the head, and W8A8 ("on" / "off"), smoothing's alpha
+    (a number or "none") and keeping Q8_0 blocks ("on" / "off") where given (else the engine's defaults)."""
     backend: dict[str, Any] = {"quantize_lm_head": lm_head}
+    if gguf_blocks is not None:
+        backend["int8_gguf_blocks"] = gguf_blocks == "on"
     if activations is not None:
         backend["int8_activations"] = activations == "on"
     if smoothing_alpha is not None:
@@ -161,19 +164,24 @@ def int8_backend(lm_head: bool, activations: str | None = None, smoothing_alpha:
 
 
 def measure(model: str, quantization: str | None, max_tokens: int, ppl_tokens: int, window: int,
-            lm_head: bool, activations: str | None = None, smoothing_alpha: str | None = None) -> dict[str, Any]:
+            lm_head: bool, activations: str | None = None, smoothing_alpha: str | None = None,
+            gguf_blocks: str | None = None) -> dict[str, Any]:
     from kvloom import LLM
+    from kvloom.layers.quantization import keeps_q8_0_blocks
+    from kvloom.loader.weights import resolve_model
 
-    overrides = int8_backend(lm_head, activations, smoothing_alpha) if quantization else None
+    overrides = int8_backend(lm_head, activations, smoothing_alpha, gguf_blocks) if quantization else None
     start = time.perf_counter()
     llm = LLM(model=model, dtype="bfloat16", quantization=quantization, max_model_len=max(window + 1, 256),
               override_backend_config=overrides)
     load_s = time.perf_counter() - start
     text_ids = llm.get_tokenizer().encode(reference_text())[:ppl_tokens]
     backend = llm.llm_engine.config.backend
+    blocks = bool(quantization) and keeps_q8_0_blocks(resolve_model(model), backend)
     result = {"quantization": quantization or "bf16", "load_s": round(load_s, 2),
-              "int8_activations": bool(quantization) and backend.int8_activations,
-              "smoothing_alpha": backend.int8_smoothing_alpha if quantization and backend.int8_activations else None,
+              "int8_activations": bool(quantization) and backend.int8_activations, "q8_0_blocks": blocks,
+              "smoothing_alpha": (backend.int8_smoothing_alpha if quantization and backend.int8_activations
+                                  and not blocks else None),
               "weight_bytes": weight_bytes(llm), "tokens": greedy_tokens(llm, max_tokens),
               "perplexity": perplexity(llm, text_ids, window), "ppl_tokens": len(text_ids)}
     llm.llm_engine.shutdown()
@@ -208,18 +216,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantize-lm-head", action="store_true", help="int8 embedding and LM head too")
     parser.add_argument("--int8-activations", choices=("on", "off"), help="W8A8 (on) or weight-only (off)")
     parser.add_argument("--smoothing-alpha", help="with W8A8: SmoothQuant's alpha, or none")
+    parser.add_argument("--gguf-blocks", choices=("on", "off"), help="keep a GGUF's Q8_0 blocks (on: the default)")
     parser.add_argument("--json", help="write the result here")
     parser.add_argument("--no-rss", action="store_true", help="skip the fresh-process memory measurement")
     args = parser.parse_args(argv)
     bf16 = measure(args.model, None, args.max_tokens, args.ppl_tokens, args.window, False)
     int8 = measure(args.model, "int8", args.max_tokens, args.ppl_tokens, args.window, args.quantize_lm_head,
-                   args.int8_activations, args.smoothing_alpha)
+                   args.int8_activations, args.smoothing_alpha, args.gguf_blocks)
     result = {"model": args.model, "quantize_lm_head": args.quantize_lm_head,
-              "int8_activations": int8["int8_activations"], "smoothing_alpha": int8["smoothing_alpha"],
+              "int8_activations": int8["int8_activations"], "q8_0_blocks": int8["q8_0_blocks"],
+              "smoothing_alpha": int8["smoothing_alpha"],
               **compare(bf16, int8, args.max_tokens)}
     if not args.no_rss:
         for name, quantization in (("bf16", None), ("int8", "int8")):
-            backend = int8_backend(args.quantize_lm_head, args.int8_activations, args.smoothing_alpha)
+            backend = int8_backend(args.quantize_lm_head, args.int8_activations, args.smoothing_alpha,
+                                   args.gguf_blocks)
             memory = process_memory(args.model, quantization, backend)
             result[f"rss_{name}"], result[f"peak_rss_{name}"] = memory["VmRSS"], memory["VmHWM"]
         result["rss_ratio"] = round(result["rss_int8"] / result["rss_bf16"], 4)

@@ -50,6 +50,7 @@ import torch.multiprocessing as mp
 
 from kvloom.config import ResolvedConfig
 from kvloom.executor.base import LockstepExecutor
+from kvloom.layers.quantization import keeps_q8_0_blocks
 from kvloom.layers.tensor_parallel import ProcessGroupLike, validate_tensor_parallel
 from kvloom.worker.model_runner import ModelInputs, ModelRunner
 
@@ -331,7 +332,8 @@ class MultiprocExecutor(LockstepExecutor):
     def __init__(self, config: ResolvedConfig) -> None:
         world_size = config.engine.tensor_parallel_size
         device = config.device
-        validate_tensor_parallel(config.model, world_size, device)
+        validate_tensor_parallel(config.model, world_size, device, int8_blocks=config.engine.quantization is not None
+                                 and keeps_q8_0_blocks(config.source, config.engine.backend))
         self.world_size = world_size
         backend = "nccl" if device.type == "cuda" else "gloo"
         threads = threads_per_rank(config, world_size)

@@ -6,7 +6,10 @@ the op table's ``pack_linear`` once: on the CPU in bf16 that packs it for kvloom
 
 With int8 weights (``quantization="int8"``), ``quantize`` replaces the float weight by ``qweight``
 (int8, [out, in]) and ``weight_scale`` (fp32, [out]) right after loading, before any sharding; the
-op table's ``pack_linear_int8`` then prepares them for the platform's int8 product.
+op table's ``pack_linear_int8`` then prepares them for the platform's int8 product. A layer loaded from
+GGUF Q8_0 blocks (``Int8Blocks``) keeps a scale per row and block of 32 inputs, ``weight_scale`` [out, in / 32],
+and is prepared by ``pack_linear_int8_blocks``; a fused layer with some shards in blocks and some in rows
+holds all of them as blocks (a row's scale repeated over its blocks, exactly).
 """
 
 from __future__ import annotations
@@ -40,22 +43,33 @@ class Linear(nn.Module):
     def quantized(self) -> bool:
         return self.qweight is not None
 
-    def load_shard(self, name: str, shard: int, tensor: torch.Tensor | int8.Int8Rows) -> None:
-        """Copy one HF tensor into row block ``shard`` of the fused weight (or bias); int8 rows (a weight
-        quantized as it was read) go to the int8 storage, which the first of them creates."""
+    @property
+    def blocks(self) -> bool:
+        """Whether the int8 weight has a scale per block of 32 inputs (GGUF Q8_0) rather than per row."""
+        return self.weight_scale is not None and self.weight_scale.dim() == 2
+
+    def load_shard(self, name: str, shard: int, tensor: torch.Tensor | int8.Int8Rows | int8.Int8Blocks) -> None:
+        """Copy one HF tensor into row block ``shard`` of the fused weight (or bias); int8 rows or blocks (a
+        weight quantized as it was read, or a GGUF Q8_0 kept) go to the int8 storage, which the first of
+        them creates."""
         start = sum(self.output_sizes[:shard])
         size = self.output_sizes[shard]
-        if isinstance(tensor, int8.Int8Rows):
+        if isinstance(tensor, (int8.Int8Rows, int8.Int8Blocks)):
             if name != "weight":
-                raise ValueError(f"int8 rows can only fill a weight, not a {name}")
+                raise ValueError(f"int8 weights can only fill a weight, not a {name}")
             if tuple(tensor.shape) != (size, self.in_features):
                 raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected "
                                  f"{(size, self.in_features)}")
+            if isinstance(tensor, int8.Int8Blocks) or self.blocks:  # one kind of scale per layer: blocks
+                if isinstance(tensor, int8.Int8Rows):
+                    tensor = int8.Int8Blocks.from_rows(tensor)
+                if self.qweight is not None and not self.blocks:
+                    self.weight_scale = int8.Int8Blocks.from_rows(int8.Int8Rows(self.qweight, self.weight_scale)).scale
             if self.qweight is None:
                 out_features = sum(self.output_sizes)
                 device = self.weight.device
                 self.set_int8(torch.zeros(out_features, self.in_features, dtype=torch.int8, device=device),
-                              torch.ones(out_features, device=device))
+                              torch.ones(out_features, *tensor.scale.shape[1:], device=device))
             self.qweight[start:start + size].copy_(tensor.qweight)
             self.weight_scale[start:start + size].copy_(tensor.scale)
             return
@@ -73,13 +87,18 @@ class Linear(nn.Module):
         self.set_int8(qweight, scale)
 
     def set_int8(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
-        """Take int8 storage as it is (a quantized checkpoint, or a GGUF Q8_0 tensor) after checking its shape."""
+        """Take int8 storage as it is (a quantized checkpoint, or GGUF Q8_0 blocks) after checking its shape:
+        scale [out] per row, or [out, in / 32] per block."""
         expected = (sum(self.output_sizes), self.in_features)
         if qweight.dtype != torch.int8 or tuple(qweight.shape) != expected:
             raise ValueError(f"int8 weight must be int8 of shape {expected}, got {qweight.dtype} "
                              f"{tuple(qweight.shape)}")
-        if tuple(scale.shape) != expected[:1]:
-            raise ValueError(f"weight_scale must have shape {expected[:1]}, got {tuple(scale.shape)}")
+        if scale.dim() == 2:
+            int8.check_blocks_shape(qweight, scale)
+        elif tuple(scale.shape) != expected[:1]:
+            raise ValueError(f"weight_scale must have shape {expected[:1]} (per row) or "
+                             f"{(expected[0], expected[1] // int8.BLOCK)} (per block of {int8.BLOCK}), "
+                             f"got {tuple(scale.shape)}")
         self.qweight, self.weight_scale = qweight, scale.float()
         self.weight.data = self.weight.data.new_empty(0, self.in_features)
 
@@ -89,7 +108,8 @@ class Linear(nn.Module):
             return
         bias = None if self.bias is None else self.bias.data
         if self.qweight is not None:
-            self.packed = ops.pack_linear_int8(self.qweight, self.weight_scale, bias)
+            pack = ops.pack_linear_int8_blocks if self.blocks else ops.pack_linear_int8
+            self.packed = pack(self.qweight, self.weight_scale, bias)
             self.qweight = self.weight_scale = None  # the packed product holds what it needs
             return
         if ops.pack_linear is None:
@@ -101,5 +121,6 @@ class Linear(nn.Module):
         if self.packed is not None:
             return self.packed(x)
         if self.qweight is not None:
-            return int8.int8_linear_reference(x, self.qweight, self.weight_scale, self.bias)
+            product = int8.w8a8_blocks_linear_reference if self.blocks else int8.int8_linear_reference
+            return product(x, self.qweight, self.weight_scale, self.bias)
         return F.linear(x, self.weight, self.bias)

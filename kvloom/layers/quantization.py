@@ -7,20 +7,28 @@ checkpoint holds.
 
 Each weight is quantized from the tensor the loader produced (fp32 for a GGUF, the stored dtype for
 safetensors) before the model's own dtype ever rounds it, and the float copy is never kept, so the
-first load needs no more memory than the int8 model. A GGUF Q8_0 weight arrives as fp32 values equal
-to its int8 codes times its block scales (exact in fp32), and is re-scaled per row from those.
+first load needs no more memory than the int8 model. A GGUF Q8_0 weight read with ``keep_q8_0`` arrives
+as ``Int8Blocks`` (its int8 codes and block scales, as stored) and a projection keeps them as they are:
+no float copy, no re-quantization. Without ``keep_q8_0`` it arrives as fp32 values equal to its codes
+times its block scales (exact in fp32), and is re-scaled per row from those.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvloom.layers.embedding import LMHead, VocabEmbedding
 from kvloom.layers.linear import Linear
-from kvloom.ops.int8 import Int8Rows
+from kvloom.loader import gguf
+from kvloom.ops.int8 import Int8Blocks, Int8Rows
+
+if TYPE_CHECKING:
+    from kvloom.config import BackendConfig
+    from kvloom.loader.weights import ModelSource
 
 # HF names of the projections that int8 storage covers (the LM head and the embedding are an option).
 LINEAR_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
@@ -28,13 +36,24 @@ LINEAR_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.wei
 HEAD_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
 
 
-def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor]], lm_head: bool
-                     ) -> Iterator[tuple[str, torch.Tensor | Int8Rows]]:
+def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks]], lm_head: bool
+                     ) -> Iterator[tuple[str, torch.Tensor | Int8Rows | Int8Blocks]]:
     """The checkpoint's tensors with every projection weight (and with ``lm_head`` the embedding and the
-    head) turned into int8 rows."""
-    names = LINEAR_WEIGHTS + (HEAD_WEIGHTS if lm_head else ())
+    head) turned into int8 rows; a projection that arrives as int8 blocks (a kept GGUF Q8_0) stays as it
+    is. The embedding and the head hold rows only: blocks there are re-quantized per row (or, when they
+    stay float, dequantized)."""
     for name, tensor in weights:
-        yield name, (Int8Rows.quantize(tensor) if name.endswith(names) else tensor)
+        if isinstance(tensor, Int8Blocks):
+            if name.endswith(LINEAR_WEIGHTS):
+                yield name, tensor
+            elif lm_head and name.endswith(HEAD_WEIGHTS):
+                yield name, tensor.to_rows()
+            else:
+                yield name, tensor.dequantize()
+        elif name.endswith(LINEAR_WEIGHTS + (HEAD_WEIGHTS if lm_head else ())):
+            yield name, Int8Rows.quantize(tensor)
+        else:
+            yield name, tensor
 
 
 def finish_int8(model: nn.Module, lm_head: bool) -> None:
@@ -50,8 +69,9 @@ def finish_int8(model: nn.Module, lm_head: bool) -> None:
 
 
 def int8_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What a quantized checkpoint stores: each int8 layer's qweight and weight_scale, and every float
-    parameter still held (norms, biases, a float embedding); a tied head's table is stored once."""
+    """What a quantized checkpoint stores: each int8 layer's qweight and weight_scale ([out], or [out, in / 32]
+    for a layer that holds Q8_0 blocks), and every float parameter still held (norms, biases, a float
+    embedding); a tied head's table is stored once."""
     state: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, module in model.named_modules():
@@ -93,3 +113,12 @@ def load_int8_state(model: nn.Module, state: dict[str, torch.Tensor], lm_head: b
         raise ValueError(f"quantized checkpoint has {len(remaining)} tensor(s) this model does not, "
                          f"e.g. {sorted(remaining)[:3]}")
     finish_int8(model, lm_head)
+
+
+def keeps_q8_0_blocks(source: ModelSource, backend: BackendConfig) -> bool:
+    """Whether an int8 load keeps the GGUF's Q8_0 projections as their int8 codes and block scales: a GGUF
+    with Q8_0 projection weights, int8 activations (the blocks' product quantizes them per block) and
+    ``int8_gguf_blocks`` on."""
+    if source.kind != "gguf" or not backend.int8_activations or not backend.int8_gguf_blocks:
+        return False
+    return any(name.endswith(LINEAR_WEIGHTS) for name in gguf.q8_0_weight_names(source.path))

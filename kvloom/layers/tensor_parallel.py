@@ -15,7 +15,8 @@ ones), so every rank ends a step with the same hidden states and only rank 0 sam
 
 int8 weights (quantized before sharding) are cut the same way: a column-parallel layer keeps its rows'
 scales, a row-parallel one keeps every scale, since each is per output row and applies to every
-rank's partial sum.
+rank's partial sum. Block scales (GGUF Q8_0, one per row and block of 32 inputs) follow their rows in a
+column-parallel layer and their blocks in a row-parallel one, whose input share must then be whole blocks.
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ from torch import nn
 
 from kvloom.layers.linear import Linear
 from kvloom.loader.model_config import ModelConfig
+from kvloom.ops.int8 import BLOCK
 
 # A torch.distributed process group, or a c10d backend object such as dist.ProcessGroupGloo(...)
 # (anything dist.all_reduce accepts as its group).
 ProcessGroupLike = Any
 
 
-def validate_tensor_parallel(model_config: ModelConfig, world_size: int, device: torch.device) -> None:
-    """ValueError, before any process starts, when the model or the machine cannot be split N ways."""
+def validate_tensor_parallel(model_config: ModelConfig, world_size: int, device: torch.device,
+                             int8_blocks: bool = False) -> None:
+    """ValueError, before any process starts, when the model or the machine cannot be split N ways.
+    ``int8_blocks``: the projections hold Q8_0 blocks of 32 inputs, which a row-parallel split must keep whole."""
     if device.type == "cuda":
         first = device.index or 0
         available = torch.cuda.device_count() - first
@@ -60,6 +64,13 @@ def validate_tensor_parallel(model_config: ModelConfig, world_size: int, device:
             raise ValueError(f"the model's {name} ({count}) must be divisible by tensor_parallel_size "
                              f"({world_size}): each rank takes a whole share; tensor_parallel_size "
                              f"can be one of {valid} for this model")
+    if int8_blocks:
+        row_parallel_inputs = {
+            "attention output (o_proj) inputs": model_config.num_attention_heads * model_config.head_dim,
+            "MLP intermediate size (down_proj inputs)": model_config.intermediate_size}
+        for name, count in row_parallel_inputs.items():
+            if (count // world_size) % BLOCK:
+                raise ValueError(_cuts_blocks(name, count, world_size))
 
 
 def sharded_model_config(model_config: ModelConfig, world_size: int) -> ModelConfig:
@@ -123,7 +134,12 @@ def _shard_rows_in(linear: Linear, rank: int, world_size: int, group: ProcessGro
     The bias is added once: rank 0 keeps it, the others drop it.
     """
     size = linear.in_features // world_size
-    if linear.quantized:  # the scales are per output row: every rank keeps all of them
+    if linear.quantized and linear.blocks:  # a rank keeps the scales of its own blocks
+        if size % BLOCK:
+            raise ValueError(_cuts_blocks("layer's inputs", linear.in_features, world_size))
+        blocks = size // BLOCK
+        linear.weight_scale = linear.weight_scale[:, rank * blocks:(rank + 1) * blocks].contiguous()
+    if linear.quantized:  # per-row scales apply to every rank's partial sum: every rank keeps all of them
         linear.qweight = linear.qweight[:, rank * size:(rank + 1) * size].contiguous()
         linear.weight.data = linear.weight.data.new_empty(0, size)
     else:
@@ -138,3 +154,9 @@ def _shard_rows_in(linear: Linear, rank: int, world_size: int, group: ProcessGro
         return output
 
     linear.register_forward_hook(all_reduce)
+
+
+def _cuts_blocks(name: str, count: int, world_size: int) -> str:
+    return (f"tensor_parallel_size={world_size} gives each rank {count // world_size} of the {name} ({count}), "
+            f"which cuts the GGUF's Q8_0 blocks of {BLOCK} kept as int8: use a tensor_parallel_size that leaves each "
+            f"rank a multiple of {BLOCK}, or override_backend_config {{\"int8_gguf_blocks\": false}} (per-row int8)")

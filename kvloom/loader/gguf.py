@@ -1,4 +1,5 @@
-"""GGUF files: a fast metadata reader, float32 dequantization, and llama.cpp's names turned into HF's.
+"""GGUF files: a fast metadata reader, float32 dequantization (or Q8_0 kept as its int8 codes and block
+scales, ``Int8Blocks``), and llama.cpp's names turned into HF's.
 
 The metadata reader is ours rather than `gguf.GGUFReader` because that one builds numpy views for
 every one of the ~100k vocabulary strings and takes ~3 s on the default model; this one reads the
@@ -21,6 +22,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from kvloom.ops.int8 import BLOCK, Int8Blocks
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -289,6 +292,22 @@ def _dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
     return _half(blocks, 0) * q.float() + _half(blocks, 2)
 
 
+def q8_0_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> Int8Blocks:
+    """A 2-D Q8_0 tensor as stored: its int8 codes [N, K] and its fp16 block scales as fp32 [N, K / 32]
+    (exact), bit for bit the file's (no dequantization)."""
+    n, k = shape
+    blocks = raw.view(-1, _KNOWN_LAYOUTS[GGML_Q8_0][1])
+    return Int8Blocks(blocks[:, 2:].contiguous().view(torch.int8).reshape(n, k),
+                      _half(blocks, 0).reshape(n, k // BLOCK))
+
+
+def q8_0_weight_names(path: str) -> set[str]:
+    """HF names of the file's 2-D Q8_0 tensors (what ``keep_q8_0`` hands over as int8 blocks)."""
+    gguf = read_gguf(path)
+    return {hf_tensor_name(info.name) for info in gguf.tensors.values()
+            if info.ggml_type == GGML_Q8_0 and len(info.shape) == 2 and hf_tensor_name(info.name)}
+
+
 def _dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     # block: d (f16) | 32 int8 values; x = q * d
     return blocks[:, 2:].contiguous().view(torch.int8).float() * _half(blocks, 0)
@@ -326,8 +345,11 @@ def reverse_rotary_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor
             .transpose(1, 2).reshape(weight.shape))
 
 
-def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight of a llama-architecture GGUF as (HF name, float32 tensor in HF layout)."""
+def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor | Int8Blocks]]:
+    """Every weight of a llama-architecture GGUF as (HF name, float32 tensor in HF layout); with
+    ``keep_q8_0`` a 2-D Q8_0 weight comes as ``Int8Blocks`` instead, its codes and scales as stored (q/k rows
+    reordered like the floats: a row keeps its blocks)."""
     for info in read_gguf(path).tensors.values():
         name = hf_tensor_name(info.name)
         if name is None:
@@ -337,6 +359,13 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int) -> Iterator[
                              "only llama-architecture GGUF files are supported")
         raw = read_tensor_bytes(path, info)
         with _single_thread():
+            if keep_q8_0 and info.ggml_type == GGML_Q8_0 and len(info.shape) == 2:
+                blocks = q8_0_blocks(raw, info.shape)
+                if ".attn_q." in info.name or ".attn_k." in info.name:
+                    heads = num_heads if ".attn_q." in info.name else num_kv_heads
+                    blocks = Int8Blocks(*(reverse_rotary_permute(t, heads).contiguous() for t in blocks))
+                yield name, blocks
+                continue
             weight = dequantize(raw, info.ggml_type, info.shape)
             if ".attn_q." in info.name:
                 weight = reverse_rotary_permute(weight, num_heads)

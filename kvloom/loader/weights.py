@@ -18,6 +18,7 @@ import torch
 
 from kvloom.loader import gguf, safetensors
 from kvloom.loader.model_config import ModelConfig
+from kvloom.ops.int8 import Int8Blocks
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = (DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2")
@@ -75,17 +76,19 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     raise ValueError(f"unknown model source kind {source.kind!r}; expected 'hf_dir' or 'gguf'")
 
 
-def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(source: ModelSource, keep_q8_0: bool = False) -> Iterator[tuple[str, torch.Tensor | Int8Blocks]]:
     """Every weight as (HF name, tensor in HF layout).
 
     Safetensors: the stored dtype. GGUF: dequantized to float32, q/k rows back in HF's rotary order.
-    lm_head.weight comes only when the model's embeddings are untied.
+    lm_head.weight comes only when the model's embeddings are untied. ``keep_q8_0``: a GGUF's Q8_0 weights
+    come as their int8 codes and block scales (``Int8Blocks``), never as floats.
     """
     config = load_model_config(source)
     if source.kind == "hf_dir":
         skip = frozenset({"lm_head.weight"}) if config.tie_word_embeddings else frozenset()
         yield from safetensors.iter_safetensors_weights(source.path, skip=skip)
     elif source.kind == "gguf":
-        yield from gguf.iter_gguf_weights(source.path, config.num_attention_heads, config.num_key_value_heads)
+        yield from gguf.iter_gguf_weights(source.path, config.num_attention_heads, config.num_key_value_heads,
+                                          keep_q8_0)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}; expected 'hf_dir' or 'gguf'")

@@ -17,7 +17,7 @@ from kvloom.layers.linear import Linear
 from kvloom.layers.norm import RMSNorm
 from kvloom.layers.rotary import RotaryEmbedding
 from kvloom.loader.model_config import ModelConfig
-from kvloom.ops.int8 import Int8Rows
+from kvloom.ops.int8 import Int8Blocks, Int8Rows
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops
 
@@ -151,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
                 module.load_shard(kind, shard, tensor)
                 loaded.add(f"{target_name}#{shard}")
                 continue
-            if isinstance(tensor, Int8Rows) and name in params:  # quantized as it was read
+            if isinstance(tensor, (Int8Rows, Int8Blocks)) and name in params:  # int8 as it was read
                 self.get_submodule(name.rpartition(".")[0]).load_shard("weight", 0, tensor)
                 loaded.add(name)
                 continue

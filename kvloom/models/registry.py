@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING
 
 from torch import nn
 
-from kvloom.layers.quantization import finish_int8, int8_state, load_int8_state, quantize_as_read
+from kvloom.layers.quantization import finish_int8, int8_state, keeps_q8_0_blocks, load_int8_state, quantize_as_read
 from kvloom.layers.smoothing import CALIBRATION_ID, calibrate, calibration_text, smooth_as_read, smoothing_alpha
 from kvloom.loader import quantized_checkpoint
 from kvloom.loader.model_config import ModelConfig
@@ -18,6 +19,8 @@ from kvloom.ops.table import Ops
 
 if TYPE_CHECKING:
     from kvloom.config import ResolvedConfig
+
+logger = logging.getLogger("kvloom")
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -50,18 +53,27 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
         return
     lm_head = engine.backend.quantize_lm_head
     alpha = smoothing_alpha(engine.backend, config.device)
+    keep_q8_0 = keeps_q8_0_blocks(config.source, engine.backend)
+    if keep_q8_0 and alpha is not None:
+        chosen = alpha != type(engine.backend).int8_smoothing_alpha  # set by hand: WARNING; the default: INFO
+        logger.log(logging.WARNING if chosen else logging.INFO,
+                   "Keeping the GGUF's Q8_0 blocks as int8 (activations quantized per block of 32, as llama.cpp "
+                   "does): int8_smoothing_alpha=%s is not applied. To smooth and re-quantize per row instead, "
+                   "pass override_backend_config {\"int8_gguf_blocks\": false}", alpha)
+        alpha = None
     path = engine.quantized_checkpoint_path
     fingerprint = ""
     if path is not None:
         fingerprint = quantized_checkpoint.fingerprint(
             config.source.path, dataclasses.asdict(config.model),
             {"quantization": engine.quantization, "lm_head": lm_head, "dtype": str(config.dtype),
-             "smoothing": None if alpha is None else {"alpha": alpha, "calibration": CALIBRATION_ID}})
+             "smoothing": None if alpha is None else {"alpha": alpha, "calibration": CALIBRATION_ID},
+             "gguf_q8_0_blocks": keep_q8_0})
         state = quantized_checkpoint.load(path, fingerprint)
         if state is not None:
             load_int8_state(model, state, lm_head)
             return
-    weights = iter_weights(config.source)
+    weights = iter_weights(config.source, keep_q8_0=keep_q8_0)
     if alpha is not None:
         # Smoothing calibrates on the float model, then folds its factors into the tensors read again.
         model.load_weights(iter_weights(config.source))

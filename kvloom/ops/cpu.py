@@ -13,7 +13,9 @@
   the op, AVX512-VNNI, exact int32 sums) and weight-only (int8 widened to bf16 for AVX512-BF16, fp32
   sums); a single row takes the weight-only product, batches W8A8: 1.4-2x the bf16 GEMM on SmolLM2's
   shapes (``benchmarks/int8_micro.py``; the figures and the rule are at ``W8A8_MIN_ROWS``). Plain loops read the same
-  layout where those instructions are missing (the op table then keeps ``NativeInt8Linear``).
+  layout where those instructions are missing (the op table then keeps ``NativeInt8Linear``). A block-scaled
+  weight (a GGUF Q8_0 kept as stored, ``PackedInt8BlocksWeight``) reads the same panels with its block scales
+  packed beside them, and multiplies activations quantized per (row, block of 32) at every batch size.
 
 The kernels' loops run on kvloom's thread pool (csrc/parallel.h: torch.get_num_threads() threads, none
 of which a loop waits for if it has not started, so a busy core beside does not stall a step).
@@ -41,6 +43,7 @@ from pathlib import Path
 import torch
 
 from kvloom import envs
+from kvloom.ops.int8 import check_blocks_shape
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.reference import write_kv_cache
 
@@ -166,7 +169,8 @@ def cpu_kernel_available() -> bool:
 def _register_fake() -> None:
     """Shapes-only versions of the ops for torch.compile's tracing: each writes its output argument and
     returns nothing."""
-    for op in ("kvloom::paged_attention", "kvloom::gemm_w8a8", "kvloom::gemm_int8_weight_only"):
+    for op in ("kvloom::paged_attention", "kvloom::gemm_w8a8", "kvloom::gemm_int8_weight_only",
+               "kvloom::gemm_w8a8_blocks"):
         try:
             torch.library.register_fake(op)(lambda *args: None)
         except RuntimeError:  # already registered (a second variant in one process cannot happen)
@@ -380,4 +384,45 @@ class PackedInt8Weight:
             self._w8a8(out, rows, self.data, self.compensation, self.scale, self.bias)
         else:
             self._weight_only(out, rows, self.data, self.scale, self.bias)
+        return out if flat else out.view(*x.shape[:-1], self.out_features)
+
+
+def pack_block_columns(values: torch.Tensor) -> torch.Tensor:
+    """[N, blocks] per (column, block) values -> [ceil(N / 48), blocks, 48], as the panels of
+    pack_int8_weight hold the columns; zero past N."""
+    n, blocks = values.shape
+    panels = -(-n // GEMM_PANEL)
+    padded = values.new_zeros(panels * GEMM_PANEL, blocks)
+    padded[:n] = values
+    return padded.view(panels, GEMM_PANEL, blocks).permute(0, 2, 1).contiguous()
+
+
+class PackedInt8BlocksWeight:
+    """A block-scaled int8 weight (``Int8Blocks``: int8 [N, K], fp32 scales [N, K / 32]; optional bias)
+    packed once for csrc/gemm_int8.cpp; calling it gives ``w8a8_blocks_linear_reference``'s product in x's
+    dtype (float32 or bfloat16) at every batch size: per-block activations are accurate enough that there
+    is no weight-only product to fall back on, as in llama.cpp."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        check_blocks_shape(qweight, scale)
+        self.out_features, self.in_features = qweight.shape
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"PackedInt8BlocksWeight: bias must have shape ({self.out_features},), "
+                             f"got {tuple(bias.shape)}")
+        # The panels of pack_int8_weight holding q + 128 as u8 (each byte's top bit flipped): the kernel's
+        # shift to vpdpbusd's unsigned operand is on the weight, so activations need no compensation per column.
+        self.data = pack_int8_weight(qweight).view(torch.uint8).bitwise_xor(0x80).view(torch.int8)
+        self.scale = pack_block_columns(scale.float())
+        self.bias = None if bias is None else bias.float().contiguous()
+        self._product = torch.ops.kvloom.gemm_w8a8_blocks.default
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in INT8_ACTIVATION_DTYPES:
+            raise ValueError(f"the int8 CPU linear takes float32 or bfloat16 activations, got {x.dtype}")
+        flat = x.dim() == 2
+        rows = x if flat else x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype)
+        self._product(out, rows, self.data, self.scale, self.bias)
         return out if flat else out.view(*x.shape[:-1], self.out_features)

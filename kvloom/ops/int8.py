@@ -10,8 +10,19 @@ Two products use it:
   scale (``quantize_per_token``), the products are summed exactly in int32, and both scales are
   applied at the end.
 
-``NativeInt8Linear`` is the portable fast-enough path (torch ops only), used wherever no platform
-kernel is built.
+A group-scaled weight (``Int8Blocks``: a GGUF Q8_0 tensor kept as it is stored) has one fp32 scale per
+block of BLOCK = 32 consecutive k of a row: ``scale`` [N, K / 32], W[n, k] = qweight[n, k] * scale[n, k // 32].
+Its product (``w8a8_blocks_linear_reference``) quantizes the activations per (token, block) too, as
+llama.cpp's ``vec_dot_q8_0_q8_0`` does, sums each block exactly and applies the block's two scales:
+
+    y[m, n] = sum_b (sum_{k in b} qx[m, k] qweight[n, k]) * x_scale[m, b] * scale[n, b]
+
+Activation blocks of 32 follow their outliers closely, which is why Q8_0 needs no smoothing. (llama.cpp
+rounds its activation scales to fp16 and its codes half away from zero; here the scales stay fp32 and
+the rounding is to even, as for the per-token activations.)
+
+``NativeInt8Linear`` and ``NativeInt8BlocksLinear`` are the portable fast-enough paths (torch ops
+only), used wherever no platform kernel is built.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 QMAX = 127
+BLOCK = 32  # k per scale of a group-scaled weight: a GGUF Q8_0 block
 
 
 class Int8Rows(NamedTuple):
@@ -39,6 +51,49 @@ class Int8Rows(NamedTuple):
         return cls(*quantize_per_channel(weight))
 
 
+class Int8Blocks(NamedTuple):
+    """A group-scaled int8 weight (a GGUF Q8_0 tensor's own codes and block scales): int8 [N, K] and fp32
+    scales [N, K / BLOCK]."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    @classmethod
+    def from_rows(cls, rows: Int8Rows) -> Int8Blocks:
+        """The same weight with its row scale repeated over the row's blocks (exact)."""
+        n, k = rows.qweight.shape
+        if k % BLOCK:
+            raise ValueError(f"int8 rows of {k} values cannot take block scales: in_features must be a multiple "
+                             f"of {BLOCK}")
+        return cls(rows.qweight, rows.scale.float()[:, None].expand(n, k // BLOCK).contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [N, K]: codes times their block's scale (exact in fp32 for a Q8_0 weight's fp16 scales)."""
+        return dequantize_blocks(self.qweight, self.scale)
+
+    def to_rows(self) -> Int8Rows:
+        """Re-quantized per row from the exact values: for products that have no block scales."""
+        return Int8Rows.quantize(self.dequantize())
+
+
+def check_blocks_shape(qweight: torch.Tensor, scale: torch.Tensor) -> None:
+    """ValueError unless qweight is int8 [N, K] with K a multiple of BLOCK and scale is [N, K / BLOCK]."""
+    if qweight.dim() != 2 or qweight.dtype != torch.int8:
+        raise ValueError(f"a group-scaled int8 weight must be int8 [out, in], got {qweight.dtype} "
+                         f"of shape {tuple(qweight.shape)}")
+    n, k = qweight.shape
+    if k % BLOCK:
+        raise ValueError(f"a group-scaled int8 weight needs in_features a multiple of {BLOCK} (Q8_0 blocks), "
+                         f"got {k}")
+    if tuple(scale.shape) != (n, k // BLOCK):
+        raise ValueError(f"the block scales of an int8 [{n}, {k}] weight must have shape {(n, k // BLOCK)}, "
+                         f"got {tuple(scale.shape)}")
+
+
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (int8 [N, K], fp32 scale [N]): symmetric, one scale per output row."""
     if weight.dim() != 2:
@@ -52,6 +107,23 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (qweight.float() * scale.float()[:, None]).to(dtype)
+
+
+def dequantize_blocks(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    n, k = qweight.shape
+    return (qweight.float().view(n, k // BLOCK, BLOCK) * scale.float()[..., None]).view(n, k)
+
+
+def quantize_per_block(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] float -> (int8 [M, K], fp32 scale [M, K / BLOCK]): each block of 32 k of a row with its own
+    symmetric scale, as quantize_per_token does for a whole row."""
+    m, k = x.shape
+    if k % BLOCK:
+        raise ValueError(f"quantize_per_block needs K a multiple of {BLOCK}, got {k}")
+    xf = x.float().view(m, k // BLOCK, BLOCK)
+    amax = xf.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    return torch.round(xf / scale[..., None]).clamp_(-QMAX, QMAX).to(torch.int8).view(m, k), scale
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +155,23 @@ def w8a8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.T
     return out.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
 
 
+def w8a8_blocks_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A group-scaled weight's product: activations quantized per (token, block), each block's sum exact,
+    scaled by x_scale[m, b] * scale[n, b] and summed over blocks in float64, rounded once to x's dtype."""
+    check_blocks_shape(qweight, scale)
+    rows = x.reshape(-1, x.shape[-1])
+    qx, x_scale = quantize_per_block(rows)
+    (m, k), n = rows.shape, qweight.shape[0]
+    blocks = k // BLOCK
+    # [M, N, blocks] block sums: exact in float64 (|sum| < 32 * 127^2).
+    acc = torch.einsum("mbk,nbk->mnb", qx.view(m, blocks, BLOCK).double(), qweight.view(n, blocks, BLOCK).double())
+    out = (acc * x_scale.double()[:, None, :] * scale.double()[None, :, :]).sum(dim=-1)
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
 class NativeInt8Linear:
     """Weight-only int8 in torch ops: the int8 weight is cast to x's dtype per call (exact: |q| <= 127),
     multiplied by torch's GEMM, and the per-channel scale applied to the output."""
@@ -97,3 +186,23 @@ class NativeInt8Linear:
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)
         return out
+
+
+class NativeInt8BlocksLinear:
+    """A group-scaled weight's product in torch ops: the activations quantized per (token, block) as the
+    reference does, then both sides dequantized to fp32 per call and multiplied by torch's GEMM (the same
+    sums as the reference up to fp32 rounding; only the int8 weight is kept)."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        check_blocks_shape(qweight, scale)
+        self.qweight = qweight
+        self.scale = scale.float()
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        x_blocks = dequantize_blocks(*quantize_per_block(rows))
+        out = F.linear(x_blocks, dequantize_blocks(self.qweight, self.scale))
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.qweight.shape[0])

@@ -11,7 +11,11 @@ The choice, for a model on ``device`` in ``dtype`` with ``attention_backend``:
 
 and for int8 weights (``pack_linear_int8``): the C++ W8A8 / weight-only GEMMs on the CPU
 (cpu.PackedInt8Weight), the Triton weight-only GEMM on CUDA (cuda.Int8Linear); torch ops
-(int8.NativeInt8Linear) under the reference backend and where neither is built.
+(int8.NativeInt8Linear) under the reference backend and where neither is built. Block-scaled int8
+weights (``pack_linear_int8_blocks``: a GGUF Q8_0 kept as stored) take the C++ W8A8-on-blocks GEMM on the
+CPU (cpu.PackedInt8BlocksWeight) and torch ops (int8.NativeInt8BlocksLinear) under the reference
+backend; CUDA has no block-scaled kernel, so there they are re-quantized per row once, as they are packed,
+for the Triton weight-only GEMM (the same int8 weights as a per-row load of the same file).
 
 A platform whose kernels cannot be built (no compiler, no Triton) falls back to the native ops, with
 one warning that says why.
@@ -40,7 +44,8 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
                         AttentionMetadata, float], torch.Tensor]
 # (weight [N, K], bias [N] or None) -> a function x [..., K] -> [..., N] equal to F.linear.
 PackLinearFn = Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
-# (qweight int8 [N, K], scale fp32 [N], bias [N] or None) -> a function x [..., K] -> [..., N] (ops/int8.py).
+# (qweight int8 [N, K], scale fp32 [N] (or [N, K / 32] for the blocks' op), bias [N] or None) -> a function
+# x [..., K] -> [..., N] (ops/int8.py).
 PackInt8Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
 
 
@@ -61,6 +66,8 @@ class Ops:
     pack_linear: PackLinearFn | None = None
     # int8 weights (quantization="int8"): the platform's int8 product; torch ops where none is built.
     pack_linear_int8: PackInt8Fn = int8.NativeInt8Linear
+    # Block-scaled int8 weights (int8.Int8Blocks): the product with activations quantized per block.
+    pack_linear_int8_blocks: PackInt8Fn = int8.NativeInt8BlocksLinear
     # The native attention's batched decode reads a block table padded to a bucketed width and a mask.
     needs_decode_mask: bool = False
     # (head_dim, block_size, dtype) -> whether attention reads the caches in the pairs layout (ops/reference.py
@@ -115,15 +122,17 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
     if not cpu.cpu_kernel_available():
         return dataclasses.replace(NATIVE_OPS, pack_linear=pack)
     # csrc/gemm_int8.cpp for float32 and bfloat16 activations alike, where its AVX-512 kernels are built.
-    pack_int8 = int8.NativeInt8Linear
+    pack_int8, pack_int8_blocks = int8.NativeInt8Linear, int8.NativeInt8BlocksLinear
     if cpu.int8_kernels_available():
+        pack_int8_blocks = cpu.PackedInt8BlocksWeight
         # W8A8 for 2+ rows unless int8_activations is off: per-token int8 activations cost SmolLM2 +3.3%
         # perplexity alone, +0.7% with the default smoothing (layers/smoothing.py; benchmarks/int8_quality.py).
         rows = cpu.W8A8_MIN_ROWS if int8_activations else sys.maxsize
         pack_int8 = functools.partial(cpu.PackedInt8Weight, w8a8_min_rows=rows)
     return Ops(name="cpu", attention=cpu.attention, rms_norm=cpu.rms_norm, add_rms_norm=cpu.add_rms_norm,
                rotary_embedding=cpu.rotary_embedding, silu_and_mul=cpu.silu_and_mul, argmax=cpu.argmax,
-               pack_linear=pack, pack_linear_int8=pack_int8, pairs_layout=cpu.pairs_layout)
+               pack_linear=pack, pack_linear_int8=pack_int8, pack_linear_int8_blocks=pack_int8_blocks,
+               pairs_layout=cpu.pairs_layout)
 
 
 def _cuda_ops() -> Ops:
@@ -134,4 +143,13 @@ def _cuda_ops() -> Ops:
         return NATIVE_OPS
     return Ops(name="triton", attention=cuda.attention, rms_norm=cuda.rms_norm, add_rms_norm=cuda.add_rms_norm,
                rotary_embedding=cuda.rotary_embedding, silu_and_mul=cuda.silu_and_mul, argmax=native.argmax,
-               pack_linear_int8=cuda.Int8Linear)
+               pack_linear_int8=cuda.Int8Linear, pack_linear_int8_blocks=_blocks_as_rows(cuda.Int8Linear))
+
+
+def _blocks_as_rows(pack_rows: PackInt8Fn) -> PackInt8Fn:
+    """A platform without a block-scaled kernel: the blocks re-quantized per row (from their exact values)."""
+    def pack(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> Callable:
+        rows = int8.Int8Blocks(qweight, scale).to_rows()
+        return pack_rows(rows.qweight, rows.scale, bias)
+
+    return pack

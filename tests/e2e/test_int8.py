@@ -7,6 +7,7 @@ kvloom's int8 model computes the same function, so greedy tokens must be identic
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -276,6 +277,8 @@ def test_tensor_parallel_int8_equals_one_rank(tiny_llama_dir) -> None:
      r"int8_smoothing_alpha must be a number in \[0, 1\]"),
     ({"quantization": "int8", "override_backend_config": {"int8_activations": True, "int8_smoothing_alpha": "a"}},
      "int8_smoothing_alpha must be a number"),
+    ({"quantization": "int8", "override_backend_config": {"int8_gguf_blocks": "yes"}},
+     "int8_gguf_blocks must be true or false"),
 ])
 def test_bad_quantization_settings_are_named(tiny_llama_dir, kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -310,6 +313,262 @@ def test_gguf_q8_0_weights_are_rescaled_from_their_exact_values_not_from_bf16(tm
     assert torch.equal(down.qweight, expected_q) and torch.equal(down.scale, expected_scale)
     via_bf16, _ = int8.quantize_per_channel(exact.to(torch.bfloat16))
     assert not torch.equal(via_bf16, expected_q)  # the rounding this path avoids would have shown
+
+
+# ---- GGUF Q8_0 kept as its int8 codes and block scales ------------------------------------------------
+SMOLLM2_SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3}
+GGML_F32, GGML_Q8_0 = 0, 8
+
+
+@pytest.fixture(scope="module")
+def q8_0_tiny(tmp_path_factory) -> tuple[str, str]:
+    """(HF dir, its Q8_0 GGUF): a 2-layer model of SmolLM2-135M's widths (K = 576 and 1536), written as an
+    F32 GGUF and re-quantized to Q8_0 with the gguf package (requantize_gguf, as the real model is)."""
+    import tiny_models
+
+    root = tmp_path_factory.mktemp("q8_0_tiny")
+    checkpoint = tiny_models.build_tiny_checkpoint(str(root / "hf"), arch="llama", tie_word_embeddings=False,
+                                                   **SMOLLM2_SHAPE)
+    kinds = ("embed", "attn", "attn_o", "ffn", "ffn_down", "output")
+    f32 = tiny_models.write_tiny_gguf(str(root / "f32.gguf"), checkpoint, types=dict.fromkeys(kinds, GGML_F32))
+    return checkpoint, tiny_models.requantize_gguf(f32, str(root / "q8_0.gguf"))
+
+
+def file_q8_0_blocks(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each Q8_0 tensor's codes and scales decoded from the file with the gguf package (not kvloom's reader):
+    gguf name -> (int8 [N, K], fp16 scales as fp32 [N, K / 32]), in the file's row order."""
+    import gguf
+    import numpy as np
+
+    blocks = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+            n, k = int(tensor.shape[1]), int(tensor.shape[0])
+            raw = np.asarray(tensor.data).reshape(n, k // 32, 34)
+            codes = np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(n, k)
+            scales = np.ascontiguousarray(raw[..., :2]).view(np.float16).reshape(n, k // 32)
+            blocks[tensor.name] = (torch.from_numpy(codes.copy()), torch.from_numpy(scales.astype(np.float32)))
+    return blocks
+
+
+def hf_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order back to HF's (the inverse of tiny_models.write_tiny_gguf's permute)."""
+    return weight.reshape(heads, weight.shape[0] // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(
+        weight.shape)
+
+
+def test_q8_0_gguf_loads_its_own_codes_and_block_scales_bit_exactly(q8_0_tiny, monkeypatch) -> None:
+    """int8 with a Q8_0 GGUF keeps each projection's codes and scales as the file stores them: no projection
+    is dequantized (only the float embedding and head are) and nothing is re-quantized."""
+    from kvloom.loader import gguf as kvloom_gguf
+
+    dequantized = []
+    real = int8.Int8Blocks.dequantize
+    monkeypatch.setattr(int8.Int8Blocks, "dequantize", lambda blocks: dequantized.append(blocks.shape) or real(blocks))
+
+    def never(*args, **kwargs):
+        raise AssertionError("a Q8_0 weight was dequantized as it was read, or re-quantized")
+
+    monkeypatch.setitem(kvloom_gguf._TORCH_DEQUANTIZERS, GGML_Q8_0, never)
+    monkeypatch.setattr(int8, "quantize_per_channel", never)
+    _, path = q8_0_tiny
+    llm = LLM(model=path, dtype="bfloat16", max_model_len=128, quantization="int8",
+              override_backend_config={"attention_backend": "reference"})
+    assert dequantized == [(400, 576)] * 2  # token_embd and output only: float in the model
+    model = llm.llm_engine.executor.driver.model
+    stored = file_q8_0_blocks(path)
+    heads, kv_heads = SMOLLM2_SHAPE["num_attention_heads"], SMOLLM2_SHAPE["num_key_value_heads"]
+    for i, layer in enumerate(model.layers):
+        expected = {
+            layer.self_attn.qkv_proj: [hf_rows(t, heads) for t in stored[f"blk.{i}.attn_q.weight"]],
+            layer.self_attn.o_proj: stored[f"blk.{i}.attn_output.weight"],
+            layer.mlp.gate_up_proj: stored[f"blk.{i}.ffn_gate.weight"],
+            layer.mlp.down_proj: stored[f"blk.{i}.ffn_down.weight"],
+        }
+        q_rows = expected[layer.self_attn.qkv_proj]
+        k_rows = [hf_rows(t, kv_heads) for t in stored[f"blk.{i}.attn_k.weight"]]
+        v_rows = stored[f"blk.{i}.attn_v.weight"]
+        expected[layer.self_attn.qkv_proj] = [torch.cat(parts) for parts in zip(q_rows, k_rows, v_rows)]
+        up = stored[f"blk.{i}.ffn_up.weight"]
+        expected[layer.mlp.gate_up_proj] = [torch.cat(parts) for parts in zip(expected[layer.mlp.gate_up_proj], up)]
+        for linear, (codes, scales) in expected.items():
+            assert isinstance(linear.packed, int8.NativeInt8BlocksLinear)
+            assert linear.weight.numel() == 0
+            assert torch.equal(linear.packed.qweight, codes) and torch.equal(linear.packed.scale, scales)
+
+
+def blocks_llm(path: str, backend: str, dtype: str = "float32", overrides: dict | None = None, **kwargs) -> LLM:
+    return LLM(model=path, dtype=dtype, max_model_len=256, quantization="int8",
+               override_backend_config={"attention_backend": backend, **(overrides or {})}, **kwargs)
+
+
+def assert_same_greedy_up_to_near_ties(llm: LLM, reference: LLM, prompts: list[list[int]], max_tokens: int,
+                                       gap: float) -> None:
+    """llm's greedy tokens equal reference's, except from a step where reference's two best logprobs are
+    within ``gap`` (activations rounded to int8 make the model a step function: sums in another fp32 order
+    may move one across a rounding boundary, and a near tie of a random model then flips)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    expected = reference.generate(inputs, params, use_tqdm=False)
+    actual = kvloom_greedy(llm, prompts, max_tokens)
+    identical = 0
+    for want, got in zip(expected, actual):
+        tokens = want.outputs[0].token_ids
+        if tokens == got:
+            identical += 1
+            continue
+        step = next(i for i, (a, b) in enumerate(zip(tokens, got)) if a != b)
+        best = sorted((lp.logprob for lp in want.outputs[0].logprobs[step].values()), reverse=True)
+        assert got[step] in want.outputs[0].logprobs[step] and best[0] - best[1] < gap, (step, tokens, got)
+    assert identical >= len(prompts) - 2
+
+
+def test_q8_0_blocks_greedy_with_the_cpu_kernel_equals_the_reference_ops(q8_0_tiny, monkeypatch) -> None:
+    """The C++ product in place of the torch one, all else the reference ops (fp32): the same greedy tokens,
+    up to near ties."""
+    from kvloom.ops import cpu, table
+
+    if not cpu.int8_kernels_available():
+        pytest.skip("the CPU int8 kernels are not built here")
+    _, path = q8_0_tiny
+    reference = blocks_llm(path, "reference")
+    monkeypatch.setattr(table, "REFERENCE_OPS", dataclasses.replace(
+        table.REFERENCE_OPS, pack_linear_int8_blocks=cpu.PackedInt8BlocksWeight))
+    fast = blocks_llm(path, "reference")
+    assert isinstance(fast.llm_engine.executor.driver.model.layers[0].mlp.down_proj.packed, cpu.PackedInt8BlocksWeight)
+    assert_same_greedy_up_to_near_ties(fast, reference, mixed_prompts(400, count=8), 16, gap=0.1)
+
+
+def test_q8_0_blocks_on_the_fast_path_in_bf16_agree_with_the_reference_ops(q8_0_tiny) -> None:
+    """The whole fast path (C++ attention and GEMMs, bf16) against the reference ops in fp32: most prompts
+    start the same (bf16 and activation rounding may flip a near tie)."""
+    _, path = q8_0_tiny
+    prompts = mixed_prompts(400, count=8)
+    fast = kvloom_greedy(blocks_llm(path, "auto", dtype="bfloat16"), prompts, 8)
+    slow = kvloom_greedy(blocks_llm(path, "reference"), prompts, 8)
+    assert sum(a[:4] == b[:4] for a, b in zip(fast, slow)) >= 6, (fast, slow)
+
+
+def test_q8_0_blocks_greedy_equals_transformers_on_the_dequantized_weights_and_blocked_activations(
+        q8_0_tiny, tmp_path) -> None:
+    """The oracle: transformers with the Q8_0 weights dequantized (exact in fp32) and every projection's input
+    rounded through int8 per block of 32 (a pre-hook), as the blocks' product quantizes it."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from kvloom.loader.gguf import iter_gguf_weights
+
+    checkpoint, path = q8_0_tiny
+    target = str(tmp_path / "dequantized")
+    shutil.copytree(checkpoint, target)
+    weights = dict(iter_gguf_weights(path, SMOLLM2_SHAPE["num_attention_heads"], SMOLLM2_SHAPE["num_key_value_heads"]))
+    save_file(weights, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+    def blocked_input(_module: torch.nn.Module, inputs: tuple[torch.Tensor]) -> tuple[torch.Tensor]:
+        x = inputs[0]
+        rows = int8.dequantize_blocks(*int8.quantize_per_block(x.reshape(-1, x.shape[-1])))
+        return (rows.view(x.shape),)
+
+    for name, module in model.named_modules():
+        if name.endswith(PROJECTIONS):
+            module.register_forward_pre_hook(blocked_input)
+    prompts = mixed_prompts(400, count=8)
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                                 pad_token_id=0, eos_token_id=None)
+            expected.append(out[0, len(prompt):].tolist())
+    assert kvloom_greedy(blocks_llm(path, "reference"), prompts, 16) == expected
+
+
+def test_q8_0_blocks_skip_smoothing_and_say_so(q8_0_tiny, caplog) -> None:
+    """Blocks need no smoothing: an alpha set by hand is not applied, with a warning naming the way to get
+    it; int8_gguf_blocks=false re-quantizes per row (and smooths) instead."""
+    _, path = q8_0_tiny
+    with caplog.at_level(logging.INFO, logger="kvloom"):
+        llm = blocks_llm(path, "reference", overrides={"int8_smoothing_alpha": 0.5})
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "int8_smoothing_alpha=0.5" in r.message]
+    assert warnings and "int8_gguf_blocks" in warnings[0].message
+    assert llm.llm_engine.executor.driver.model.layers[0].mlp.down_proj.packed.scale.dim() == 2
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvloom"):
+        rows = blocks_llm(path, "reference", overrides={"int8_gguf_blocks": False})
+    assert isinstance(rows.llm_engine.executor.driver.model.layers[0].mlp.down_proj.packed, int8.NativeInt8Linear)
+    assert "not applied" not in caplog.text
+
+
+def test_quantized_checkpoint_keeps_the_block_scales(q8_0_tiny, tmp_path, caplog, monkeypatch) -> None:
+    from safetensors import safe_open
+
+    from kvloom.loader import gguf as kvloom_gguf
+
+    _, path = q8_0_tiny
+    saved = str(tmp_path / "q8_0-int8.safetensors")
+    prompts = mixed_prompts(400, count=4)
+    first = kvloom_greedy(blocks_llm(path, "auto", quantized_checkpoint_path=saved), prompts, 8)
+    with safe_open(saved, framework="pt") as f:
+        assert tuple(f.get_slice("layers.0.mlp.down_proj.weight_scale").get_shape()) == (576, 1536 // 32)
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("the GGUF's weights were read again although the checkpoint matches")
+
+    monkeypatch.setattr(kvloom_gguf, "iter_gguf_weights", no_reading)
+    with caplog.at_level(logging.INFO, logger="kvloom"):
+        second = kvloom_greedy(blocks_llm(path, "auto", quantized_checkpoint_path=saved), prompts, 8)
+    assert "Loaded the quantized checkpoint" in caplog.text
+    assert second == first
+
+
+def test_tensor_parallel_q8_0_blocks_equal_one_rank(tiny_llama_dir, tmp_path) -> None:
+    """Column-parallel layers keep their rows' block scales, row-parallel ones the scales of their own blocks."""
+    import tiny_models
+
+    q8 = GGML_Q8_0
+    path = tiny_models.write_tiny_gguf(str(tmp_path / "q8.gguf"), tiny_llama_dir,
+                                       types={"attn": q8, "attn_o": q8, "ffn": q8, "ffn_down": q8})
+    prompts = mixed_prompts(400, count=4)
+    one = blocks_llm(path, "reference")
+    assert one.llm_engine.executor.driver.model.layers[0].self_attn.o_proj.packed.scale.shape == (64, 2)
+    two = blocks_llm(path, "reference", tensor_parallel_size=2)
+    try:
+        assert kvloom_greedy(two, prompts, 8) == kvloom_greedy(one, prompts, 8)
+    finally:
+        two.llm_engine.shutdown()
+
+
+def test_row_parallel_split_must_keep_whole_blocks() -> None:
+    from kvloom.layers.tensor_parallel import _shard_rows_in
+
+    linear = Linear(64, [8])
+    linear.load_shard("weight", 0, int8.Int8Blocks(*int8.quantize_per_block(torch.randn(8, 64))))
+    with pytest.raises(ValueError, match=r"gives each rank 16 of the layer's inputs \(64\), which cuts the GGUF's "
+                                         r"Q8_0 blocks of 32"):
+        _shard_rows_in(linear, 0, 4, None)
+
+
+def test_tensor_parallel_that_would_cut_q8_0_blocks_is_refused_before_any_process_starts() -> None:
+    from kvloom.layers.tensor_parallel import validate_tensor_parallel
+    from kvloom.loader.model_config import ModelConfig
+
+    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 96,
+                                       "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                       "num_key_value_heads": 2}, "config.json")
+    validate_tensor_parallel(config, 2, torch.device("cpu"))  # per-row int8 or float: fine
+    with pytest.raises(ValueError, match=r"each rank 48 of the attention output \(o_proj\) inputs \(96\)"):
+        validate_tensor_parallel(config, 2, torch.device("cpu"), int8_blocks=True)
+
+
+def test_a_fused_layer_of_rows_and_blocks_holds_blocks_exactly() -> None:
+    """A GGUF may store q as Q8_0 and k as another type: the layer holds blocks, the rows' scale repeated."""
+    linear = Linear(64, [8, 4])
+    rows = int8.Int8Rows.quantize(torch.randn(4, 64))
+    blocks = int8.Int8Blocks(*int8.quantize_per_block(torch.randn(8, 64)))
+    linear.load_shard("weight", 1, rows)
+    linear.load_shard("weight", 0, blocks)
+    assert linear.blocks and torch.equal(linear.qweight, torch.cat([blocks.qweight, rows.qweight]))
+    assert torch.equal(int8.dequantize_blocks(linear.qweight, linear.weight_scale)[8:], int8.dequantize(*rows))
 
 
 @pytest.fixture(scope="module")

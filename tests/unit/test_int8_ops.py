@@ -2,8 +2,9 @@
 
 W8A8 sums are exact integers, so the C++ kernel must land within one unit in the last place of the
 reference (which applies the scales in float64 and rounds once); its vector and plain-loop versions
-must agree bit for bit. Weight-only sums are fp32 in another order: within one ulp plus a sliver of
-the sum of |terms|.
+must agree bit for bit. W8A8 on blocks sums each block exactly too, then adds the scaled blocks in fp32:
+within one ulp plus a few fp32 roundings per block, vector and plain loops bit for bit. Weight-only sums
+are fp32 in another order: within one ulp plus a sliver of the sum of |terms|.
 """
 
 from __future__ import annotations
@@ -19,11 +20,17 @@ if not torch.cuda.is_available():
 
 from kvloom.ops import cpu  # noqa: E402
 from kvloom.ops.int8 import (  # noqa: E402
+    BLOCK,
+    Int8Blocks,
+    Int8Rows,
+    NativeInt8BlocksLinear,
     NativeInt8Linear,
     dequantize,
     int8_linear_reference,
+    quantize_per_block,
     quantize_per_channel,
     quantize_per_token,
+    w8a8_blocks_linear_reference,
     w8a8_linear_reference,
 )
 from kvloom.ops.table import select_ops  # noqa: E402
@@ -33,6 +40,10 @@ DTYPE_NAMES = ["fp32", "bf16"]
 # (M, K, N): M = 1 and odd M, K not a multiple of 4 or of 64, N not a multiple of the 48-column panel.
 SHAPES = [(1, 576, 960), (1, 37, 50), (3, 95, 7), (8, 64, 48), (9, 1536, 100), (17, 6, 1), (33, 130, 97),
           (300, 40, 49)]
+# Block-scaled weights: K a multiple of 32 (SmolLM2's 576 and 1536), M from 1 to 70 (whole micro-kernels of
+# 4 rows and a remainder), odd N (a part-filled last panel).
+BLOCK_SHAPES = [(1, 576, 961), (2, 1536, 577), (5, 576, 97), (17, 1536, 49), (33, 32, 3), (64, 576, 95),
+                (70, 1536, 1)]
 
 
 def ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -53,12 +64,14 @@ def assert_within(actual: torch.Tensor, expected: torch.Tensor, ulps: float, sla
                                       f"{actual.flatten()[worst].item()} vs {expected.flatten()[worst].item()}")
 
 
-def problem(m: int, k: int, n: int, dtype: torch.dtype, seed: int, bias: bool = True
+def problem(m: int, k: int, n: int, dtype: torch.dtype, seed: int, bias: bool = True, blocks: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """x [m, k] in dtype, an int8 weight [n, k] with its scale, and a bias (or None)."""
+    """x [m, k] in dtype, an int8 weight [n, k] with its scale (per row, or with ``blocks`` per row and
+    block of 32 k: Q8_0's), and a bias (or None)."""
     torch.manual_seed(seed)
     x = (torch.randn(m, k) * 2).to(dtype)
-    qweight, scale = quantize_per_channel(torch.randn(n, k) * 0.05)
+    quantize = quantize_per_block if blocks else quantize_per_channel
+    qweight, scale = quantize(torch.randn(n, k) * 0.05)
     return x, qweight, scale, (torch.randn(n) if bias else None)
 
 
@@ -75,6 +88,19 @@ def weight_only_slack(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     """fp32 sums in another order (and, for fp32 x, its bf16 hi + lo split): a sliver of sum |terms|."""
     terms = x.double().abs() @ qweight.double().abs().t() * scale.double()
     return 2.0 ** -16 * (terms + (0 if bias is None else bias.double().abs()))
+
+
+def w8a8_blocks_slack(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+                      ) -> torch.Tensor:
+    """Exact block sums; per block the fp32 product of the scales and one FMA: (blocks + 2) fp32 roundings
+    of the sum of |scaled block sums| (and the bias)."""
+    qx, x_scale = quantize_per_block(x.reshape(-1, x.shape[-1]))
+    m, k = qx.shape
+    blocks = k // BLOCK
+    sums = torch.einsum("mbk,nbk->mnb", qx.view(m, blocks, BLOCK).double(),
+                        qweight.view(-1, blocks, BLOCK).double()).abs()
+    terms = (sums * x_scale.double()[:, None, :] * scale.double()[None, :, :]).sum(dim=-1)
+    return (blocks + 2) * 2.0 ** -24 * (terms + (0 if bias is None else bias.double().abs()))
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +129,22 @@ def run_weight_only(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                                            None if bias is None else bias.float(), portable)
     assert (buffer[m * n:] == 7.0).all()
     return buffer[:m * n].view(m, n)
+
+
+def run_w8a8_blocks(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                    portable: bool) -> torch.Tensor:
+    m, n = x.shape[0], qweight.shape[0]
+    buffer = torch.full((m * n + 64,), 7.0, dtype=x.dtype)
+    packed = cpu.PackedInt8BlocksWeight(qweight, scale, bias)
+    torch.ops.kvloom.gemm_w8a8_blocks(buffer[:m * n].view(m, n), x, packed.data, packed.scale, packed.bias, portable)
+    assert (buffer[m * n:] == 7.0).all()
+    return buffer[:m * n].view(m, n)
+
+
+# product -> (the C++ op, its reference, its slack, whether its sums are exact integers)
+PRODUCTS = {"w8a8": (run_w8a8, w8a8_linear_reference, w8a8_slack, True),
+            "weight_only": (run_weight_only, int8_linear_reference, weight_only_slack, False),
+            "w8a8_blocks": (run_w8a8_blocks, w8a8_blocks_linear_reference, w8a8_blocks_slack, True)}
 
 
 # ---- quantization ---------------------------------------------------------------------------------
@@ -140,29 +182,26 @@ def test_pack_layout() -> None:
 
 # ---- the C++ kernels ------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
-@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
-def test_w8a8_matches_reference(int8_kernels: None, dtype: torch.dtype, m: int, k: int, n: int) -> None:
+@pytest.mark.parametrize(("product", "m", "k", "n"),
+                         [("w8a8", *shape) for shape in SHAPES] + [("weight_only", *shape) for shape in SHAPES]
+                         + [("w8a8_blocks", *shape) for shape in BLOCK_SHAPES])
+def test_cpu_int8_product_matches_its_reference(int8_kernels: None, product: str, dtype: torch.dtype, m: int,
+                                                k: int, n: int) -> None:
+    run, reference, slack_of, exact_sums = PRODUCTS[product]
     for bias in (True, False):
-        x, qweight, scale, b = problem(m, k, n, dtype, seed=m * 7 + k + n, bias=bias)
-        expected = w8a8_linear_reference(x, qweight, scale, b)
-        fast = run_w8a8(x, qweight, scale, b, portable=False)
-        if dtype == torch.bfloat16:
+        x, qweight, scale, b = problem(m, k, n, dtype, seed=m * 7 + k + n, bias=bias, blocks=product == "w8a8_blocks")
+        expected = reference(x, qweight, scale, b)
+        slack = slack_of(x, qweight, scale, b)
+        fast = run(x, qweight, scale, b, portable=False)
+        if product == "w8a8" and dtype == torch.bfloat16:
             assert_within(fast, expected, ulps=1)  # exact sums; only the final rounding may differ
         else:
-            assert_within(fast, expected, ulps=1, slack=w8a8_slack(x, qweight, scale, b))
-        # The plain loops compute the same integers and the same fp32 epilogue.
-        assert torch.equal(run_w8a8(x, qweight, scale, b, portable=True), fast)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
-@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
-def test_weight_only_matches_reference(int8_kernels: None, dtype: torch.dtype, m: int, k: int, n: int) -> None:
-    for bias in (True, False):
-        x, qweight, scale, b = problem(m, k, n, dtype, seed=m * 5 + k + n, bias=bias)
-        expected = int8_linear_reference(x, qweight, scale, b)
-        slack = weight_only_slack(x, qweight, scale, b)
-        for portable in (False, True):
-            assert_within(run_weight_only(x, qweight, scale, b, portable), expected, ulps=1, slack=slack)
+            assert_within(fast, expected, ulps=1, slack=slack)
+        portable = run(x, qweight, scale, b, portable=True)
+        if exact_sums:  # the plain loops compute the same integers and the same fp32 operations
+            assert torch.equal(portable, fast)
+        else:
+            assert_within(portable, expected, ulps=1, slack=slack)
 
 
 def test_w8a8_quantizes_each_row_as_the_reference(int8_kernels: None) -> None:
@@ -183,6 +222,38 @@ def test_w8a8_quantizes_each_row_as_the_reference(int8_kernels: None) -> None:
         assert (actual[0] == 0).all()
 
 
+def test_w8a8_blocks_quantizes_each_block_as_the_reference(int8_kernels: None) -> None:
+    """Per block: a zero block (scale 1) beside a block with an outlier, exact .5 ties and the clamp; an
+    outlier moves only its own block's scale."""
+    x = torch.randn(3, 4 * BLOCK)
+    x[0, :BLOCK] = 0.0
+    x[0, BLOCK + 3] = 1e4
+    x[1, :BLOCK] = torch.arange(BLOCK) - 15.0  # amax 16: many values sit on x / scale = k + 0.5
+    x[2, 2 * BLOCK:] = 127.0
+    x[2, 2 * BLOCK + 1::2] = -127.0
+    qx, x_scale = quantize_per_block(x)
+    assert x_scale[0, 0] == 1.0 and x_scale[0, 2] == x[0, 2 * BLOCK:3 * BLOCK].abs().max() / 127
+    qweight, scale = quantize_per_block(torch.randn(50, 4 * BLOCK))
+    for dtype in DTYPES:
+        xd = x.to(dtype)
+        expected = w8a8_blocks_linear_reference(xd, qweight, scale)
+        slack = w8a8_blocks_slack(xd, qweight, scale, None)
+        for portable in (False, True):
+            assert_within(run_w8a8_blocks(xd, qweight, scale, None, portable), expected, ulps=1, slack=slack)
+
+
+def test_block_scales_hold_row_scales_exactly() -> None:
+    """Int8Blocks.from_rows repeats a row's scale over its blocks: the same weight, the same product in
+    float (the block product then quantizes the activations per block, more finely than per token)."""
+    torch.manual_seed(0)
+    rows = Int8Rows.quantize(torch.randn(9, 3 * BLOCK))
+    blocks = Int8Blocks.from_rows(rows)
+    assert blocks.scale.shape == (9, 3) and torch.equal(blocks.dequantize(), dequantize(*rows))
+    assert torch.equal(blocks.to_rows().qweight, rows.qweight)
+    with pytest.raises(ValueError, match="in_features must be a multiple of 32"):
+        Int8Blocks.from_rows(Int8Rows.quantize(torch.randn(2, 40)))
+
+
 @pytest.mark.parametrize("k", [33, 64])
 def test_kernels_read_strided_rows_and_nothing_past_k(int8_kernels: None, k: int) -> None:
     torch.manual_seed(k)
@@ -195,6 +266,11 @@ def test_kernels_read_strided_rows_and_nothing_past_k(int8_kernels: None, k: int
                       slack=w8a8_slack(x, qweight, scale, None))
         assert_within(run_weight_only(x, qweight, scale, None, False), int8_linear_reference(x, qweight, scale),
                       ulps=1, slack=weight_only_slack(x, qweight, scale, None))
+        if k % BLOCK == 0:
+            qweight, scale = quantize_per_block(torch.randn(20, k))
+            assert_within(run_w8a8_blocks(x, qweight, scale, None, False),
+                          w8a8_blocks_linear_reference(x, qweight, scale), ulps=1,
+                          slack=w8a8_blocks_slack(x, qweight, scale, None))
 
 
 def test_kernels_reject_a_weight_of_another_shape(int8_kernels: None) -> None:
@@ -207,6 +283,12 @@ def test_kernels_reject_a_weight_of_another_shape(int8_kernels: None) -> None:
         torch.ops.kvloom.gemm_w8a8(torch.empty(4, 96, dtype=torch.half), x.half(),
                                    cpu.pack_int8_weight(torch.zeros(96, 64, dtype=torch.int8)),
                                    torch.zeros(96, dtype=torch.int32), scale, None)
+    blocks = cpu.PackedInt8BlocksWeight(torch.zeros(96, 64, dtype=torch.int8), torch.ones(96, 2), None)
+    with pytest.raises(RuntimeError, match="block scales packed"):
+        torch.ops.kvloom.gemm_w8a8_blocks(torch.empty(4, 96), x, blocks.data, scale, None)
+    narrow = cpu.pack_int8_weight(torch.zeros(96, 40, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="K = 40 must be a multiple of 32"):
+        torch.ops.kvloom.gemm_w8a8_blocks(torch.empty(4, 96), torch.randn(4, 40), narrow, blocks.scale, None)
 
 
 def test_kernels_have_shape_only_versions_for_tracing(int8_kernels: None) -> None:
@@ -218,6 +300,11 @@ def test_kernels_have_shape_only_versions_for_tracing(int8_kernels: None) -> Non
     y = torch.empty(3, 20, dtype=torch.bfloat16, device="meta")
     torch.ops.kvloom.gemm_w8a8(y, x, meta["data"], meta["compensation"], meta["scale"], None)
     torch.ops.kvloom.gemm_int8_weight_only(y, x, meta["data"], meta["scale"], None)
+    qweight, scale = quantize_per_block(torch.randn(20, 64))
+    meta = {name: t.to("meta") for name, t in vars(cpu.PackedInt8BlocksWeight(qweight, scale, None)).items()
+            if isinstance(t, torch.Tensor)}
+    x = torch.empty(3, 64, dtype=torch.bfloat16, device="meta")
+    torch.ops.kvloom.gemm_w8a8_blocks(y, x, meta["data"], meta["scale"], None)
 
 
 # ---- PackedInt8Weight and the op table ------------------------------------------------------------
@@ -253,6 +340,21 @@ def test_packed_int8_weight_names_what_it_cannot_take(int8_kernels: None) -> Non
         cpu.PackedInt8Weight(qweight.float(), scale, None)
     with pytest.raises(ValueError, match=r"scale must have shape \(8,\), got \(9,\)"):
         cpu.PackedInt8Weight(qweight, torch.ones(9), None)
+    with pytest.raises(ValueError, match=r"block scales of an int8 \[8, 64\] weight must have shape \(8, 2\), "
+                                         r"got \(8,\)"):
+        cpu.PackedInt8BlocksWeight(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8), None)
+    with pytest.raises(ValueError, match="in_features a multiple of 32"):
+        NativeInt8BlocksLinear(torch.zeros(8, 48, dtype=torch.int8), torch.ones(8, 1), None)
+    with pytest.raises(ValueError, match="float32 or bfloat16 activations"):
+        cpu.PackedInt8BlocksWeight(*quantize_per_block(torch.randn(8, 64)), None)(torch.zeros(1, 64).half())
+
+
+def test_block_scales_pack_beside_their_panels() -> None:
+    values = torch.arange(50 * 3, dtype=torch.float32).view(50, 3)
+    packed = cpu.pack_block_columns(values)
+    assert packed.shape == (2, 3, 48)
+    assert packed[0, 2, 7] == values[7, 2] and packed[1, 1, 1] == values[49, 1]
+    assert packed[1, :, 2:].abs().sum() == 0  # columns past N are zero
 
 
 @pytest.mark.parametrize("int8_activations", [False, True])
@@ -342,6 +444,34 @@ def test_select_ops_on_cuda_packs_int8_weights_for_triton() -> None:
     from kvloom.ops.table import _cuda_ops
 
     assert _cuda_ops().pack_linear_int8 is cuda.Int8Linear
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
+def test_select_ops_packs_block_scaled_weights(dtype: torch.dtype) -> None:
+    """The CPU kernel where it is built, torch ops under the reference backend: both the blocks' product."""
+    x, qweight, scale, bias = problem(5, 96, 20, dtype, seed=2, blocks=True)
+    expected = w8a8_blocks_linear_reference(x, qweight, scale, bias)
+    slack = w8a8_blocks_slack(x, qweight, scale, bias)
+    native = select_ops(torch.device("cpu"), dtype, "reference").pack_linear_int8_blocks(qweight, scale, bias)
+    assert isinstance(native, NativeInt8BlocksLinear)
+    # torch's GEMM on the dequantized blocks: the same function, summed in fp32 in another order.
+    assert_within(native(x), expected, ulps=1, slack=slack + weight_only_slack(x, qweight, scale.amax(1), bias))
+    layer = select_ops(torch.device("cpu"), dtype).pack_linear_int8_blocks(qweight, scale, bias)
+    if cpu.int8_kernels_available():
+        assert isinstance(layer, cpu.PackedInt8BlocksWeight)
+        assert_within(layer(x.view(5, 1, 96)).view(5, 20), expected, ulps=1, slack=slack)
+
+
+def test_cuda_packs_block_scaled_weights_per_row() -> None:
+    """No block-scaled kernel on CUDA: the blocks re-quantized per row once, for the weight-only GEMM."""
+    pytest.importorskip("triton")
+    from kvloom.ops.table import _cuda_ops
+
+    x, qweight, scale, bias = problem(3, 64, 10, torch.float32, seed=5, blocks=True)
+    rows = Int8Blocks(qweight, scale).to_rows()
+    layer = _cuda_ops().pack_linear_int8_blocks(qweight.to(DEVICE), scale.to(DEVICE), bias.to(DEVICE))
+    assert_within(layer(x.to(DEVICE)).cpu(), int8_linear_reference(x, rows.qweight, rows.scale, bias), ulps=1,
+                  slack=weight_only_slack(x, rows.qweight, rows.scale, bias))
 
 
 def test_smoothing_moves_outlier_channels_into_the_weights_and_lowers_the_w8a8_error() -> None:

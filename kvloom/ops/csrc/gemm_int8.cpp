@@ -1,6 +1,7 @@
 // int8 linear layers for the CPU: y[M, N] = x[M, K] W[N, K]^T (+ bias) with W stored as int8 q[N, K]
-// and one fp32 scale per output column (kvloom/ops/int8.py says what each product means; its
-// references are the oracles the tests compare with). Two products read the same packed weight:
+// and one fp32 scale per output column, or per column and block of 32 k (a GGUF Q8_0 weight kept as it
+// is stored). kvloom/ops/int8.py says what each product means; its references are the oracles the tests
+// compare with. Three products read the same packed weight:
 //
 // - W8A8 (gemm_w8a8): each row of x is quantized to int8 with its own scale, as quantize_per_token
 //   does (the same fp32 division and round-half-to-even, so the same integers), shifted to u8 (+128)
@@ -11,6 +12,13 @@
 //   |q| <= 127) and fed to vdpbf16ps with x's bf16 values, summed in fp32 and scaled at the end, as
 //   int8_linear_reference does. An fp32 x is split into bf16 hi + lo parts (x - hi is exact in fp32
 //   and its bf16 rounding is 2^-17 of x), two dot products per weight vector.
+// - W8A8 on blocks (gemm_w8a8_blocks), for block-scaled weights: x quantized per (row, block of 32 k) as
+//   quantize_per_block does (llama.cpp's vec_dot_q8_0_q8_0), and vpdpbusd sums each block exactly into
+//   int32; then the fp32 sum gains (int32 sum) * x_scale * w_scale, one FMA per block. Here the shift
+//   to u8 is on the weight (packed as q + 128, the same panels with each byte's top bit flipped) and x
+//   stays s8: what the shift adds, 128 * the block's sum of x's codes, is one number per row and block,
+//   so each block's int32 sums start from minus it, and no per-column compensation is streamed with the
+//   weight. Block scales are packed per panel, [panels][blocks][48].
 //
 // The weight is packed once (kvloom/ops/cpu.py, pack_int8_weight) into panels of kPanel = 48 output
 // columns: packed[panel][K/4][48][4] int8, so that one group of 4 k of 16 columns is one 64-byte
@@ -19,11 +27,12 @@
 // lane p its own pair, and the two lanes of each column are added at the end.
 //
 // Without AVX512-VNNI (or AVX512-BF16, for the weight-only kernel) the same packed layout is read by
-// plain loops; `portable=True` runs those anywhere, so tests pin both against the references.
+// plain loops; `portable=True` runs those anywhere, so tests pin both against the references. All three
+// products walk the panels with one loop (for_each_panel) and differ only in their micro-kernels.
 
 #include "cpu_capability.h"
+#include "parallel.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -41,12 +50,17 @@
 
 namespace {
 
+using kvloom::parallel_for;
+
 constexpr int64_t kPanelVecs = 3;             // 16-column vectors per panel
 constexpr int64_t kPanel = 16 * kPanelVecs;   // output columns per panel (as csrc/gemm.cpp)
 constexpr int64_t kGroup = 4;                 // k per int32 lane of vpdpbusd
 constexpr int64_t kGroupBytes = kPanel * kGroup;
 constexpr int64_t kRowsW8A8 = 8;              // rows per W8A8 micro-kernel: 8 x 3 int32 sums
 constexpr int64_t kRowsWeightOnly = 4;        // rows per weight-only micro-kernel: 4 x 6 fp32 sums
+constexpr int64_t kRowsBlocks = 4;            // rows per W8A8-on-blocks micro-kernel: 4 x 3 int32 + 4 x 3 fp32 sums
+constexpr int64_t kBlock = 32;                // k per scale of a block-scaled weight (a Q8_0 block)
+constexpr int64_t kGroupsPerBlock = kBlock / kGroup;
 constexpr int64_t kRowChunk = 256;            // rows whose x stays in L2 while panels stream
 constexpr int32_t kShift = 128;               // s8 -> u8 for vpdpbusd's unsigned operand
 constexpr float kQmax = 127.0f;
@@ -57,6 +71,22 @@ struct Shapes {
   int64_t M, K, N, groups, panels;
 };
 
+// The loop every product shares: threads split the panels; rows go in chunks of kRowChunk (their
+// activations stay in L2 while the panels stream past), each chunk in calls of at most `step` rows:
+// body(m, rows, panel, n0, columns) writes y[m, m + rows) x [n0, n0 + columns).
+template <typename Body>
+void for_each_panel(const Shapes& s, int64_t step, const Body& body) {
+  parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < s.M; m0 += kRowChunk) {
+      const int64_t m1 = std::min(s.M, m0 + kRowChunk);
+      for (int64_t panel = begin; panel < end; ++panel) {
+        const int64_t n0 = panel * kPanel, columns = std::min(kPanel, s.N - n0);
+        for (int64_t m = m0; m < m1; m += step) body(m, std::min(step, m1 - m), panel, n0, columns);
+      }
+    }
+  });
+}
+
 template <typename F>
 void dispatch_float(const at::Tensor& t, const char* name, F&& f) {
   switch (t.scalar_type()) {
@@ -66,9 +96,11 @@ void dispatch_float(const at::Tensor& t, const char* name, F&& f) {
   }
 }
 
-// The checks both products share; returns the shapes and the bias pointer (or nullptr).
+// The checks every product shares; returns the shapes and the bias pointer (or nullptr). scale_numel:
+// the fp32 scales the product reads (N, or the packed blocks' panels * blocks * 48).
 Shapes check_arguments(const char* name, const at::Tensor& y, const at::Tensor& x, const at::Tensor& packed,
-                       const at::Tensor& scale, const c10::optional<at::Tensor>& bias, const float** bias_ptr) {
+                       const at::Tensor& scale, bool blocks, const c10::optional<at::Tensor>& bias,
+                       const float** bias_ptr) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.is_contiguous() && packed.is_contiguous(),
               name, ": x must be [M, K] with contiguous rows and y [M, N] contiguous");
   TORCH_CHECK(y.scalar_type() == x.scalar_type(), name, ": y must have x's dtype");
@@ -78,8 +110,15 @@ Shapes check_arguments(const char* name, const at::Tensor& y, const at::Tensor& 
   s.panels = (s.N + kPanel - 1) / kPanel;
   TORCH_CHECK(y.size(0) == s.M && packed.numel() == s.panels * s.groups * kGroupBytes, name,
               ": the packed weight does not match x [", s.M, ", ", s.K, "] and y [", y.size(0), ", ", s.N, "]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == s.N,
-              name, ": scale must be a contiguous float32 [N]");
+  if (blocks) {
+    TORCH_CHECK(s.K % kBlock == 0, name, ": K = ", s.K, " must be a multiple of ", kBlock, " (one scale per block)");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                    scale.numel() == s.panels * (s.K / kBlock) * kPanel,
+                name, ": scale must be the contiguous float32 block scales packed [panels, K / 32, 48]");
+  } else {
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == s.N,
+                name, ": scale must be a contiguous float32 [N]");
+  }
   *bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == s.N,
@@ -90,9 +129,10 @@ Shapes check_arguments(const char* name, const at::Tensor& y, const at::Tensor& 
 }
 
 // ---- activations ----------------------------------------------------------------------------------
-// One row of x to u8 (q + 128) and its scale, as quantize_per_token: scale = amax / 127 (1 for a zero
-// row), q = round_half_even(x / scale) clamped to +-127. Columns K..Kp-1 get 128 (q = 0). The
-// division is a true fp32 division (not a product with 1 / scale), so q is the reference's integer.
+// One row of x to q + shift (u8 q + 128, or the s8 q itself with shift 0) and its scale, as
+// quantize_per_token: scale = amax / 127 (1 for a zero row), q = round_half_even(x / scale) clamped to
+// +-127. Columns K..Kp-1 get q = 0. The division is a true fp32 division (not a product with 1 / scale),
+// so q is the reference's integer. code_sum (if not null) gets the sum of the q.
 #if defined(CPU_CAPABILITY_AVX512)
 inline __mmask16 lanes(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 
@@ -104,52 +144,68 @@ inline __m512 load_lanes(const c10::BFloat16* p, __mmask16 mask) {
 }
 
 template <typename T>
-float quantize_row_avx512(const T* x, int64_t K, int64_t Kp, uint8_t* q) {
+float quantize_row_avx512(const T* x, int64_t K, int64_t Kp, int32_t shift, uint8_t* q, int32_t* code_sum) {
   __m512 amax = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_lanes(x + k, lanes(K - k))));
   const float row_max = _mm512_reduce_max_ps(amax);
   const float scale = row_max > 0.0f ? row_max / kQmax : 1.0f;
   const __m512 vscale = _mm512_set1_ps(scale), hi = _mm512_set1_ps(kQmax), lo = _mm512_set1_ps(-kQmax);
-  const __m512i shift = _mm512_set1_epi32(kShift);
+  const __m512i vshift = _mm512_set1_epi32(shift);
+  __m512i sums = _mm512_setzero_si512();
   for (int64_t k = 0; k < Kp; k += 16) {
     const __m512 v = load_lanes(x + k, k < K ? lanes(K - k) : __mmask16(0));  // zeros past K
     const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, vscale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512i i = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r))), shift);
-    _mm512_mask_cvtepi32_storeu_epi8(q + k, lanes(Kp - k), i);
+    const __m512i i = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r)));
+    sums = _mm512_add_epi32(sums, i);
+    _mm512_mask_cvtepi32_storeu_epi8(q + k, lanes(Kp - k), _mm512_add_epi32(i, vshift));
   }
+  if (code_sum) *code_sum = _mm512_reduce_add_epi32(sums);
   return scale;
 }
 #endif
 
 template <typename T>
-float quantize_row_portable(const T* x, int64_t K, int64_t Kp, uint8_t* q) {
+float quantize_row_portable(const T* x, int64_t K, int64_t Kp, int32_t shift, uint8_t* q, int32_t* code_sum) {
   float amax = 0.0f;
   for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[k])));
   const float scale = amax > 0.0f ? amax / kQmax : 1.0f;
+  int32_t sum = 0;
   for (int64_t k = 0; k < K; ++k) {
     const float r = std::min(kQmax, std::max(-kQmax, std::nearbyint(static_cast<float>(x[k]) / scale)));
-    q[k] = static_cast<uint8_t>(static_cast<int32_t>(r) + kShift);
+    sum += static_cast<int32_t>(r);
+    q[k] = static_cast<uint8_t>(static_cast<int32_t>(r) + shift);
   }
-  for (int64_t k = K; k < Kp; ++k) q[k] = kShift;
+  for (int64_t k = K; k < Kp; ++k) q[k] = static_cast<uint8_t>(shift);
+  if (code_sum) *code_sum = sum;
   return scale;
 }
 
+// Every row of x to rows of Kp = 4 * groups bytes of q + shift. block == 0: one scale per row
+// (scales[m]); otherwise one per block of `block` k (K a multiple of it, so Kp = K): scales[m * K / block
+// + b], and code_sums (if not null) the same places' sums of q.
 template <typename T>
-void quantize_rows(const at::Tensor& x, const Shapes& s, uint8_t* q, float* scales, bool portable) {
+void quantize_rows(const at::Tensor& x, const Shapes& s, int64_t block, int32_t shift, uint8_t* q, float* scales,
+                   int32_t* code_sums, bool portable) {
   const T* xs = x.data_ptr<T>();
   const int64_t ldx = x.stride(0), Kp = s.groups * kGroup;
+  const int64_t width = block ? block : s.K, padded = block ? block : Kp, per_row = s.K / width;
 #if !defined(CPU_CAPABILITY_AVX512)
   (void)portable;
 #endif
-  at::parallel_for(0, s.M, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, s.M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < per_row; ++b) {
+        const T* xr = xs + m * ldx + b * width;
+        uint8_t* qr = q + m * Kp + b * padded;
+        int32_t* sum = code_sums ? code_sums + m * per_row + b : nullptr;
 #if defined(CPU_CAPABILITY_AVX512)
-      if (!portable) {
-        scales[m] = quantize_row_avx512(xs + m * ldx, s.K, Kp, q + m * Kp);
-        continue;
-      }
+        if (!portable) {
+          scales[m * per_row + b] = quantize_row_avx512(xr, width, padded, shift, qr, sum);
+          continue;
+        }
 #endif
-      scales[m] = quantize_row_portable(xs + m * ldx, s.K, Kp, q + m * Kp);
+        scales[m * per_row + b] = quantize_row_portable(xr, width, padded, shift, qr, sum);
+      }
     }
   });
 }
@@ -250,7 +306,7 @@ void w8a8_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, co
   const int64_t Kp = s.groups * kGroup;
   std::vector<uint8_t> xq(s.M * Kp);
   std::vector<float> x_scale(s.M);
-  quantize_rows<T>(x, s, xq.data(), x_scale.data(), portable);
+  quantize_rows<T>(x, s, 0, kShift, xq.data(), x_scale.data(), nullptr, portable);
   const auto* ws = packed.data_ptr<int8_t>();
   T* ys = y.data_ptr<T>();
   const int64_t panel_size = s.groups * kGroupBytes;
@@ -259,27 +315,19 @@ void w8a8_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, co
 #else
   const bool fast = false;
 #endif
-  at::parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < s.M; m0 += kRowChunk) {
-      const int64_t m1 = std::min(s.M, m0 + kRowChunk);
-      for (int64_t panel = begin; panel < end; ++panel) {
-        const int64_t n0 = panel * kPanel, columns = std::min(kPanel, s.N - n0);
-        const int8_t* wp = ws + panel * panel_size;
-        const float* bp = bias ? bias + n0 : nullptr;
-        if (!fast) {
-          w8a8_portable_panel(xq.data() + m0 * Kp, Kp, x_scale.data() + m0, wp, s.groups, compensation + n0,
-                              w_scale + n0, bp, ys + m0 * s.N + n0, s.N, m1 - m0, columns);
-          continue;
-        }
+  for_each_panel(s, fast ? kRowsW8A8 : kRowChunk, [&](int64_t m, int64_t rows, int64_t panel, int64_t n0,
+                                                      int64_t columns) {
+    const int8_t* wp = ws + panel * panel_size;
+    const float* bp = bias ? bias + n0 : nullptr;
 #if defined(KVLOOM_VNNI_DOT)
-        for (int64_t m = m0; m < m1; m += kRowsW8A8) {
-          const int64_t rows = std::min(kRowsW8A8, m1 - m);
-          kW8A8Kernels<T>[rows](xq.data() + m * Kp, Kp, x_scale.data() + m, wp, s.groups, compensation + n0,
-                                w_scale + n0, bp, ys + m * s.N + n0, s.N, columns);
-        }
-#endif
-      }
+    if (fast) {
+      kW8A8Kernels<T>[rows](xq.data() + m * Kp, Kp, x_scale.data() + m, wp, s.groups, compensation + n0,
+                            w_scale + n0, bp, ys + m * s.N + n0, s.N, columns);
+      return;
     }
+#endif
+    w8a8_portable_panel(xq.data() + m * Kp, Kp, x_scale.data() + m, wp, s.groups, compensation + n0, w_scale + n0,
+                        bp, ys + m * s.N + n0, s.N, rows, columns);
   });
 }
 
@@ -288,7 +336,7 @@ void w8a8_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, co
 void gemm_w8a8(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor compensation, at::Tensor scale,
                c10::optional<at::Tensor> bias, bool portable) {
   const float* bs;
-  const Shapes s = check_arguments("gemm_w8a8", y, x, packed, scale, bias, &bs);
+  const Shapes s = check_arguments("gemm_w8a8", y, x, packed, scale, false, bias, &bs);
   TORCH_CHECK(compensation.scalar_type() == at::kInt && compensation.is_contiguous() && compensation.numel() == s.N,
               "gemm_w8a8: compensation must be a contiguous int32 [N]");
   TORCH_CHECK(s.K <= kMaxW8A8K, "gemm_w8a8: K = ", s.K, " is more than the ", kMaxW8A8K,
@@ -404,7 +452,7 @@ void weight_only_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
   const bool copy = kSplit || s.K % kGroup != 0;
   std::vector<c10::BFloat16> hi(copy && !portable ? s.M * Kp : 0), lo(kSplit && !portable ? s.M * Kp : 0);
   if (copy && !portable) {
-    at::parallel_for(0, s.M, 16, [&](int64_t begin, int64_t end) {
+    parallel_for(0, s.M, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         const T* xr = xs + m * x.stride(0);
         for (int64_t k = 0; k < Kp; k += 16) {
@@ -427,27 +475,19 @@ void weight_only_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
   const bool fast = false;
   (void)portable;
 #endif
-  at::parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < s.M; m0 += kRowChunk) {
-      const int64_t m1 = std::min(s.M, m0 + kRowChunk);
-      for (int64_t panel = begin; panel < end; ++panel) {
-        const int64_t n0 = panel * kPanel, columns = std::min(kPanel, s.N - n0);
-        const int8_t* wp = ws + panel * panel_size;
-        const float* bp = bias ? bias + n0 : nullptr;
-        if (!fast) {
-          weight_only_portable_panel(xs + m0 * x.stride(0), x.stride(0), s.K, wp, w_scale + n0, bp,
-                                     ys + m0 * s.N + n0, s.N, m1 - m0, columns);
-          continue;
-        }
+  for_each_panel(s, fast ? kRowsWeightOnly : kRowChunk, [&](int64_t m, int64_t rows, int64_t panel, int64_t n0,
+                                                            int64_t columns) {
+    const int8_t* wp = ws + panel * panel_size;
+    const float* bp = bias ? bias + n0 : nullptr;
 #if defined(KVLOOM_BF16_DOT)
-        for (int64_t m = m0; m < m1; m += kRowsWeightOnly) {
-          const int64_t rows = std::min(kRowsWeightOnly, m1 - m);
-          kWeightOnlyKernels<kSplit, T>[rows](x_hi + m * ld_hi, kSplit ? lo.data() + m * Kp : nullptr, ld_hi, wp,
-                                              s.groups, w_scale + n0, bp, ys + m * s.N + n0, s.N, columns);
-        }
-#endif
-      }
+    if (fast) {
+      kWeightOnlyKernels<kSplit, T>[rows](x_hi + m * ld_hi, kSplit ? lo.data() + m * Kp : nullptr, ld_hi, wp,
+                                          s.groups, w_scale + n0, bp, ys + m * s.N + n0, s.N, columns);
+      return;
     }
+#endif
+    weight_only_portable_panel(xs + m * x.stride(0), x.stride(0), s.K, wp, w_scale + n0, bp, ys + m * s.N + n0, s.N,
+                               rows, columns);
   });
 }
 
@@ -455,7 +495,7 @@ void weight_only_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
 void gemm_int8_weight_only(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale,
                            c10::optional<at::Tensor> bias, bool portable) {
   const float* bs;
-  const Shapes s = check_arguments("gemm_int8_weight_only", y, x, packed, scale, bias, &bs);
+  const Shapes s = check_arguments("gemm_int8_weight_only", y, x, packed, scale, false, bias, &bs);
   if (s.M == 0 || s.N == 0) return;
   dispatch_float(x, "gemm_int8_weight_only", [&](auto tag) {
     using T = decltype(tag);
@@ -463,8 +503,148 @@ void gemm_int8_weight_only(at::Tensor y, at::Tensor x, at::Tensor packed, at::Te
   });
 }
 
-// Which fast kernels this build holds: bit 0 the W8A8 one (AVX512-VNNI), bit 1 the weight-only one
-// (AVX512-BF16). The ops run on plain loops wherever a bit is missing.
+// ---- W8A8 on blocks -------------------------------------------------------------------------------
+// xq: s8 rows of K codes; x_scale, x_sum: the rows' block scales and sums of codes (ldxs = blocks a
+// row); panel: the weight as u8 (q + 128) in pack_int8_weight's layout; w_scale: the panel's
+// [blocks][48] (zero past the real columns).
+#if defined(KVLOOM_VNNI_DOT)
+template <int R, typename T>
+inline void w8a8_blocks_kernel(const int8_t* xq, int64_t ldq, const float* x_scale, const int32_t* x_sum,
+                               int64_t ldxs, const uint8_t* panel, int64_t blocks, const float* w_scale,
+                               const float* bias, T* y, int64_t ldy, int64_t columns) {
+  __m512 acc[R][kPanelVecs];
+  KVLOOM_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVLOOM_UNROLL
+    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i sums[R][kPanelVecs];
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m512i start = _mm512_set1_epi32(-kShift * x_sum[r * ldxs + b]);  // takes the weight's shift out
+      KVLOOM_UNROLL
+      for (int v = 0; v < kPanelVecs; ++v) sums[r][v] = start;
+    }
+    const uint8_t* wb = panel + b * kGroupsPerBlock * kGroupBytes;
+    KVLOOM_UNROLL
+    for (int64_t j = 0; j < kGroupsPerBlock; ++j) {
+      __m512i wv[kPanelVecs];
+      KVLOOM_UNROLL
+      for (int v = 0; v < kPanelVecs; ++v) wv[v] = _mm512_loadu_si512(wb + j * kGroupBytes + v * 64);
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        int32_t word;
+        std::memcpy(&word, xq + r * ldq + (b * kGroupsPerBlock + j) * kGroup, sizeof(word));
+        const __m512i xv = _mm512_set1_epi32(word);
+        KVLOOM_UNROLL
+        for (int v = 0; v < kPanelVecs; ++v) sums[r][v] = _mm512_dpbusd_epi32(sums[r][v], wv[v], xv);
+      }
+    }
+    KVLOOM_UNROLL
+    for (int v = 0; v < kPanelVecs; ++v) {
+      const __m512 ws = _mm512_loadu_ps(w_scale + b * kPanel + v * 16);
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(x_scale[r * ldxs + b]));
+        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][v]), s, acc[r][v]);
+      }
+    }
+  }
+  KVLOOM_UNROLL
+  for (int v = 0; v < kPanelVecs; ++v) {
+    const int64_t left = columns - v * 16;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + v * 16) : _mm512_setzero_ps();
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) store_columns(y + r * ldy + v * 16, mask, _mm512_add_ps(acc[r][v], bv));
+  }
+}
+
+template <typename T>
+using W8A8BlocksKernel = void (*)(const int8_t*, int64_t, const float*, const int32_t*, int64_t, const uint8_t*,
+                                  int64_t, const float*, const float*, T*, int64_t, int64_t);
+
+template <typename T>
+constexpr W8A8BlocksKernel<T> kW8A8BlocksKernels[kRowsBlocks + 1] = {
+    nullptr, &w8a8_blocks_kernel<1, T>, &w8a8_blocks_kernel<2, T>, &w8a8_blocks_kernel<3, T>,
+    &w8a8_blocks_kernel<4, T>};
+#endif
+
+// The same integers and the same fp32 operations in the same order (bit for bit).
+template <typename T>
+void w8a8_blocks_portable_panel(const int8_t* xq, int64_t ldq, const float* x_scale, const int32_t* x_sum,
+                                int64_t ldxs, const uint8_t* panel, int64_t blocks, const float* w_scale,
+                                const float* bias, T* y, int64_t ldy, int64_t rows, int64_t columns) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[kPanel] = {};
+    const int8_t* xr = xq + r * ldq;
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t sums[kPanel];
+      std::fill(sums, sums + kPanel, -kShift * x_sum[r * ldxs + b]);
+      for (int64_t g = b * kGroupsPerBlock; g < (b + 1) * kGroupsPerBlock; ++g) {
+        const uint8_t* w = panel + g * kGroupBytes;
+        for (int64_t c = 0; c < kPanel; ++c)
+          for (int64_t i = 0; i < kGroup; ++i) sums[c] += int32_t(w[c * kGroup + i]) * int32_t(xr[g * kGroup + i]);
+      }
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const float s = w_scale[b * kPanel + c] * x_scale[r * ldxs + b];
+        acc[c] = std::fma(static_cast<float>(sums[c]), s, acc[c]);
+      }
+    }
+    for (int64_t c = 0; c < columns; ++c) y[r * ldy + c] = static_cast<T>(acc[c] + (bias ? bias[c] : 0.0f));
+  }
+}
+
+template <typename T>
+void w8a8_blocks_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const float* w_scale,
+                       const float* bias, const Shapes& s, bool portable) {
+  const int64_t blocks = s.K / kBlock;
+  std::vector<int8_t> xq(s.M * s.K);
+  std::vector<float> x_scale(s.M * blocks);
+  std::vector<int32_t> x_sum(s.M * blocks);
+  quantize_rows<T>(x, s, kBlock, 0, reinterpret_cast<uint8_t*>(xq.data()), x_scale.data(), x_sum.data(), portable);
+  const auto* ws = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
+  T* ys = y.data_ptr<T>();
+  const int64_t panel_size = s.groups * kGroupBytes, scales_size = blocks * kPanel;
+#if defined(KVLOOM_VNNI_DOT)
+  const bool fast = !portable;
+#else
+  const bool fast = false;
+#endif
+  for_each_panel(s, fast ? kRowsBlocks : kRowChunk, [&](int64_t m, int64_t rows, int64_t panel, int64_t n0,
+                                                        int64_t columns) {
+    const uint8_t* wp = ws + panel * panel_size;
+    const float* sp = w_scale + panel * scales_size;
+    const float* bp = bias ? bias + n0 : nullptr;
+#if defined(KVLOOM_VNNI_DOT)
+    if (fast) {
+      kW8A8BlocksKernels<T>[rows](xq.data() + m * s.K, s.K, x_scale.data() + m * blocks, x_sum.data() + m * blocks,
+                                  blocks, wp, blocks, sp, bp, ys + m * s.N + n0, s.N, columns);
+      return;
+    }
+#endif
+    w8a8_blocks_portable_panel(xq.data() + m * s.K, s.K, x_scale.data() + m * blocks, x_sum.data() + m * blocks,
+                               blocks, wp, blocks, sp, bp, ys + m * s.N + n0, s.N, rows, columns);
+  });
+}
+
+// y = the W8A8 product on blocks (+ bias). x: [M, K] float32 or bfloat16 (K a multiple of 32), rows
+// contiguous; packed: pack_int8_weight's [N, K] layout of q + 128 (int8 storage of the u8 bits);
+// scale: float32 block scales packed [panels, K / 32, 48]; bias: float32 [N]; y: [M, N] in x's dtype.
+void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
+                      bool portable) {
+  const float* bs;
+  const Shapes s = check_arguments("gemm_w8a8_blocks", y, x, packed, scale, true, bias, &bs);
+  if (s.M == 0 || s.N == 0) return;
+  dispatch_float(x, "gemm_w8a8_blocks", [&](auto tag) {
+    using T = decltype(tag);
+    w8a8_blocks_typed<T>(y, x, packed, scale.data_ptr<float>(), bs, s, portable);
+  });
+}
+
+// Which fast kernels this build holds: bit 0 the W8A8 ones, per token and on blocks (AVX512-VNNI),
+// bit 1 the weight-only one (AVX512-BF16). The ops run on plain loops wherever a bit is missing.
 int64_t int8_gemm_kernels() {
   int64_t flags = 0;
 #if defined(KVLOOM_VNNI_DOT)
@@ -483,10 +663,13 @@ TORCH_LIBRARY_FRAGMENT(kvloom, m) {
         "bool portable=False) -> ()");
   m.def("gemm_int8_weight_only(Tensor(a!) y, Tensor x, Tensor packed, Tensor scale, Tensor? bias, "
         "bool portable=False) -> ()");
+  m.def("gemm_w8a8_blocks(Tensor(a!) y, Tensor x, Tensor packed, Tensor scale, Tensor? bias, bool portable=False) "
+        "-> ()");
   m.def("int8_gemm_kernels() -> int", &int8_gemm_kernels);
 }
 
 TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
   m.impl("gemm_w8a8", &gemm_w8a8);
   m.impl("gemm_int8_weight_only", &gemm_int8_weight_only);
+  m.impl("gemm_w8a8_blocks", &gemm_w8a8_blocks);
 }
