@@ -264,7 +264,10 @@ def test_eagle_guesses_equal_a_plain_torch_head_and_greedy_output_is_unchanged(
     with open(f"{eagle_heads[head]}/config.json") as f:
         config = json.load(f)
     weights = load_file(f"{eagle_heads[head]}/model.safetensors")
-    assert len(records) > 30
+    # The random head's guesses fail, so requests back off to re-probes (spec_decode/adaptive.py): a probe's
+    # first pass catches the head's KV up over the tokens since its last one, and must guess as the whole
+    # sequence does.
+    assert len(records) >= 16
     for tokens, guesses in records[len(records) // 2 - 4:len(records) // 2 + 4]:  # prefix hits among them
         assert guesses == _reference_eagle_guesses(hf_target, weights, config, method, tokens, 3)[:len(guesses)]
 

@@ -132,11 +132,14 @@ def test_scheduler_schedules_the_runners_drafts_and_reserves_lookahead_slots() -
     assert (out.scheduled[0].token_ids, out.scheduled[0].num_draft_tokens) == ([30], 0)  # one output left
 
 
-def test_prefix_hits_for_eagle_are_served_one_block_short() -> None:
-    """EAGLE's KV at a block's last position depends on the next token: the last hit block is recomputed."""
-    for drop, expected in ((False, 8), (True, 4)):
-        kv = KVCacheManager(num_blocks=16, block_size=4, drop_last_hit_block=drop)
+def test_for_eagle_a_block_is_named_with_the_token_after_it() -> None:
+    """EAGLE's KV at a block's last position depends on the next token: a block filled by a request that went on
+    with another token is no hit (and the last known token is never served from the cache)."""
+    for with_next, same_next, diverging in ((False, 8, 8), (True, 8, 4)):
+        kv = KVCacheManager(num_blocks=16, block_size=4, name_with_next_token=with_next)
         first = Request("a", list(range(11)), SamplingParams(max_tokens=1))
         assert kv.allocate_slots(first, 11)
         second = Request("b", list(range(10)) + [99], SamplingParams(max_tokens=1))
-        assert kv.get_computed_blocks(second)[1] == expected
+        assert kv.get_computed_blocks(second)[1] == same_next  # blocks 0-3 and 4-7, each followed as in "a"
+        third = Request("c", list(range(8)) + [99, 9, 10], SamplingParams(max_tokens=1))
+        assert kv.get_computed_blocks(third)[1] == diverging  # block 4-7 was followed by 8, here by 99

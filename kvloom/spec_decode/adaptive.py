@@ -1,0 +1,142 @@
+"""Adaptive speculation: how many drafts each request gets this step (``k_eff``, 0 .. num_speculative_tokens).
+
+One mechanism for every method. The scheduler asks it before n-gram lookup, and before the runner's draft
+model / EAGLE head guesses (the scheduler sends each request's ``k_eff`` with the step, so a request at 0
+costs no draft pass and the passes are the batch's largest ``k_eff``).
+
+**Per request: what its drafts are worth.** Drafts are modelled as accepted one after another, each with
+the request's acceptance rate ``a`` (given the one before it was). A step with ``k`` drafts that accepts
+``m`` of them saw ``m`` acceptances and, when ``m < k``, one rejection; the estimate is the ratio of
+discounted counts (each observation scales the old counts by ``DECAY``, so about the last five steps with
+drafts count), starting from one acceptance and one rejection (``a = 0.5``). Draft ``j`` is emitted only if
+drafts 1 .. j all hold, so it adds ``a ** j`` expected tokens.
+
+**Per step: what a draft costs.** Each draft is one more token the target verifies (and, for a draft model,
+one more guess). The engine reports every decode step's tokens and seconds; a least-squares line through
+the recent ones, ``seconds = fixed + cost_per_token * tokens``, gives the cost of one more token, and the
+same steps give the tokens per second the engine is making, ``throughput``. One more draft delays every
+request in the step by ``cost_per_token`` seconds, which would have made ``cost_per_token * throughput``
+tokens: that is ``threshold``, the expected tokens a draft must add to pay. So
+
+    k_eff = the largest j <= num_speculative_tokens with a ** j >= threshold   (0 when a < threshold)
+
+The arithmetic on this 2-core CPU (SmolLM2-135M, bf16): at batch 1 a decode step is ~10 ms and each extra
+token ~0.6 ms, at ~100 tok/s: threshold ~0.06, so a copying request (a ~0.9) keeps k = 4 and a request
+whose drafts hold a third of the time gets 2. At batch 64 the step is compute-bound: ~1 ms per token at
+~850 tok/s gives a threshold of ~0.8, so only drafts that nearly always hold are proposed; the batch-size
+cut-off emerges from the measurement (``disable_by_batch_size``, vLLM's key, is the explicit one).
+
+**Backing off.** A request at ``k_eff = 0`` makes no observations, so it is re-probed: after
+``MIN_PROBE_INTERVAL`` steps it gets one draft; each failed probe doubles the wait (to
+``MAX_PROBE_INTERVAL``), an accepted draft resets it. n-gram lookup itself is skipped while backed off.
+
+**Seeded requests.** Which drafts a sampled request is offered changes its tokens (not their distribution),
+and the measured threshold depends on timing and on the batch; so a request with a seed uses the fixed
+``PRIOR_THRESHOLD`` and its own history only, and stays reproducible (greedy tokens never depend on drafts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DECAY = 0.8  # the weight of the older observations at each new one
+PRIOR_THRESHOLD = 0.1  # before any measurement, and for seeded requests
+MIN_THRESHOLD = 0.02  # noise can make a draft look free; none is (a lookup, a longer step)
+MIN_PROBE_INTERVAL = 4
+MAX_PROBE_INTERVAL = 128
+STEP_DECAY = 0.97  # the weight of older steps in the cost fit (about the last 30 steps)
+MIN_TOKEN_VARIANCE = 0.2  # the fit's tokens must vary at least this much to give a slope
+
+
+@dataclass
+class DraftStats:
+    """One request's record of how its drafts fared (kept on its Request)."""
+
+    accepted: float = 1.0  # discounted drafts accepted
+    rejected: float = 1.0  # discounted first rejections
+    steps_to_probe: int = 0  # while backed off: steps before the next probe
+    probe_interval: int = MIN_PROBE_INTERVAL
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """A step verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""
+        if num_drafts <= 0:
+            return
+        self.accepted = DECAY * self.accepted + num_accepted
+        self.rejected = DECAY * self.rejected + (1 if num_accepted < num_drafts else 0)
+        if num_accepted:
+            self.probe_interval = MIN_PROBE_INTERVAL
+
+
+class SpeculationController:
+    """Chooses ``k_eff`` per request and step (module docstring); no torch, owned by the scheduler."""
+
+    def __init__(self, num_speculative_tokens: int, disable_by_batch_size: int | None = None) -> None:
+        self.k = num_speculative_tokens
+        self.disable_by_batch_size = disable_by_batch_size
+        self.adaptive = True  # False: always k (what tests of a proposer's drafts and benchmarks compare with)
+        # Discounted sums over decode steps: weight, tokens, seconds, tokens^2, tokens*seconds, outputs.
+        self._w = self._x = self._y = self._xx = self._xy = self._out = 0.0
+        self.cost_per_token: float | None = None  # seconds, once measured
+        self.throughput: float | None = None  # output tokens per second of the recent decode steps
+
+    # ---- cost -----------------------------------------------------------------------------------
+    def record_step(self, num_tokens: int, num_output_tokens: int, seconds: float) -> None:
+        """A decode step (no prompt tokens) computed ``num_tokens`` tokens (drafts included) and emitted
+        ``num_output_tokens`` in ``seconds``."""
+        d = STEP_DECAY
+        self._w = d * self._w + 1.0
+        self._x = d * self._x + num_tokens
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + num_tokens * num_tokens
+        self._xy = d * self._xy + num_tokens * seconds
+        self._out = d * self._out + num_output_tokens
+        mean_x = self._x / self._w
+        variance = self._xx / self._w - mean_x * mean_x
+        if variance >= MIN_TOKEN_VARIANCE:  # else keep the last slope: all steps had the same size
+            slope = (self._xy / self._w - mean_x * self._y / self._w) / variance
+            self.cost_per_token = max(slope, 0.0)
+        if self._y > 0:
+            self.throughput = self._out / self._y
+
+    @property
+    def threshold(self) -> float:
+        """Expected tokens a draft must add to pay for itself (module docstring)."""
+        if self.cost_per_token is None or self.throughput is None:
+            return PRIOR_THRESHOLD
+        return max(self.cost_per_token * self.throughput, MIN_THRESHOLD)
+
+    # ---- choice ---------------------------------------------------------------------------------
+    def num_drafts(self, stats: DraftStats, num_running: int, seeded: bool = False) -> int:
+        """``k_eff`` for one request this step; call once per request and step (it counts the wait to a
+        probe)."""
+        if self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size:
+            return 0
+        if not self.adaptive:
+            return self.k
+        threshold = PRIOR_THRESHOLD if seeded else self.threshold
+        k = drafts_worth_proposing(stats.acceptance_rate, threshold, self.k)
+        if k:
+            return k
+        if threshold >= 1.0:
+            return 0  # no draft can pay: not even a probe
+        if stats.steps_to_probe > 0:
+            stats.steps_to_probe -= 1
+            return 0
+        stats.steps_to_probe = stats.probe_interval
+        stats.probe_interval = min(2 * stats.probe_interval, MAX_PROBE_INTERVAL)
+        return 1
+
+
+def drafts_worth_proposing(acceptance_rate: float, threshold: float, max_drafts: int) -> int:
+    """The largest j <= max_drafts with acceptance_rate ** j >= threshold (0 if none)."""
+    k, gain = 0, 1.0
+    while k < max_drafts:
+        gain *= acceptance_rate
+        if gain < threshold:
+            break
+        k += 1
+    return k
