@@ -8,7 +8,7 @@ costs no draft pass and the passes are the batch's largest ``k_eff``).
 the request's acceptance rate ``a`` (given the one before it was). A step with ``k`` drafts that accepts
 ``m`` of them saw ``m`` acceptances and, when ``m < k``, one rejection; the estimate is the ratio of
 discounted counts (each observation scales the old counts by ``DECAY``, so about the last five steps with
-drafts count), starting from one acceptance and one rejection (``a = 0.5``). Draft ``j`` is emitted only if
+drafts count), starting from two acceptances and one rejection (``a = 2/3``). Draft ``j`` is emitted only if
 drafts 1 .. j all hold, so it adds ``a ** j`` expected tokens.
 
 **Per step: what a draft costs.** Each draft is one more token the target verifies (and, for a draft model,
@@ -27,7 +27,7 @@ whose drafts hold a third of the time gets 2. At batch 64 the step is compute-bo
 cut-off emerges from the measurement (``disable_by_batch_size``, vLLM's key, is the explicit one).
 
 **Backing off.** A request at ``k_eff = 0`` makes no observations, so it is re-probed: after
-``MIN_PROBE_INTERVAL`` steps it gets one draft; each failed probe doubles the wait (to
+``MIN_PROBE_INTERVAL`` steps (a new one too) it gets one draft; each failed probe doubles the wait (to
 ``MAX_PROBE_INTERVAL``), an accepted draft resets it. n-gram lookup itself is skipped while backed off.
 
 **Seeded requests.** Which drafts a sampled request is offered changes its tokens (not their distribution),
@@ -52,9 +52,11 @@ MIN_TOKEN_VARIANCE = 0.2  # the fit's tokens must vary at least this much to giv
 class DraftStats:
     """One request's record of how its drafts fared (kept on its Request)."""
 
-    accepted: float = 1.0  # discounted drafts accepted
-    rejected: float = 1.0  # discounted first rejections
-    steps_to_probe: int = 0  # while backed off: steps before the next probe
+    # Discounted drafts accepted and first rejections; the prior (a = 2/3) tries a new request's drafts at
+    # k = 4 with the prior threshold, and at none where a draft must nearly always hold (large batches).
+    accepted: float = 2.0
+    rejected: float = 1.0
+    steps_to_probe: int = MIN_PROBE_INTERVAL  # while backed off: steps before the next probe
     probe_interval: int = MIN_PROBE_INTERVAL
 
     @property

@@ -378,7 +378,8 @@ class ModelRunner:
         target = logits.view(len(batch.request_ids), batch.max_k + 1, -1)
         return rejection_sample(batch.draft_token_ids, batch.num_drafts, target, None, batch.greedy,
                                 generators=batch.generators, generator=self.generator,
-                                max_drafts=self.config.engine.speculative.num_speculative_tokens)
+                                max_drafts=self.config.engine.speculative.num_speculative_tokens,
+                                all_greedy=batch.metadata is None)
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
