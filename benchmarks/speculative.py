@@ -25,6 +25,7 @@ engine also gives 1.385), ``--batch 1``, k = 4, quiet: copy 0.55x (14 of 316 dra
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -54,8 +55,11 @@ def main() -> int:
     parser.add_argument("--draft-model", default=None, help="the draft model (default: the target itself)")
     parser.add_argument("--eagle-model", default=None, help="the EAGLE head's directory (eagle / eagle3)")
     parser.add_argument("--workload", choices=["copy", "chat"], default="copy")
+    parser.add_argument("--fixed-k", action="store_true",
+                        help="also run each method with adaptive speculation off (k drafts at every step)")
     args = parser.parse_args()
     k = args.num_speculative_tokens
+    print(f"load average at start: {os.getloadavg()}", flush=True)
     configs: dict[str, dict | None] = {"plain": None}
     for method in args.methods:
         if method == "ngram":
@@ -67,6 +71,10 @@ def main() -> int:
             if args.eagle_model is None:
                 parser.error(f"--methods {method} needs --eagle-model")
             configs[method] = {"method": method, "model": args.eagle_model, "num_speculative_tokens": k}
+    if args.fixed_k:
+        for method in args.methods:
+            configs[f"{method}-fixed-k"] = configs[method]
+    names = [name for name in configs if name != "plain"]
     # Copying runs to max_tokens; chat answers stop at EOS (tok/s counts the tokens made).
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.workload == "copy")
     for batch in args.batch:
@@ -77,9 +85,13 @@ def main() -> int:
         rates: dict[str, list[float]] = {name: [] for name in configs}
         tokens: dict[str, list] = {}
         acceptance: dict[str, str] = {}
-        for _ in range(args.repeats):
-            for name, config in configs.items():
+        for repeat in range(args.repeats):
+            # Alternated: A B C, C B A, ... so slow drift of the shared machine falls on every config alike.
+            order = list(configs.items())
+            for name, config in (order if repeat % 2 == 0 else order[::-1]):
                 llm = LLM(model=args.model, max_model_len=512, speculative_config=config)
+                if name.endswith("-fixed-k"):
+                    llm.llm_engine.scheduler.speculation.adaptive = False
                 generate = llm.generate if args.workload == "copy" else llm.chat
                 generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
                 before = llm.llm_engine.scheduler.stats()
@@ -96,15 +108,20 @@ def main() -> int:
                     # drafts it accepted and one token of its own.
                     decoded = made - len(outputs)
                     length = decoded / max(decoded - accepted, 1)
-                    acceptance[name] = (f"{accepted} of {drafted} drafts accepted, mean acceptance length "
-                                        f"{length:.2f}")
+                    steps = stats.num_drafts - before.num_drafts
+                    per_position = [(a - b) / max(steps, 1) for a, b in zip(
+                        stats.num_accepted_tokens_per_pos, before.num_accepted_tokens_per_pos)]
+                    acceptance[name] = (f"{accepted} of {drafted} drafts accepted in {steps} speculated steps "
+                                        f"(per position {', '.join(f'{r:.2f}' for r in per_position)}), mean "
+                                        f"acceptance length {length:.2f}")
         plain = statistics.median(rates["plain"])
         line = [f"batch {batch}: plain {plain:.1f} tok/s ({' / '.join(f'{r:.1f}' for r in rates['plain'])})"]
-        for name in args.methods:
+        for name in names:
             rate = statistics.median(rates[name])
             line.append(f"{name} {rate:.1f} ({' / '.join(f'{r:.1f}' for r in rates[name])}): {rate / plain:.2f}x, "
                         f"{acceptance[name]}, same tokens: {tokens[name] == tokens['plain']}")
         print("; ".join(line), flush=True)
+    print(f"load average at end: {os.getloadavg()}", flush=True)
     return 0
 
 
