@@ -4,7 +4,9 @@ and a check that every method gives the plain engine's tokens.
 
 Workloads (``--workload``): ``copy``, a raw prompt asking to copy a text (n-gram lookup's best case, and
 out of the distribution an EAGLE head trained on chat replies has seen); ``chat``, chat-templated
-questions answered until EOS or ``--max-tokens``, the kind of text train_eagle.py trains and evaluates on.
+questions answered until EOS or ``--max-tokens``, the kind of text train_eagle.py trains and evaluates on;
+``standard``, the throughput benchmark's random-token prompts (kvloom/bench/workload.py: nothing to look
+up), what speculation must not slow down (issue 10: at most 5% at N=64).
 
     .venv/bin/python benchmarks/speculative.py            # n-gram, SmolLM2 on the CPU, batch 1 and 8
     .venv/bin/python benchmarks/speculative.py --batch 1 --repeats 5 --num-speculative-tokens 4
@@ -12,6 +14,7 @@ questions answered until EOS or ``--max-tokens``, the kind of text train_eagle.p
         # draft_model: --draft-model PATH (default: the target itself, which accepts every draft: the upper
         # bound of the acceptance; no smaller SmolLM2 is available offline)
     .venv/bin/python benchmarks/speculative.py --methods eagle --eagle-model HEAD_DIR --workload chat --batch 1
+    .venv/bin/python benchmarks/speculative.py --workload standard --batch 64 --max-tokens 128 --repeats 3
 
 Figures, ``--methods ngram draft_model --batch 1`` (SmolLM2-135M-Instruct bf16 on the 2-core CPU, idle,
 96 tokens, k = 4, medians of 3): plain 69.4 tok/s, ngram 96.2 (1.39x, 29 of 51 drafts accepted),
@@ -30,6 +33,7 @@ import statistics
 import time
 
 from kvloom import LLM, SamplingParams
+from kvloom.bench.workload import make_workload
 
 # Chat questions in the style of train_eagle.py's prompts (not among them).
 QUESTIONS = (
@@ -54,7 +58,8 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft_model", "eagle", "eagle3"])
     parser.add_argument("--draft-model", default=None, help="the draft model (default: the target itself)")
     parser.add_argument("--eagle-model", default=None, help="the EAGLE head's directory (eagle / eagle3)")
-    parser.add_argument("--workload", choices=["copy", "chat"], default="copy")
+    parser.add_argument("--workload", choices=["copy", "chat", "standard"], default="copy")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest --batch")
     parser.add_argument("--fixed-k", action="store_true",
                         help="also run each method with adaptive speculation off (k drafts at every step)")
     args = parser.parse_args()
@@ -75,11 +80,14 @@ def main() -> int:
         for method in args.methods:
             configs[f"{method}-fixed-k"] = configs[method]
     names = [name for name in configs if name != "plain"]
-    # Copying runs to max_tokens; chat answers stop at EOS (tok/s counts the tokens made).
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.workload == "copy")
+    # Copying and the standard workload run to max_tokens; chat answers stop at EOS (tok/s counts the tokens made).
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.workload != "chat")
+    max_num_seqs = args.max_num_seqs or max(args.batch)
     for batch in args.batch:
         if args.workload == "copy":
             prompts = [f"Copy this text exactly, twice:\n{TEXT * (1 + i % 2)}\nCopy:\n" for i in range(batch)]
+        elif args.workload == "standard":
+            prompts = [{"prompt_token_ids": p} for p in make_workload(batch)]  # random ids: nothing to look up
         else:
             prompts = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(batch)]
         rates: dict[str, list[float]] = {name: [] for name in configs}
@@ -89,10 +97,11 @@ def main() -> int:
             # Alternated: A B C, C B A, ... so slow drift of the shared machine falls on every config alike.
             order = list(configs.items())
             for name, config in (order if repeat % 2 == 0 else order[::-1]):
-                llm = LLM(model=args.model, max_model_len=512, speculative_config=config)
+                llm = LLM(model=args.model, max_model_len=512 if args.workload != "standard" else 1024,
+                          max_num_seqs=max_num_seqs, speculative_config=config)
                 if name.endswith("-fixed-k"):
                     llm.llm_engine.scheduler.speculation.adaptive = False
-                generate = llm.generate if args.workload == "copy" else llm.chat
+                generate = llm.chat if args.workload == "chat" else llm.generate
                 generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
                 before = llm.llm_engine.scheduler.stats()
                 start = time.perf_counter()
@@ -118,7 +127,10 @@ def main() -> int:
         line = [f"batch {batch}: plain {plain:.1f} tok/s ({' / '.join(f'{r:.1f}' for r in rates['plain'])})"]
         for name in names:
             rate = statistics.median(rates[name])
-            line.append(f"{name} {rate:.1f} ({' / '.join(f'{r:.1f}' for r in rates[name])}): {rate / plain:.2f}x, "
+            # Each repeat's ratio to the plain engine's run beside it: robust to the machine's slow drift.
+            pairs = [r / p for r, p in zip(rates[name], rates["plain"])]
+            line.append(f"{name} {rate:.1f} ({' / '.join(f'{r:.1f}' for r in rates[name])}): {rate / plain:.2f}x "
+                        f"(per pair {' / '.join(f'{r:.2f}' for r in pairs)}, median {statistics.median(pairs):.2f}x), "
                         f"{acceptance[name]}, same tokens: {tokens[name] == tokens['plain']}")
         print("; ".join(line), flush=True)
     print(f"load average at end: {os.getloadavg()}", flush=True)
