@@ -30,9 +30,14 @@ cut-off emerges from the measurement (``disable_by_batch_size``, vLLM's key, is 
 ``MIN_PROBE_INTERVAL`` steps (a new one too) it gets one draft; each failed probe doubles the wait (to
 ``MAX_PROBE_INTERVAL``), an accepted draft resets it. n-gram lookup itself is skipped while backed off.
 
+Before the engine has timed decode steps of different sizes (at start-up, through the prompts' prefill), the
+threshold is that of a step costing ``PRIOR_FIXED_TOKENS`` tokens' worth plus one per request:
+``num_running / (num_running + 16)``, 0.06 at batch 1 and 0.8 at 64.
+
 **Seeded requests.** Which drafts a sampled request is offered changes its tokens (not their distribution),
 and the measured threshold depends on timing and on the batch; so a request with a seed uses the fixed
-``PRIOR_THRESHOLD`` and its own history only, and stays reproducible (greedy tokens never depend on drafts).
+``PRIOR_THRESHOLD`` (0.1) and its own history only, and stays reproducible whatever shares its batch
+(greedy tokens never depend on drafts).
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DECAY = 0.8  # the weight of the older observations at each new one
-PRIOR_THRESHOLD = 0.1  # before any measurement, and for seeded requests
+PRIOR_THRESHOLD = 0.1  # for seeded requests
+# Before a measurement: a step costs as much as this many tokens besides one token per request (this CPU's
+# batch-1 decode step is ~16 tokens' worth: 10 ms against ~0.6 ms per extra token).
+PRIOR_FIXED_TOKENS = 16
 MIN_THRESHOLD = 0.02  # noise can make a draft look free; none is (a lookup, a longer step)
 MIN_PROBE_INTERVAL = 4
 MAX_PROBE_INTERVAL = 128
@@ -104,11 +112,12 @@ class SpeculationController:
         if self._y > 0:
             self.throughput = self._out / self._y
 
-    @property
-    def threshold(self) -> float:
-        """Expected tokens a draft must add to pay for itself (module docstring)."""
+    def threshold(self, num_running: int = 1) -> float:
+        """Expected tokens a draft must add to pay for itself (module docstring). Until decode steps of more
+        than one size were timed: a step of ``PRIOR_FIXED_TOKENS``' worth of fixed cost plus one token's per
+        request, i.e. ``num_running / (num_running + PRIOR_FIXED_TOKENS)``."""
         if self.cost_per_token is None or self.throughput is None:
-            return PRIOR_THRESHOLD
+            return max(num_running / (num_running + PRIOR_FIXED_TOKENS), MIN_THRESHOLD)
         return max(self.cost_per_token * self.throughput, MIN_THRESHOLD)
 
     # ---- choice ---------------------------------------------------------------------------------
@@ -119,7 +128,7 @@ class SpeculationController:
             return 0
         if not self.adaptive:
             return self.k
-        threshold = PRIOR_THRESHOLD if seeded else self.threshold
+        threshold = PRIOR_THRESHOLD if seeded else self.threshold(num_running)
         k = drafts_worth_proposing(stats.acceptance_rate, threshold, self.k)
         if k:
             return k

@@ -214,21 +214,22 @@ def test_a_backed_off_request_whose_probe_holds_returns_to_k() -> None:
 
 
 def test_drafts_pay_when_their_expected_tokens_exceed_the_measured_cost() -> None:
-    from kvloom.spec_decode.adaptive import PRIOR_THRESHOLD, DraftStats, SpeculationController
+    from kvloom.spec_decode.adaptive import DraftStats, SpeculationController
 
     controller = SpeculationController(num_speculative_tokens=4)
-    assert controller.threshold == PRIOR_THRESHOLD
+    # Unmeasured: a step is taken to cost 16 tokens' worth besides one per request.
+    assert controller.threshold(num_running=1) == 1 / 17 and controller.threshold(num_running=64) == 0.8
     # Batch 1, memory-bound: 10 ms a step and 0.5 ms per extra token, one token out per step.
     for n in (1, 5, 1, 3, 1, 5, 2, 1) * 4:
         controller.record_step(n, 1, 0.010 + 0.0005 * n)
     assert abs(controller.cost_per_token - 0.0005) < 1e-9
-    assert 0.04 < controller.threshold < 0.05  # 0.5 ms at ~95 tok/s
+    assert 0.04 < controller.threshold() < 0.05  # 0.5 ms at ~95 tok/s
     assert controller.num_drafts(DraftStats(accepted=1, rejected=2), num_running=1) == 2  # 1/3, 1/9 > 0.048
     # Batch 64, compute-bound: every token costs about what a request's share of the step does.
     controller = SpeculationController(num_speculative_tokens=4)
     for n in (64, 128, 64, 96, 64, 192) * 4:
         controller.record_step(n, n, 0.010 + 0.001 * n)  # every draft accepted: n tokens out
-    assert controller.threshold > 0.8
+    assert controller.threshold() > 0.8
     assert controller.num_drafts(DraftStats(accepted=2, rejected=1), num_running=64) == 0
     assert controller.num_drafts(DraftStats(accepted=99, rejected=1), num_running=64) == 4  # a = 0.99
     # A seeded request does not follow the measurement (its tokens would depend on timing).
