@@ -108,6 +108,8 @@ def main() -> int:
                 outputs = generate(prompts, params, use_tqdm=False)
                 made = sum(len(o.outputs[0].token_ids) for o in outputs)
                 rates[name].append(made / (time.perf_counter() - start))
+                print(f"  batch {batch} repeat {repeat + 1} {name}: {rates[name][-1]:.1f} tok/s, load "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
                 tokens[name] = [o.outputs[0].token_ids for o in outputs]
                 if config is not None:
                     stats = llm.llm_engine.scheduler.stats()
