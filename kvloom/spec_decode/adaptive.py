@@ -4,12 +4,13 @@ One mechanism for every method. The scheduler asks it before n-gram lookup, and 
 model / EAGLE head guesses (the scheduler sends each request's ``k_eff`` with the step, so a request at 0
 costs no draft pass and the passes are the batch's largest ``k_eff``).
 
-**Per request: what its drafts are worth.** Drafts are modelled as accepted one after another, each with
-the request's acceptance rate ``a`` (given the one before it was). A step with ``k`` drafts that accepts
-``m`` of them saw ``m`` acceptances and, when ``m < k``, one rejection; the estimate is the ratio of
-discounted counts (each observation scales the old counts by ``DECAY``, so about the last five steps with
-drafts count), starting from two acceptances and one rejection (``a = 2/3``). Draft ``j`` is emitted only if
-drafts 1 .. j all hold, so it adds ``a ** j`` expected tokens.
+**Per request: what its drafts are worth.** Draft ``j`` is emitted only if drafts 1 .. j all hold. Two
+rates per request model that chance: ``first``, that its first draft holds, and ``later``, that a later draft
+holds given the one before it did (copying is all-or-nothing: both high; a loop that lookup half-predicts:
+``first`` high, ``later`` lower). So draft j adds ``first * later ** (j - 1)`` expected tokens. Each rate is
+a ratio of discounted counts (each observation scales the old ones by ``DECAY``: about the last five steps
+with drafts count), starting from two holds in three tries (2/3). A step with ``k`` drafts that accepts
+``m`` tried the first draft once and later drafts ``min(m, k - 1)`` times.
 
 **Per step: what a draft costs.** Each draft is one more token the target verifies (and, for a draft model,
 one more guess). The engine reports every decode step's tokens and seconds; a least-squares line through
@@ -18,17 +19,19 @@ same steps give the tokens per second the engine is making, ``throughput``. One 
 request in the step by ``cost_per_token`` seconds, which would have made ``cost_per_token * throughput``
 tokens: that is ``threshold``, the expected tokens a draft must add to pay. So
 
-    k_eff = the largest j <= num_speculative_tokens with a ** j >= threshold   (0 when a < threshold)
+    k_eff = the largest j <= num_speculative_tokens with first * later ** (j - 1) >= threshold
 
 The arithmetic on this 2-core CPU (SmolLM2-135M, bf16): at batch 1 a decode step is ~10 ms and each extra
-token ~0.6 ms, at ~100 tok/s: threshold ~0.06, so a copying request (a ~0.9) keeps k = 4 and a request
-whose drafts hold a third of the time gets 2. At batch 64 the step is compute-bound: ~1 ms per token at
-~850 tok/s gives a threshold of ~0.8, so only drafts that nearly always hold are proposed; the batch-size
+token ~0.6 ms, at ~100 tok/s: threshold ~0.06, so a copying request (rates ~0.9) keeps k = 4 and one whose
+drafts hold a third of the time gets 2. At batch 64 the step is compute-bound: ~1 ms per token at ~850
+tok/s gives a threshold of ~0.8, so only drafts that nearly always hold are proposed; the batch-size
 cut-off emerges from the measurement (``disable_by_batch_size``, vLLM's key, is the explicit one).
 
-**Backing off.** A request at ``k_eff = 0`` makes no observations, so it is re-probed: after
-``MIN_PROBE_INTERVAL`` steps (a new one too) it gets one draft; each failed probe doubles the wait (to
-``MAX_PROBE_INTERVAL``), an accepted draft resets it. n-gram lookup itself is skipped while backed off.
+**Backing off and probing.** A request below k makes no observations of the drafts it does not get, so
+every so often it gets one more than worth it: at ``k_eff = 0`` one draft (n-gram lookup is skipped
+meanwhile), above it ``k_eff + 1``. The first probe comes ``MIN_PROBE_INTERVAL`` steps after a request falls
+below k (or starts there); each probe that does not hold entirely doubles the wait (to
+``MAX_PROBE_INTERVAL``), one that does resets it.
 
 Before the engine has timed decode steps of different sizes (at start-up, through the prompts' prefill), the
 threshold is that of a step costing ``PRIOR_FIXED_TOKENS`` tokens' worth plus one per request:
@@ -60,24 +63,37 @@ MIN_TOKEN_VARIANCE = 0.2  # the fit's tokens must vary at least this much to giv
 class DraftStats:
     """One request's record of how its drafts fared (kept on its Request)."""
 
-    # Discounted drafts accepted and first rejections; the prior (a = 2/3) tries a new request's drafts at
-    # k = 4 with the prior threshold, and at none where a draft must nearly always hold (large batches).
-    accepted: float = 2.0
-    rejected: float = 1.0
-    steps_to_probe: int = MIN_PROBE_INTERVAL  # while backed off: steps before the next probe
+    # Discounted (holds, tries) of its first drafts and of its later ones; the prior (2/3 each) tries a new
+    # request at k = 3..4 with the prior threshold at batch 1, and at none at large batches.
+    first_held: float = 2.0
+    first_tried: float = 3.0
+    later_held: float = 2.0
+    later_tried: float = 3.0
+    steps_to_probe: int = MIN_PROBE_INTERVAL  # below k: steps before the next probe
     probe_interval: int = MIN_PROBE_INTERVAL
 
     @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+    def first_rate(self) -> float:
+        return self.first_held / self.first_tried
+
+    @property
+    def later_rate(self) -> float:
+        return self.later_held / self.later_tried
+
+    def expected_tokens(self, j: int) -> float:
+        """The chance that drafts 1 .. j all hold: what draft j adds."""
+        return self.first_rate * self.later_rate ** (j - 1)
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """A step verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""
         if num_drafts <= 0:
             return
-        self.accepted = DECAY * self.accepted + num_accepted
-        self.rejected = DECAY * self.rejected + (1 if num_accepted < num_drafts else 0)
-        if num_accepted:
+        self.first_held = DECAY * self.first_held + (1 if num_accepted else 0)
+        self.first_tried = DECAY * self.first_tried + 1
+        later = min(num_accepted, num_drafts - 1)  # drafts 2.. tried: those after a held one
+        self.later_held = DECAY * self.later_held + max(num_accepted - 1, 0)
+        self.later_tried = DECAY * self.later_tried + later
+        if num_accepted == num_drafts:
             self.probe_interval = MIN_PROBE_INTERVAL
 
 
@@ -129,25 +145,23 @@ class SpeculationController:
         if not self.adaptive:
             return self.k
         threshold = PRIOR_THRESHOLD if seeded else self.threshold(num_running)
-        k = drafts_worth_proposing(stats.acceptance_rate, threshold, self.k)
-        if k:
+        k = drafts_worth_proposing(stats, threshold, self.k)
+        if k == self.k:
+            stats.steps_to_probe = MIN_PROBE_INTERVAL  # the wait starts when it falls below k
             return k
         if threshold >= 1.0:
             return 0  # no draft can pay: not even a probe
         if stats.steps_to_probe > 0:
             stats.steps_to_probe -= 1
-            return 0
+            return k
         stats.steps_to_probe = stats.probe_interval
         stats.probe_interval = min(2 * stats.probe_interval, MAX_PROBE_INTERVAL)
-        return 1
+        return k + 1
 
 
-def drafts_worth_proposing(acceptance_rate: float, threshold: float, max_drafts: int) -> int:
-    """The largest j <= max_drafts with acceptance_rate ** j >= threshold (0 if none)."""
-    k, gain = 0, 1.0
-    while k < max_drafts:
-        gain *= acceptance_rate
-        if gain < threshold:
-            break
+def drafts_worth_proposing(stats: DraftStats, threshold: float, max_drafts: int) -> int:
+    """The largest j <= max_drafts whose draft adds at least ``threshold`` expected tokens (0 if none)."""
+    k = 0
+    while k < max_drafts and stats.expected_tokens(k + 1) >= threshold:
         k += 1
     return k

@@ -196,7 +196,7 @@ def test_a_request_whose_drafts_are_always_rejected_backs_off_to_rare_probes() -
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) >= 4 and gaps == sorted(gaps) and gaps[-1] >= 32  # each failed probe waits longer
     assert sum(counts[100:]) <= 3
-    assert request.draft_stats.acceptance_rate < 0.05
+    assert request.draft_stats.first_rate < 0.05
 
 
 def test_a_request_whose_drafts_are_always_accepted_keeps_k() -> None:
@@ -224,16 +224,21 @@ def test_drafts_pay_when_their_expected_tokens_exceed_the_measured_cost() -> Non
         controller.record_step(n, 1, 0.010 + 0.0005 * n)
     assert abs(controller.cost_per_token - 0.0005) < 1e-9
     assert 0.04 < controller.threshold() < 0.05  # 0.5 ms at ~95 tok/s
-    assert controller.num_drafts(DraftStats(accepted=1, rejected=2), num_running=1) == 2  # 1/3, 1/9 > 0.048
+    thirds = DraftStats(first_held=1, first_tried=3, later_held=1, later_tried=3)
+    assert controller.num_drafts(thirds, num_running=1) == 2  # 1/3, 1/9 > 0.048 > 1/27
     # Batch 64, compute-bound: every token costs about what a request's share of the step does.
     controller = SpeculationController(num_speculative_tokens=4)
     for n in (64, 128, 64, 96, 64, 192) * 4:
         controller.record_step(n, n, 0.010 + 0.001 * n)  # every draft accepted: n tokens out
     assert controller.threshold() > 0.8
-    assert controller.num_drafts(DraftStats(accepted=2, rejected=1), num_running=64) == 0
-    assert controller.num_drafts(DraftStats(accepted=99, rejected=1), num_running=64) == 4  # a = 0.99
+    assert controller.num_drafts(DraftStats(), num_running=64) == 0  # the prior: 2/3
+    copying = DraftStats(first_held=99, first_tried=100, later_held=99, later_tried=100)
+    assert controller.num_drafts(copying, num_running=64) == 4
+    # A loop lookup half-predicts: the first draft nearly always holds, a second one 60% of the time.
+    looping = DraftStats(first_held=96, first_tried=100, later_held=6, later_tried=10)
+    assert controller.num_drafts(looping, num_running=64) == 1
     # A seeded request does not follow the measurement (its tokens would depend on timing).
-    assert controller.num_drafts(DraftStats(accepted=2, rejected=1), num_running=64, seeded=True) == 4
+    assert controller.num_drafts(DraftStats(), num_running=64, seeded=True) == 4
 
 
 def test_disable_by_batch_size_stops_drafts_while_the_batch_is_that_large() -> None:
