@@ -31,7 +31,10 @@ cut-off emerges from the measurement (``disable_by_batch_size``, vLLM's key, is 
 every so often it gets one more than worth it: at ``k_eff = 0`` one draft (n-gram lookup is skipped
 meanwhile), above it ``k_eff + 1``. The first probe comes ``MIN_PROBE_INTERVAL`` steps after a request falls
 below k (or starts there); each probe that does not hold entirely doubles the wait (to
-``MAX_PROBE_INTERVAL``), one that does resets it.
+``MAX_PROBE_INTERVAL``), one that does resets it. Probes go on even when no draft seems to pay, so the
+cost keeps being measured (with steps of different sizes). A step's time enters the cost fit within 1.5x of
+what the line predicts: the machine's other work delays steps at random, and one delayed step with drafts
+must not make drafts look ruinous.
 
 Before the engine has timed decode steps of different sizes (at start-up, through the prompts' prefill), the
 threshold is that of a step costing ``PRIOR_FIXED_TOKENS`` tokens' worth plus one per request:
@@ -56,7 +59,8 @@ MIN_THRESHOLD = 0.02  # noise can make a draft look free; none is (a lookup, a l
 MIN_PROBE_INTERVAL = 4
 MAX_PROBE_INTERVAL = 128
 STEP_DECAY = 0.97  # the weight of older steps in the cost fit (about the last 30 steps)
-MIN_TOKEN_VARIANCE = 0.2  # the fit's tokens must vary at least this much to give a slope
+MIN_TOKEN_VARIANCE = 0.05  # the fit's tokens must vary at least this much to give a slope
+OUTLIER = 1.5  # a step's time enters the fit within [1 / OUTLIER, OUTLIER] times the line's prediction
 
 
 @dataclass
@@ -113,6 +117,12 @@ class SpeculationController:
     def record_step(self, num_tokens: int, num_output_tokens: int, seconds: float) -> None:
         """A decode step (no prompt tokens) computed ``num_tokens`` tokens (drafts included) and emitted
         ``num_output_tokens`` in ``seconds``."""
+        if self.cost_per_token is not None:
+            # A step the machine's other work held up (or a lucky one) moves the line by a bounded amount: the
+            # fit takes it as at most OUTLIER times (at least 1 / OUTLIER of) what the line predicts.
+            predicted = (self._y - self.cost_per_token * self._x) / self._w + self.cost_per_token * num_tokens
+            if predicted > 0:
+                seconds = min(max(seconds, predicted / OUTLIER), predicted * OUTLIER)
         d = STEP_DECAY
         self._w = d * self._w + 1.0
         self._x = d * self._x + num_tokens
@@ -149,8 +159,8 @@ class SpeculationController:
         if k == self.k:
             stats.steps_to_probe = MIN_PROBE_INTERVAL  # the wait starts when it falls below k
             return k
-        if threshold >= 1.0:
-            return 0  # no draft can pay: not even a probe
+        # Probes go on even where no draft seems to pay: they are rare, and they keep measuring (a threshold
+        # that noise pushed up would otherwise stop speculation for good).
         if stats.steps_to_probe > 0:
             stats.steps_to_probe -= 1
             return k

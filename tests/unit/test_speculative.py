@@ -270,3 +270,21 @@ def test_ngram_index_finds_what_a_scan_finds_as_the_sequence_grows() -> None:
             if rng.random() < 0.7:  # not every step looks up (a backed-off request does not)
                 assert proposer.propose(tokens, k, index) == scan(tokens, k, max_n, min_n)
             tokens += [rng.randint(0, 4) for _ in range(rng.randint(1, 3))]
+
+
+def test_a_step_delayed_by_other_work_does_not_turn_speculation_off() -> None:
+    """One step with drafts that the machine held up (5x its time) moves the cost fit by a bounded amount, and
+    a request below k is still probed when no draft seems to pay, so the cost keeps being measured."""
+    from kvloom.spec_decode.adaptive import DraftStats
+
+    controller = SpeculationController(num_speculative_tokens=4)
+    for n in (1, 5, 1, 1, 3, 1) * 5:
+        controller.record_step(n, 1, 0.010 + 0.0005 * n)
+    controller.record_step(5, 5, 5 * (0.010 + 0.0005 * 5))
+    assert controller.threshold() < 0.25
+    copying = DraftStats(first_held=9, first_tried=10, later_held=9, later_tried=10)
+    assert controller.num_drafts(copying, num_running=1) == 4
+    # A threshold no draft can meet: a request below k is probed all the same.
+    controller.cost_per_token, controller.throughput = 1.0, 10.0
+    stats = DraftStats()
+    assert [controller.num_drafts(stats, num_running=1) for _ in range(6)] == [0, 0, 0, 0, 1, 0]
