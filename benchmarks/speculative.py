@@ -60,6 +60,8 @@ def main() -> int:
     parser.add_argument("--eagle-model", default=None, help="the EAGLE head's directory (eagle / eagle3)")
     parser.add_argument("--workload", choices=["copy", "chat", "standard"], default="copy")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest --batch")
+    parser.add_argument("--step-times", action="store_true",
+                        help="also print each config's median step time by the step's number of tokens")
     parser.add_argument("--fixed-k", action="store_true",
                         help="also run each method with adaptive speculation off (k drafts at every step)")
     args = parser.parse_args()
@@ -91,6 +93,7 @@ def main() -> int:
         else:
             prompts = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(batch)]
         rates: dict[str, list[float]] = {name: [] for name in configs}
+        step_times: dict[str, dict[int, list[float]]] = {}
         tokens: dict[str, list] = {}
         acceptance: dict[str, str] = {}
         for repeat in range(args.repeats):
@@ -104,6 +107,8 @@ def main() -> int:
                 generate = llm.chat if args.workload == "chat" else llm.generate
                 generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
                 before = llm.llm_engine.scheduler.stats()
+                if args.step_times:
+                    _time_steps(llm, step_times.setdefault(name, {}))
                 start = time.perf_counter()
                 outputs = generate(prompts, params, use_tqdm=False)
                 made = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -135,8 +140,35 @@ def main() -> int:
                         f"(per pair {' / '.join(f'{r:.2f}' for r in pairs)}, median {statistics.median(pairs):.2f}x), "
                         f"{acceptance[name]}, same tokens: {tokens[name] == tokens['plain']}")
         print("; ".join(line), flush=True)
+        for name, by_size in step_times.items():
+            # Medians resist the steps the machine's other work delayed; sizes: tokens in the step, drafts included.
+            print(f"  {name} step times by tokens in the step: " + ", ".join(
+                f"{n}: {1000 * statistics.median(v):.2f} ms ({len(v)})" for n, v in sorted(by_size.items())),
+                flush=True)
+        step_times.clear()
     print(f"load average at end: {os.getloadavg()}", flush=True)
     return 0
+
+
+def _time_steps(llm: LLM, by_size: dict[int, list[float]]) -> None:
+    """Record each engine step's wall time under its number of batched tokens."""
+    engine = llm.llm_engine
+    schedule, step = engine.scheduler.schedule, engine.step
+    sizes: list[int] = []
+
+    def scheduling() -> object:
+        out = schedule()
+        sizes.append(out.num_batched_tokens)
+        return out
+
+    def timed() -> list:
+        start = time.perf_counter()
+        outputs = step()
+        if sizes:
+            by_size.setdefault(sizes.pop(), []).append(time.perf_counter() - start)
+        return outputs
+
+    engine.scheduler.schedule, engine.step = scheduling, timed
 
 
 if __name__ == "__main__":
