@@ -21,7 +21,7 @@ from kvloom.models.registry import build_model, load_model_weights, process_weig
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops, select_ops
 from kvloom.platform import default_dtype
-from kvloom.sample.rejection_sampler import RejectionOutput, rejection_sample
+from kvloom.sample.rejection_sampler import RejectionOutput, greedy_rejection_sample, rejection_sample
 from kvloom.sample.sampler import NONFINITE_TOKEN_ID, Sampler, SamplingMetadata, compute_logprobs_top
 from kvloom.sampling_params import SamplingParams
 from kvloom.spec_decode import build_model_proposer, can_speculate
@@ -66,7 +66,8 @@ class SpeculativeBatch:
     request_ids: list[str]
     states: list[RequestState]
     max_k: int
-    positions: torch.Tensor  # [S * (K + 1)] rows of the hidden states: each request's last known token, drafts
+    positions: torch.Tensor  # [R] rows of the hidden states: each request's last known token and its drafts
+    padded: torch.Tensor  # [S * (K + 1)] for each request's K + 1 slots, its row in positions (the last one repeated)
     draft_token_ids: torch.Tensor  # [S, K], padded
     num_drafts: torch.Tensor  # [S]
     greedy: torch.Tensor  # [S] bool
@@ -340,12 +341,14 @@ class ModelRunner:
             return None
         device = self.device
         max_k = max(items[i].num_draft_tokens for i in rows)
-        positions, drafts, counts = [], [], []
+        positions, padded, drafts, counts = [], [], [], []
         for i in rows:
             k = items[i].num_draft_tokens
             end = query_start_loc[i + 1]
-            # The k + 1 positions from the last known token on, padded with the last one.
-            positions.extend([*range(end - k - 1, end), *([end - 1] * (max_k - k))])
+            # The k + 1 positions from the last known token on; the slots past them repeat the last one.
+            first = len(positions)
+            positions.extend(range(end - k - 1, end))
+            padded.extend([*range(first, first + k + 1), *([first + k] * (max_k - k))])
             drafts.append(items[i].token_ids[-k:] + [0] * (max_k - k))
             counts.append(k)
         ids = [items[i].request_id for i in rows]
@@ -353,7 +356,7 @@ class ModelRunner:
         greedy = [state.sampling_params.greedy for state in states]
         batch = SpeculativeBatch(
             request_ids=ids, states=states, max_k=max_k,
-            positions=torch.tensor(positions, device=device),
+            positions=torch.tensor(positions, device=device), padded=torch.tensor(padded, device=device),
             draft_token_ids=torch.tensor(drafts, dtype=torch.long, device=device),
             num_drafts=torch.tensor(counts, dtype=torch.long, device=device),
             greedy=torch.tensor(greedy, device=device))
@@ -367,19 +370,24 @@ class ModelRunner:
 
     def _verify_drafts(self, hidden: torch.Tensor, batch: SpeculativeBatch) -> RejectionOutput:
         """Score every draft with the target's logits and keep what rejection sampling allows (on the device)."""
-        logits = self.model.compute_logits(hidden.index_select(0, batch.positions)).float()  # [S * (K + 1), V]
+        # The LM head runs on the real positions only [R, V]: with k_eff varying across the batch, padding every
+        # request to the longest would multiply its cost (at batch 64 on the CPU it is ~1/5 of a step).
+        logits = self.model.compute_logits(hidden.index_select(0, batch.positions)).float()
         # As the plain sampler does: a request whose logits hold a NaN or an infinity emits nothing.
-        batch.finite = logits.sum(dim=-1).isfinite().view(len(batch.request_ids), -1).all(dim=1)
-        if batch.metadata is not None:
-            probs = Sampler.probabilities(logits, batch.metadata)
-            probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves them unnormalized
-            # Greedy rows read only the argmax: their logits serve as they are.
-            logits = torch.where(batch.greedy_positions[:, None], logits, probs)
+        batch.finite = (logits.sum(dim=-1).isfinite().index_select(0, batch.padded)
+                        .view(len(batch.request_ids), -1).all(dim=1))
+        if batch.metadata is None:  # all greedy: only the argmaxes, gathered into the padded slots
+            argmax = logits.argmax(dim=-1).index_select(0, batch.padded).view(len(batch.request_ids), -1)
+            return greedy_rejection_sample(batch.draft_token_ids, batch.num_drafts, argmax)
+        logits = logits.index_select(0, batch.padded)  # [S * (K + 1), V]
+        probs = Sampler.probabilities(logits, batch.metadata)
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves them unnormalized
+        # Greedy rows read only the argmax: their logits serve as they are.
+        logits = torch.where(batch.greedy_positions[:, None], logits, probs)
         target = logits.view(len(batch.request_ids), batch.max_k + 1, -1)
         return rejection_sample(batch.draft_token_ids, batch.num_drafts, target, None, batch.greedy,
                                 generators=batch.generators, generator=self.generator,
-                                max_drafts=self.config.engine.speculative.num_speculative_tokens,
-                                all_greedy=batch.metadata is None)
+                                max_drafts=self.config.engine.speculative.num_speculative_tokens)
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ import torch
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.scheduler import Scheduler
-from kvloom.sample.rejection_sampler import rejection_sample
+from kvloom.sample.rejection_sampler import greedy_rejection_sample, rejection_sample
 from kvloom.sampling_params import SamplingParams
 from kvloom.spec_decode.adaptive import SpeculationController
 from kvloom.spec_decode.ngram import NgramProposer
@@ -78,8 +78,7 @@ def test_rejection_sampling_greedy_accepts_the_argmax_prefix() -> None:
     assert out.num_emitted.tolist() == [4, 2, 3]
     assert out.output_token_ids.tolist() == [[1, 2, 3, 4], [1, 0, -1, -1], [0, 0, 0, -1]]
     # The all-greedy path (argmaxes only, nothing drawn) gives the same.
-    fast = rejection_sample(drafts, torch.tensor([3, 3, 2]), target, None, greedy=torch.ones(3, dtype=torch.bool),
-                            all_greedy=True)
+    fast = greedy_rejection_sample(drafts, torch.tensor([3, 3, 2]), target.argmax(dim=-1))
     assert torch.equal(fast.num_emitted, out.num_emitted) and torch.equal(fast.output_token_ids, out.output_token_ids)
 
 
