@@ -4,7 +4,9 @@ and a check that every method gives the plain engine's tokens.
 
 Workloads (``--workload``): ``copy``, a raw prompt asking to copy a text (n-gram lookup's best case, and
 out of the distribution an EAGLE head trained on chat replies has seen); ``chat``, chat-templated
-questions answered until EOS or ``--max-tokens``, the kind of text train_eagle.py trains and evaluates on.
+questions answered until EOS or ``--max-tokens``, the kind of text train_eagle.py trains and evaluates on;
+``standard``, the throughput benchmark's random-token prompts (kvloom/bench/workload.py: nothing to look
+up), what speculation must not slow down (issue 10: at most 5% at N=64).
 
     .venv/bin/python benchmarks/speculative.py            # n-gram, SmolLM2 on the CPU, batch 1 and 8
     .venv/bin/python benchmarks/speculative.py --batch 1 --repeats 5 --num-speculative-tokens 4
@@ -12,23 +14,25 @@ questions answered until EOS or ``--max-tokens``, the kind of text train_eagle.p
         # draft_model: --draft-model PATH (default: the target itself, which accepts every draft: the upper
         # bound of the acceptance; no smaller SmolLM2 is available offline)
     .venv/bin/python benchmarks/speculative.py --methods eagle --eagle-model HEAD_DIR --workload chat --batch 1
+    .venv/bin/python benchmarks/speculative.py --workload standard --batch 64 --max-tokens 128 --repeats 3
 
-Figures, ``--methods ngram draft_model --batch 1`` (SmolLM2-135M-Instruct bf16 on the 2-core CPU, idle,
-96 tokens, k = 4, medians of 3): plain 69.4 tok/s, ngram 96.2 (1.39x, 29 of 51 drafts accepted),
+Figures: docs/benchmarks.md ("Speculative decoding: adaptive k"). Before adaptive k (``--methods ngram
+draft_model --batch 1``, quiet, 96 tokens, k = 4, medians of 3): plain 69.4 tok/s, ngram 96.2 (1.39x),
 draft_model with the target as its own draft 66.1 (0.95x, 78 of 78 accepted: every guess costs a
-target-sized decode step, so this bounds the acceptance, not the speed). All three gave the same tokens.
-EAGLE, the 18-minute train_eagle.py head (simulated length 1.385 on its held-out chat prompts, where the
-engine also gives 1.385), ``--batch 1``, k = 4, quiet: copy 0.55x (14 of 316 drafts, length 1.17), chat
-0.65x (22 of 287, length 1.30): each draft runs the LM head, so this weak a head does not pay at k = 4.
+target-sized decode step, so this bounds the acceptance, not the speed). EAGLE, the 18-minute
+train_eagle.py head, ``--batch 1``, k = 4: copy 0.55x (14 of 316 drafts), chat 0.65x (22 of 287): each
+draft runs the LM head, so this weak a head does not pay at k = 4.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 from kvloom import LLM, SamplingParams
+from kvloom.bench.workload import make_workload
 
 # Chat questions in the style of train_eagle.py's prompts (not among them).
 QUESTIONS = (
@@ -53,9 +57,15 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft_model", "eagle", "eagle3"])
     parser.add_argument("--draft-model", default=None, help="the draft model (default: the target itself)")
     parser.add_argument("--eagle-model", default=None, help="the EAGLE head's directory (eagle / eagle3)")
-    parser.add_argument("--workload", choices=["copy", "chat"], default="copy")
+    parser.add_argument("--workload", choices=["copy", "chat", "standard"], default="copy")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest --batch")
+    parser.add_argument("--step-times", action="store_true",
+                        help="also print each config's median step time by the step's number of tokens")
+    parser.add_argument("--fixed-k", action="store_true",
+                        help="also run each method with adaptive speculation off (k drafts at every step)")
     args = parser.parse_args()
     k = args.num_speculative_tokens
+    print(f"load average at start: {os.getloadavg()}", flush=True)
     configs: dict[str, dict | None] = {"plain": None}
     for method in args.methods:
         if method == "ngram":
@@ -67,26 +77,43 @@ def main() -> int:
             if args.eagle_model is None:
                 parser.error(f"--methods {method} needs --eagle-model")
             configs[method] = {"method": method, "model": args.eagle_model, "num_speculative_tokens": k}
-    # Copying runs to max_tokens; chat answers stop at EOS (tok/s counts the tokens made).
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.workload == "copy")
+    if args.fixed_k:
+        for method in args.methods:
+            configs[f"{method}-fixed-k"] = configs[method]
+    names = [name for name in configs if name != "plain"]
+    # Copying and the standard workload run to max_tokens; chat answers stop at EOS (tok/s counts the tokens made).
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.workload != "chat")
+    max_num_seqs = args.max_num_seqs or max(args.batch)
     for batch in args.batch:
         if args.workload == "copy":
             prompts = [f"Copy this text exactly, twice:\n{TEXT * (1 + i % 2)}\nCopy:\n" for i in range(batch)]
+        elif args.workload == "standard":
+            prompts = [{"prompt_token_ids": p} for p in make_workload(batch)]  # random ids: nothing to look up
         else:
             prompts = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(batch)]
         rates: dict[str, list[float]] = {name: [] for name in configs}
+        step_times: dict[str, dict[int, list[float]]] = {}
         tokens: dict[str, list] = {}
         acceptance: dict[str, str] = {}
-        for _ in range(args.repeats):
-            for name, config in configs.items():
-                llm = LLM(model=args.model, max_model_len=512, speculative_config=config)
-                generate = llm.generate if args.workload == "copy" else llm.chat
+        for repeat in range(args.repeats):
+            # Alternated: A B C, C B A, ... so slow drift of the shared machine falls on every config alike.
+            order = list(configs.items())
+            for name, config in (order if repeat % 2 == 0 else order[::-1]):
+                llm = LLM(model=args.model, max_model_len=512 if args.workload != "standard" else 1024,
+                          max_num_seqs=max_num_seqs, speculative_config=config)
+                if name.endswith("-fixed-k"):
+                    llm.llm_engine.scheduler.speculation.adaptive = False
+                generate = llm.chat if args.workload == "chat" else llm.generate
                 generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
                 before = llm.llm_engine.scheduler.stats()
+                if args.step_times:
+                    _time_steps(llm, step_times.setdefault(name, {}))
                 start = time.perf_counter()
                 outputs = generate(prompts, params, use_tqdm=False)
                 made = sum(len(o.outputs[0].token_ids) for o in outputs)
                 rates[name].append(made / (time.perf_counter() - start))
+                print(f"  batch {batch} repeat {repeat + 1} {name}: {rates[name][-1]:.1f} tok/s, load "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
                 tokens[name] = [o.outputs[0].token_ids for o in outputs]
                 if config is not None:
                     stats = llm.llm_engine.scheduler.stats()
@@ -96,16 +123,51 @@ def main() -> int:
                     # drafts it accepted and one token of its own.
                     decoded = made - len(outputs)
                     length = decoded / max(decoded - accepted, 1)
-                    acceptance[name] = (f"{accepted} of {drafted} drafts accepted, mean acceptance length "
-                                        f"{length:.2f}")
+                    steps = stats.num_drafts - before.num_drafts
+                    per_position = [(a - b) / max(steps, 1) for a, b in zip(
+                        stats.num_accepted_tokens_per_pos, before.num_accepted_tokens_per_pos)]
+                    acceptance[name] = (f"{accepted} of {drafted} drafts accepted in {steps} speculated steps "
+                                        f"(per position {', '.join(f'{r:.2f}' for r in per_position)}), mean "
+                                        f"acceptance length {length:.2f}")
         plain = statistics.median(rates["plain"])
         line = [f"batch {batch}: plain {plain:.1f} tok/s ({' / '.join(f'{r:.1f}' for r in rates['plain'])})"]
-        for name in args.methods:
+        for name in names:
             rate = statistics.median(rates[name])
-            line.append(f"{name} {rate:.1f} ({' / '.join(f'{r:.1f}' for r in rates[name])}): {rate / plain:.2f}x, "
+            # Each repeat's ratio to the plain engine's run beside it: robust to the machine's slow drift.
+            pairs = [r / p for r, p in zip(rates[name], rates["plain"])]
+            line.append(f"{name} {rate:.1f} ({' / '.join(f'{r:.1f}' for r in rates[name])}): {rate / plain:.2f}x "
+                        f"(per pair {' / '.join(f'{r:.2f}' for r in pairs)}, median {statistics.median(pairs):.2f}x), "
                         f"{acceptance[name]}, same tokens: {tokens[name] == tokens['plain']}")
         print("; ".join(line), flush=True)
+        for name, by_size in step_times.items():
+            # Medians resist the steps the machine's other work delayed; sizes: tokens in the step, drafts included.
+            print(f"  {name} step times by tokens in the step: " + ", ".join(
+                f"{n}: {1000 * statistics.median(v):.2f} ms ({len(v)})" for n, v in sorted(by_size.items())),
+                flush=True)
+        step_times.clear()
+    print(f"load average at end: {os.getloadavg()}", flush=True)
     return 0
+
+
+def _time_steps(llm: LLM, by_size: dict[int, list[float]]) -> None:
+    """Record each engine step's wall time under its number of batched tokens."""
+    engine = llm.llm_engine
+    schedule, step = engine.scheduler.schedule, engine.step
+    sizes: list[int] = []
+
+    def scheduling() -> object:
+        out = schedule()
+        sizes.append(out.num_batched_tokens)
+        return out
+
+    def timed() -> list:
+        start = time.perf_counter()
+        outputs = step()
+        if sizes:
+            by_size.setdefault(sizes.pop(), []).append(time.perf_counter() - start)
+        return outputs
+
+    engine.scheduler.schedule, engine.step = scheduling, timed
 
 
 if __name__ == "__main__":

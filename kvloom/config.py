@@ -150,6 +150,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     model: str | None = None  # the draft model or EAGLE head (a HF directory or .gguf file)
     max_model_len: int | None = None  # no drafts proposed at or past this position (the draft's own limit)
+    # No drafts in a step while this many requests (or more) are running (vLLM's key). Without it the
+    # measured cost of a verified token decides (spec_decode/adaptive.py), which at large batches is the same.
+    disable_by_batch_size: int | None = None
 
     METHODS = ("ngram", "draft_model", "eagle", "eagle3")
     MODEL_METHODS = ("draft_model", "eagle", "eagle3")
@@ -162,10 +165,10 @@ class SpeculativeConfig:
 
     @classmethod
     def from_engine_args(cls, config: dict[str, Any] | str | None, speculative_model: str | None,
-                         num_speculative_tokens: int | None,
-                         speculative_max_model_len: int | None = None) -> SpeculativeConfig | None:
+                         num_speculative_tokens: int | None, speculative_max_model_len: int | None = None,
+                         speculative_disable_by_batch_size: int | None = None) -> SpeculativeConfig | None:
         """vLLM's dict / JSON, or the seeds' ``speculative_model`` + ``num_speculative_tokens`` (+
-        ``speculative_max_model_len``); None: off."""
+        ``speculative_max_model_len``, ``speculative_disable_by_batch_size``); None: off."""
         if isinstance(config, str):
             try:
                 config = json.loads(config) if config.strip() else None
@@ -193,10 +196,15 @@ class SpeculativeConfig:
                 raise ValueError("speculative_max_model_len needs a speculative method (speculative_model or "
                                  "speculative_config)")
             values.setdefault("max_model_len", speculative_max_model_len)
+        if speculative_disable_by_batch_size is not None:
+            if not values:
+                raise ValueError("speculative_disable_by_batch_size needs a speculative method (speculative_model "
+                                 "or speculative_config)")
+            values.setdefault("disable_by_batch_size", speculative_disable_by_batch_size)
         if not values:
             return None
         allowed = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-                   "max_model_len"}
+                   "max_model_len", "disable_by_batch_size"}
         unknown = sorted(set(values) - allowed)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
@@ -218,6 +226,10 @@ class SpeculativeConfig:
         if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1):
             raise ValueError(f"speculative_config: max_model_len (speculative_max_model_len) must be an integer "
                              f">= 1, got {max_len!r}")
+        disable = values.get("disable_by_batch_size")
+        if disable is not None and (not isinstance(disable, int) or isinstance(disable, bool) or disable < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size (speculative_disable_by_batch_size) must "
+                             f"be an integer >= 1, got {disable!r}")
         if method != "ngram":
             if model is None:
                 raise ValueError(f"speculative_config: method {method!r} needs 'model', the path of the "
@@ -225,7 +237,7 @@ class SpeculativeConfig:
             for key in ("prompt_lookup_max", "prompt_lookup_min"):
                 if key in values:
                     raise ValueError(f"speculative_config: {key} is for method 'ngram' only, not {method!r}")
-            return cls(method, k, model=model, max_model_len=max_len)
+            return cls(method, k, model=model, max_model_len=max_len, disable_by_batch_size=disable)
         if model is not None:
             raise ValueError("speculative_config: method 'ngram' takes no 'model' (it looks drafts up in the "
                              "request's own tokens)")
@@ -237,7 +249,7 @@ class SpeculativeConfig:
         if lookup_min > lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min ({lookup_min}) must not exceed "
                              f"prompt_lookup_max ({lookup_max})")
-        return cls(method, k, lookup_max, lookup_min, max_model_len=max_len)
+        return cls(method, k, lookup_max, lookup_min, max_model_len=max_len, disable_by_batch_size=disable)
 
 
 def _method_from_model_name(model: str) -> str:
@@ -360,6 +372,9 @@ class EngineConfig:
     speculative_max_model_len: int | None = field(default=None, metadata=_help(
         "no drafts are proposed at or past this many tokens (the seeds' spelling; the draft model's own "
         "context length caps it too)"))
+    speculative_disable_by_batch_size: int | None = field(default=None, metadata=_help(
+        "no drafts while this many requests or more are running (the seeds' spelling of speculative_config's "
+        "disable_by_batch_size; without it the measured cost of verifying decides)"))
 
     backend: BackendConfig = field(init=False, repr=False, default_factory=BackendConfig)
     speculative: SpeculativeConfig | None = field(init=False, repr=False, default=None)
@@ -418,7 +433,8 @@ class EngineConfig:
                              "{\"quantized\": true})")
         self.speculative = SpeculativeConfig.from_engine_args(self.speculative_config, self.speculative_model,
                                                               self.num_speculative_tokens,
-                                                              self.speculative_max_model_len)
+                                                              self.speculative_max_model_len,
+                                                              self.speculative_disable_by_batch_size)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

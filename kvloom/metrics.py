@@ -98,10 +98,19 @@ class _EngineStatsCollector(Collector):
                       "tokens.", scheduler.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                       scheduler.prefix_cache_hits)
+        yield counter("spec_decode_num_drafts", "Speculative steps of a request (drafts verified at once).",
+                      scheduler.num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Speculative draft tokens proposed.",
                       scheduler.num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Speculative draft tokens the target model accepted.",
                       scheduler.num_accepted_tokens)
+        if scheduler.num_accepted_tokens_per_pos:
+            family = CounterMetricFamily("kvloom:spec_decode_num_accepted_tokens_per_pos",
+                                         "Speculative draft tokens accepted, per draft position.",
+                                         labels=["model_name", "position"])
+            for position, value in enumerate(scheduler.num_accepted_tokens_per_pos):
+                family.add_metric([*labels, str(position)], value)
+            yield family
         yield counter("prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
         yield counter("generation_tokens", "Number of generation tokens processed.",
                       stats.generation_tokens)
@@ -207,6 +216,18 @@ class StatLogger:
                 100 * hits / queries if queries else 0.0,
                 (stats.prompt_tokens - self.last.prompt_tokens) / elapsed,
                 (stats.generation_tokens - self.last.generation_tokens) / elapsed)
+            drafts = scheduler.num_drafts - self.last.scheduler.num_drafts
+            if drafts:
+                # vLLM's line: tokens per speculated step (the drafts accepted + the target's own).
+                accepted = scheduler.num_accepted_tokens - self.last.scheduler.num_accepted_tokens
+                drafted = scheduler.num_draft_tokens - self.last.scheduler.num_draft_tokens
+                per_position = [(now - before) / drafts for now, before in zip(
+                    scheduler.num_accepted_tokens_per_pos,
+                    self.last.scheduler.num_accepted_tokens_per_pos or (0,) * len(
+                        scheduler.num_accepted_tokens_per_pos))]
+                logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d "
+                            "tokens, Per-position acceptance rate: %s", 1 + accepted / drafts, accepted, drafted,
+                            ", ".join(f"{rate:.3f}" for rate in per_position))
             # One more line once it goes idle, so the last line shows the engine at rest.
             self.logged_idle = not busy
         self.last = stats

@@ -45,6 +45,8 @@ class ScheduledRequest(NamedTuple):
     # Speculative decoding: the last num_draft_tokens of token_ids are proposed, not yet accepted; the
     # runner scores them all and returns the accepted ones plus one token of its own.
     num_draft_tokens: int = 0
+    # A draft model / EAGLE head guesses this many tokens after the step (0: none, and no draft pass for it).
+    num_speculative_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:

@@ -36,16 +36,16 @@ class KVCacheBlock:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 drop_last_hit_block: bool = False) -> None:
+                 name_with_next_token: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # EAGLE: a block's last position holds the head's KV of (that position, the token after it), and a hit's
-        # next token may differ from the request that filled the block; serving one block fewer makes the
-        # target recompute the last one, so the head's KV at the hit's end is always this request's.
-        self.drop_last_hit_block = drop_last_hit_block
+        # EAGLE: a block's last position holds the head's KV of (that position, the token after it), so a block
+        # is named by its tokens and the one after them: a hit is a block computed before the same next token
+        # (named once that token is known), and another request that diverges right after it misses it.
+        self.name_with_next_token = name_with_next_token
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks[1:])
@@ -73,13 +73,20 @@ class KVCacheManager:
 
     # ---- prefix cache ----------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> None:
-        """Extend request.block_hashes to cover every full block of its known tokens."""
+        """Extend request.block_hashes to cover every full block of its known tokens (and, with
+        ``name_with_next_token``, whose next token is known)."""
         tokens = request.all_token_ids
         size = self.block_size
-        while (len(request.block_hashes) + 1) * size <= len(tokens):
+        extra = 1 if self.name_with_next_token else 0
+        while (len(request.block_hashes) + 1) * size + extra <= len(tokens):
             i = len(request.block_hashes)
             parent = request.block_hashes[-1] if i else None
-            request.block_hashes.append(hash_block_tokens(parent, tokens[i * size:(i + 1) * size]))
+            request.block_hashes.append(hash_block_tokens(parent, self._named_tokens(request, i)))
+
+    def _named_tokens(self, request: Request, i: int) -> tuple[int, ...]:
+        """What names block i of the request: its tokens (and the one after them)."""
+        size = self.block_size
+        return tuple(request.all_token_ids[i * size:(i + 1) * size + (1 if self.name_with_next_token else 0)])
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks that prefixes the request, and its token count.
@@ -93,12 +100,9 @@ class KVCacheManager:
         hits: list[KVCacheBlock] = []
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
             block = self.cached.get(block_hash)
-            tokens = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
-            if block is None or block.token_ids != tokens:
+            if block is None or block.token_ids != self._named_tokens(request, i):
                 break
             hits.append(block)
-        if self.drop_last_hit_block and hits:
-            hits.pop()
         return hits, len(hits) * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -164,7 +168,7 @@ class KVCacheManager:
                 continue
             block_hash = request.block_hashes[i]
             block.block_hash = block_hash
-            block.token_ids = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block.token_ids = self._named_tokens(request, i)
             self.cached.setdefault(block_hash, block)
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 

@@ -27,6 +27,7 @@ from kvloom.loader.weights import resolve_model
 from kvloom.outputs import RequestOutput
 from kvloom.platform import configure_host
 from kvloom.sampling_params import SamplingParams
+from kvloom.spec_decode.adaptive import SpeculationController
 from kvloom.spec_decode.ngram import NgramProposer
 from kvloom.step_io import ModelRunnerOutput, SchedulerOutput
 
@@ -58,7 +59,7 @@ class LLMEngine:
         self.executor.init_kv_cache(num_blocks)
         speculative = config.speculative
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching,
-                                               drop_last_hit_block=speculative is not None
+                                               name_with_next_token=speculative is not None
                                                and speculative.method in ("eagle", "eagle3"))
         self.max_num_batched_tokens = resolved.max_num_batched_tokens
         proposer = None if speculative is None or speculative.uses_draft_model else NgramProposer(
@@ -66,7 +67,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_cache_manager, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, proposer,
             num_lookahead_tokens=speculative.num_speculative_tokens if speculative and speculative.uses_draft_model
-            else 0, speculative_max_model_len=speculative.max_model_len if speculative else None)
+            else 0, speculative_max_model_len=speculative.max_model_len if speculative else None,
+            speculation=SpeculationController(speculative.num_speculative_tokens, speculative.disable_by_batch_size)
+            if speculative else None)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.scheduler.check_fits)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -168,6 +171,7 @@ class LLMEngine:
         stop strings, outputs) is done while the device computes, so outputs come one step later; a
         request a stop string ends then computes one token more, which is dropped.
         """
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return self._postprocess_deferred()
@@ -181,6 +185,8 @@ class LLMEngine:
             outputs = []
             runner_output = self.executor.execute(scheduler_output)
         self._update(scheduler_output, runner_output, requests)
+        # What the step cost, for how many drafts pay (spec_decode/adaptive.py).
+        self.scheduler.record_step_time(scheduler_output, runner_output, time.perf_counter() - start)
         if self.overlap_postprocess:
             self.executor.release_requests(self._release_after_step)
             self._release_after_step = []

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.request import ContextLengthError, Request, RequestStatus
 from kvloom.spec_decode import can_speculate
+from kvloom.spec_decode.adaptive import SpeculationController
 from kvloom.spec_decode.ngram import NgramProposer
 from kvloom.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
@@ -52,23 +53,32 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
+    num_drafts: int = 0  # speculated request-steps (vLLM's spec_decode_num_drafts)
     num_draft_tokens: int = 0  # speculative tokens proposed
     num_accepted_tokens: int = 0  # of those, accepted by the target model
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at draft position i
 
 
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, proposer: NgramProposer | None = None,
-                 num_lookahead_tokens: int = 0, speculative_max_model_len: int | None = None) -> None:
+                 num_lookahead_tokens: int = 0, speculative_max_model_len: int | None = None,
+                 speculation: SpeculationController | None = None) -> None:
         self.kv = kv_cache_manager
         # Speculative decoding: the scheduler's own proposer (n-gram lookup), or num_lookahead_tokens > 0
         # when the model runner proposes (a draft model, EAGLE): its drafts come back with each step's
-        # tokens, and that many slots past a request's tokens are reserved for the draft's own KV.
+        # tokens, and up to that many slots past a request's tokens are reserved for the draft's own KV.
+        # ``speculation`` picks each request's number of drafts per step (spec_decode/adaptive.py).
         self.proposer = proposer
         self.num_lookahead_tokens = num_lookahead_tokens
+        if speculation is None and (proposer is not None or num_lookahead_tokens):
+            speculation = SpeculationController(proposer.k if proposer is not None else num_lookahead_tokens)
+        self.speculation = speculation
         self.speculative_max_model_len = min(speculative_max_model_len or max_model_len, max_model_len)
+        self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * (self.speculation.k if self.speculation else 0)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -131,6 +141,7 @@ class Scheduler:
             num_new += len(drafts)
             lookahead = self._lookahead(request, request.num_computed_tokens + num_new,
                                         request.num_computed_tokens + num_new - len(drafts) == request.num_tokens)
+            request.num_lookahead_drafts = lookahead
             while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -158,6 +169,7 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             lookahead = self._lookahead(request, num_hit_tokens + num_new,
                                         num_hit_tokens + num_new == request.num_tokens)
+            request.num_lookahead_drafts = lookahead
             if not self.kv.allocate_slots(request, num_new, computed_blocks, num_lookahead_tokens=lookahead):
                 break
             if looks_up:
@@ -180,7 +192,7 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(
                 request.request_id, start, request.all_token_ids[start:start + num_known] + drafts,
                 list(request.block_ids), samples=start + num_known == request.num_tokens,
-                num_draft_tokens=len(drafts)))
+                num_draft_tokens=len(drafts), num_speculative_tokens=request.num_lookahead_drafts))
             # The gap closes at schedule time; outputs only append the sampled tokens.
             request.num_computed_tokens += num_new
         out.num_batched_tokens = self.max_num_batched_tokens - budget
@@ -191,7 +203,8 @@ class Scheduler:
         speculative_max_model_len: the n-gram proposer's, or those the runner proposed last step.
 
         Requests whose sampling needs every position's logits in order (logprobs, penalties, min_tokens
-        still to reach) are not speculated.
+        still to reach) are not speculated. n-gram lookup proposes the request's ``k_eff`` drafts
+        (spec_decode/adaptive.py); the runner's were proposed as many as the scheduler asked last step.
         """
         if self.proposer is None and not request.spec_token_ids:
             return []
@@ -202,19 +215,33 @@ class Scheduler:
                    self.speculative_max_model_len - request.num_tokens)
         if room <= 0:
             return []
+        speculation = self.speculation
         if self.proposer is None:
-            return request.spec_token_ids[:room]
-        return self.proposer.propose(request.all_token_ids, min(room, self.proposer.k))
+            disabled = (speculation.disable_by_batch_size is not None
+                        and len(self.running) >= speculation.disable_by_batch_size)
+            return [] if disabled else request.spec_token_ids[:room]
+        k = min(room, speculation.num_drafts(request.draft_stats, len(self.running),
+                                             request.sampling_params.seed is not None))
+        if k <= 0:
+            return []
+        if request.ngram_index is None:
+            request.ngram_index = self.proposer.new_index()
+        return self.proposer.propose(request.all_token_ids, k, request.ngram_index)
 
     def _lookahead(self, request: Request, end: int, samples: bool) -> int:
-        """Slots to reserve past ``end`` (the step's last slot, drafts included) for the runner's draft model:
-        only when the step samples (the runner proposes then), and never past the request's final length
-        (a guess there could never be used, and check_fits promised no more)."""
+        """How many drafts the runner's draft model guesses after this step, and so the slots to reserve past
+        ``end`` (the step's last slot, drafts included) for its own KV: the request's ``k_eff``
+        (spec_decode/adaptive.py), only when the step samples (the runner proposes then), and never past the
+        request's final length (a guess there could never be used, and check_fits promised no more)."""
         if not self.num_lookahead_tokens or not samples or not can_speculate(request.sampling_params,
                                                                             request.num_output_tokens):
             return 0
         final_length = request.num_prompt_tokens + request.max_tokens
-        return max(0, min(self.num_lookahead_tokens, final_length - end))
+        room = min(self.num_lookahead_tokens, final_length - end)
+        if room <= 0:
+            return 0
+        return min(room, self.speculation.num_drafts(request.draft_stats, len(self.running),
+                                                     request.sampling_params.seed is not None))
 
     @staticmethod
     def _new_request_data(request: Request) -> NewRequestData:
@@ -247,8 +274,12 @@ class Scheduler:
                 # are computed again. Accepted: len(token_ids) - 1 drafts, then the target's own token.
                 accepted = len(token_ids) - 1
                 request.num_computed_tokens = item.num_computed_tokens + 1 + accepted
+                request.draft_stats.observe(item.num_draft_tokens, accepted)
+                self.num_drafts += 1
                 self.num_draft_tokens += item.num_draft_tokens
                 self.num_accepted_tokens += accepted
+                for position in range(accepted):
+                    self.num_accepted_tokens_per_pos[position] += 1
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 if request.check_stop():
@@ -259,6 +290,16 @@ class Scheduler:
         for request in finished:
             self._remove_finished(request)
         return finished
+
+    def record_step_time(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                         seconds: float) -> None:
+        """The engine's measure of a step, for the cost of speculation: only decode steps count (one known
+        token per request, drafts besides), whose time is what drafts change."""
+        if self.speculation is None or any(item.num_new_tokens - item.num_draft_tokens != 1
+                                           for item in scheduler_output.scheduled):
+            return
+        emitted = sum(len(tokens) for tokens in runner_output.sampled_token_ids.values())
+        self.speculation.record_step(scheduler_output.num_batched_tokens, emitted, seconds)
 
     def _remove_finished(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)
@@ -271,4 +312,6 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
-            num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens)
+            num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            num_accepted_tokens_per_pos=tuple(self.num_accepted_tokens_per_pos))

@@ -54,7 +54,8 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_drafts: torch.Tensor, ta
     """draft_token_ids: [B, K] int64 (padding anything); num_drafts: [B] int64 in 0..K;
     target_probs: [B, K + 1, V] fp32 (row i: the target's distribution for draft i, then the bonus);
     draft_probs: [B, K, V] or None (one-hot drafts); greedy: [B] bool; max_drafts: the most drafts any
-    request can have (the configured k; default K), so seeded rows draw the same amount every step."""
+    request can have (the configured k; default K), so seeded rows draw the same amount every step.
+    (Every row greedy: ``greedy_rejection_sample`` on the argmaxes does the same without the vocabulary.)"""
     generators = generators or {}
     batch, max_k = draft_token_ids.shape
     device = target_probs.device
@@ -101,4 +102,20 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_drafts: torch.Tensor, ta
     keep = positions < num_accepted[:, None]
     out[:, :max_k] = torch.where(keep, drafts, out[:, :max_k])
     out.scatter_(1, num_accepted[:, None], next_token[:, None])
+    return RejectionOutput(output_token_ids=out, num_emitted=num_accepted + 1)
+
+
+def greedy_rejection_sample(draft_token_ids: torch.Tensor, num_drafts: torch.Tensor, target_argmax: torch.Tensor
+                            ) -> RejectionOutput:
+    """Every row greedy: keep the drafts that equal the target's argmax, then its argmax after them.
+    draft_token_ids: [B, K]; num_drafts: [B]; target_argmax: [B, K + 1] (nothing over the vocabulary is drawn
+    or normalized)."""
+    batch, max_k = draft_token_ids.shape
+    positions = torch.arange(max_k, device=draft_token_ids.device)[None, :]
+    valid = positions < num_drafts[:, None]
+    drafts = torch.where(valid, draft_token_ids, torch.zeros_like(draft_token_ids))
+    num_accepted = ((drafts == target_argmax[:, :max_k]) & valid).to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+    out = torch.full((batch, max_k + 1), -1, dtype=torch.int64, device=drafts.device)
+    out[:, :max_k] = torch.where(positions < num_accepted[:, None], drafts, out[:, :max_k])
+    out.scatter_(1, num_accepted[:, None], target_argmax.gather(1, num_accepted[:, None]))
     return RejectionOutput(output_token_ids=out, num_emitted=num_accepted + 1)

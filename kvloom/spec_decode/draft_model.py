@@ -11,7 +11,13 @@ to both, and a cached block's draft KV is right because the draft ran over every
                        -> the first guess (argmax of its logits)
     draft steps 2..k   each guess fed back at the next position -> the next guess
 
-After a step the draft's KV is valid wherever the target's is (and one past). The guesses' own KV sits in
+A request the scheduler gives no drafts (``k_eff`` = 0, spec_decode/adaptive.py) is left out of the passes:
+its draft KV lags, and its next first pass starts where the draft's KV ends (the runner's
+``draft_computed``), over every token since. The runner also brings a lagging request up to date whenever
+one of its blocks fills (so a block in the prefix cache, or kept through preemption, always holds the
+draft's KV of all its positions) and once it lags ``MAX_DRAFT_LAG`` tokens (one block per sequence), in the
+pass of the requests that propose. Once up to date the draft's KV is valid wherever the target's is (and
+one past). The guesses' own KV sits in
 slots past the request's tokens, which the scheduler reserves (``num_lookahead_tokens``); a rejected guess's
 slot is simply written again later, as the target's is. Guesses are greedy (argmax), so the rejection
 sampler treats each as a one-hot draft distribution: sampled requests still get exactly the target's
@@ -38,6 +44,10 @@ from kvloom.step_io import ScheduledRequest
 if TYPE_CHECKING:
     from kvloom.worker.model_runner import ModelInputs
 
+# A request proposing no drafts still has its draft KV brought up to date once it lags this many tokens: few
+# passes over many tokens each, not one per step (and EAGLE's waiting hidden-state rows stay bounded).
+MAX_DRAFT_LAG = 64
+
 # (scheduled items, sliding window) -> (the items in the order of the inputs' rows, the inputs)
 BuildInputs = Callable[[list[ScheduledRequest], "int | None"], "tuple[list[ScheduledRequest], ModelInputs]"]
 
@@ -53,8 +63,10 @@ class DraftRequest:
     token_ids: list[int]
     num_valid: int
     block_ids: list[int]  # the request's block table, lookahead slots included
-    hidden_start: int  # the row of position `start` in the target's hidden states
-    max_drafts: int  # 0: only keep the draft's KV in step
+    # The rows of positions start .. start + num_valid - 1 in the target's hidden states handed to propose
+    # (EAGLE reads them; a draft model does not).
+    hidden_rows: list[int]
+    max_drafts: int  # 0: only bring the draft's KV up to date
 
 
 class DraftModelProposer:

@@ -11,9 +11,10 @@ pass is the step's kept tokens shifted by one:
 
 EAGLE-1 reads the target's final hidden states; EAGLE-3 the residual stream entering three of its layers,
 fused by the head's ``fc``. A chain of guesses, no tree. The head's KV at a position depends on the token
-after it, so a prefix-cache hit is served one block short (``KVCacheManager.drop_last_hit_block``): the
-target recomputes that block and its hidden states, and the head's KV at the hit's end was computed with
-the very token that follows it in this request (the dropped block matched).
+after it, so the prefix cache names a block by its tokens and the next one
+(``KVCacheManager.name_with_next_token``): a hit block's head KV, its last position included, was computed
+with this request's tokens. (Naming by the block's tokens alone, and serving a hit one block short, was not
+enough: a block filled by a request that diverged right after it could sit inside a later hit.)
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ class EagleProposer(DraftModelProposer):
         return head.config.model, head
 
     def first_pass(self, request: DraftRequest) -> tuple[list[int], list[int]]:
-        start = request.hidden_start
-        return request.token_ids[1:request.num_valid + 1], list(range(start, start + request.num_valid))
+        return request.token_ids[1:request.num_valid + 1], request.hidden_rows[:request.num_valid]
 
     def forward(self, inputs: ModelInputs, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model(inputs.input_ids, inputs.positions, hidden, self.kv_caches, inputs.metadata)

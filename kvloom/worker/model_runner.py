@@ -21,11 +21,11 @@ from kvloom.models.registry import build_model, load_model_weights, process_weig
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops, select_ops
 from kvloom.platform import default_dtype
-from kvloom.sample.rejection_sampler import RejectionOutput, rejection_sample
+from kvloom.sample.rejection_sampler import RejectionOutput, greedy_rejection_sample, rejection_sample
 from kvloom.sample.sampler import NONFINITE_TOKEN_ID, Sampler, SamplingMetadata, compute_logprobs_top
 from kvloom.sampling_params import SamplingParams
 from kvloom.spec_decode import build_model_proposer, can_speculate
-from kvloom.spec_decode.draft_model import DraftModelProposer, DraftRequest
+from kvloom.spec_decode.draft_model import MAX_DRAFT_LAG, DraftModelProposer, DraftRequest
 from kvloom.step_io import LogprobsRow, ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from kvloom.worker.compiled_artifacts import ArtifactStore
 from kvloom.worker.graphs import DecodeGraphs, default_token_gen_buckets, pick_bucket
@@ -53,6 +53,10 @@ class RequestState:
     min_tokens_stop_ids: list[int]  # masked while fewer than min_tokens outputs exist
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None  # the request's own, when it has a seed
+    # A draft model / EAGLE head: its KV holds positions < draft_computed (None: not yet scheduled); while it
+    # lags, EAGLE's inputs for the positions from there on (the target's hidden-state rows) wait here.
+    draft_computed: int | None = None
+    draft_hidden: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -62,7 +66,8 @@ class SpeculativeBatch:
     request_ids: list[str]
     states: list[RequestState]
     max_k: int
-    positions: torch.Tensor  # [S * (K + 1)] rows of the hidden states: each request's last known token, drafts
+    positions: torch.Tensor  # [R] rows of the hidden states: each request's last known token and its drafts
+    padded: torch.Tensor  # [S * (K + 1)] for each request's K + 1 slots, its row in positions (the last one repeated)
     draft_token_ids: torch.Tensor  # [S, K], padded
     num_drafts: torch.Tensor  # [S]
     greedy: torch.Tensor  # [S] bool
@@ -320,9 +325,10 @@ class ModelRunner:
                     if rows:
                         output.prompt_logprobs[item.request_id] = rows
             if self.proposer is not None:
-                output.draft_token_ids = self.proposer.propose(
-                    self._draft_requests(items, query_start_loc, output),
-                    hidden if aux_hidden is None else aux_hidden, self._draft_inputs)
+                requests, target_hidden = self._draft_requests(items, query_start_loc, output,
+                                                               hidden if aux_hidden is None else aux_hidden)
+                if requests:
+                    output.draft_token_ids = self.proposer.propose(requests, target_hidden, self._draft_inputs)
             return output
 
         return finish
@@ -335,12 +341,14 @@ class ModelRunner:
             return None
         device = self.device
         max_k = max(items[i].num_draft_tokens for i in rows)
-        positions, drafts, counts = [], [], []
+        positions, padded, drafts, counts = [], [], [], []
         for i in rows:
             k = items[i].num_draft_tokens
             end = query_start_loc[i + 1]
-            # The k + 1 positions from the last known token on, padded with the last one.
-            positions.extend([*range(end - k - 1, end), *([end - 1] * (max_k - k))])
+            # The k + 1 positions from the last known token on; the slots past them repeat the last one.
+            first = len(positions)
+            positions.extend(range(end - k - 1, end))
+            padded.extend([*range(first, first + k + 1), *([first + k] * (max_k - k))])
             drafts.append(items[i].token_ids[-k:] + [0] * (max_k - k))
             counts.append(k)
         ids = [items[i].request_id for i in rows]
@@ -348,7 +356,7 @@ class ModelRunner:
         greedy = [state.sampling_params.greedy for state in states]
         batch = SpeculativeBatch(
             request_ids=ids, states=states, max_k=max_k,
-            positions=torch.tensor(positions, device=device),
+            positions=torch.tensor(positions, device=device), padded=torch.tensor(padded, device=device),
             draft_token_ids=torch.tensor(drafts, dtype=torch.long, device=device),
             num_drafts=torch.tensor(counts, dtype=torch.long, device=device),
             greedy=torch.tensor(greedy, device=device))
@@ -362,14 +370,20 @@ class ModelRunner:
 
     def _verify_drafts(self, hidden: torch.Tensor, batch: SpeculativeBatch) -> RejectionOutput:
         """Score every draft with the target's logits and keep what rejection sampling allows (on the device)."""
-        logits = self.model.compute_logits(hidden.index_select(0, batch.positions)).float()  # [S * (K + 1), V]
+        # The LM head runs on the real positions only [R, V]: with k_eff varying across the batch, padding every
+        # request to the longest would multiply its cost (at batch 64 on the CPU it is ~1/5 of a step).
+        logits = self.model.compute_logits(hidden.index_select(0, batch.positions)).float()
         # As the plain sampler does: a request whose logits hold a NaN or an infinity emits nothing.
-        batch.finite = logits.sum(dim=-1).isfinite().view(len(batch.request_ids), -1).all(dim=1)
-        if batch.metadata is not None:
-            probs = Sampler.probabilities(logits, batch.metadata)
-            probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves them unnormalized
-            # Greedy rows read only the argmax: their logits serve as they are.
-            logits = torch.where(batch.greedy_positions[:, None], logits, probs)
+        batch.finite = (logits.sum(dim=-1).isfinite().index_select(0, batch.padded)
+                        .view(len(batch.request_ids), -1).all(dim=1))
+        if batch.metadata is None:  # all greedy: only the argmaxes, gathered into the padded slots
+            argmax = logits.argmax(dim=-1).index_select(0, batch.padded).view(len(batch.request_ids), -1)
+            return greedy_rejection_sample(batch.draft_token_ids, batch.num_drafts, argmax)
+        logits = logits.index_select(0, batch.padded)  # [S * (K + 1), V]
+        probs = Sampler.probabilities(logits, batch.metadata)
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves them unnormalized
+        # Greedy rows read only the argmax: their logits serve as they are.
+        logits = torch.where(batch.greedy_positions[:, None], logits, probs)
         target = logits.view(len(batch.request_ids), batch.max_k + 1, -1)
         return rejection_sample(batch.draft_token_ids, batch.num_drafts, target, None, batch.greedy,
                                 generators=batch.generators, generator=self.generator,
@@ -386,25 +400,73 @@ class ModelRunner:
         return out if isinstance(out, tuple) else (out, None)
 
     def _draft_requests(self, items: list[ScheduledRequest], query_start_loc: list[int],
-                        output: ModelRunnerOutput) -> list[DraftRequest]:
-        """What the draft runs after this step: per request the tokens the target kept (a speculated
-        request's rejected drafts dropped) and the token after them; guesses for those that sampled."""
+                        output: ModelRunnerOutput, hidden: torch.Tensor
+                        ) -> tuple[list[DraftRequest], torch.Tensor]:
+        """What the draft runs after this step, and the target hidden states its rows index.
+
+        Per request the tokens the target kept (a speculated request's rejected drafts dropped) and the token
+        after them, from where the draft's KV ends; guesses for the ``num_speculative_tokens`` the scheduler
+        asked. A request asked for none is left out (its draft KV lags; EAGLE keeps its hidden-state rows
+        until then) unless a block of it fills or it lags ``MAX_DRAFT_LAG`` tokens (spec_decode/draft_model.py)."""
         failed = set(output.failed_request_ids)
-        requests = []
+        reads_hidden = self.proposer.reads_hidden_states
+        included: list[tuple[int, ScheduledRequest, RequestState, int]] = []  # (row in items, item, state, end)
+        lagging: list[tuple[RequestState, int, int]] = []  # (state, first row in hidden, rows)
         for i, item in enumerate(items):
             new_tokens = output.sampled_token_ids.get(item.request_id)
             if item.request_id in failed or (item.samples and not new_tokens):
                 continue
             state = self.requests[item.request_id]
+            start = item.num_computed_tokens
             num_valid = item.num_new_tokens - item.num_draft_tokens
             if item.num_draft_tokens:
                 num_valid += len(new_tokens) - 1  # the accepted drafts
-            start = item.num_computed_tokens
+            if state.draft_computed is None or state.draft_computed > start:
+                # New, or readmitted after preemption, or rolled back: the draft's KV is taken as complete below
+                # ``start`` (a prefix hit's full blocks hold the draft's KV too, see below).
+                state.draft_computed, state.draft_hidden = start, []
+            elif reads_hidden:
+                waiting = sum(len(h) for h in state.draft_hidden)
+                if state.draft_computed + waiting < start:  # readmitted past a prefix hit: its blocks are complete
+                    state.draft_computed, state.draft_hidden = start, []
+                elif state.draft_computed + waiting > start:  # readmitted short of where it was
+                    state.draft_hidden = _first_rows(state.draft_hidden, start - state.draft_computed)
+            end = start + num_valid  # the draft's KV is to hold positions < end
             speculates = item.samples and can_speculate(state.sampling_params, len(state.output_token_ids))
-            requests.append(DraftRequest(item.request_id, start, _token_slice(state, start, start + num_valid + 1),
-                                         num_valid, item.block_ids, query_start_loc[i],
-                                         self.proposer.k if speculates else 0))
-        return requests
+            # Caught up when it proposes, and whenever a block fills: a full block may be hit in the prefix cache
+            # from the next step on, so its draft KV must be complete by then.
+            if ((speculates and item.num_speculative_tokens) or end // self.block_size > state.draft_computed
+                    // self.block_size or end - state.draft_computed >= MAX_DRAFT_LAG):
+                included.append((i, item, state, end))
+            elif reads_hidden and num_valid:
+                lagging.append((state, query_start_loc[i], num_valid))
+        if lagging:
+            # One copy of every lagging request's rows (the hidden states may be a reused buffer).
+            kept = hidden.index_select(0, torch.tensor([first + j for _, first, n in lagging for j in range(n)],
+                                                       dtype=torch.long, device=self.device))
+            offset = 0
+            for state, _, n in lagging:
+                state.draft_hidden.append(kept[offset:offset + n])
+                offset += n
+        if not included:
+            return [], hidden
+        waiting_rows = [h for _, _, state, _ in included for h in state.draft_hidden] if reads_hidden else []
+        target_hidden = torch.cat([hidden, *waiting_rows]) if waiting_rows else hidden
+        next_row = hidden.shape[0]
+        requests = []
+        for i, item, state, end in included:
+            first = state.draft_computed
+            rows: list[int] = []
+            if reads_hidden:
+                for chunk in state.draft_hidden:
+                    rows.extend(range(next_row, next_row + len(chunk)))
+                    next_row += len(chunk)
+                rows.extend(range(query_start_loc[i], query_start_loc[i] + end - item.num_computed_tokens))
+            speculates = item.samples and can_speculate(state.sampling_params, len(state.output_token_ids))
+            requests.append(DraftRequest(item.request_id, first, _token_slice(state, first, end + 1), end - first,
+                                         item.block_ids, rows, item.num_speculative_tokens if speculates else 0))
+            state.draft_computed, state.draft_hidden = end, []
+        return requests, target_hidden
 
     def _draft_inputs(self, items: list[ScheduledRequest], sliding_window: int | None
                       ) -> tuple[list[ScheduledRequest], ModelInputs]:
@@ -589,6 +651,17 @@ def _token_slice(state: RequestState, start: int, end: int) -> list[int]:
     if start >= n:
         return outputs[start - n:end - n]
     return prompt[start:] + outputs[:end - n]
+
+
+def _first_rows(chunks: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """The first ``count`` rows of the chunks' concatenation, as chunks."""
+    kept = []
+    for chunk in chunks:
+        if count <= 0:
+            break
+        kept.append(chunk[:count])
+        count -= len(chunk)
+    return kept
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

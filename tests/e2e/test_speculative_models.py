@@ -80,6 +80,39 @@ def test_the_target_as_its_own_draft_has_every_guess_accepted(tiny_llama3_dir: s
     assert stats.num_draft_tokens > 100 and stats.num_accepted_tokens == stats.num_draft_tokens, stats
 
 
+@pytest.mark.parametrize("engine_args", [{"block_size": 8}, {"max_num_batched_tokens": 20, "block_size": 8}])
+def test_requests_given_no_drafts_cost_no_draft_pass_and_catch_up_exactly(tiny_llama3_dir: str, plain_outputs: dict,
+                                                                         engine_args: dict) -> None:
+    """Requests the scheduler gives no drafts (k_eff = 0) are left out of the draft's passes, so most steps run
+    none; a request that drafts again first catches the draft's KV up over every token since (and at each
+    filled block). With the target as its own draft, any gap in that KV would show as a rejected guess."""
+    prompts = varied_prompts()
+    expected = plain(tiny_llama3_dir, plain_outputs, engine_args, prompts)
+    llm = LLM(model=tiny_llama3_dir, max_model_len=256, speculative_config={
+        "method": "draft_model", "model": tiny_llama3_dir, "num_speculative_tokens": 3}, **engine_args)
+    engine = llm.llm_engine
+    calls = iter(range(1 << 30))
+    # Every 7th choice drafts k (2 or 3 at a time), the rest none: requests lag by varying amounts.
+    engine.scheduler.speculation.num_drafts = lambda stats, num_running, seeded=False: (
+        2 + next(calls) % 2 if next(calls) % 7 == 0 else 0)
+    runner = engine.executor.driver
+    drafting, steps = [], []  # the draft's work of each step that had some; the steps
+    propose, execute = runner.proposer.propose, engine.executor.execute
+    runner.proposer.propose = lambda requests, *args: drafting.append(requests) or propose(requests, *args)
+    engine.executor.execute = lambda out: steps.append(out) or execute(out)
+    for _ in range(2):  # the second time with prefix-cache hits
+        assert run(llm, greedy_params(len(prompts)), prompts) == expected
+    stats = engine.scheduler.stats()
+    assert stats.num_draft_tokens > 20 and stats.num_accepted_tokens == stats.num_draft_tokens, stats
+    assert stats.prefix_cache_hits > 0
+    requests = [r for step in drafting for r in step]
+    # A lagging request is in a pass only when a block of it fills (or it drafts again).
+    assert len(requests) < 0.6 * sum(len(out.scheduled) for out in steps), (len(requests), len(steps))
+    # Catch-up: a request's first pass over several decoded tokens at once.
+    assert any(r.max_drafts and r.num_valid > 1 and r.start >= len(prompts[int(r.request_id) % len(prompts)])
+               for r in requests)
+
+
 def test_draft_model_in_mixed_batches(tiny_llama3_dir: str, tiny_mistral_dir: str) -> None:
     """n > 1, logprobs (not speculated), seeded sampling and greedy requests share batches; greedy and logprob
     requests match the plain engine, seeded sampled ones are reproducible whatever shares the batch."""
@@ -264,7 +297,10 @@ def test_eagle_guesses_equal_a_plain_torch_head_and_greedy_output_is_unchanged(
     with open(f"{eagle_heads[head]}/config.json") as f:
         config = json.load(f)
     weights = load_file(f"{eagle_heads[head]}/model.safetensors")
-    assert len(records) > 30
+    # The random head's guesses fail, so requests back off to re-probes (spec_decode/adaptive.py): a probe's
+    # first pass catches the head's KV up over the tokens since its last one, and must guess as the whole
+    # sequence does.
+    assert len(records) >= 16
     for tokens, guesses in records[len(records) // 2 - 4:len(records) // 2 + 4]:  # prefix hits among them
         assert guesses == _reference_eagle_guesses(hf_target, weights, config, method, tokens, 3)[:len(guesses)]
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from kvloom.engine.kv_cache_manager import KVCacheManager
-from kvloom.engine.request import Request
+from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.scheduler import Scheduler
-from kvloom.sample.rejection_sampler import rejection_sample
+from kvloom.sample.rejection_sampler import greedy_rejection_sample, rejection_sample
 from kvloom.sampling_params import SamplingParams
+from kvloom.spec_decode.adaptive import SpeculationController
 from kvloom.spec_decode.ngram import NgramProposer
 from kvloom.step_io import ModelRunnerOutput
 
@@ -76,6 +77,9 @@ def test_rejection_sampling_greedy_accepts_the_argmax_prefix() -> None:
     # Row 2: two drafts (the padding 9 is not one), both accepted, then the bonus at position 2.
     assert out.num_emitted.tolist() == [4, 2, 3]
     assert out.output_token_ids.tolist() == [[1, 2, 3, 4], [1, 0, -1, -1], [0, 0, 0, -1]]
+    # The all-greedy path (argmaxes only, nothing drawn) gives the same.
+    fast = greedy_rejection_sample(drafts, torch.tensor([3, 3, 2]), target.argmax(dim=-1))
+    assert torch.equal(fast.num_emitted, out.num_emitted) and torch.equal(fast.output_token_ids, out.output_token_ids)
 
 
 def test_rejection_sampling_seeded_rows_do_not_depend_on_the_batch() -> None:
@@ -132,11 +136,154 @@ def test_scheduler_schedules_the_runners_drafts_and_reserves_lookahead_slots() -
     assert (out.scheduled[0].token_ids, out.scheduled[0].num_draft_tokens) == ([30], 0)  # one output left
 
 
-def test_prefix_hits_for_eagle_are_served_one_block_short() -> None:
-    """EAGLE's KV at a block's last position depends on the next token: the last hit block is recomputed."""
-    for drop, expected in ((False, 8), (True, 4)):
-        kv = KVCacheManager(num_blocks=16, block_size=4, drop_last_hit_block=drop)
+def test_for_eagle_a_block_is_named_with_the_token_after_it() -> None:
+    """EAGLE's KV at a block's last position depends on the next token: a block filled by a request that went on
+    with another token is no hit (and the last known token is never served from the cache)."""
+    for with_next, same_next, diverging in ((False, 8, 8), (True, 8, 4)):
+        kv = KVCacheManager(num_blocks=16, block_size=4, name_with_next_token=with_next)
         first = Request("a", list(range(11)), SamplingParams(max_tokens=1))
         assert kv.allocate_slots(first, 11)
         second = Request("b", list(range(10)) + [99], SamplingParams(max_tokens=1))
-        assert kv.get_computed_blocks(second)[1] == expected
+        assert kv.get_computed_blocks(second)[1] == same_next  # blocks 0-3 and 4-7, each followed as in "a"
+        third = Request("c", list(range(8)) + [99, 9, 10], SamplingParams(max_tokens=1))
+        assert kv.get_computed_blocks(third)[1] == diverging  # block 4-7 was followed by 8, here by 99
+
+
+PATTERN = list(range(1, 9))
+
+
+def _speculating_scheduler(k: int = 4, speculation: SpeculationController | None = None, names: str = "a"
+                           ) -> Scheduler:
+    """A scheduler with n-gram lookup and decoding requests that repeat PATTERN, so lookup always finds k drafts."""
+    kv = KVCacheManager(num_blocks=64, block_size=16)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024,
+                          proposer=NgramProposer(k, prompt_lookup_max=2, prompt_lookup_min=1), speculation=speculation)
+    for name in names:
+        scheduler.add_request(Request(name, PATTERN * 3, SamplingParams(temperature=0, max_tokens=500,
+                                                                        ignore_eos=True)))
+    _step(scheduler, accept=True)
+    return scheduler
+
+
+def _step(scheduler: Scheduler, accept: bool) -> list[int]:
+    """One step whose drafts are all accepted (or all rejected: the target's token is the pattern's next one
+    all the same, so lookup keeps finding drafts); the drafts each request had."""
+    out = scheduler.schedule()
+    sampled = {}
+    for item in out.scheduled:
+        request = scheduler.requests[item.request_id]
+        kept = item.num_draft_tokens if accept else 0
+        sampled[item.request_id] = [PATTERN[(request.num_tokens + j) % 8] for j in range(kept + 1)]
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
+    return [item.num_draft_tokens for item in out.scheduled]
+
+
+def _drafts_per_step(scheduler: Scheduler, steps: int, accept: bool) -> list[int]:
+    return [_step(scheduler, accept)[0] for _ in range(steps)]
+
+
+def test_a_request_whose_drafts_are_always_rejected_backs_off_to_rare_probes() -> None:
+    scheduler = _speculating_scheduler()
+    request = scheduler.requests["a"]
+    counts = _drafts_per_step(scheduler, 200, accept=False)
+    assert counts[0] == 4  # a new request is tried at k
+    assert counts[:8] == sorted(counts[:8], reverse=True)  # fewer as the rejections come in
+    backed_off = counts.index(0)
+    assert backed_off <= 10
+    probes = [i for i, n in enumerate(counts) if i > backed_off and n]
+    assert all(counts[i] == 1 for i in probes)  # a probe is one draft
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 4 and gaps == sorted(gaps) and gaps[-1] >= 32  # each failed probe waits longer
+    assert sum(counts[100:]) <= 3
+    assert request.draft_stats.first_rate < 0.05
+
+
+def test_a_request_whose_drafts_are_always_accepted_keeps_k() -> None:
+    scheduler = _speculating_scheduler()
+    assert _drafts_per_step(scheduler, 30, accept=True) == [4] * 30
+
+
+def test_a_backed_off_request_whose_probe_holds_returns_to_k() -> None:
+    scheduler = _speculating_scheduler()
+    counts = _drafts_per_step(scheduler, 60, accept=False)
+    assert counts[-10:] == [0] * 10
+    counts = _drafts_per_step(scheduler, 80, accept=True)
+    first_probe = next(i for i, n in enumerate(counts) if n)
+    assert counts[first_probe + 12:] == [4] * (len(counts) - first_probe - 12)
+
+
+def test_drafts_pay_when_their_expected_tokens_exceed_the_measured_cost() -> None:
+    from kvloom.spec_decode.adaptive import DraftStats, SpeculationController
+
+    controller = SpeculationController(num_speculative_tokens=4)
+    # Unmeasured: a step is taken to cost 16 tokens' worth besides one per request.
+    assert controller.threshold(num_running=1) == 1 / 17 and controller.threshold(num_running=64) == 0.8
+    # Batch 1, memory-bound: 10 ms a step and 0.5 ms per extra token, one token out per step.
+    for n in (1, 5, 1, 3, 1, 5, 2, 1) * 4:
+        controller.record_step(n, 1, 0.010 + 0.0005 * n)
+    assert abs(controller.cost_per_token - 0.0005) < 1e-9
+    assert 0.04 < controller.threshold() < 0.05  # 0.5 ms at ~95 tok/s
+    thirds = DraftStats(first_held=1, first_tried=3, later_held=1, later_tried=3)
+    assert controller.num_drafts(thirds, num_running=1) == 2  # 1/3, 1/9 > 0.048 > 1/27
+    # Batch 64, compute-bound: every token costs about what a request's share of the step does.
+    controller = SpeculationController(num_speculative_tokens=4)
+    for n in (64, 128, 64, 96, 64, 192) * 4:
+        controller.record_step(n, n, 0.010 + 0.001 * n)  # every draft accepted: n tokens out
+    assert controller.threshold() > 0.8
+    assert controller.num_drafts(DraftStats(), num_running=64) == 0  # the prior: 2/3
+    copying = DraftStats(first_held=99, first_tried=100, later_held=99, later_tried=100)
+    assert controller.num_drafts(copying, num_running=64) == 4
+    # A loop lookup half-predicts: the first draft nearly always holds, a second one 60% of the time.
+    looping = DraftStats(first_held=96, first_tried=100, later_held=6, later_tried=10)
+    assert controller.num_drafts(looping, num_running=64) == 1
+    # A seeded request does not follow the measurement (its tokens would depend on timing).
+    assert controller.num_drafts(DraftStats(), num_running=64, seeded=True) == 4
+
+
+def test_disable_by_batch_size_stops_drafts_while_the_batch_is_that_large() -> None:
+    scheduler = _speculating_scheduler(speculation=SpeculationController(4, disable_by_batch_size=2), names="ab")
+    assert _step(scheduler, accept=True) == [0, 0]  # two running: off
+    scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    assert _step(scheduler, accept=True) == [4]  # one running: on
+
+
+def test_ngram_index_finds_what_a_scan_finds_as_the_sequence_grows() -> None:
+    import random
+
+    def scan(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                    return tokens[start + n:start + n + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(100):
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        proposer = NgramProposer(3, max_n, min_n)
+        index = proposer.new_index()
+        tokens = [rng.randint(0, 4) for _ in range(rng.randint(1, 5))]
+        for _ in range(30):
+            k = rng.randint(1, 6)
+            if rng.random() < 0.7:  # not every step looks up (a backed-off request does not)
+                assert proposer.propose(tokens, k, index) == scan(tokens, k, max_n, min_n)
+            tokens += [rng.randint(0, 4) for _ in range(rng.randint(1, 3))]
+
+
+def test_a_step_delayed_by_other_work_does_not_turn_speculation_off() -> None:
+    """One step with drafts that the machine held up (5x its time) moves the cost fit by a bounded amount, and
+    a request below k is still probed when no draft seems to pay, so the cost keeps being measured."""
+    from kvloom.spec_decode.adaptive import DraftStats
+
+    controller = SpeculationController(num_speculative_tokens=4)
+    for n in (1, 5, 1, 1, 3, 1) * 5:
+        controller.record_step(n, 1, 0.010 + 0.0005 * n)
+    controller.record_step(5, 5, 5 * (0.010 + 0.0005 * 5))
+    assert controller.threshold() < 0.25
+    copying = DraftStats(first_held=9, first_tried=10, later_held=9, later_tried=10)
+    assert controller.num_drafts(copying, num_running=1) == 4
+    # A threshold no draft can meet: a request below k is probed all the same.
+    controller.cost_per_token, controller.throughput = 1.0, 10.0
+    stats = DraftStats()
+    assert [controller.num_drafts(stats, num_running=1) for _ in range(6)] == [0, 0, 0, 0, 1, 0]

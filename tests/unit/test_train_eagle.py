@@ -107,6 +107,7 @@ def test_runtime_drafts_equal_the_trainers_simulation(tiny_llama_dir: str, tmp_p
 
     llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, speculative_config={
         "method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 3})
+    llm.llm_engine.scheduler.speculation.adaptive = False  # k = 3 at every step, as simulated
     runner = llm.llm_engine.executor.driver
     proposed: dict[tuple[int, ...], list[int]] = {}  # the tokens known when drafting -> the drafts
     propose = runner.proposer.propose

@@ -36,7 +36,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from typing import Any
@@ -253,8 +253,7 @@ class ReplicaRouter(EngineHealth):
         live = [r.stats for r in self.replicas if r.alive]
         if not live:
             return EngineStats()
-        totals = {f.name: sum(getattr(s.scheduler, f.name) for s in live)
-                  for f in dataclasses.fields(SchedulerStats)}
+        totals = {f.name: _add(getattr(s.scheduler, f.name) for s in live) for f in dataclasses.fields(SchedulerStats)}
         totals["kv_cache_usage"] /= len(live)
         return EngineStats(scheduler=SchedulerStats(**totals), prompt_tokens=sum(s.prompt_tokens for s in live),
                            generation_tokens=sum(s.generation_tokens for s in live),
@@ -475,6 +474,15 @@ class ReplicaRouter(EngineHealth):
             replica.handle.kill()
         for replica in self.replicas:
             replica.handle.stop(5.0)
+
+
+def _add(values: Iterable[Any]) -> Any:
+    """The sum of the replicas' values of one SchedulerStats field; per-position counts add position by position."""
+    values = list(values)
+    if values and isinstance(values[0], tuple):
+        width = max(len(v) for v in values)
+        return tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
+    return sum(values)
 
 
 def _accept(listener: Listener, accepted: queue.SimpleQueue) -> None:
