@@ -89,11 +89,12 @@ class Pool {
 
  private:
   std::vector<std::thread> threads_;
-  std::atomic<uint64_t> state_{0};
+  // The claimed word and the done count on lines of their own: every chunk writes both.
+  alignas(64) std::atomic<uint64_t> state_{0};
   std::atomic<void (*)(void*, int64_t)> fn_{nullptr};
   std::atomic<void*> ctx_{nullptr};
-  std::atomic<int64_t> done_{0};
-  std::atomic<bool> failed_{false};
+  alignas(64) std::atomic<int64_t> done_{0};
+  alignas(64) std::atomic<bool> failed_{false};
   std::exception_ptr error_;  // written by the one thread that set failed_, read after done_
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};

@@ -43,23 +43,24 @@ void parallel_chunks(int64_t num_chunks, const F& f) {
 }
 
 // at::parallel_for's contract: f(b, e) over disjoint ranges covering [begin, end), each at least
-// `grain` long (but the last), all of it inline when the range is no longer than `grain`.
+// `grain` long, all of it inline when the range is shorter than two grains.
 template <class F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   const int64_t n = end - begin;
   if (n <= 0) return;
   grain = std::max<int64_t>(grain, 1);
   const int threads = pool_threads();
-  if (threads <= 1 || n <= grain) {
+  if (threads <= 1 || n < 2 * grain) {
     f(begin, end);
     return;
   }
-  const int64_t max_chunks = std::min<int64_t>((n + grain - 1) / grain, threads * kChunksPerThread);
-  const int64_t chunk = (n + max_chunks - 1) / max_chunks;
-  const int64_t num_chunks = (n + chunk - 1) / chunk;
+  // Near-equal chunks (the first n % num_chunks one longer), claimed longest first, so that two
+  // threads of equal speed end within one chunk of each other.
+  const int64_t num_chunks = std::min<int64_t>(n / grain, threads * kChunksPerThread);
+  const int64_t base = n / num_chunks, longer = n % num_chunks;
   parallel_chunks(num_chunks, [&](int64_t c) {
-    const int64_t b = begin + c * chunk;
-    f(b, std::min(end, b + chunk));
+    const int64_t b = begin + c * base + std::min(c, longer);
+    f(b, b + base + (c < longer ? 1 : 0));
   });
 }
 
