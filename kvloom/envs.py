@@ -12,6 +12,8 @@ from pathlib import Path
 ENVIRONMENT_VARIABLES: dict[str, str] = {
     "KVLOOM_API_KEY": "API key the server requires on /v1/* (same as --api-key)",
     "KVLOOM_NUM_THREADS": "torch intra-op threads on the CPU (default: all cores)",
+    "KVLOOM_CPU_THREAD_POOL": "1: the CPU kernels run their loops on kvloom's own thread pool, which never waits "
+    "for a descheduled thread (for a box shared with other busy processes); default 0: torch's OpenMP threads",
     "KVLOOM_LOGGING_LEVEL": "log level of the kvloom logger (default INFO)",
     "KVLOOM_CACHE_DIR": "folder for kvloom's on-disk caches; compiled CPU kernels go to its extensions/ "
     "(default ~/.cache/kvloom)",
@@ -46,6 +48,18 @@ def get_int(name: str) -> int | None:
     if value < 1:
         raise ValueError(f"{name}={raw!r} must be a positive integer")
     return value
+
+
+def get_bool(name: str) -> bool:
+    """1/true/yes/on or 0/false/no/off (case-insensitive); False when unset."""
+    raw = get(name)
+    if raw is None:
+        return False
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r} must be 1 or 0 (also true/false, yes/no, on/off)")
 
 
 def get_int_list(name: str) -> list[int] | None:

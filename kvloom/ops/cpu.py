@@ -17,8 +17,9 @@
   weight (a GGUF Q8_0 kept as stored, ``PackedInt8BlocksWeight``) reads the same panels with its block scales
   packed beside them, and multiplies activations quantized per (row, block of 32) at every batch size.
 
-The kernels' loops run on kvloom's thread pool (csrc/parallel.h: torch.get_num_threads() threads, none
-of which a loop waits for if it has not started, so a busy core beside does not stall a step).
+The kernels' loops run on torch's OpenMP threads, or with KVLOOM_CPU_THREAD_POOL=1 on kvloom's own thread
+pool (csrc/parallel.h: torch.get_num_threads() threads, none of which a loop waits for if it has not
+started, so a busy process beside does not stall a step; off by default, see parallel.h).
 
 The library is compiled at first use (-O3 -march=native; 10-60 s) into
 ``$KVLOOM_CACHE_DIR/extensions`` and loaded from there by later processes without compiling. When it
@@ -146,6 +147,7 @@ def load_cpu_kernel() -> str | None:
             errors.append(f"{variant}: {_build_error(e)}")
             continue
         _register_fake()
+        torch.ops.kvloom.use_thread_pool(envs.get_bool("KVLOOM_CPU_THREAD_POOL"))
         return None
     error = "; ".join(errors)
     logger.warning("The CPU attention kernel could not be built, so attention falls back to 'native' (%s)", error)

@@ -1,5 +1,6 @@
-"""kvloom's thread pool (csrc/parallel.h): every thread count computes what one thread computes, a
-second caller and a forked child are served, and a busy core does not stall a kernel."""
+"""kvloom's thread pool (csrc/parallel.h, on with KVLOOM_CPU_THREAD_POOL=1): every thread count computes
+what one thread computes, a second caller and a forked child are served, and a busy core does not stall
+a kernel."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ import time
 import pytest
 import torch
 
+from kvloom import envs
 from kvloom.ops.cpu import PackedWeight, cpu_kernel_available, linear_format
 
 
 @pytest.fixture(scope="module", autouse=True)
-def kernels() -> None:
+def kernels():
     if not cpu_kernel_available() or linear_format(torch.bfloat16) != "kvloom":
         pytest.skip("needs the built CPU kernels with the bf16 GEMM")
+    torch.ops.kvloom.use_thread_pool(True)  # KVLOOM_CPU_THREAD_POOL=1
+    yield
+    torch.ops.kvloom.use_thread_pool(envs.get_bool("KVLOOM_CPU_THREAD_POOL"))
 
 
 @pytest.fixture
@@ -127,3 +132,13 @@ def test_a_busy_core_does_not_stall_the_loops(restore_threads) -> None:
         for spinner in spinners:
             spinner.join(timeout=30)
     assert two < 3 * one, f"two threads took {two * 1e3:.1f} ms, one thread {one * 1e3:.1f} ms"
+
+
+def test_the_switch_takes_only_yes_or_no(monkeypatch) -> None:
+    monkeypatch.setenv("KVLOOM_CPU_THREAD_POOL", "On")
+    assert envs.get_bool("KVLOOM_CPU_THREAD_POOL") is True
+    monkeypatch.setenv("KVLOOM_CPU_THREAD_POOL", "0")
+    assert envs.get_bool("KVLOOM_CPU_THREAD_POOL") is False
+    monkeypatch.setenv("KVLOOM_CPU_THREAD_POOL", "maybe")
+    with pytest.raises(ValueError, match="KVLOOM_CPU_THREAD_POOL='maybe' must be 1 or 0"):
+        envs.get_bool("KVLOOM_CPU_THREAD_POOL")

@@ -12,6 +12,7 @@
 #include "parallel.h"
 
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <atomic>
 #include <chrono>
@@ -174,7 +175,13 @@ Pool& pool() {
   return *g_pool;
 }
 
+std::atomic<bool> g_enabled{false};
+
+void use_thread_pool(bool enable) { g_enabled.store(enable, std::memory_order_relaxed); }
+
 }  // namespace
+
+bool pool_enabled() { return g_enabled.load(std::memory_order_relaxed); }
 
 int pool_threads() { return tl_in_pool ? 1 : std::max(1, at::get_num_threads()); }
 
@@ -210,3 +217,7 @@ void run_chunks(int64_t num_chunks, void (*fn)(void*, int64_t), void* ctx) {
 }
 
 }  // namespace kvloom
+
+TORCH_LIBRARY_FRAGMENT(kvloom, m) {
+  m.def("use_thread_pool(bool enable) -> ()", &kvloom::use_thread_pool);
+}

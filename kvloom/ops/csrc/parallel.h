@@ -18,7 +18,13 @@
 //
 // The pool has at::get_num_threads() - 1 workers (so torch.set_num_threads applies); a nested call, a
 // call while another thread holds the pool, or a single-thread setting runs inline.
+//
+// It is off by default (KVLOOM_CPU_THREAD_POOL=1 turns it on, through the op kvloom::use_thread_pool):
+// on a quiet box a decode step measured 5-15% slower on it than on OpenMP, for reasons not yet found
+// (the GEMMs alone, on hot weights, are as fast). Off, the same calls run on torch's OpenMP threads.
 #pragma once
+
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -29,8 +35,11 @@ namespace kvloom {
 // An exception thrown by a chunk is rethrown here (the first one; the others are dropped).
 void run_chunks(int64_t num_chunks, void (*fn)(void*, int64_t), void* ctx);
 
-// The threads a loop may use: the caller plus the workers.
+// The threads a loop may use: the caller plus the workers (or torch's OpenMP threads).
 int pool_threads();
+
+// Whether loops run on the pool (true) or on OpenMP.
+bool pool_enabled();
 
 // Most chunks a loop is cut into per thread: enough to even out a descheduled or slower thread.
 constexpr int64_t kChunksPerThread = 4;
@@ -38,6 +47,12 @@ constexpr int64_t kChunksPerThread = 4;
 template <class F>
 void parallel_chunks(int64_t num_chunks, const F& f) {
   if (num_chunks <= 0) return;
+  if (!pool_enabled()) {
+    const int threads = static_cast<int>(std::min<int64_t>(pool_threads(), num_chunks));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+    for (int64_t c = 0; c < num_chunks; ++c) f(c);
+    return;
+  }
   run_chunks(num_chunks, [](void* ctx, int64_t c) { (*static_cast<const F*>(ctx))(c); },
              const_cast<void*>(static_cast<const void*>(&f)));
 }
@@ -48,6 +63,10 @@ template <class F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   const int64_t n = end - begin;
   if (n <= 0) return;
+  if (!pool_enabled()) {
+    at::parallel_for(begin, end, grain, f);
+    return;
+  }
   grain = std::max<int64_t>(grain, 1);
   const int threads = pool_threads();
   if (threads <= 1 || n < 2 * grain) {
