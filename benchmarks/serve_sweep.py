@@ -5,7 +5,8 @@ For each server in turn (the peer first; each started and stopped here, see peer
 2. Poisson arrivals at each ``--rates`` value, ``--duration`` seconds of arrivals (at least
    ``--min-requests`` requests), the standard workload's prompts, 128 output tokens, streamed;
 3. the rate where TPOT p50 reaches twice the idle value ("doubling rate"), interpolated linearly
-   between the two measured rates around it.
+   between the two measured rates around it (from the idle point when the lowest rate is already past
+   it: give rates that bracket it).
 kvloom then also runs at the peer's doubling rate, where the issue compares TTFT p99 and TPOT p99.
 
     .venv/bin/python benchmarks/serve_sweep.py                       # vLLM, then kvloom
