@@ -348,7 +348,31 @@ def pack_int8_weight(qweight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, GEMM_PANEL, groups, INT8_GROUP).permute(0, 2, 1, 3).contiguous()
 
 
-class PackedInt8Weight:
+class _PackedInt8Linear:
+    """What the packed int8 linears share: x [..., in] -> [..., out] in x's dtype, the kernel called on
+    x's rows as one contiguous [M, in] matrix (``_compute(out, rows)``)."""
+
+    in_features: int
+    out_features: int
+
+    def _compute(self, out: torch.Tensor, rows: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # A decode step makes ~120 of these calls on a few rows: every tensor op saved here is a
+        # microsecond (the kernel itself takes 2-30 us on SmolLM2's layers).
+        if x.dtype not in INT8_ACTIVATION_DTYPES:
+            raise ValueError(f"the int8 CPU linear takes float32 or bfloat16 activations, got {x.dtype}")
+        flat = x.dim() == 2
+        rows = x if flat else x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype)
+        self._compute(out, rows)
+        return out if flat else out.view(*x.shape[:-1], self.out_features)
+
+
+class PackedInt8Weight(_PackedInt8Linear):
     """An int8 weight (per-channel scale, optional bias) packed once for csrc/gemm_int8.cpp; calling it
     gives the W8A8 product (``w8a8_linear_reference``) for batches of ``w8a8_min_rows`` rows or more and
     the weight-only one (``int8_linear_reference``) below, in x's dtype (float32 or bfloat16)."""
@@ -372,21 +396,11 @@ class PackedInt8Weight:
         self._w8a8 = torch.ops.kvloom.gemm_w8a8.default  # the overloads themselves: 1 us less a call
         self._weight_only = torch.ops.kvloom.gemm_int8_weight_only.default
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # A decode step makes ~120 of these calls on a few rows: every tensor op saved here is a
-        # microsecond (the kernel itself takes 2-30 us on SmolLM2's layers).
-        if x.dtype not in INT8_ACTIVATION_DTYPES:
-            raise ValueError(f"the int8 CPU linear takes float32 or bfloat16 activations, got {x.dtype}")
-        flat = x.dim() == 2
-        rows = x if flat else x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype)
+    def _compute(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         if rows.shape[0] >= self.w8a8_min_rows:
             self._w8a8(out, rows, self.data, self.compensation, self.scale, self.bias)
         else:
             self._weight_only(out, rows, self.data, self.scale, self.bias)
-        return out if flat else out.view(*x.shape[:-1], self.out_features)
 
 
 def pack_block_columns(values: torch.Tensor) -> torch.Tensor:
@@ -399,7 +413,7 @@ def pack_block_columns(values: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, GEMM_PANEL, blocks).permute(0, 2, 1).contiguous()
 
 
-class PackedInt8BlocksWeight:
+class PackedInt8BlocksWeight(_PackedInt8Linear):
     """A block-scaled int8 weight (``Int8Blocks``: int8 [N, K], fp32 scales [N, K / 32]; optional bias)
     packed once for csrc/gemm_int8.cpp; calling it gives ``w8a8_blocks_linear_reference``'s product in x's
     dtype (float32 or bfloat16) at every batch size: per-block activations are accurate enough that there
@@ -418,13 +432,5 @@ class PackedInt8BlocksWeight:
         self.bias = None if bias is None else bias.float().contiguous()
         self._product = torch.ops.kvloom.gemm_w8a8_blocks.default
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in INT8_ACTIVATION_DTYPES:
-            raise ValueError(f"the int8 CPU linear takes float32 or bfloat16 activations, got {x.dtype}")
-        flat = x.dim() == 2
-        rows = x if flat else x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype)
+    def _compute(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         self._product(out, rows, self.data, self.scale, self.bias)
-        return out if flat else out.view(*x.shape[:-1], self.out_features)
