@@ -194,26 +194,25 @@ void run_chunks(int64_t num_chunks, void (*fn)(void*, int64_t), void* ctx) {
     return;
   }
   p.resize(threads - 1);
-  tl_in_pool = true;  // a loop inside one of our chunks runs inline
-  try {
-    for (int64_t first = 0; first < num_chunks; first += kMaxChunks) {
-      struct Offset {
-        void (*fn)(void*, int64_t);
-        void* ctx;
-        int64_t first;
-      } offset{fn, ctx, first};
-      p.run(std::min(kMaxChunks, num_chunks - first),
-            [](void* o, int64_t c) {
-              auto* off = static_cast<Offset*>(o);
-              off->fn(off->ctx, off->first + c);
-            },
-            &offset);
-    }
-  } catch (...) {
-    tl_in_pool = false;
-    throw;
+  struct InPool {  // a loop inside one of our chunks runs inline; reset however this call ends
+    InPool() { tl_in_pool = true; }
+    ~InPool() { tl_in_pool = false; }
+  } in_pool;
+  // A loop of more chunks than the state word counts runs in rounds (none does today: parallel_for
+  // cuts at most threads * kChunksPerThread, attention one per request and head group).
+  for (int64_t first = 0; first < num_chunks; first += kMaxChunks) {
+    struct Offset {
+      void (*fn)(void*, int64_t);
+      void* ctx;
+      int64_t first;
+    } offset{fn, ctx, first};
+    p.run(std::min(kMaxChunks, num_chunks - first),
+          [](void* o, int64_t c) {
+            auto* off = static_cast<Offset*>(o);
+            off->fn(off->ctx, off->first + c);
+          },
+          &offset);
   }
-  tl_in_pool = false;
 }
 
 }  // namespace kvloom
