@@ -15,7 +15,10 @@ Phases, each timed and printed:
    normed states, and the drafter's output goes to the LM head with no norm of its own);
 4. training: at position t the head reads (embed(x_{t+1}), f_t) and learns f_{t+1} (smooth L1) and, through
    the target's LM head, the target's next greedy token x_{t+2} (cross entropy), loss = v + 0.1 p as EAGLE
-   weighs them, on response positions; AdamW with a cosine learning rate over the time left;
+   weighs them, on response positions; AdamW with a cosine learning rate over the time left. The head
+   guesses among the ``--draft-vocab`` tokens most frequent in the replies (EAGLE-3's draft vocabulary):
+   at batch 1 on the CPU a guess through the target's whole LM head ([49152, 576] for SmolLM2) costs
+   several times the head's layer, and the rare tokens it drops are ones a small head seldom guesses;
 5. evaluation: greedy chain speculative decoding with k drafts, simulated on held-out prompts: the head
    drafts k tokens feeding its own outputs back, the drafts that match the target's greedy tokens are
    accepted, and the target adds one. Mean acceptance length = tokens per target step (1 + accepted); also
@@ -44,13 +47,17 @@ m KV heads; SmolLM2-135M: H 576, I 1536, D 64, n 9, m 3)::
     layers.0.mlp.up_proj.weight               [I, H]
     layers.0.mlp.down_proj.weight             [H, I]
 
-No ``input_layernorm`` (EAGLE-1 skips it), no final norm, and no ``embed_tokens`` or ``lm_head``: the head
-uses the target's (vLLM shares them when the checkpoint lacks them). One step at position t::
+No ``input_layernorm`` (EAGLE-1 skips it), no final norm, and no ``embed_tokens``: the head uses the
+target's (vLLM shares it when the checkpoint lacks it). With a draft vocabulary of N tokens (the default),
+the head's LM head is saved as EAGLE-3 spells one: ``lm_head.weight`` [N, H] (the target's rows of those
+tokens), ``d2t`` [N] int64 (draft id d is target id d + d2t[d]) and ``draft_vocab_size: N`` in config.json;
+kvloom's loader reads them for EAGLE-1 too. ``--draft-vocab 0`` saves the plain EAGLE-1 layout above,
+which shares the target's whole LM head, for a loader that expects only that. One step at position t::
 
     x   = fc(cat(embed(x_{t+1}), f_t))
     h   = x + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))   # rotary at t, causal over steps <= t
     out = h + mlp(post_attention_layernorm(h))                      # ~ f_{t+1}
-    logits = target.lm_head(out)                                    # guesses x_{t+2}
+    logits = lm_head(out)                          # guesses x_{t+2} (the draft vocabulary's rows)
 """
 
 from __future__ import annotations
@@ -114,6 +121,9 @@ TASK_TEMPLATES = (
 )
 EVAL_DRAFT_TOKENS = 4
 P_LOSS_WEIGHT = 0.1  # EAGLE's weight of the token loss next to the feature loss
+# Guesses come from this many of the replies' most frequent tokens: at batch 1 on the CPU a guess through
+# SmolLM2's whole [49152, 576] LM head costs several times the head's layer.
+DRAFT_VOCAB_SIZE = 8192
 
 
 @dataclass
@@ -211,6 +221,24 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.layers = nn.ModuleList([LlamaLayer(config, input_layernorm=False)])
         self.rotary = Rotary(config)
+        # The draft vocabulary: the target ids the head may guess, ascending ([N] int64), or None for all of
+        # them. Not a parameter: saved as the rows of the target's LM head it keeps, and d2t.
+        self.vocab: torch.Tensor | None = None
+
+    def draft_lm_head(self, lm_head: torch.Tensor) -> torch.Tensor:
+        """The target's LM head [V, H] cut to the draft vocabulary's rows [N, H]."""
+        return lm_head if self.vocab is None else lm_head[self.vocab]
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.vocab is None else self.vocab[draft_ids]
+
+    def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids -> draft ids, -100 (cross entropy's ignore index) for ids outside the vocabulary."""
+        if self.vocab is None:
+            return target_ids
+        lookup = torch.full((self.config.vocab_size,), -100, dtype=torch.long)
+        lookup[self.vocab] = torch.arange(len(self.vocab))
+        return lookup[target_ids]
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 cache: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -226,12 +254,36 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def head_config_dict(target_config: dict[str, Any]) -> dict[str, Any]:
-    """config.json of the head: the target's Llama config with one layer, as EAGLE-1 checkpoints give it."""
+def head_config_dict(target_config: dict[str, Any], draft_vocab_size: int | None = None) -> dict[str, Any]:
+    """config.json of the head: the target's Llama config with one layer, as EAGLE-1 checkpoints give it,
+    and EAGLE-3's ``draft_vocab_size`` when the head guesses from a part of the vocabulary."""
     config = dict(target_config)
     config.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
                   torch_dtype="bfloat16")
+    if draft_vocab_size is not None:
+        config["draft_vocab_size"] = draft_vocab_size
     return config
+
+
+def draft_vocabulary(sequences: Sequence[TrainingSequence], size: int, vocab_size: int) -> torch.Tensor | None:
+    """The ``size`` target ids most frequent among the replies' tokens (the tokens a head guesses), ascending;
+    None when ``size`` covers the whole vocabulary. Ties go to the lower id."""
+    if size >= vocab_size:
+        return None
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in sequences:
+        counts += torch.bincount(s.token_ids[s.prompt_len:], minlength=vocab_size)[:vocab_size]
+    # Stable sort on descending counts keeps ascending ids among equal counts.
+    order = torch.sort(-counts, stable=True).indices
+    return torch.sort(order[:size]).values
+
+
+def vocabulary_coverage(sequences: Sequence[TrainingSequence], vocab: torch.Tensor | None) -> float:
+    """The share of the replies' tokens inside the draft vocabulary."""
+    if vocab is None:
+        return 1.0
+    tokens = torch.cat([s.token_ids[s.prompt_len:] for s in sequences]) if sequences else torch.zeros(0)
+    return float(torch.isin(tokens, vocab).float().mean()) if len(tokens) else 1.0
 
 
 # ------------------------------------------------------------------------------------------- the target
@@ -440,11 +492,12 @@ def head_losses(head: EagleHead, lm_head: torch.Tensor, embeds: torch.Tensor, fe
     positions = torch.arange(embeds.shape[1])
     out = head(embeds, features, positions)[mask]
     v = F.smooth_l1_loss(out.float(), target_features[mask])
-    labels = next_tokens[mask]
+    labels = head.to_draft_ids(next_tokens[mask])
     if ce_rows is not None:
         out, labels = out[ce_rows], labels[ce_rows]
-    logits = out @ lm_head.to(out.dtype).T
-    p = F.cross_entropy(logits.float(), labels)
+    logits = out @ lm_head.to(out.dtype).T  # lm_head: the draft vocabulary's rows
+    # A token outside the draft vocabulary is a guess the head cannot make: no token loss, and a miss.
+    p = F.cross_entropy(logits.float(), labels, ignore_index=-100) if (labels >= 0).any() else logits.sum() * 0
     accuracy = (logits.argmax(-1) == labels).float().mean()
     return v, p, accuracy
 
@@ -454,7 +507,7 @@ def train_head(head: EagleHead, target: Target, sequences: list[TrainingSequence
                ce_fraction: float = 1.0, log_every_s: float = 30.0) -> list[float]:
     """AdamW until ``deadline`` (time.monotonic()) or max_epochs; returns the loss of every step."""
     embed = target.embed_weight.detach()
-    lm_head = target.lm_head_weight.detach()
+    lm_head = head.draft_lm_head(target.lm_head_weight.detach())
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     start = time.monotonic()
     span = max(deadline - start, 1e-3)
@@ -526,7 +579,7 @@ def simulate_speculation(head: EagleHead, target: Target, sequences: list[Traini
     """
     dtype = head.fc.weight.dtype
     embed = target.embed_weight.to(dtype)
-    lm_head = target.lm_head_weight.to(dtype)
+    lm_head = head.draft_lm_head(target.lm_head_weight).to(dtype)
     tokens_made = 0
     target_steps = 0
     proposed = 0
@@ -550,7 +603,7 @@ def simulate_speculation(head: EagleHead, target: Target, sequences: list[Traini
             accepted = 0
             drafts: list[int] = []
             for i in range(min(k, remaining)):
-                token = int((out[0, -1] @ lm_head.T).argmax())
+                token = int(head.to_target_ids((out[0, -1] @ lm_head.T).argmax()))
                 drafts.append(token)
                 drafted_at[i] += 1
                 if token != int(ids[p + 2 + i]):
@@ -581,17 +634,30 @@ def save_head(head: EagleHead, target: Target, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.detach().to(torch.bfloat16).contiguous() for name, tensor in head.state_dict().items()}
+    draft_vocab_size = None
+    if head.vocab is not None:
+        # EAGLE-3's spelling of a draft vocabulary: its own LM head (the target's rows), and d2t, draft id d
+        # -> target id d + d2t[d].
+        draft_vocab_size = len(head.vocab)
+        state["lm_head.weight"] = head.draft_lm_head(target.lm_head_weight).detach().to(torch.bfloat16).contiguous()
+        state["d2t"] = (head.vocab - torch.arange(draft_vocab_size)).contiguous()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     with open(out / "config.json", "w", encoding="utf-8") as f:
-        json.dump(head_config_dict(target.hf_config), f, indent=2)
+        json.dump(head_config_dict(target.hf_config, draft_vocab_size), f, indent=2)
         f.write("\n")
 
 
 def load_head(path: Path, target_config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> EagleHead:
+    """A saved head; its LM head rows are the target's (save_head writes them from it), so only d2t is read."""
     from safetensors.torch import load_file
 
     head = EagleHead(target_config).to(dtype)
-    head.load_state_dict(load_file(str(path / "model.safetensors")))
+    state = load_file(str(path / "model.safetensors"))
+    state.pop("lm_head.weight", None)
+    d2t = state.pop("d2t", None)
+    head.load_state_dict(state)
+    if d2t is not None:
+        head.vocab = d2t + torch.arange(len(d2t))
     return head
 
 
@@ -620,8 +686,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "epochs (default %(default)s)")
     parser.add_argument("--noise", type=float, default=0.2, help="width of the uniform noise added to input "
                         "features while training, EAGLE's 0.2 (default %(default)s)")
-    parser.add_argument("--ce-fraction", type=float, default=0.25, help="share of each batch's steps whose "
-                        "token loss is computed: the LM head's product is most of a step (default %(default)s)")
+    parser.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB_SIZE, help="the head guesses among the "
+                        "replies' most frequent tokens, this many (EAGLE-3's draft_vocab_size): each guess then "
+                        "costs a [N, H] product, not the target's whole LM head; 0 or at least the vocabulary: "
+                        "all of it (default %(default)s)")
+    parser.add_argument("--ce-fraction", type=float, default=1.0, help="share of each batch's steps whose "
+                        "token loss is computed, to save the LM head's product with --draft-vocab 0 (default "
+                        "%(default)s)")
     parser.add_argument("--max-model-len", type=int, default=512, help="the generating engine's max_model_len")
     parser.add_argument("--replies", default=None, help="a file of the replies (token ids and features): "
                         "read when it exists, skipping phases 1 and 2, and written after the features")
@@ -679,6 +750,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                  "max_epochs", "max_model_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.draft_vocab < 0:
+        raise ValueError(f"--draft-vocab must be 0 (the whole vocabulary) or positive, got {args.draft_vocab}")
     if not 0.0 < args.ce_fraction <= 1.0:
         raise ValueError(f"--ce-fraction must be in (0, 1], got {args.ce_fraction}")
     if args.minutes <= 0:
@@ -724,6 +797,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     train, held_out = _split(sequences, args.eval_prompts, args.seed)
     head = EagleHead(target.config)
+    head.vocab = draft_vocabulary(train, args.draft_vocab or target.config.vocab_size, target.config.vocab_size)
+    if head.vocab is not None:
+        print(f"draft vocabulary: the {len(head.vocab)} most frequent reply tokens, covering "
+              f"{vocabulary_coverage(train, head.vocab):.1%} of the training replies' tokens and "
+              f"{vocabulary_coverage(held_out, head.vocab):.1%} of the held-out ones", flush=True)
     began = time.monotonic()
     eval_reserve = min(0.08 * budget, 150.0)
     losses = train_head(head, target, train, start + budget - eval_reserve, lr=args.lr,

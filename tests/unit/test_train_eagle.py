@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from kvloom.loader.weights import resolve_model
@@ -72,13 +73,15 @@ def test_evaluated_head_keeps_float32_rotary_frequencies(tiny_llama_dir: str, tm
     torch.testing.assert_close(head.rotary.inv_freq, expected, rtol=0, atol=0)
 
 
-def test_runtime_drafts_equal_the_trainers_simulation(tiny_llama_dir: str, tmp_path) -> None:
+@pytest.mark.parametrize("draft_vocab", [None, 3])  # the tiny model replies with ~4 distinct tokens
+def test_runtime_drafts_equal_the_trainers_simulation(tiny_llama_dir: str, tmp_path, draft_vocab) -> None:
     """The trainer/runtime convention check (issue 10): a head made by the trainer's code, briefly trained,
     saved and loaded by the engine's EAGLE proposer, drafts after every prefix exactly what the trainer's
     simulation drafts. Pins everything the two must agree on: the feature (the target's final hidden state
     after its norm), the pairing (f_t with x_{t+1} at position t guesses x_{t+2}), fc's [embedding | feature]
     order, layer 0 without an input norm, no final norm, the rotary table, the chain's positions, and the
-    first pass over the kept tokens after accepted and rejected drafts."""
+    first pass over the kept tokens after accepted and rejected drafts; with a draft vocabulary, its saved
+    LM head rows and d2t."""
     import math
 
     from kvloom import LLM, SamplingParams
@@ -99,6 +102,10 @@ def test_runtime_drafts_equal_the_trainers_simulation(tiny_llama_dir: str, tmp_p
     target.features(sequences, max_batch_tokens=4096)
     torch.manual_seed(0)
     head = train_eagle.EagleHead(target.config)
+    if draft_vocab is not None:
+        head.vocab = train_eagle.draft_vocabulary(sequences, draft_vocab, target.config.vocab_size)
+        assert len(head.vocab) == draft_vocab
+        assert 0.5 < train_eagle.vocabulary_coverage(sequences, head.vocab) < 1.0
     train_eagle.train_head(head, target, sequences, math.inf, lr=3e-3, max_batch_tokens=1024, max_epochs=8,
                            noise=0.0, seed=0, log_every_s=math.inf)
     train_eagle.save_head(head, target, tmp_path)
@@ -159,3 +166,29 @@ def test_training_saves_vllm_eagle_layout_and_lowers_loss(tiny_llama_dir: str, t
     window = len(losses) // 5
     assert sum(losses[-window:]) / window < sum(losses[:window]) / window
     assert 1.0 <= result["mean_acceptance_length"] <= 1 + 4
+
+
+def test_draft_vocabulary_is_the_most_frequent_reply_tokens_and_saves_as_eagle3_spells_it(
+        tiny_llama_dir: str, tmp_path) -> None:
+    target = train_eagle.Target(resolve_model(tiny_llama_dir), dtype=torch.float32)
+    vocab_size = target.config.vocab_size
+    # Prompt tokens do not count; 7 most often, then 5 and 9 tied (the lower id first), then 3.
+    sequences = [train_eagle.TrainingSequence(torch.tensor([11, 11, 11, 7, 7, 9, 5, 3]), 3),
+                 train_eagle.TrainingSequence(torch.tensor([12, 7, 9, 5, 7]), 1)]
+    assert train_eagle.draft_vocabulary(sequences, 2, vocab_size).tolist() == [5, 7]
+    assert train_eagle.draft_vocabulary(sequences, 3, vocab_size).tolist() == [5, 7, 9]
+    assert train_eagle.draft_vocabulary(sequences, vocab_size, vocab_size) is None
+    assert train_eagle.vocabulary_coverage(sequences, torch.tensor([5, 7])) == pytest.approx(6 / 9)
+
+    head = train_eagle.EagleHead(target.config)
+    head.vocab = torch.tensor([3, 5, 7, 9, 40])
+    assert head.to_draft_ids(torch.tensor([7, 8, 40])).tolist() == [2, -100, 4]
+    train_eagle.save_head(head, target, tmp_path)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert tensors["d2t"].tolist() == [3, 4, 5, 6, 36]  # draft id d is target id d + d2t[d]
+    assert torch.equal(tensors["lm_head.weight"], target.lm_head_weight[head.vocab].to(torch.bfloat16))
+    with open(tmp_path / "config.json", encoding="utf-8") as f:
+        assert json.load(f)["draft_vocab_size"] == 5
+    assert train_eagle.load_head(tmp_path, target.config).vocab.tolist() == [3, 5, 7, 9, 40]
