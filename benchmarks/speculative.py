@@ -2,8 +2,9 @@
 the drafts accepted and the mean acceptance length (tokens per target step, the unit train_eagle.py prints),
 and a check that every method gives the plain engine's tokens.
 
-Workloads (``--workload``): ``copy``, a raw prompt asking to copy a text (n-gram lookup's best case, and
-out of the distribution an EAGLE head trained on chat replies has seen); ``chat``, chat-templated
+Workloads (``--workload``): ``copy``, chats asking to copy a passage, or to fix its spelling, that is longer
+than the reply's ``--max-tokens`` (n-gram lookup's best case; for an EAGLE head trained on chat replies,
+text it may not have seen); ``chat``, chat-templated
 questions answered until EOS or ``--max-tokens``, the kind of text train_eagle.py trains and evaluates on;
 ``standard``, the throughput benchmark's random-token prompts (kvloom/bench/workload.py: nothing to look
 up), what speculation must not slow down (issue 10: at most 5% at N=64).
@@ -41,8 +42,37 @@ QUESTIONS = (
     "Explain what a Python list comprehension is.", "What causes the seasons on Earth?",
     "Write a short poem about the ocean.", "How can I save money on groceries?",
 )
-TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
-        "All that glitters is not gold. Actions speak louder than words. ")
+# The copy workload: passages longer than the default 96 output tokens (~115 tokens each), so a reply that
+# does what it is asked is copied text to the end. (An earlier version asked a raw prompt to copy a 38-token
+# text "twice"; SmolLM2 copied it once and then wrote a new paragraph, 58 of its 96 tokens.)
+PASSAGES = (
+    "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night its keeper "
+    "climbed the narrow stairs, trimmed the wick and polished the great lens until it shone. Ships that passed "
+    "in the dark knew the rocks were near when they saw its slow white beam sweep across the water. When the "
+    "last keeper retired, the light was made automatic, and the little house beside the tower stood empty. "
+    "Today visitors walk up the same stairs to look out over the sea, and on clear evenings they can still "
+    "watch the beam turn above their heads.",
+    "Our team meets every Monday at nine to plan the week. Each person says what they finished last week, what "
+    "they will work on next, and anything that is blocking them. We keep the meeting under thirty minutes, and "
+    "longer discussions move to a separate call with only the people who need to be there. Notes are written "
+    "in the shared document during the meeting, so that anyone who missed it can read them afterwards. If you "
+    "are new to the team, please add your name to the list at the top of the document before your first "
+    "meeting.",
+)
+# Copy and edit requests (an edit that fixes a misspelt word keeps the rest of the text as it is).
+COPY_REQUESTS = ("Copy this text exactly:\n\n{text}", "Repeat the following text word for word:\n\n{text}",
+                 "Fix the spelling in this text:\n\n{text}")
+MISSPELT = {"narrow": "narow", "polished": "polishd", "separate": "seperate", "afterwards": "afterwrds"}
+
+
+def copy_prompt(i: int) -> list[dict[str, str]]:
+    """Row i of the copy workload: a chat asking to copy (or fix the spelling of) one of PASSAGES."""
+    text = PASSAGES[i % len(PASSAGES)]
+    request = COPY_REQUESTS[i % len(COPY_REQUESTS)]
+    if request.startswith("Fix"):
+        for right, wrong in MISSPELT.items():
+            text = text.replace(right, wrong)
+    return [{"role": "user", "content": request.format(text=text)}]
 
 
 def main() -> int:
@@ -81,12 +111,12 @@ def main() -> int:
         for method in args.methods:
             configs[f"{method}-fixed-k"] = configs[method]
     names = [name for name in configs if name != "plain"]
-    # Copying and the standard workload run to max_tokens; chat answers stop at EOS (tok/s counts the tokens made).
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.workload != "chat")
+    # The standard workload runs to max_tokens; copies and chat answers stop at EOS (tok/s counts the tokens made).
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.workload == "standard")
     max_num_seqs = args.max_num_seqs or max(args.batch)
     for batch in args.batch:
         if args.workload == "copy":
-            prompts = [f"Copy this text exactly, twice:\n{TEXT * (1 + i % 2)}\nCopy:\n" for i in range(batch)]
+            prompts = [copy_prompt(i) for i in range(batch)]
         elif args.workload == "standard":
             prompts = [{"prompt_token_ids": p} for p in make_workload(batch)]  # random ids: nothing to look up
         else:
@@ -103,7 +133,7 @@ def main() -> int:
                           max_num_seqs=max_num_seqs, speculative_config=config)
                 if name.endswith("-fixed-k"):
                     llm.llm_engine.scheduler.speculation.adaptive = False
-                generate = llm.chat if args.workload == "chat" else llm.generate
+                generate = llm.generate if args.workload == "standard" else llm.chat
                 generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
                 before = llm.llm_engine.scheduler.stats()
                 if args.step_times:
