@@ -14,6 +14,8 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "KVLOOM_NUM_THREADS": "torch intra-op threads on the CPU (default: all cores)",
     "KVLOOM_CPU_THREAD_POOL": "1: the CPU kernels run their loops on kvloom's own thread pool, which never waits "
     "for a descheduled thread (for a box shared with other busy processes); default 0: torch's OpenMP threads",
+    "KVLOOM_CPU_LAYER_STACK": "0: a Llama model's decoder layers run one torch op at a time on the CPU; default 1: "
+    "all of them in one native call (csrc/decoder.cpp; the same kernels, no Python between them)",
     "KVLOOM_LOGGING_LEVEL": "log level of the kvloom logger (default INFO)",
     "KVLOOM_CACHE_DIR": "folder for kvloom's on-disk caches; compiled CPU kernels go to its extensions/ "
     "(default ~/.cache/kvloom)",
@@ -50,11 +52,11 @@ def get_int(name: str) -> int | None:
     return value
 
 
-def get_bool(name: str) -> bool:
-    """1/true/yes/on or 0/false/no/off (case-insensitive); False when unset."""
+def get_bool(name: str, default: bool = False) -> bool:
+    """1/true/yes/on or 0/false/no/off (case-insensitive); ``default`` when unset."""
     raw = get(name)
     if raw is None:
-        return False
+        return default
     if raw.lower() in ("1", "true", "yes", "on"):
         return True
     if raw.lower() in ("0", "false", "no", "off"):

@@ -6,7 +6,7 @@ attention metadata that says which request each token belongs to. No device code
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from kvloom.layers.rotary import RotaryEmbedding
 from kvloom.loader.model_config import ModelConfig
 from kvloom.ops.int8 import Int8Blocks, Int8Rows
 from kvloom.ops.metadata import AttentionMetadata
-from kvloom.ops.table import Ops
+from kvloom.ops.table import LayerShape, LayerWeights, Ops
 
 
 class LlamaAttention(nn.Module):
@@ -106,6 +106,34 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # EAGLE-3 drafts from the residual stream entering these layers (0: the embeddings); set by the runner.
         self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.ops = ops
+        # Every decoder layer in one native call where the op table has one and the layers qualify
+        # (prepare_layer_stack, once the weights are final); None: the layers run module by module.
+        self.layer_stack: Callable | None = None
+
+    def prepare_layer_stack(self) -> None:
+        """After the weights are packed: hand the layers to the op table's layer stack, when it has one and
+        nothing sits between the layers' modules (tensor parallelism's all-reduce hooks, for one)."""
+        self.layer_stack = None
+        if self.ops.llama_layer_stack is None:
+            return
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            modules = (layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm, attn.qkv_proj,
+                       attn.o_proj, mlp.gate_up_proj, mlp.down_proj, mlp.act)
+            if (type(layer) is not LlamaDecoderLayer or attn.attention is not self.ops.attention
+                    or not isinstance(layer.input_layernorm, RMSNorm)
+                    or any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+                    or any(p.packed is None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))):
+                return
+        first = self.layers[0]
+        shape = LayerShape(first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
+                           self.config.intermediate_size, first.input_layernorm.eps, first.self_attn.scale)
+        weights = [LayerWeights(layer.input_layernorm.weight.data, layer.self_attn.qkv_proj.packed,
+                                layer.self_attn.o_proj.packed, layer.post_attention_layernorm.weight.data,
+                                layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed) for layer in self.layers]
+        rotary = first.self_attn.rotary
+        self.layer_stack = self.ops.llama_layer_stack(weights, shape, rotary.cos_cache, rotary.sin_cache)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata
@@ -113,6 +141,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, H]; with aux_hidden_state_layers, also the
         residual stream entering each of those layers, side by side: ([T, H], [T, len(layers) * H])."""
         hidden = self.embed_tokens(input_ids)
+        if self.layer_stack is not None and not self.aux_hidden_state_layers:
+            hidden, residual = self.layer_stack(hidden, positions, kv_caches, metadata)
+            return self.norm(hidden, residual)[0]
         residual = None
         streams: dict[int, torch.Tensor] = {}
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):

@@ -42,6 +42,8 @@ def process_weights_after_loading(model: nn.Module, ops: Ops) -> None:
     for module in model.modules():
         if module is not model and hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading(ops)
+    if hasattr(model, "prepare_layer_stack"):  # with the weights packed: the layers as one native call
+        model.prepare_layer_stack()
 
 
 def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:

@@ -47,6 +47,7 @@ from kvloom import envs
 from kvloom.ops.int8 import check_blocks_shape
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.reference import write_kv_cache
+from kvloom.ops.table import LayerShape, LayerWeights
 
 logger = logging.getLogger("kvloom")
 
@@ -54,9 +55,9 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 # Compiled into the same library: the fused norm / rotary / activation ops, the bf16 GEMM, the int8 GEMMs
 # and the thread pool that all of them run their loops on.
 SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name
-                     for name in ("fused_ops.cpp", "gemm.cpp", "gemm_int8.cpp", "parallel.cpp")))
+                     for name in ("fused_ops.cpp", "gemm.cpp", "gemm_int8.cpp", "parallel.cpp", "decoder.cpp")))
 # Included by them: the ISA flags (all) and the thread pool's loops.
-HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_capability.h", "parallel.h"))
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_capability.h", "kernels.h", "parallel.h"))
 # Tried in order: tuned for this CPU, then portable (for compilers that reject -march=native).
 BUILD_VARIANTS = (("native", ["-march=native"]), ("portable", []))
 BUILD_LOCK_TIMEOUT_S = 900
@@ -296,6 +297,49 @@ class PackedWeight:
         out = x.new_empty(*x.shape[:-1], self.out_features)
         torch.ops.kvloom.gemm_bf16(out.view(-1, self.out_features), rows, self.data, self.bias)
         return out
+
+
+# ---- every decoder layer in one call ----------------------------------------------------------------
+class LlamaLayerStack:
+    """A Llama model's decoder layers as one native call (csrc/decoder.cpp): the kernels the layers' modules
+    call one by one, in the same order on the same buffers (bit-identical hidden states), without the
+    ~300 trips through Python and the dispatcher a step of SmolLM2-135M makes. ``llama_layer_stack`` says
+    which models qualify."""
+
+    def __init__(self, layers: list[LayerWeights], shape: LayerShape, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.weights = [t for layer in layers for t in (layer.input_norm, layer.qkv.data, layer.o.data,
+                                                          layer.post_norm, layer.gate_up.data, layer.down.data)]
+        self.shape = shape
+        self.cos, self.sin = cos, sin
+        self._op = torch.ops.kvloom.llama_layers.default
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the embeddings [T, H], which become the residual stream (updated in place, as the layers'
+        fused add + RMSNorm do) -> (the last layer's output, the residual stream) for the final norm."""
+        s = self.shape
+        return self._op(hidden, positions, self.cos, self.sin, self.weights, [kv[0] for kv in kv_caches],
+                        [kv[1] for kv in kv_caches], metadata.slot_mapping, metadata.block_table,
+                        metadata.seq_lens, query_start_loc_tensor(metadata, hidden.device), s.num_heads,
+                        s.num_kv_heads, s.head_dim, s.intermediate_size, s.eps, s.scale, metadata.sliding_window or 0)
+
+
+def llama_layer_stack(layers: list[LayerWeights], shape: LayerShape, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> LlamaLayerStack | None:
+    """The stack of these layers, or None where one does not qualify: every projection packed for kvloom's
+    bf16 GEMM without a bias, bf16 norms, and the library built with that GEMM (AVX512-BF16).
+    KVLOOM_CPU_LAYER_STACK=0 turns it off (every layer then runs module by module, the reference)."""
+    if not envs.get_bool("KVLOOM_CPU_LAYER_STACK", default=True) or not hasattr(torch.ops.kvloom, "llama_layers"):
+        return None
+    for layer in layers:
+        for packed in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if not (isinstance(packed, PackedWeight) and packed.format == "kvloom" and packed.bias is None):
+                return None
+        for norm in (layer.input_norm, layer.post_norm):
+            if norm.dtype != torch.bfloat16 or not norm.is_contiguous():
+                return None
+    return LlamaLayerStack(layers, shape, cos, sin)
 
 
 # ---- the int8 GEMMs -------------------------------------------------------------------------------

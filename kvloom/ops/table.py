@@ -50,6 +50,35 @@ PackInt8Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], Callabl
 
 
 @dataclass(frozen=True)
+class LayerWeights:
+    """One Llama decoder layer's weights as a layer stack takes them: the norms' weights and the projections'
+    prepared products (what ``pack_linear`` returned for each Linear)."""
+
+    input_norm: torch.Tensor
+    qkv: object
+    o: object
+    post_norm: torch.Tensor
+    gate_up: object
+    down: object
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    eps: float
+    scale: float
+
+
+# (per-layer weights, shape, rotary cos table, sin table) -> a function (embeddings [T, H], positions, kv_caches,
+# metadata) -> (last layer's output, residual stream) running every decoder layer at once, or None where
+# these layers do not qualify.
+LayerStackFn = Callable[[list[LayerWeights], LayerShape, torch.Tensor, torch.Tensor], Callable | None]
+
+
+@dataclass(frozen=True)
 class Ops:
     """One implementation of every op. See each platform module for the shapes."""
 
@@ -73,6 +102,8 @@ class Ops:
     # (head_dim, block_size, dtype) -> whether attention reads the caches in the pairs layout (ops/reference.py
     # allocate_kv_cache); None: always rows.
     pairs_layout: Callable[[int, int, torch.dtype], bool] | None = None
+    # Every Llama decoder layer in one native call (the CPU's csrc/decoder.cpp); None: module by module.
+    llama_layer_stack: LayerStackFn | None = None
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                           dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +141,7 @@ def select_ops(device: torch.device, dtype: torch.dtype, attention_backend: str 
     platform = _cpu_ops(dtype, batch_hint, int8_activations) if on_cpu else _cuda_ops()
     if attention_backend == "native":
         return dataclasses.replace(platform, name="native", attention=native.attention, needs_decode_mask=True,
-                                   pairs_layout=None)
+                                   pairs_layout=None, llama_layer_stack=None)
     return platform
 
 
@@ -132,7 +163,7 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
     return Ops(name="cpu", attention=cpu.attention, rms_norm=cpu.rms_norm, add_rms_norm=cpu.add_rms_norm,
                rotary_embedding=cpu.rotary_embedding, silu_and_mul=cpu.silu_and_mul, argmax=cpu.argmax,
                pack_linear=pack, pack_linear_int8=pack_int8, pack_linear_int8_blocks=pack_int8_blocks,
-               pairs_layout=cpu.pairs_layout)
+               pairs_layout=cpu.pairs_layout, llama_layer_stack=cpu.llama_layer_stack)
 
 
 def _cuda_ops() -> Ops:

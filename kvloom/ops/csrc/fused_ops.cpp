@@ -5,6 +5,7 @@
 // compare the two.
 
 #include "cpu_capability.h"
+#include "kernels.h"
 #include "parallel.h"
 
 #include <ATen/core/Tensor.h>
@@ -467,6 +468,21 @@ void argmax_rows(at::Tensor out, at::Tensor x) {
 }
 
 }  // namespace
+
+namespace kvloom::kernels {
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) { ::rms_norm(out, x, weight, eps); }
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  ::fused_add_rms_norm(x, residual, weight, eps);
+}
+void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin) {
+  ::rotary_embedding(x, positions, cos, sin);
+}
+void silu_and_mul(at::Tensor out, at::Tensor x) { ::silu_and_mul(out, x); }
+void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+                    at::Tensor slot_mapping) {
+  ::write_kv_cache(key, value, key_cache, value_cache, slot_mapping);
+}
+}  // namespace kvloom::kernels
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");

@@ -11,6 +11,7 @@
 // fp32 sums. Without AVX512-BF16 the op is not registered and callers keep oneDNN / F.linear.
 
 #include "cpu_capability.h"
+#include "kernels.h"
 #include "parallel.h"
 
 #include <ATen/core/Tensor.h>
@@ -132,6 +133,12 @@ void gemm_bf16(at::Tensor y, at::Tensor x, at::Tensor packed, c10::optional<at::
 }
 
 }  // namespace
+
+namespace kvloom::kernels {
+void gemm_bf16(at::Tensor y, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
+  ::gemm_bf16(y, x, packed, bias);
+}
+}  // namespace kvloom::kernels
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("gemm_bf16(Tensor(a!) y, Tensor x, Tensor packed, Tensor? bias) -> ()");

@@ -29,6 +29,7 @@
 //          transposed or converted at attention time.
 
 #include "cpu_capability.h"
+#include "kernels.h"
 #include "parallel.h"
 
 #include <ATen/core/Tensor.h>
@@ -774,6 +775,15 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     default: TORCH_CHECK(false, "paged_attention: dtype must be float32, bfloat16 or float16, got ", dtype);
   }
 }
+
+namespace kvloom::kernels {
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
+  ::paged_attention(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
+                    sliding_window);
+}
+}  // namespace kvloom::kernels
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "

@@ -1,0 +1,24 @@
+// The kernels' entry points, for C++ callers in this library (decoder.cpp): the same functions the
+// torch ops of the same names run, called directly, without the dispatcher or Python in between.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+namespace kvloom::kernels {
+
+// fused_ops.cpp
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin);
+void silu_and_mul(at::Tensor out, at::Tensor x);
+void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+                    at::Tensor slot_mapping);
+// paged_attention.cpp
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, double scale, int64_t sliding_window);
+// gemm.cpp (built with AVX512-BF16 only: KVLOOM_BF16_DOT)
+void gemm_bf16(at::Tensor y, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias);
+
+}  // namespace kvloom::kernels

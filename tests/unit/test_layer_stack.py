@@ -1,0 +1,125 @@
+"""The Llama layer stack (csrc/decoder.cpp: every decoder layer in one native call) against the layers run
+module by module, its reference: the same hidden states bit for bit, on a mixed batch (decodes, a chunk
+with a cached prefix, a whole prompt) in both KV-cache layouts, and the same tokens through the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvloom.loader.weights import iter_weights, load_model_config, resolve_model
+from kvloom.models.registry import build_model, process_weights_after_loading
+from kvloom.ops import cpu
+from kvloom.ops.metadata import AttentionMetadata
+from kvloom.ops.table import select_ops
+from tests.paged_batch import place_requests
+from tests.tiny_models import build_tiny_checkpoint
+
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def stack_kernel() -> None:
+    if not cpu.cpu_kernel_available() or not hasattr(torch.ops.kvloom, "llama_layers"):
+        pytest.skip("the layer stack needs the CPU kernels built with AVX512-BF16")
+
+
+def _model(path: str):
+    source = resolve_model(path)
+    config = load_model_config(source)
+    ops = select_ops(torch.device("cpu"), torch.bfloat16)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = build_model(config, ops)
+    finally:
+        torch.set_default_dtype(previous)
+    model.load_weights(iter_weights(source))
+    process_weights_after_loading(model, ops)
+    return model.eval(), config, ops
+
+
+def _forward_both_ways(model, config, ops, query_lens, context_lens):
+    """Hidden states of one step, with the stack and module by module, each on its own copy of caches
+    that hold the same random context."""
+    batch = place_requests(query_lens, context_lens, BLOCK_SIZE)
+    generator = torch.Generator().manual_seed(0)
+    caches = []
+    for _ in range(config.num_hidden_layers):
+        k, v = ops.allocate_kv_cache(batch.num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim,
+                                     torch.bfloat16, "cpu")
+        k[1:] = torch.randn(k[1:].shape, generator=generator).to(torch.bfloat16)
+        v[1:] = torch.randn(v[1:].shape, generator=generator).to(torch.bfloat16)
+        caches.append((k, v))
+    ids = torch.randint(3, config.vocab_size, (sum(query_lens),), generator=generator)
+    positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)])
+    outputs, written = [], []
+    for use_stack in (True, False):
+        kv = [(k.clone(), v.clone()) for k, v in caches]
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(batch.slot_mapping), block_table=torch.tensor(batch.block_tables),
+            seq_lens=torch.tensor(batch.seq_lens), query_start_loc=batch.query_start_loc,
+            seq_lens_host=batch.seq_lens, num_decodes=batch.num_decodes, block_size=BLOCK_SIZE,
+            max_query_len=max(query_lens))
+        stack = model.layer_stack
+        if not use_stack:
+            model.layer_stack = None
+        try:
+            with torch.inference_mode():
+                outputs.append(model(ids, positions, kv, metadata))
+        finally:
+            model.layer_stack = stack
+        written.append(kv)
+    return outputs, written
+
+
+@pytest.mark.parametrize("head_dim", [16, 32])  # 16: the rows layout of the caches; 32: the pairs layout
+def test_stack_equals_the_layers_module_by_module(stack_kernel: None, tmp_path, head_dim: int) -> None:
+    path = build_tiny_checkpoint(str(tmp_path / "tiny"), hidden_size=4 * head_dim, num_hidden_layers=3)
+    model, config, ops = _model(path)
+    assert model.layer_stack is not None
+    (stacked, plain), (stacked_kv, plain_kv) = _forward_both_ways(
+        model, config, ops, query_lens=[1, 1, 1, 7, 20], context_lens=[5, 40, 17, 9, 0])
+    assert torch.equal(stacked, plain)
+    for (k1, v1), (k2, v2) in zip(stacked_kv, plain_kv):  # the same keys and values written
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_stack_keeps_out_what_it_cannot_run(stack_kernel: None, tiny_llama_dir: str, monkeypatch) -> None:
+    model, _, _ = _model(tiny_llama_dir)
+    assert model.layer_stack is not None
+    # A forward hook between the modules (tensor parallelism's all-reduce is one): module by module.
+    handle = model.layers[1].self_attn.o_proj.register_forward_hook(lambda *args: None)
+    model.prepare_layer_stack()
+    assert model.layer_stack is None
+    handle.remove()
+    model.prepare_layer_stack()
+    assert model.layer_stack is not None
+    # int8 weights, and the switch.
+    from kvloom.ops.int8 import NativeInt8Linear
+
+    packed = model.layers[0].mlp.down_proj.packed
+    model.layers[0].mlp.down_proj.packed = NativeInt8Linear(torch.zeros(64, 128, dtype=torch.int8),
+                                                            torch.ones(64), None)
+    model.prepare_layer_stack()
+    assert model.layer_stack is None
+    model.layers[0].mlp.down_proj.packed = packed
+    monkeypatch.setenv("KVLOOM_CPU_LAYER_STACK", "0")
+    model.prepare_layer_stack()
+    assert model.layer_stack is None
+
+
+def test_engine_tokens_equal_with_and_without_the_stack(stack_kernel: None, tiny_llama_dir: str,
+                                                         monkeypatch) -> None:
+    from kvloom import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 30, 70)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv("KVLOOM_CPU_LAYER_STACK", setting)
+        # A small token budget: prompts are chunked and share steps with decodes.
+        llm = LLM(model=tiny_llama_dir, dtype="bfloat16", max_model_len=256, max_num_batched_tokens=32)
+        assert (llm.llm_engine.executor.driver.model.layer_stack is not None) == (setting == "1")
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert tokens[0] == tokens[1]
