@@ -133,7 +133,8 @@ class LlamaForCausalLM(nn.Module):
                                 layer.self_attn.o_proj.packed, layer.post_attention_layernorm.weight.data,
                                 layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed) for layer in self.layers]
         rotary = first.self_attn.rotary
-        self.layer_stack = self.ops.llama_layer_stack(weights, shape, rotary.cos_cache, rotary.sin_cache)
+        self.layer_stack = self.ops.llama_layer_stack(weights, shape, self.config.hidden_size, rotary.cos_cache,
+                                                      rotary.sin_cache)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata

@@ -288,6 +288,10 @@ class PackedWeight:
         else:
             raise ValueError(f"unknown packed weight format {fmt!r}; expected 'kvloom' or 'onednn'")
 
+    def stack_args(self) -> tuple[int, list[torch.Tensor | None], int] | None:
+        """(kind, tensors, W8A8 rows) for csrc/decoder.cpp's plan; None: oneDNN's product, which it cannot call."""
+        return (STACK_BF16, [self.data, self.bias], 0) if self.format == "kvloom" else None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.format == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.data, self.bias, "none", [], "")
@@ -300,46 +304,68 @@ class PackedWeight:
 
 
 # ---- every decoder layer in one call ----------------------------------------------------------------
+# The projections' kinds in csrc/decoder.cpp's plan (its Projection::Kind).
+STACK_BF16, STACK_INT8_ROWS, STACK_INT8_BLOCKS = 0, 1, 2
+
+
 class LlamaLayerStack:
     """A Llama model's decoder layers as one native call (csrc/decoder.cpp): the kernels the layers' modules
     call one by one, in the same order on the same buffers (bit-identical hidden states), without the
     ~300 trips through Python and the dispatcher a step of SmolLM2-135M makes. ``llama_layer_stack`` says
     which models qualify."""
 
-    def __init__(self, layers: list[LayerWeights], shape: LayerShape, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self.weights = [t for layer in layers for t in (layer.input_norm, layer.qkv.data, layer.o.data,
-                                                          layer.post_norm, layer.gate_up.data, layer.down.data)]
-        self.shape = shape
-        self.cos, self.sin = cos, sin
-        self._op = torch.ops.kvloom.llama_layers.default
+    def __init__(self, layers: list[LayerWeights], shape: LayerShape, hidden_size: int, cos: torch.Tensor,
+                 sin: torch.Tensor) -> None:
+        norms: list[torch.Tensor] = []
+        projections: list[torch.Tensor | None] = []
+        kinds: list[int] = []
+        min_rows: list[int] = []
+        for layer in layers:
+            norms += [layer.input_norm, layer.post_norm]
+            for packed in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                kind, tensors, rows = packed.stack_args()
+                kinds.append(kind)
+                min_rows.append(min(rows, 2**62))
+                projections += tensors + [None] * (4 - len(tensors))
+        dims = [shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size, hidden_size]
+        self._plan = torch.classes.kvloom.LlamaLayerStack(norms, projections, kinds, min_rows, cos, sin, dims,
+                                                          shape.eps, shape.scale)
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: the embeddings [T, H], which become the residual stream (updated in place, as the layers'
         fused add + RMSNorm do) -> (the last layer's output, the residual stream) for the final norm."""
-        s = self.shape
-        return self._op(hidden, positions, self.cos, self.sin, self.weights, [kv[0] for kv in kv_caches],
-                        [kv[1] for kv in kv_caches], metadata.slot_mapping, metadata.block_table,
-                        metadata.seq_lens, query_start_loc_tensor(metadata, hidden.device), s.num_heads,
-                        s.num_kv_heads, s.head_dim, s.intermediate_size, s.eps, s.scale, metadata.sliding_window or 0)
+        return self._plan.forward(hidden, positions, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
+                                  metadata.slot_mapping, metadata.block_table, metadata.seq_lens,
+                                  query_start_loc_tensor(metadata, hidden.device), metadata.sliding_window or 0)
 
 
-def llama_layer_stack(layers: list[LayerWeights], shape: LayerShape, cos: torch.Tensor, sin: torch.Tensor
-                      ) -> LlamaLayerStack | None:
-    """The stack of these layers, or None where one does not qualify: every projection packed for kvloom's
-    bf16 GEMM without a bias, bf16 norms, and the library built with that GEMM (AVX512-BF16).
-    KVLOOM_CPU_LAYER_STACK=0 turns it off (every layer then runs module by module, the reference)."""
-    if not envs.get_bool("KVLOOM_CPU_LAYER_STACK", default=True) or not hasattr(torch.ops.kvloom, "llama_layers"):
+def layer_stack_available() -> bool:
+    """Whether the library holds csrc/decoder.cpp's plan (built with AVX512-BF16)."""
+    try:
+        torch.classes.kvloom.LlamaLayerStack
+    except RuntimeError:  # torch.classes raises this, not AttributeError, for a class never registered
+        return False
+    return True
+
+
+def llama_layer_stack(layers: list[LayerWeights], shape: LayerShape, hidden_size: int, cos: torch.Tensor,
+                      sin: torch.Tensor) -> LlamaLayerStack | None:
+    """The stack of these layers, or None where one does not qualify: every projection one of this module's
+    packed products (kvloom's bf16 GEMM, the int8 ones; not oneDNN's), contiguous norm weights and caches,
+    and the library built with the bf16 GEMM (AVX512-BF16). KVLOOM_CPU_LAYER_STACK=0 turns it off (every
+    layer then runs module by module, the reference)."""
+    if not envs.get_bool("KVLOOM_CPU_LAYER_STACK", default=True) or not layer_stack_available():
         return None
     for layer in layers:
         for packed in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            if not (isinstance(packed, PackedWeight) and packed.format == "kvloom" and packed.bias is None):
+            if getattr(packed, "stack_args", None) is None or packed.stack_args() is None:
                 return None
         for norm in (layer.input_norm, layer.post_norm):
-            if norm.dtype != torch.bfloat16 or not norm.is_contiguous():
+            if not norm.is_contiguous():
                 return None
-    return LlamaLayerStack(layers, shape, cos, sin)
+    return LlamaLayerStack(layers, shape, hidden_size, cos, sin)
 
 
 # ---- the int8 GEMMs -------------------------------------------------------------------------------
@@ -440,6 +466,9 @@ class PackedInt8Weight(_PackedInt8Linear):
         self._w8a8 = torch.ops.kvloom.gemm_w8a8.default  # the overloads themselves: 1 us less a call
         self._weight_only = torch.ops.kvloom.gemm_int8_weight_only.default
 
+    def stack_args(self) -> tuple[int, list[torch.Tensor | None], int]:
+        return STACK_INT8_ROWS, [self.data, self.compensation, self.scale, self.bias], self.w8a8_min_rows
+
     def _compute(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         if rows.shape[0] >= self.w8a8_min_rows:
             self._w8a8(out, rows, self.data, self.compensation, self.scale, self.bias)
@@ -475,6 +504,9 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
         self.scale = pack_block_columns(scale.float())
         self.bias = None if bias is None else bias.float().contiguous()
         self._product = torch.ops.kvloom.gemm_w8a8_blocks.default
+
+    def stack_args(self) -> tuple[int, list[torch.Tensor | None], int]:
+        return STACK_INT8_BLOCKS, [self.data, self.scale, self.bias], 0
 
     def _compute(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         self._product(out, rows, self.data, self.scale, self.bias)

@@ -72,10 +72,10 @@ class LayerShape:
     scale: float
 
 
-# (per-layer weights, shape, rotary cos table, sin table) -> a function (embeddings [T, H], positions, kv_caches,
-# metadata) -> (last layer's output, residual stream) running every decoder layer at once, or None where
-# these layers do not qualify.
-LayerStackFn = Callable[[list[LayerWeights], LayerShape, torch.Tensor, torch.Tensor], Callable | None]
+# (per-layer weights, shape, hidden size, rotary cos table, sin table) -> a function (embeddings [T, H],
+# positions, kv_caches, metadata) -> (last layer's output, residual stream) running every decoder layer at
+# once, or None where these layers do not qualify.
+LayerStackFn = Callable[[list[LayerWeights], LayerShape, int, torch.Tensor, torch.Tensor], Callable | None]
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,18 @@
 """The Llama layer stack (csrc/decoder.cpp: every decoder layer in one native call) against the layers run
 module by module, its reference: the same hidden states bit for bit, on a mixed batch (decodes, a chunk
-with a cached prefix, a whole prompt) in both KV-cache layouts, and the same tokens through the engine."""
+with a cached prefix, a whole prompt) in both KV-cache layouts and with int8 weights (per row, weight-only
+or W8A8, and Q8_0 blocks), and the same tokens through the engine."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvloom.layers.linear import Linear
 from kvloom.loader.weights import iter_weights, load_model_config, resolve_model
 from kvloom.models.registry import build_model, process_weights_after_loading
 from kvloom.ops import cpu
+from kvloom.ops.int8 import Int8Blocks, Int8Rows
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import select_ops
 from tests.paged_batch import place_requests
@@ -20,14 +23,16 @@ BLOCK_SIZE = 16
 
 @pytest.fixture(scope="module")
 def stack_kernel() -> None:
-    if not cpu.cpu_kernel_available() or not hasattr(torch.ops.kvloom, "llama_layers"):
+    if not cpu.cpu_kernel_available() or not cpu.layer_stack_available():
         pytest.skip("the layer stack needs the CPU kernels built with AVX512-BF16")
 
 
-def _model(path: str):
+def _model(path: str, int8: str | None = None):
+    """The model in bf16 as the engine prepares it; ``int8``: its projections quantized per row ("rows",
+    weight-only products; "rows-w8a8", W8A8 from 2 rows) or held as blocks of 32 ("blocks", as a Q8_0)."""
     source = resolve_model(path)
     config = load_model_config(source)
-    ops = select_ops(torch.device("cpu"), torch.bfloat16)
+    ops = select_ops(torch.device("cpu"), torch.bfloat16, int8_activations=int8 == "rows-w8a8")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -35,6 +40,13 @@ def _model(path: str):
     finally:
         torch.set_default_dtype(previous)
     model.load_weights(iter_weights(source))
+    if int8 is not None:
+        for module in model.layers.modules():
+            if isinstance(module, Linear):
+                module.quantize()
+                if int8 == "blocks":
+                    blocks = Int8Blocks.from_rows(Int8Rows(module.qweight, module.weight_scale))
+                    module.set_int8(blocks.qweight, blocks.scale)
     process_weights_after_loading(model, ops)
     return model.eval(), config, ops
 
@@ -85,6 +97,19 @@ def test_stack_equals_the_layers_module_by_module(stack_kernel: None, tmp_path, 
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
+@pytest.mark.parametrize("int8", ["rows", "rows-w8a8", "blocks"])
+def test_stack_equals_the_layers_module_by_module_with_int8_weights(stack_kernel: None, tiny_llama_dir: str,
+                                                                    int8: str) -> None:
+    if not cpu.int8_kernels_available():
+        pytest.skip("the int8 GEMMs need AVX512-VNNI and AVX512-BF16")
+    model, config, ops = _model(tiny_llama_dir, int8=int8)
+    assert model.layer_stack is not None
+    # Decodes alone (one row: the weight-only product where W8A8 starts at 2 rows), then a mixed batch.
+    for query_lens, context_lens in (([1], [12]), ([1, 1, 9, 20], [30, 3, 16, 0])):
+        (stacked, plain), _ = _forward_both_ways(model, config, ops, query_lens, context_lens)
+        assert torch.equal(stacked, plain), (query_lens, context_lens)
+
+
 def test_stack_keeps_out_what_it_cannot_run(stack_kernel: None, tiny_llama_dir: str, monkeypatch) -> None:
     model, _, _ = _model(tiny_llama_dir)
     assert model.layer_stack is not None
@@ -95,7 +120,7 @@ def test_stack_keeps_out_what_it_cannot_run(stack_kernel: None, tiny_llama_dir: 
     handle.remove()
     model.prepare_layer_stack()
     assert model.layer_stack is not None
-    # int8 weights, and the switch.
+    # A product it cannot call (torch's int8 ops), and the switch.
     from kvloom.ops.int8 import NativeInt8Linear
 
     packed = model.layers[0].mlp.down_proj.packed

@@ -4,8 +4,9 @@
 // makes ~300 kernel calls through Python modules and the dispatcher (~5-10 us each: 2-3 ms a step),
 // which at a few sequences is a tenth or more of the step.
 //
-// Per layer (weights packed for gemm_bf16, no biases; kvloom/ops/cpu.py LlamaLayerStack says when a
-// model qualifies and builds the argument lists):
+// Per layer (kvloom/ops/cpu.py LlamaLayerStack says when a model qualifies and builds the plan), each
+// projection the product its Linear would call: kvloom's bf16 GEMM, or an int8 one (W8A8 from a number
+// of rows on, else weight-only; or W8A8 on Q8_0 blocks):
 //
 //     layer 0:  residual = hidden; hidden = rms_norm(hidden)         later: hidden, residual =
 //               add_rms_norm(hidden, residual), in place
@@ -21,6 +22,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -33,74 +36,152 @@ namespace {
 
 namespace k = kvloom::kernels;
 
-constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post-attention norm, gate_up, down
+// One projection: which product, and its tensors as the Python objects hold them (cpu.py stack_args).
+struct Projection {
+  enum Kind : int64_t { kBf16 = 0, kInt8Rows = 1, kInt8Blocks = 2 };
+  int64_t kind = kBf16;
+  at::Tensor packed, compensation, scale;
+  c10::optional<at::Tensor> bias;
+  int64_t w8a8_min_rows = 0;  // int8 rows: W8A8 from this many rows on, weight-only below
+  int64_t out_features = 0;
 
-// hidden: [T, H] (the embeddings; they become the residual stream, updated in place as the Python layers
-// update theirs); positions, slot_mapping: [T]; cos, sin: the rotary
-// tables; weights: kWeightsPerLayer per layer in the order above (norm weights as they are, projections
-// packed); key_caches, value_caches: one per layer; the rest as paged_attention takes them.
-std::tuple<at::Tensor, at::Tensor> llama_layers(
-    const at::Tensor& hidden_in, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-    at::TensorList weights, at::TensorList key_caches, at::TensorList value_caches,
-    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens,
-    const at::Tensor& query_start_loc, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t intermediate_size, double eps, double scale, int64_t sliding_window) {
-  const int64_t layers = static_cast<int64_t>(key_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer &&
-                  static_cast<int64_t>(value_caches.size()) == layers,
-              "llama_layers: expected ", kWeightsPerLayer, " weights and two caches per layer, got ",
-              weights.size(), " weights and ", key_caches.size(), " / ", value_caches.size(), " caches");
-  TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.is_contiguous() && hidden_in.scalar_type() == at::kBFloat16,
-              "llama_layers: hidden must be a contiguous bfloat16 [T, H]");
-  const int64_t tokens = hidden_in.size(0), hidden_size = hidden_in.size(1);
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const auto options = hidden_in.options();
-  at::Tensor residual = hidden_in;
-  at::Tensor hidden;
-  for (int64_t layer = 0; layer < layers; ++layer) {
-    const at::Tensor* w = weights.data() + layer * kWeightsPerLayer;
-    if (layer == 0) {
-      hidden = at::empty({tokens, hidden_size}, options);
-      k::rms_norm(hidden, residual, w[0], eps);
-    } else {
-      k::fused_add_rms_norm(hidden, residual, w[0], eps);
+  // y [M, out] = x [M, in] W^T (+ b), in x's dtype.
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+    switch (kind) {
+      case kBf16: k::gemm_bf16(y, x, packed, bias); break;
+      case kInt8Rows:
+        if (x.size(0) >= w8a8_min_rows) {
+          k::gemm_w8a8(y, x, packed, compensation, scale, bias, false);
+        } else {
+          k::gemm_int8_weight_only(y, x, packed, scale, bias, false);
+        }
+        break;
+      case kInt8Blocks: k::gemm_w8a8_blocks(y, x, packed, scale, bias, false); break;
+      default: TORCH_CHECK(false, "LlamaLayerStack: unknown projection kind ", kind);
     }
-    at::Tensor qkv = at::empty({tokens, q_size + 2 * kv_size}, options);
-    k::gemm_bf16(qkv, hidden, w[1], c10::nullopt);
-    at::Tensor heads = qkv.view({tokens, num_heads + 2 * num_kv_heads, head_dim});
-    k::rotary_embedding(heads.narrow(1, 0, num_heads + num_kv_heads), positions, cos, sin);
-    at::Tensor query = heads.narrow(1, 0, num_heads);
-    k::write_kv_cache(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads,
-                                                                              num_kv_heads),
-                      key_caches[layer], value_caches[layer], slot_mapping);
-    at::Tensor attended = at::empty({tokens, num_heads, head_dim}, options);
-    k::paged_attention(attended, query, key_caches[layer], value_caches[layer], block_table, seq_lens,
-                       query_start_loc, scale, sliding_window);
-    at::Tensor projected = at::empty({tokens, hidden_size}, options);
-    k::gemm_bf16(projected, attended.view({tokens, q_size}), w[2], c10::nullopt);
-    k::fused_add_rms_norm(projected, residual, w[3], eps);
-    at::Tensor gate_up = at::empty({tokens, 2 * intermediate_size}, options);
-    k::gemm_bf16(gate_up, projected, w[4], c10::nullopt);
-    at::Tensor activated = at::empty({tokens, intermediate_size}, options);
-    k::silu_and_mul(activated, gate_up);
-    hidden = at::empty({tokens, hidden_size}, options);
-    k::gemm_bf16(hidden, activated, w[5], c10::nullopt);
+    return y;
   }
-  if (layers == 0) hidden = hidden_in;
-  return {hidden, residual};
-}
+};
+
+constexpr int64_t kProjections = 4;  // per layer: qkv, o, gate_up, down
+constexpr int64_t kSlots = 4;        // tensors per projection in the plan's list
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  Projection qkv, o, gate_up, down;
+};
+
+// The plan, built once per model: every layer's norm weights and projections, the rotary tables and the
+// shapes. forward() runs a step's flat batch through all the layers.
+struct LlamaLayerStack : torch::CustomClassHolder {
+  std::vector<Layer> layers;
+  at::Tensor cos, sin;
+  int64_t num_heads, num_kv_heads, head_dim, intermediate_size;
+  double eps, scale;
+
+  // norms: 2 per layer (input, post-attention); projections: kSlots per projection, kProjections per layer
+  // (bf16: packed, bias; int8 rows: packed, compensation, scale, bias; int8 blocks: packed, scale, bias; the
+  // rest None); kinds, min_rows: one per projection; dims: num_heads, num_kv_heads, head_dim,
+  // intermediate_size, hidden_size.
+  LlamaLayerStack(std::vector<at::Tensor> norms, c10::List<c10::optional<at::Tensor>> projections,
+                  std::vector<int64_t> kinds, std::vector<int64_t> min_rows, at::Tensor cos_table,
+                  at::Tensor sin_table, std::vector<int64_t> dims, double rms_eps, double attention_scale)
+      : cos(std::move(cos_table)), sin(std::move(sin_table)), eps(rms_eps), scale(attention_scale) {
+    TORCH_CHECK(dims.size() == 5, "LlamaLayerStack: dims must be (num_heads, num_kv_heads, head_dim, "
+                "intermediate_size, hidden_size)");
+    num_heads = dims[0], num_kv_heads = dims[1], head_dim = dims[2], intermediate_size = dims[3];
+    const int64_t hidden_size = dims[4];
+    const int64_t count = static_cast<int64_t>(norms.size()) / 2;
+    TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * count &&
+                    static_cast<int64_t>(kinds.size()) == kProjections * count &&
+                    static_cast<int64_t>(min_rows.size()) == kProjections * count &&
+                    static_cast<int64_t>(projections.size()) == kSlots * kProjections * count,
+                "LlamaLayerStack: expected 2 norms, ", kProjections, " projection kinds and ",
+                kSlots * kProjections, " projection tensors per layer");
+    const int64_t out_features[kProjections] = {(num_heads + 2 * num_kv_heads) * head_dim, hidden_size,
+                                                2 * intermediate_size, hidden_size};
+    for (int64_t i = 0; i < count; ++i) {
+      Layer layer;
+      layer.input_norm = norms[2 * i];
+      layer.post_norm = norms[2 * i + 1];
+      Projection* slots[kProjections] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+      for (int64_t j = 0; j < kProjections; ++j) {
+        const int64_t index = i * kProjections + j;
+        auto slot = [&](int64_t n) { return projections.get((index * kSlots) + n); };
+        Projection& p = *slots[j];
+        p.kind = kinds[index];
+        p.w8a8_min_rows = min_rows[index];
+        p.out_features = out_features[j];
+        TORCH_CHECK(slot(0).has_value(), "LlamaLayerStack: a projection has no packed weight");
+        p.packed = *slot(0);
+        switch (p.kind) {
+          case Projection::kBf16: p.bias = slot(1); break;
+          case Projection::kInt8Rows:
+            TORCH_CHECK(slot(1).has_value() && slot(2).has_value(), "LlamaLayerStack: an int8 projection needs "
+                        "its compensation and scale");
+            p.compensation = *slot(1), p.scale = *slot(2), p.bias = slot(3);
+            break;
+          case Projection::kInt8Blocks:
+            TORCH_CHECK(slot(1).has_value(), "LlamaLayerStack: a block-scaled projection needs its scales");
+            p.scale = *slot(1), p.bias = slot(2);
+            break;
+          default: TORCH_CHECK(false, "LlamaLayerStack: unknown projection kind ", p.kind);
+        }
+      }
+      layers.push_back(std::move(layer));
+    }
+  }
+
+  // hidden: [T, H] (the embeddings; they become the residual stream, updated in place as the Python layers
+  // update theirs); positions, slot_mapping: [T]; key_caches, value_caches: one per layer; the rest as
+  // paged_attention takes them. Returns (the last layer's output, the residual stream).
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden_in, at::Tensor positions,
+                                             std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
+                                             at::Tensor slot_mapping, at::Tensor block_table, at::Tensor seq_lens,
+                                             at::Tensor query_start_loc, int64_t sliding_window) {
+    TORCH_CHECK(key_caches.size() == layers.size() && value_caches.size() == layers.size(),
+                "LlamaLayerStack: expected ", layers.size(), " key and value caches, got ", key_caches.size(),
+                " and ", value_caches.size());
+    TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.is_contiguous(), "LlamaLayerStack: hidden must be a contiguous "
+                "[T, H]");
+    const int64_t tokens = hidden_in.size(0);
+    const int64_t q_heads = num_heads, kv_heads = num_kv_heads;
+    at::Tensor residual = hidden_in;
+    at::Tensor hidden = hidden_in;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Layer& layer = layers[i];
+      if (i == 0) {
+        hidden = at::empty_like(residual);
+        k::rms_norm(hidden, residual, layer.input_norm, eps);
+      } else {
+        k::fused_add_rms_norm(hidden, residual, layer.input_norm, eps);
+      }
+      at::Tensor heads = layer.qkv(hidden).view({tokens, q_heads + 2 * kv_heads, head_dim});
+      k::rotary_embedding(heads.narrow(1, 0, q_heads + kv_heads), positions, cos, sin);
+      k::write_kv_cache(heads.narrow(1, q_heads, kv_heads), heads.narrow(1, q_heads + kv_heads, kv_heads),
+                        key_caches[i], value_caches[i], slot_mapping);
+      at::Tensor attended = at::empty({tokens, q_heads, head_dim}, hidden_in.options());
+      k::paged_attention(attended, heads.narrow(1, 0, q_heads), key_caches[i], value_caches[i], block_table,
+                         seq_lens, query_start_loc, scale, sliding_window);
+      at::Tensor projected = layer.o(attended.view({tokens, q_heads * head_dim}));
+      k::fused_add_rms_norm(projected, residual, layer.post_norm, eps);
+      at::Tensor gate_up = layer.gate_up(projected);
+      at::Tensor activated = at::empty({tokens, intermediate_size}, hidden_in.options());
+      k::silu_and_mul(activated, gate_up);
+      hidden = layer.down(activated);
+    }
+    return {hidden, residual};
+  }
+};
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
-  m.def("llama_layers(Tensor hidden, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
-        "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor slot_mapping, Tensor block_table, "
-        "Tensor seq_lens, Tensor query_start_loc, int num_heads, int num_kv_heads, int head_dim, "
-        "int intermediate_size, float eps, float scale, int sliding_window) -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
-  m.impl("llama_layers", &llama_layers);
+  m.class_<LlamaLayerStack>("LlamaLayerStack")
+      .def(torch::init<std::vector<at::Tensor>, c10::List<c10::optional<at::Tensor>>, std::vector<int64_t>,
+                       std::vector<int64_t>, at::Tensor, at::Tensor, std::vector<int64_t>, double, double>())
+      .def("forward", &LlamaLayerStack::forward);
 }
 
 #endif  // KVLOOM_BF16_DOT

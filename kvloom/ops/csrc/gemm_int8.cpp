@@ -31,6 +31,7 @@
 // products walk the panels with one loop (for_each_panel) and differ only in their micro-kernels.
 
 #include "cpu_capability.h"
+#include "kernels.h"
 #include "parallel.h"
 
 #include <ATen/core/Tensor.h>
@@ -657,6 +658,21 @@ int64_t int8_gemm_kernels() {
 }
 
 }  // namespace
+
+namespace kvloom::kernels {
+void gemm_w8a8(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor compensation, at::Tensor scale,
+               c10::optional<at::Tensor> bias, bool portable) {
+  ::gemm_w8a8(y, x, packed, compensation, scale, bias, portable);
+}
+void gemm_int8_weight_only(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale,
+                           c10::optional<at::Tensor> bias, bool portable) {
+  ::gemm_int8_weight_only(y, x, packed, scale, bias, portable);
+}
+void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
+                      bool portable) {
+  ::gemm_w8a8_blocks(y, x, packed, scale, bias, portable);
+}
+}  // namespace kvloom::kernels
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("gemm_w8a8(Tensor(a!) y, Tensor x, Tensor packed, Tensor compensation, Tensor scale, Tensor? bias, "

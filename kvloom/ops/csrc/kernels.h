@@ -20,5 +20,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& query_start_loc, double scale, int64_t sliding_window);
 // gemm.cpp (built with AVX512-BF16 only: KVLOOM_BF16_DOT)
 void gemm_bf16(at::Tensor y, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias);
+// gemm_int8.cpp
+void gemm_w8a8(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor compensation, at::Tensor scale,
+               c10::optional<at::Tensor> bias, bool portable);
+void gemm_int8_weight_only(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale,
+                           c10::optional<at::Tensor> bias, bool portable);
+void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
+                      bool portable);
 
 }  // namespace kvloom::kernels
