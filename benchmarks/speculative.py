@@ -17,12 +17,10 @@ up), what speculation must not slow down (issue 10: at most 5% at N=64).
     .venv/bin/python benchmarks/speculative.py --methods eagle --eagle-model HEAD_DIR --workload chat --batch 1
     .venv/bin/python benchmarks/speculative.py --workload standard --batch 64 --max-tokens 128 --repeats 3
 
-Figures: docs/benchmarks.md ("Speculative decoding: adaptive k"). Before adaptive k (``--methods ngram
-draft_model --batch 1``, quiet, 96 tokens, k = 4, medians of 3): plain 69.4 tok/s, ngram 96.2 (1.39x),
-draft_model with the target as its own draft 66.1 (0.95x, 78 of 78 accepted: every guess costs a
-target-sized decode step, so this bounds the acceptance, not the speed). EAGLE, the 18-minute
-train_eagle.py head, ``--batch 1``, k = 4: copy 0.55x (14 of 316 drafts), chat 0.65x (22 of 287): each
-draft runs the LM head, so this weak a head does not pay at k = 4.
+Figures: docs/benchmarks.md ("Speculative decoding: adaptive k", and the later "copy workload, EAGLE head"
+section). Earlier, with the raw copy prompt this file used to send (its text shorter than the reply):
+plain 69.4 tok/s, ngram 96.2 (1.39x); draft_model with the target as its own draft 66.1 (0.95x, 78 of 78
+accepted: every guess costs a target-sized decode step, so this bounds the acceptance, not the speed).
 """
 
 from __future__ import annotations
