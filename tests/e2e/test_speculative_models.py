@@ -73,6 +73,9 @@ def test_the_target_as_its_own_draft_has_every_guess_accepted(tiny_llama3_dir: s
     expected = plain(tiny_llama3_dir, plain_outputs, engine_args, prompts)
     llm = LLM(model=tiny_llama3_dir, max_model_len=256, speculative_config={
         "method": "draft_model", "model": tiny_llama3_dir, "num_speculative_tokens": 4}, **engine_args)
+    # k = 4 at every step: the adaptive choice reads step times, and on a loaded box it may draft too few
+    # for the count below (seen once in a run beside a training job).
+    llm.llm_engine.scheduler.speculation.adaptive = False
     for _ in range(2):
         assert run(llm, greedy_params(len(prompts)), prompts) == expected
     stats = llm.llm_engine.scheduler.stats()
