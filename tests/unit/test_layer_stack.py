@@ -15,8 +15,8 @@ from kvloom.ops import cpu
 from kvloom.ops.int8 import Int8Blocks, Int8Rows
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import select_ops
-from tests.paged_batch import place_requests
-from tests.tiny_models import build_tiny_checkpoint
+from paged_batch import place_requests
+from tiny_models import build_tiny_checkpoint
 
 BLOCK_SIZE = 16
 
