@@ -72,7 +72,7 @@ def _forward_both_ways(model, config, ops, query_lens, context_lens):
             slot_mapping=torch.tensor(batch.slot_mapping), block_table=torch.tensor(batch.block_tables),
             seq_lens=torch.tensor(batch.seq_lens), query_start_loc=batch.query_start_loc,
             seq_lens_host=batch.seq_lens, num_decodes=batch.num_decodes, block_size=BLOCK_SIZE,
-            max_query_len=max(query_lens))
+            sliding_window=config.sliding_window, max_query_len=max(query_lens))
         stack = model.layer_stack
         if not use_stack:
             model.layer_stack = None
@@ -85,9 +85,15 @@ def _forward_both_ways(model, config, ops, query_lens, context_lens):
     return outputs, written
 
 
-@pytest.mark.parametrize("head_dim", [16, 32])  # 16: the rows layout of the caches; 32: the pairs layout
-def test_stack_equals_the_layers_module_by_module(stack_kernel: None, tmp_path, head_dim: int) -> None:
-    path = build_tiny_checkpoint(str(tmp_path / "tiny"), hidden_size=4 * head_dim, num_hidden_layers=3)
+@pytest.mark.parametrize("arch,head_dim", [
+    ("llama", 16),  # the rows layout of the caches
+    ("llama", 32),  # the pairs layout
+    ("mistral", 32),  # a sliding window (8 tokens), which the contexts below outgrow
+])
+def test_stack_equals_the_layers_module_by_module(stack_kernel: None, tmp_path, arch: str, head_dim: int) -> None:
+    extra = {"sliding_window": 8} if arch == "mistral" else {}
+    path = build_tiny_checkpoint(str(tmp_path / "tiny"), arch, hidden_size=4 * head_dim, num_hidden_layers=3,
+                                 **extra)
     model, config, ops = _model(path)
     assert model.layer_stack is not None
     (stacked, plain), (stacked_kv, plain_kv) = _forward_both_ways(
