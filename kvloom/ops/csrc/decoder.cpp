@@ -23,6 +23,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -35,6 +36,14 @@
 namespace {
 
 namespace k = kvloom::kernels;
+
+// Each kernel call shows in torch.profiler under its op's name, as it does when the modules call it
+// (benchmarks/profile_step.py); free when no profiler runs.
+#define KVLOOM_PROFILED(name, call)                           \
+  do {                                                        \
+    RECORD_FUNCTION(name, std::vector<c10::IValue>());        \
+    call;                                                     \
+  } while (0)
 
 // One projection: which product, and its tensors as the Python objects hold them (cpu.py stack_args).
 struct Projection {
@@ -49,15 +58,18 @@ struct Projection {
   at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor y = at::empty({x.size(0), out_features}, x.options());
     switch (kind) {
-      case kBf16: k::gemm_bf16(y, x, packed, bias); break;
+      case kBf16: KVLOOM_PROFILED("kvloom::gemm_bf16", k::gemm_bf16(y, x, packed, bias)); break;
       case kInt8Rows:
         if (x.size(0) >= w8a8_min_rows) {
-          k::gemm_w8a8(y, x, packed, compensation, scale, bias, false);
+          KVLOOM_PROFILED("kvloom::gemm_w8a8", k::gemm_w8a8(y, x, packed, compensation, scale, bias, false));
         } else {
-          k::gemm_int8_weight_only(y, x, packed, scale, bias, false);
+          KVLOOM_PROFILED("kvloom::gemm_int8_weight_only",
+                          k::gemm_int8_weight_only(y, x, packed, scale, bias, false));
         }
         break;
-      case kInt8Blocks: k::gemm_w8a8_blocks(y, x, packed, scale, bias, false); break;
+      case kInt8Blocks:
+        KVLOOM_PROFILED("kvloom::gemm_w8a8_blocks", k::gemm_w8a8_blocks(y, x, packed, scale, bias, false));
+        break;
       default: TORCH_CHECK(false, "LlamaLayerStack: unknown projection kind ", kind);
     }
     return y;
@@ -153,22 +165,26 @@ struct LlamaLayerStack : torch::CustomClassHolder {
       const Layer& layer = layers[i];
       if (i == 0) {
         hidden = at::empty_like(residual);
-        k::rms_norm(hidden, residual, layer.input_norm, eps);
+        KVLOOM_PROFILED("kvloom::rms_norm", k::rms_norm(hidden, residual, layer.input_norm, eps));
       } else {
-        k::fused_add_rms_norm(hidden, residual, layer.input_norm, eps);
+        KVLOOM_PROFILED("kvloom::fused_add_rms_norm", k::fused_add_rms_norm(hidden, residual, layer.input_norm, eps));
       }
       at::Tensor heads = layer.qkv(hidden).view({tokens, q_heads + 2 * kv_heads, head_dim});
-      k::rotary_embedding(heads.narrow(1, 0, q_heads + kv_heads), positions, cos, sin);
-      k::write_kv_cache(heads.narrow(1, q_heads, kv_heads), heads.narrow(1, q_heads + kv_heads, kv_heads),
-                        key_caches[i], value_caches[i], slot_mapping);
+      KVLOOM_PROFILED("kvloom::rotary_embedding",
+                      k::rotary_embedding(heads.narrow(1, 0, q_heads + kv_heads), positions, cos, sin));
+      KVLOOM_PROFILED("kvloom::write_kv_cache",
+                      k::write_kv_cache(heads.narrow(1, q_heads, kv_heads),
+                                        heads.narrow(1, q_heads + kv_heads, kv_heads), key_caches[i],
+                                        value_caches[i], slot_mapping));
       at::Tensor attended = at::empty({tokens, q_heads, head_dim}, hidden_in.options());
-      k::paged_attention(attended, heads.narrow(1, 0, q_heads), key_caches[i], value_caches[i], block_table,
-                         seq_lens, query_start_loc, scale, sliding_window);
+      KVLOOM_PROFILED("kvloom::paged_attention",
+                      k::paged_attention(attended, heads.narrow(1, 0, q_heads), key_caches[i], value_caches[i],
+                                         block_table, seq_lens, query_start_loc, scale, sliding_window));
       at::Tensor projected = layer.o(attended.view({tokens, q_heads * head_dim}));
-      k::fused_add_rms_norm(projected, residual, layer.post_norm, eps);
+      KVLOOM_PROFILED("kvloom::fused_add_rms_norm", k::fused_add_rms_norm(projected, residual, layer.post_norm, eps));
       at::Tensor gate_up = layer.gate_up(projected);
       at::Tensor activated = at::empty({tokens, intermediate_size}, hidden_in.options());
-      k::silu_and_mul(activated, gate_up);
+      KVLOOM_PROFILED("kvloom::silu_and_mul", k::silu_and_mul(activated, gate_up));
       hidden = layer.down(activated);
     }
     return {hidden, residual};
