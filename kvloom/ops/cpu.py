@@ -147,12 +147,21 @@ def load_cpu_kernel() -> str | None:
         except Exception as e:  # a missing compiler or ninja, a failed build, a lock timeout
             errors.append(f"{variant}: {_build_error(e)}")
             continue
+        if errors:  # the portable build runs without this CPU's AVX-512 kernels: say why, once
+            logger.warning("The CPU kernels' tuned build failed, so the portable one runs, without the bf16 GEMM, "
+                           "the int8 kernels and the layer stack (%s)", "; ".join(errors))
+        global loaded_variant
+        loaded_variant = variant
         _register_fake()
         torch.ops.kvloom.use_thread_pool(envs.get_bool("KVLOOM_CPU_THREAD_POOL"))
         return None
     error = "; ".join(errors)
     logger.warning("The CPU attention kernel could not be built, so attention falls back to 'native' (%s)", error)
     return error
+
+
+# Which BUILD_VARIANTS entry load_cpu_kernel loaded ("native" or "portable"); None before it ran or when none did.
+loaded_variant: str | None = None
 
 
 def _build_error(error: Exception) -> str:

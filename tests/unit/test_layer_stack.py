@@ -154,3 +154,18 @@ def test_engine_tokens_equal_with_and_without_the_stack(stack_kernel: None, tiny
         assert (llm.llm_engine.executor.driver.model.layer_stack is not None) == (setting == "1")
         tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert tokens[0] == tokens[1]
+
+
+def test_a_cpu_with_avx512_bf16_runs_the_tuned_build() -> None:
+    """A compile error in one source sends the library to its portable build, which has no bf16 GEMM and no
+    stack: every test of those would then skip instead of failing. On a CPU that has the instructions, the tuned
+    build must be the one loaded."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if " avx512_bf16" not in flags or not cpu.cpu_kernel_available():
+        pytest.skip("this CPU has no AVX512-BF16, or no compiler builds the kernels here")
+    assert cpu.loaded_variant == "native"
+    assert cpu.layer_stack_available() and cpu.linear_format(torch.bfloat16) == "kvloom"
