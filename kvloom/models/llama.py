@@ -117,24 +117,24 @@ class LlamaForCausalLM(nn.Module):
         self.layer_stack = None
         if self.ops.llama_layer_stack is None:
             return
+        weights = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             modules = (layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm, attn.qkv_proj,
                        attn.o_proj, mlp.gate_up_proj, mlp.down_proj, mlp.act)
             if (type(layer) is not LlamaDecoderLayer or attn.attention is not self.ops.attention
                     or not isinstance(layer.input_layernorm, RMSNorm)
-                    or any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-                    or any(p.packed is None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))):
+                    or any(m._forward_hooks or m._forward_pre_hooks for m in modules)):
                 return
-        first = self.layers[0]
-        shape = LayerShape(first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
-                           self.config.intermediate_size, first.input_layernorm.eps, first.self_attn.scale)
-        weights = [LayerWeights(layer.input_layernorm.weight.data, layer.self_attn.qkv_proj.packed,
-                                layer.self_attn.o_proj.packed, layer.post_attention_layernorm.weight.data,
-                                layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed) for layer in self.layers]
-        rotary = first.self_attn.rotary
-        self.layer_stack = self.ops.llama_layer_stack(weights, shape, self.config.hidden_size, rotary.cos_cache,
-                                                      rotary.sin_cache)
+            # Which products the stack can call (not an unpacked F.linear) is the op table's to say.
+            weights.append(LayerWeights(layer.input_layernorm.weight.data, attn.qkv_proj.packed, attn.o_proj.packed,
+                                        layer.post_attention_layernorm.weight.data, mlp.gate_up_proj.packed,
+                                        mlp.down_proj.packed))
+        attn = self.layers[0].self_attn
+        shape = LayerShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.config.intermediate_size,
+                           self.layers[0].input_layernorm.eps, attn.scale)
+        self.layer_stack = self.ops.llama_layer_stack(weights, shape, self.config.hidden_size, attn.rotary.cos_cache,
+                                                      attn.rotary.sin_cache)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata

@@ -323,18 +323,18 @@ class LlamaLayerStack:
     ~300 trips through Python and the dispatcher a step of SmolLM2-135M makes. ``llama_layer_stack`` says
     which models qualify."""
 
-    def __init__(self, layers: list[LayerWeights], shape: LayerShape, hidden_size: int, cos: torch.Tensor,
-                 sin: torch.Tensor) -> None:
+    def __init__(self, layers: list[LayerWeights], products: list[list[tuple[int, list[torch.Tensor | None], int]]],
+                 shape: LayerShape, hidden_size: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """products: per layer, the stack_args() of its qkv, o, gate_up and down products."""
         norms: list[torch.Tensor] = []
         projections: list[torch.Tensor | None] = []
         kinds: list[int] = []
         min_rows: list[int] = []
-        for layer in layers:
+        for layer, layer_products in zip(layers, products):
             norms += [layer.input_norm, layer.post_norm]
-            for packed in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                kind, tensors, rows = packed.stack_args()
+            for kind, tensors, rows in layer_products:
                 kinds.append(kind)
-                min_rows.append(min(rows, 2**62))
+                min_rows.append(rows)
                 projections += tensors + [None] * (4 - len(tensors))
         dims = [shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size, hidden_size]
         self._plan = torch.classes.kvloom.LlamaLayerStack(norms, projections, kinds, min_rows, cos, sin, dims,
@@ -353,10 +353,9 @@ class LlamaLayerStack:
 def layer_stack_available() -> bool:
     """Whether the library holds csrc/decoder.cpp's plan (built with AVX512-BF16)."""
     try:
-        torch.classes.kvloom.LlamaLayerStack
+        return torch.classes.kvloom.LlamaLayerStack is not None
     except RuntimeError:  # torch.classes raises this, not AttributeError, for a class never registered
         return False
-    return True
 
 
 def llama_layer_stack(layers: list[LayerWeights], shape: LayerShape, hidden_size: int, cos: torch.Tensor,
@@ -367,14 +366,15 @@ def llama_layer_stack(layers: list[LayerWeights], shape: LayerShape, hidden_size
     layer then runs module by module, the reference)."""
     if not envs.get_bool("KVLOOM_CPU_LAYER_STACK", default=True) or not layer_stack_available():
         return None
+    products = []
     for layer in layers:
-        for packed in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            if getattr(packed, "stack_args", None) is None or packed.stack_args() is None:
-                return None
-        for norm in (layer.input_norm, layer.post_norm):
-            if not norm.is_contiguous():
-                return None
-    return LlamaLayerStack(layers, shape, hidden_size, cos, sin)
+        # A projection the plan cannot call (F.linear, oneDNN, torch's int8 ops) has no stack_args, or gives None.
+        args = [getattr(packed, "stack_args", lambda: None)()
+                for packed in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if None in args or not (layer.input_norm.is_contiguous() and layer.post_norm.is_contiguous()):
+            return None
+        products.append(args)
+    return LlamaLayerStack(layers, products, shape, hidden_size, cos, sin)
 
 
 # ---- the int8 GEMMs -------------------------------------------------------------------------------

@@ -221,9 +221,22 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.layers = nn.ModuleList([LlamaLayer(config, input_layernorm=False)])
         self.rotary = Rotary(config)
-        # The draft vocabulary: the target ids the head may guess, ascending ([N] int64), or None for all of
-        # them. Not a parameter: saved as the rows of the target's LM head it keeps, and d2t.
-        self.vocab: torch.Tensor | None = None
+        self.vocab = None
+
+    @property
+    def vocab(self) -> torch.Tensor | None:
+        """The draft vocabulary: the target ids the head may guess, ascending ([N] int64), or None for all of
+        them. Not a parameter: saved as the rows of the target's LM head it keeps, and d2t."""
+        return self._vocab
+
+    @vocab.setter
+    def vocab(self, vocab: torch.Tensor | None) -> None:
+        self._vocab = vocab
+        # target id -> draft id, -100 (cross entropy's ignore index) outside the vocabulary; built once.
+        self._draft_ids = None
+        if vocab is not None:
+            self._draft_ids = torch.full((self.config.vocab_size,), -100, dtype=torch.long)
+            self._draft_ids[vocab] = torch.arange(len(vocab))
 
     def draft_lm_head(self, lm_head: torch.Tensor) -> torch.Tensor:
         """The target's LM head [V, H] cut to the draft vocabulary's rows [N, H]."""
@@ -234,11 +247,7 @@ class EagleHead(nn.Module):
 
     def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
         """Target ids -> draft ids, -100 (cross entropy's ignore index) for ids outside the vocabulary."""
-        if self.vocab is None:
-            return target_ids
-        lookup = torch.full((self.config.vocab_size,), -100, dtype=torch.long)
-        lookup[self.vocab] = torch.arange(len(self.vocab))
-        return lookup[target_ids]
+        return target_ids if self._draft_ids is None else self._draft_ids[target_ids]
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 cache: list[torch.Tensor] | None = None) -> torch.Tensor:

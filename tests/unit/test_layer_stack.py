@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_batch import place_requests
+from tiny_models import build_tiny_checkpoint
 
 from kvloom.layers.linear import Linear
 from kvloom.loader.weights import iter_weights, load_model_config, resolve_model
@@ -15,8 +17,6 @@ from kvloom.ops import cpu
 from kvloom.ops.int8 import Int8Blocks, Int8Rows
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import select_ops
-from paged_batch import place_requests
-from tiny_models import build_tiny_checkpoint
 
 BLOCK_SIZE = 16
 

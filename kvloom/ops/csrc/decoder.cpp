@@ -158,7 +158,6 @@ struct LlamaLayerStack : torch::CustomClassHolder {
     TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.is_contiguous(), "LlamaLayerStack: hidden must be a contiguous "
                 "[T, H]");
     const int64_t tokens = hidden_in.size(0);
-    const int64_t q_heads = num_heads, kv_heads = num_kv_heads;
     at::Tensor residual = hidden_in;
     at::Tensor hidden = hidden_in;
     for (size_t i = 0; i < layers.size(); ++i) {
@@ -169,18 +168,18 @@ struct LlamaLayerStack : torch::CustomClassHolder {
       } else {
         KVLOOM_PROFILED("kvloom::fused_add_rms_norm", k::fused_add_rms_norm(hidden, residual, layer.input_norm, eps));
       }
-      at::Tensor heads = layer.qkv(hidden).view({tokens, q_heads + 2 * kv_heads, head_dim});
+      at::Tensor heads = layer.qkv(hidden).view({tokens, num_heads + 2 * num_kv_heads, head_dim});
       KVLOOM_PROFILED("kvloom::rotary_embedding",
-                      k::rotary_embedding(heads.narrow(1, 0, q_heads + kv_heads), positions, cos, sin));
+                      k::rotary_embedding(heads.narrow(1, 0, num_heads + num_kv_heads), positions, cos, sin));
       KVLOOM_PROFILED("kvloom::write_kv_cache",
-                      k::write_kv_cache(heads.narrow(1, q_heads, kv_heads),
-                                        heads.narrow(1, q_heads + kv_heads, kv_heads), key_caches[i],
+                      k::write_kv_cache(heads.narrow(1, num_heads, num_kv_heads),
+                                        heads.narrow(1, num_heads + num_kv_heads, num_kv_heads), key_caches[i],
                                         value_caches[i], slot_mapping));
-      at::Tensor attended = at::empty({tokens, q_heads, head_dim}, hidden_in.options());
+      at::Tensor attended = at::empty({tokens, num_heads, head_dim}, hidden_in.options());
       KVLOOM_PROFILED("kvloom::paged_attention",
-                      k::paged_attention(attended, heads.narrow(1, 0, q_heads), key_caches[i], value_caches[i],
+                      k::paged_attention(attended, heads.narrow(1, 0, num_heads), key_caches[i], value_caches[i],
                                          block_table, seq_lens, query_start_loc, scale, sliding_window));
-      at::Tensor projected = layer.o(attended.view({tokens, q_heads * head_dim}));
+      at::Tensor projected = layer.o(attended.view({tokens, num_heads * head_dim}));
       KVLOOM_PROFILED("kvloom::fused_add_rms_norm", k::fused_add_rms_norm(projected, residual, layer.post_norm, eps));
       at::Tensor gate_up = layer.gate_up(projected);
       at::Tensor activated = at::empty({tokens, intermediate_size}, hidden_in.options());
