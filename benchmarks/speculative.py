@@ -15,6 +15,8 @@ up), what speculation must not slow down (issue 10: at most 5% at N=64).
         # draft_model: --draft-model PATH (default: the target itself, which accepts every draft: the upper
         # bound of the acceptance; no smaller SmolLM2 is available offline)
     .venv/bin/python benchmarks/speculative.py --methods eagle --eagle-model HEAD_DIR --workload chat --batch 1
+    .venv/bin/python benchmarks/speculative.py --methods eagle --eagle-model HEAD_DIR --workload chat --batch 1 \
+        --num-prompts 8      # the 8 chat questions one after another, at batch 1
     .venv/bin/python benchmarks/speculative.py --workload standard --batch 64 --max-tokens 128 --repeats 3
 
 Figures: docs/benchmarks.md ("Speculative decoding: adaptive k", and the later "copy workload, EAGLE head"
@@ -87,6 +89,9 @@ def main() -> int:
     parser.add_argument("--eagle-model", default=None, help="the EAGLE head's directory (eagle / eagle3)")
     parser.add_argument("--workload", choices=["copy", "chat", "standard"], default="copy")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest --batch")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="requests per run (default: the batch); more than --batch queue and run --batch at a "
+                             "time (--max-num-seqs is then the batch), e.g. all 8 chat questions at batch 1")
     parser.add_argument("--step-times", action="store_true",
                         help="also print each config's median step time by the step's number of tokens")
     parser.add_argument("--fixed-k", action="store_true",
@@ -113,12 +118,15 @@ def main() -> int:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.workload == "standard")
     max_num_seqs = args.max_num_seqs or max(args.batch)
     for batch in args.batch:
+        count = args.num_prompts or batch
+        if args.num_prompts is not None:
+            max_num_seqs = batch
         if args.workload == "copy":
-            prompts = [copy_prompt(i) for i in range(batch)]
+            prompts = [copy_prompt(i) for i in range(count)]
         elif args.workload == "standard":
-            prompts = [{"prompt_token_ids": p} for p in make_workload(batch)]  # random ids: nothing to look up
+            prompts = [{"prompt_token_ids": p} for p in make_workload(count)]  # random ids: nothing to look up
         else:
-            prompts = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(batch)]
+            prompts = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(count)]
         rates: dict[str, list[float]] = {name: [] for name in configs}
         step_times: dict[str, dict[int, list[float]]] = {}
         tokens: dict[str, list] = {}

@@ -28,7 +28,7 @@ target's hidden size and vocabulary; a mismatch is a ValueError naming the tenso
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,7 @@ from kvloom.layers.norm import RMSNorm
 from kvloom.layers.rotary import RotaryEmbedding
 from kvloom.loader.model_config import ModelConfig
 from kvloom.loader.safetensors import iter_safetensors_weights, read_config_json
-from kvloom.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from kvloom.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, build_layer_stack
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops
 
@@ -153,10 +153,20 @@ class EagleHead(nn.Module):
                 self.embedding_layernorm = RMSNorm(hidden, mc.rms_norm_eps, ops)
                 self.hidden_states_layernorm = RMSNorm(hidden, mc.rms_norm_eps, ops)
         self.lm_head: nn.Module = LMHead(config.draft_vocab_size, hidden)
+        self.ops = ops
+        # EAGLE-1's decoder layers in one native call where the op table has one (prepare_layer_stack).
+        self.layer_stack: Callable | None = None
         if config.draft_vocab_size != mc.vocab_size:
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         else:
             self.d2t = None
+
+    def prepare_layer_stack(self) -> None:
+        """After the weights are packed (registry.process_weights_after_loading): EAGLE-1's layers, the first
+        without an input norm, as the op table's layer stack. A guess at batch 1 is a few dozen kernel calls:
+        the stack runs them with no trip through Python in between."""
+        if not self.eagle3:
+            self.layer_stack = build_layer_stack(self.ops, self.layers, self.config.model, first_norm_optional=True)
 
     def combine_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's hidden states as the head's first input: EAGLE-3's aux states [T, 3 H_t] -> [T, H]."""
@@ -177,8 +187,11 @@ class EagleHead(nn.Module):
             embeds = self.embedding_layernorm(embeds)
             hidden = self.hidden_states_layernorm(hidden)
         hidden = self.fc(torch.cat([embeds, hidden], dim=-1))
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        if self.layer_stack is not None:
+            hidden, residual = self.layer_stack(hidden, positions, kv_caches, metadata)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
         hidden = hidden + residual
         return hidden, hidden
 
@@ -200,6 +213,12 @@ class EagleHead(nn.Module):
                 continue
             if not self.eagle3 and name == "layers.0.input_layernorm.weight":
                 continue  # EAGLE-1's first layer has no input norm (vLLM drops it too)
+            if name == "d2t" and self.d2t is None:
+                # A draft vocabulary as large as the target's: d2t maps each id to itself, nothing to keep.
+                if tensor.any():
+                    raise ValueError(f"EAGLE checkpoint tensor {stored_name!r}: with a draft vocabulary as large as "
+                                     f"the target's ({self.config.model.vocab_size}), d2t must be all zeros")
+                continue
             for hf_part, (our_part, shard) in _FUSED.items():
                 if f".{hf_part}." in f".{name}":
                     module_name, _, kind = name.replace(hf_part, our_part).rpartition(".")

@@ -81,6 +81,36 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def build_layer_stack(ops: Ops, layers: Iterable[nn.Module], config: ModelConfig,
+                      first_norm_optional: bool = False) -> Callable | None:
+    """The op table's layer stack of these decoder layers (their weights packed), or None when it has none or
+    something sits between a layer's modules (tensor parallelism's all-reduce hooks, for one).
+    ``first_norm_optional``: the first layer may have no input norm (an ``nn.Identity``, EAGLE-1's)."""
+    if ops.llama_layer_stack is None:
+        return None
+    layers = list(layers)
+    weights = []
+    for index, layer in enumerate(layers):
+        if type(layer) is not LlamaDecoderLayer:
+            return None
+        attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
+        modules = (layer, attn, mlp, norm, layer.post_attention_layernorm, attn.qkv_proj, attn.o_proj,
+                   mlp.gate_up_proj, mlp.down_proj, mlp.act)
+        unnormed = first_norm_optional and index == 0 and type(norm) is nn.Identity
+        if (attn.attention is not ops.attention or not (isinstance(norm, RMSNorm) or unnormed)
+                or any(m._forward_hooks or m._forward_pre_hooks for m in modules)):
+            return None
+        # Which products the stack can call (not an unpacked F.linear) is the op table's to say.
+        input_norm = norm.weight.data if not unnormed else layer.post_attention_layernorm.weight.data.new_empty(0)
+        weights.append(LayerWeights(input_norm, attn.qkv_proj.packed, attn.o_proj.packed,
+                                    layer.post_attention_layernorm.weight.data, mlp.gate_up_proj.packed,
+                                    mlp.down_proj.packed))
+    attn = layers[0].self_attn
+    shape = LayerShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, config.intermediate_size,
+                       layers[0].post_attention_layernorm.eps, attn.scale)
+    return ops.llama_layer_stack(weights, shape, config.hidden_size, attn.rotary.cos_cache, attn.rotary.sin_cache)
+
+
 class LlamaForCausalLM(nn.Module):
     # HF tensor name suffix -> (our parameter suffix, row block of the fused weight)
     FUSED = {
@@ -112,29 +142,8 @@ class LlamaForCausalLM(nn.Module):
         self.layer_stack: Callable | None = None
 
     def prepare_layer_stack(self) -> None:
-        """After the weights are packed: hand the layers to the op table's layer stack, when it has one and
-        nothing sits between the layers' modules (tensor parallelism's all-reduce hooks, for one)."""
-        self.layer_stack = None
-        if self.ops.llama_layer_stack is None:
-            return
-        weights = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            modules = (layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm, attn.qkv_proj,
-                       attn.o_proj, mlp.gate_up_proj, mlp.down_proj, mlp.act)
-            if (type(layer) is not LlamaDecoderLayer or attn.attention is not self.ops.attention
-                    or not isinstance(layer.input_layernorm, RMSNorm)
-                    or any(m._forward_hooks or m._forward_pre_hooks for m in modules)):
-                return
-            # Which products the stack can call (not an unpacked F.linear) is the op table's to say.
-            weights.append(LayerWeights(layer.input_layernorm.weight.data, attn.qkv_proj.packed, attn.o_proj.packed,
-                                        layer.post_attention_layernorm.weight.data, mlp.gate_up_proj.packed,
-                                        mlp.down_proj.packed))
-        attn = self.layers[0].self_attn
-        shape = LayerShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.config.intermediate_size,
-                           self.layers[0].input_layernorm.eps, attn.scale)
-        self.layer_stack = self.ops.llama_layer_stack(weights, shape, self.config.hidden_size, attn.rotary.cos_cache,
-                                                      attn.rotary.sin_cache)
+        """After the weights are packed: hand the layers to the op table's layer stack (``build_layer_stack``)."""
+        self.layer_stack = build_layer_stack(self.ops, self.layers, self.config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata

@@ -54,7 +54,7 @@ class LayerWeights:
     """One Llama decoder layer's weights as a layer stack takes them: the norms' weights and the projections'
     prepared products (what ``pack_linear`` returned for each Linear)."""
 
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor  # empty: none, the layer reads its input as is (only the first; EAGLE-1's)
     qkv: object
     o: object
     post_norm: torch.Tensor

@@ -8,15 +8,19 @@ Phases, each timed and printed:
 1. prompts: the target writes its own prompts: a question or a task instruction about each of FIELDS,
    sampled at temperature 0.8 with a different seed each, so nothing is downloaded;
 2. responses: the target answers every prompt greedily (kvloom's ``LLM.chat``): the tokens a drafter
-   must learn to guess;
-3. features: one prefill of kvloom's own model of the target (the engine's ops and dtype, bfloat16) over
-   each whole sequence gives each position's feature f_t: the final hidden state *after* the final norm,
-   the vector the LM head reads, which is what vLLM hands an EAGLE-1 drafter (its Llama returns the
-   normed states, and the drafter's output goes to the LM head with no norm of its own);
+   must learn to guess. The engine's model runner hands every step's hidden states to a recorder
+   (``FeatureRecorder``), which keeps each position's feature f_t: the final hidden state *after* the
+   final norm, the vector the LM head reads, which is what vLLM hands an EAGLE-1 drafter (its Llama
+   returns the normed states, and the drafter's output goes to the LM head with no norm of its own).
+   These are the very states the engine hands the head when it drafts;
+3. features: only for replies read from a ``--replies`` file that lacks them, one prefill of kvloom's own
+   model of the target (the engine's ops and dtype, bfloat16) over each whole sequence;
 4. training: at position t the head reads (embed(x_{t+1}), f_t) and learns f_{t+1} (smooth L1) and, through
    the target's LM head, the target's next greedy token x_{t+2} (cross entropy), loss = v + 0.1 p as EAGLE
-   weighs them, on response positions; AdamW with a cosine learning rate over the time left. The head
-   guesses among the ``--draft-vocab`` tokens most frequent in the replies (EAGLE-3's draft vocabulary):
+   weighs them, on response positions (tried on the same replies: cross entropy against the target's
+   whole distribution there, as a distillation would, held no more first guesses, 0.39 against 0.40);
+   AdamW with a cosine learning rate over the time left. The head guesses among the ``--draft-vocab``
+   tokens most frequent in the replies (EAGLE-3's draft vocabulary):
    at batch 1 on the CPU a guess through the target's whole LM head ([49152, 576] for SmolLM2) costs
    several times the head's layer, and the rare tokens it drops are ones a small head seldom guesses;
 5. evaluation: greedy chain speculative decoding with k drafts, simulated on held-out prompts: the head
@@ -263,6 +267,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def init_from_target_layer(head: EagleHead, source: ModelSource, layer: int) -> int:
+    """Start the head's decoder layer from the target's layer ``layer``: its attention, post-attention norm
+    and MLP (the head has no input norm). Returns the number of tensors copied."""
+    prefix = f"model.layers.{layer}."
+    own = dict(head.layers[0].named_parameters())
+    copied = 0
+    with torch.no_grad():
+        for name, tensor in iter_weights(source):
+            if name.startswith(prefix) and name[len(prefix):] in own:
+                own[name[len(prefix):]].copy_(tensor)
+                copied += 1
+    return copied
+
+
 def head_config_dict(target_config: dict[str, Any], draft_vocab_size: int | None = None) -> dict[str, Any]:
     """config.json of the head: the target's Llama config with one layer, as EAGLE-1 checkpoints give it,
     and EAGLE-3's ``draft_vocab_size`` when the head guesses from a part of the vocabulary."""
@@ -447,20 +465,54 @@ def generate_prompts(llm: Any, count: int, seed: int, deadline: float = math.inf
     return prompts[:count]
 
 
-def generate_responses(llm: Any, prompts: list[str], max_tokens: int, deadline: float) -> list[TrainingSequence]:
-    """The target's greedy reply to each prompt, as (chat-templated prompt + reply) token sequences."""
+class FeatureRecorder:
+    """The engine's final hidden states of every position it computes, kept per request while the target
+    answers (the model runner's ``hidden_state_sink``): the features come with the replies, with no second
+    pass over them. The engine must not skip positions (no prefix caching)."""
+
+    def __init__(self) -> None:
+        # request id -> (first position, hidden states [n, H] bfloat16) of each step that computed some
+        self.rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
+
+    def __call__(self, items: Sequence[Any], query_start_loc: Sequence[int], hidden: torch.Tensor) -> None:
+        for i, item in enumerate(items):
+            rows = hidden[int(query_start_loc[i]):int(query_start_loc[i + 1])]
+            self.rows.setdefault(item.request_id, []).append((item.num_computed_tokens, rows.to(torch.bfloat16)))
+
+    def features(self, request_id: str, length: int) -> torch.Tensor | None:
+        """f_0 .. f_{length-2} of a finished request ([length, H], the last row zero: the final token is never
+        run, and training never reads it), or None if some position was not recorded; forgets the request."""
+        steps = self.rows.pop(request_id, [])
+        if not steps:
+            return None
+        out = torch.zeros(length, steps[0][1].shape[1], dtype=torch.bfloat16)
+        seen = torch.zeros(length, dtype=torch.bool)
+        for first, rows in steps:  # in step order: a recomputation (preemption) writes the same rows again
+            end = min(first + len(rows), length)
+            out[first:end] = rows[:end - first]
+            seen[first:end] = True
+        return out if bool(seen[:length - 1].all()) else None
+
+
+def generate_responses(llm: Any, prompts: list[str], max_tokens: int, deadline: float,
+                       recorder: FeatureRecorder | None = None) -> list[TrainingSequence]:
+    """The target's greedy reply to each prompt, as (chat-templated prompt + reply) token sequences; with
+    their features when a ``recorder`` is the engine's hidden-state sink."""
     from kvloom.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     sequences: list[TrainingSequence] = []
-    for outputs in chat_in_chunks(llm, (([{"role": "user", "content": p}], params) for p in prompts), chunk=64,
+    # Chunks of twice the engine's batch: continuous batching keeps it full until a chunk's last replies.
+    for outputs in chat_in_chunks(llm, (([{"role": "user", "content": p}], params) for p in prompts), chunk=256,
                                   deadline=deadline):
         for output in outputs:
             prompt_ids = list(output.prompt_token_ids)
             response_ids = list(output.outputs[0].token_ids)
+            token_ids = prompt_ids + response_ids
+            features = None if recorder is None else recorder.features(output.request_id, len(token_ids))
             if response_ids:
-                sequences.append(TrainingSequence(torch.tensor(prompt_ids + response_ids, dtype=torch.long),
-                                                  len(prompt_ids)))
+                sequences.append(TrainingSequence(torch.tensor(token_ids, dtype=torch.long), len(prompt_ids),
+                                                  features))
         print(f"  {len(sequences)} of {len(prompts)} replies", flush=True)
     return sequences
 
@@ -681,7 +733,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: KVLOOM_CACHE_DIR/eagle/<model>, i.e. ~/.cache/kvloom/eagle/<model>)")
     parser.add_argument("--minutes", type=float, default=30.0, help="time budget of all phases together "
                         "(default %(default)s); training takes what generation leaves")
-    parser.add_argument("--num-prompts", type=int, default=2000, help="training prompts the target writes "
+    parser.add_argument("--num-prompts", type=int, default=4000, help="training prompts the target writes "
                         "(default %(default)s)")
     parser.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the acceptance "
                         "length (default %(default)s)")
@@ -702,6 +754,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ce-fraction", type=float, default=1.0, help="share of each batch's steps whose "
                         "token loss is computed, to save the LM head's product with --draft-vocab 0 (default "
                         "%(default)s)")
+    parser.add_argument("--init-layer", type=int, default=None, help="start the head's layer from this layer of "
+                        "the target (default: random)")
     parser.add_argument("--max-model-len", type=int, default=512, help="the generating engine's max_model_len")
     parser.add_argument("--replies", default=None, help="a file of the replies (token ids and features): "
                         "read when it exists, skipping phases 1 and 2, and written after the features")
@@ -726,19 +780,24 @@ def generate_data(args: argparse.Namespace, threads: int, start: float, budget: 
     from kvloom.llm import LLM
 
     began = time.monotonic()
-    llm = LLM(model=args.model, max_model_len=args.max_model_len, max_num_seqs=128,
+    # No prefix caching: the recorder needs every position's hidden state.
+    llm = LLM(model=args.model, max_model_len=args.max_model_len, max_num_seqs=128, enable_prefix_caching=False,
               override_backend_config={"num_threads": threads})
-    # Writing prompts may take 10% of the budget and answering them until 35%; the features cost about
-    # as much again, and training needs the rest.
+    # Writing prompts may take 12% of the budget and answering them (with their features) until 60%;
+    # training needs the rest.
     total = args.num_prompts + args.eval_prompts
     tasks = task_prompts(total // 3, args.seed)
-    prompts = generate_prompts(llm, total - len(tasks), args.seed, deadline=start + 0.1 * budget)
+    prompts = generate_prompts(llm, total - len(tasks), args.seed, deadline=start + 0.12 * budget)
     prompts += tasks
     random.Random(args.seed).shuffle(prompts)
     print(f"{len(prompts)} prompts, e.g. {prompts[:3]}", flush=True)
     phase("prompts", began)
     began = time.monotonic()
-    sequences = generate_responses(llm, prompts, args.max_tokens, deadline=start + 0.35 * budget)
+    recorder = FeatureRecorder()
+    llm.llm_engine.executor.driver.hidden_state_sink = recorder
+    sequences = generate_responses(llm, prompts, args.max_tokens, deadline=start + 0.6 * budget,
+                                   recorder=recorder)
+    llm.llm_engine.executor.driver.hidden_state_sink = None
     phase("responses", began)
     return sequences
 
@@ -792,8 +851,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     began = time.monotonic()
     torch.set_num_threads(threads)
     target = Target(source)
-    # Features cost about what decoding did per token: they may take 30% of the time left; sequences
-    # left without them are dropped.
+    # Replies read from a --replies file without features get them from one prefill pass, which may take
+    # 30% of the time left; sequences left without them are dropped.
     now = time.monotonic()
     target.features([s for s in sequences if s.features is None], max_batch_tokens=4096,
                     deadline=now + 0.3 * max(start + budget - now, 0.0))
@@ -807,6 +866,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     train, held_out = _split(sequences, args.eval_prompts, args.seed)
     head = EagleHead(target.config)
     head.vocab = draft_vocabulary(train, args.draft_vocab or target.config.vocab_size, target.config.vocab_size)
+    if args.init_layer is not None:
+        copied = init_from_target_layer(head, source, args.init_layer)
+        print(f"the head's layer starts from the target's layer {args.init_layer} ({copied} tensors)", flush=True)
     if head.vocab is not None:
         print(f"draft vocabulary: the {len(head.vocab)} most frequent reply tokens, covering "
               f"{vocabulary_coverage(train, head.vocab):.1%} of the training replies' tokens and "

@@ -102,6 +102,10 @@ class ModelRunner:
         self.broadcast_inputs: Callable[[ModelInputs], None] | None = None
         # Speculative decoding with a draft model or EAGLE: proposes after each step (rank 0 only).
         self.proposer: DraftModelProposer | None = None
+        # Set by a caller that records every step's final hidden states (train_eagle.py, its training
+        # features while the target generates): called with the step's items, their rows' starts in the
+        # hidden states (query_start_loc) and the hidden states [T, H].
+        self.hidden_state_sink: Callable[[list[ScheduledRequest], list[int], torch.Tensor], None] | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self, rank: int = 0, world_size: int = 1, group: ProcessGroupLike | None = None) -> None:
@@ -282,6 +286,8 @@ class ModelRunner:
             if self.broadcast_inputs is not None:
                 self.broadcast_inputs(inputs)
             hidden, aux_hidden = self._split(self.forward(inputs))
+        if self.hidden_state_sink is not None:
+            self.hidden_state_sink(items, list(query_start_loc), hidden)
         sampler_output = None
         if ids:
             last_hidden = hidden if last_token_index is None else hidden.index_select(0, last_token_index)

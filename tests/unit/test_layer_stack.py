@@ -1,7 +1,7 @@
 """The Llama layer stack (csrc/decoder.cpp: every decoder layer in one native call) against the layers run
 module by module, its reference: the same hidden states bit for bit, on a mixed batch (decodes, a chunk
 with a cached prefix, a whole prompt) in both KV-cache layouts and with int8 weights (per row, weight-only
-or W8A8, and Q8_0 blocks), and the same tokens through the engine."""
+or W8A8, and Q8_0 blocks), and the same tokens through the engine; an EAGLE-1 head's layer likewise."""
 
 from __future__ import annotations
 
@@ -154,6 +154,56 @@ def test_engine_tokens_equal_with_and_without_the_stack(stack_kernel: None, tiny
         assert (llm.llm_engine.executor.driver.model.layer_stack is not None) == (setting == "1")
         tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert tokens[0] == tokens[1]
+
+
+def test_eagle1_head_on_the_stack_equals_its_layer_module_by_module(stack_kernel: None, tiny_llama_dir: str,
+                                                                    tmp_path) -> None:
+    """EAGLE-1's first layer has no input norm: the stack runs it reading its input as is, bit-identical to
+    the module path, keys and values included; EAGLE-3 heads stay module by module."""
+    from tiny_models import build_tiny_eagle
+
+    from kvloom.models.eagle import load_eagle_head
+
+    model, config, ops = _model(tiny_llama_dir)
+    heads = {}
+    for method in ("eagle", "eagle3"):
+        path = build_tiny_eagle(str(tmp_path / method), tiny_llama_dir, method)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            heads[method] = load_eagle_head(path, method, config, model, ops)
+        finally:
+            torch.set_default_dtype(previous)
+        process_weights_after_loading(heads[method], ops)
+    assert heads["eagle3"].layer_stack is None
+    head = heads["eagle"]
+    assert head.layer_stack is not None
+    query_lens, context_lens = [1, 1, 6], [9, 30, 4]
+    batch = place_requests(query_lens, context_lens, BLOCK_SIZE)
+    generator = torch.Generator().manual_seed(0)
+    k, v = ops.allocate_kv_cache(batch.num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim,
+                                 torch.bfloat16, "cpu")
+    k[1:] = torch.randn(k[1:].shape, generator=generator).to(torch.bfloat16)
+    v[1:] = torch.randn(v[1:].shape, generator=generator).to(torch.bfloat16)
+    ids = torch.randint(3, config.vocab_size, (sum(query_lens),), generator=generator)
+    positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)])
+    features = torch.randn(sum(query_lens), config.hidden_size, generator=generator).to(torch.bfloat16)
+    results = []
+    stack = head.layer_stack
+    for use_stack in (True, False):
+        kv = [(k.clone(), v.clone())]
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(batch.slot_mapping), block_table=torch.tensor(batch.block_tables),
+            seq_lens=torch.tensor(batch.seq_lens), query_start_loc=batch.query_start_loc,
+            seq_lens_host=batch.seq_lens, num_decodes=batch.num_decodes, block_size=BLOCK_SIZE,
+            sliding_window=None, max_query_len=max(query_lens))
+        head.layer_stack = stack if use_stack else None
+        with torch.inference_mode():
+            results.append((head(ids, positions, features.clone(), kv, metadata)[0], kv[0]))
+    head.layer_stack = stack
+    (stacked, (k1, v1)), (plain, (k2, v2)) = results
+    assert torch.equal(stacked, plain)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
 def test_a_cpu_with_avx512_bf16_runs_the_tuned_build() -> None:

@@ -45,6 +45,32 @@ def test_target_features_equal_transformers_final_hidden_states(tiny_llama_dir: 
             torch.testing.assert_close(features, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_features_recorded_while_generating_equal_a_prefill_of_the_reply(tiny_llama_dir: str) -> None:
+    """The recorder (the model runner's hidden-state sink) keeps every computed position's final hidden state:
+    through chunked prefill and decode steps they equal one prefill of prompt + reply, but for the final
+    token, which the engine never runs (a zero row, never read by training)."""
+    from kvloom import LLM, SamplingParams
+
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 400, (n,), generator=generator).tolist() for n in (9, 45)]
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, enable_prefix_caching=False,
+              max_num_batched_tokens=32)  # the 45-token prompt is prefilled in two chunks
+    recorder = train_eagle.FeatureRecorder()
+    llm.llm_engine.executor.driver.hidden_state_sink = recorder
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    target = train_eagle.Target(resolve_model(tiny_llama_dir), dtype=torch.float32)
+    for prompt, output in zip(prompts, outputs):
+        ids = prompt + list(output.outputs[0].token_ids)
+        recorded = recorder.features(output.request_id, len(ids))
+        assert recorded is not None and recorded.dtype == torch.bfloat16
+        expected = target.forward([torch.tensor(ids)])[0].to(torch.bfloat16)
+        torch.testing.assert_close(recorded[:-1], expected[:-1], rtol=1e-2, atol=1e-2)
+        assert not recorded[-1].any()
+        assert recorder.features(output.request_id, len(ids)) is None  # forgotten once read
+    assert not recorder.rows
+
+
 def test_head_with_cache_equals_head_on_whole_sequence(tiny_llama_dir: str) -> None:
     """The evaluation's step-by-step drafting (KV cache) computes what one causal pass does."""
     config = train_eagle.load_model_config(resolve_model(tiny_llama_dir))

@@ -8,8 +8,9 @@
 // projection the product its Linear would call: kvloom's bf16 GEMM, or an int8 one (W8A8 from a number
 // of rows on, else weight-only; or W8A8 on Q8_0 blocks):
 //
-//     layer 0:  residual = hidden; hidden = rms_norm(hidden)         later: hidden, residual =
-//               add_rms_norm(hidden, residual), in place
+//     layer 0:  residual = hidden; hidden = rms_norm(hidden) (without an input norm, EAGLE-1's first
+//               layer: hidden as it is)
+//     later:    hidden, residual = add_rms_norm(hidden, residual), in place
 //     qkv = hidden W_qkv^T; rotate q and k in place; write k, v to the caches
 //     out = paged_attention(q, caches)
 //     hidden, residual = add_rms_norm(out W_o^T, residual)
@@ -116,6 +117,8 @@ struct LlamaLayerStack : torch::CustomClassHolder {
     for (int64_t i = 0; i < count; ++i) {
       Layer layer;
       layer.input_norm = norms[2 * i];
+      TORCH_CHECK(i == 0 || layer.input_norm.numel() > 0, "LlamaLayerStack: only the first layer may have no "
+                  "input norm");
       layer.post_norm = norms[2 * i + 1];
       Projection* slots[kProjections] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
       for (int64_t j = 0; j < kProjections; ++j) {
@@ -162,7 +165,9 @@ struct LlamaLayerStack : torch::CustomClassHolder {
     at::Tensor hidden = hidden_in;
     for (size_t i = 0; i < layers.size(); ++i) {
       const Layer& layer = layers[i];
-      if (i == 0) {
+      if (i == 0 && layer.input_norm.numel() == 0) {
+        hidden = residual;  // no input norm (EAGLE-1's first layer): the layer reads the stream itself
+      } else if (i == 0) {
         hidden = at::empty_like(residual);
         KVLOOM_PROFILED("kvloom::rms_norm", k::rms_norm(hidden, residual, layer.input_norm, eps));
       } else {
