@@ -153,6 +153,9 @@ class SpeculativeConfig:
     # No drafts in a step while this many requests (or more) are running (vLLM's key). Without it the
     # measured cost of a verified token decides (spec_decode/adaptive.py), which at large batches is the same.
     disable_by_batch_size: int | None = None
+    # "int8": the draft model's or EAGLE head's projections (and a head's own LM head) stored as int8 per row,
+    # quantized as loaded: a guess at batch 1 reads half the bytes.
+    quantization: str | None = None
 
     METHODS = ("ngram", "draft_model", "eagle", "eagle3")
     MODEL_METHODS = ("draft_model", "eagle", "eagle3")
@@ -204,7 +207,7 @@ class SpeculativeConfig:
         if not values:
             return None
         allowed = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-                   "max_model_len", "disable_by_batch_size"}
+                   "max_model_len", "disable_by_batch_size", "quantization"}
         unknown = sorted(set(values) - allowed)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
@@ -230,6 +233,10 @@ class SpeculativeConfig:
         if disable is not None and (not isinstance(disable, int) or isinstance(disable, bool) or disable < 1):
             raise ValueError(f"speculative_config: disable_by_batch_size (speculative_disable_by_batch_size) must "
                              f"be an integer >= 1, got {disable!r}")
+        quantization = values.get("quantization")
+        if quantization is not None and quantization != "int8":
+            raise ValueError(f"speculative_config: quantization must be 'int8' (the draft's projections stored as "
+                             f"int8 per row) or absent, got {quantization!r}")
         if method != "ngram":
             if model is None:
                 raise ValueError(f"speculative_config: method {method!r} needs 'model', the path of the "
@@ -237,10 +244,11 @@ class SpeculativeConfig:
             for key in ("prompt_lookup_max", "prompt_lookup_min"):
                 if key in values:
                     raise ValueError(f"speculative_config: {key} is for method 'ngram' only, not {method!r}")
-            return cls(method, k, model=model, max_model_len=max_len, disable_by_batch_size=disable)
-        if model is not None:
-            raise ValueError("speculative_config: method 'ngram' takes no 'model' (it looks drafts up in the "
-                             "request's own tokens)")
+            return cls(method, k, model=model, max_model_len=max_len, disable_by_batch_size=disable,
+                       quantization=quantization)
+        if model is not None or quantization is not None:
+            raise ValueError(f"speculative_config: method 'ngram' takes no {'model' if model else 'quantization'!r} "
+                             f"(it looks drafts up in the request's own tokens)")
         lookup_max = values.get("prompt_lookup_max", k)
         lookup_min = values.get("prompt_lookup_min", 1)
         for name, value in (("prompt_lookup_max", lookup_max), ("prompt_lookup_min", lookup_min)):

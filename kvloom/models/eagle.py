@@ -161,6 +161,15 @@ class EagleHead(nn.Module):
         else:
             self.d2t = None
 
+    def quantize(self, target: nn.Module) -> None:
+        """int8 per row (``speculative_config`` quantization "int8"), before the weights are packed: the head's
+        projections, and its LM head when it has its own (one it shares with the target stays the target's)."""
+        for module in self.modules():
+            if isinstance(module, Linear) and not module.quantized:
+                module.quantize()
+        if self.lm_head is not target.lm_head and self.lm_head.qweight is None:
+            self.lm_head.quantize()
+
     def prepare_layer_stack(self) -> None:
         """After the weights are packed (registry.process_weights_after_loading): EAGLE-1's layers, the first
         without an input norm, as the op table's layer stack. A guess at batch 1 is a few dozen kernel calls:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from kvloom.config import SpeculativeConfig
+from kvloom.layers.quantization import finish_int8, quantize_as_read
 from kvloom.loader.model_config import ModelConfig
 from kvloom.loader.weights import iter_weights, load_model_config, resolve_model
 from kvloom.models.registry import build_model, process_weights_after_loading
@@ -101,7 +102,11 @@ class DraftModelProposer:
                              f"model must share the target's vocabulary (the same tokenizer)")
         with default_dtype(self.dtype), torch.device(self.device):
             model = build_model(config, self.ops)
-        model.load_weights(iter_weights(source))
+        if speculative.quantization == "int8":
+            model.load_weights(quantize_as_read(iter_weights(source), lm_head=False))
+            finish_int8(model, lm_head=False)
+        else:
+            model.load_weights(iter_weights(source))
         process_weights_after_loading(model, self.ops)
         return config, model.eval()
 

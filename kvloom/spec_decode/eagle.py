@@ -44,6 +44,8 @@ class EagleProposer(DraftModelProposer):
               ) -> tuple[ModelConfig, nn.Module]:
         with default_dtype(self.dtype), torch.device(self.device):
             head = load_eagle_head(speculative.model, speculative.method, target_config, target, self.ops)
+            if speculative.quantization == "int8":
+                head.quantize(target)
         process_weights_after_loading(head, self.ops)
         self.aux_hidden_state_layers = head.config.aux_hidden_state_layers
         return head.config.model, head

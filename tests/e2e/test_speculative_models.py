@@ -149,6 +149,8 @@ def test_no_drafts_past_speculative_max_model_len(tiny_llama3_dir: str) -> None:
     ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "takes no 'model'"),
     ({"model": "x", "num_speculative_tokens": 2, "max_model_len": 0}, "max_model_len"),
     ({"model": "x", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"model": "x", "num_speculative_tokens": 2, "quantization": "fp8"}, "quantization must be 'int8'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"}, "takes no 'quantization'"),
 ])
 def test_bad_draft_model_configs_are_value_errors(spec: dict, message: str) -> None:
     from kvloom.config import EngineConfig
@@ -306,6 +308,41 @@ def test_eagle_guesses_equal_a_plain_torch_head_and_greedy_output_is_unchanged(
     assert len(records) >= 16
     for tokens, guesses in records[len(records) // 2 - 4:len(records) // 2 + 4]:  # prefix hits among them
         assert guesses == _reference_eagle_guesses(hf_target, weights, config, method, tokens, 3)[:len(guesses)]
+
+
+@pytest.mark.parametrize("head", ["draft_model", "eagle", "eagle3"])
+def test_an_int8_draft_or_head_keeps_greedy_output_and_guesses_alike(tiny_llama3_dir: str, eagle_heads: dict,
+                                                                    plain_outputs: dict, head: str) -> None:
+    """``quantization: "int8"``: the draft's projections (and a head's own LM head) are int8 per row, the
+    target's are untouched, the output is the target's, and the guesses mostly those of the bf16 draft (the
+    target as its own draft: int8 rounding may flip a near tie, rarely)."""
+    from kvloom.layers.linear import Linear
+
+    prompts = varied_prompts(6)
+    expected = plain(tiny_llama3_dir, plain_outputs, {}, prompts)
+    model = tiny_llama3_dir if head == "draft_model" else eagle_heads[head]
+    method = EAGLE_HEADS[head]["method"] if head != "draft_model" else head
+    accepted = []
+    for quantization in (None, "int8"):
+        spec = {"method": method, "model": model, "num_speculative_tokens": 3}
+        if quantization:
+            spec["quantization"] = quantization
+        llm = LLM(model=tiny_llama3_dir, max_model_len=256, speculative_config=spec)
+        llm.llm_engine.scheduler.speculation.adaptive = False
+        runner = llm.llm_engine.executor.driver
+        drafter = runner.proposer.model
+        linears = [m for m in drafter.modules() if isinstance(m, Linear)]
+        # Packing hands the int8 weights to the platform's int8 product (and drops them from the Linear).
+        assert linears and all(("Int8" in type(m.packed).__name__) == (quantization == "int8") for m in linears)
+        assert not any("Int8" in type(m.packed).__name__ for m in runner.model.modules() if isinstance(m, Linear))
+        if head == "eagle3":  # its own LM head over a draft vocabulary
+            assert (drafter.lm_head.qweight is not None) == (quantization == "int8")
+        assert run(llm, greedy_params(len(prompts)), prompts) == expected
+        stats = llm.llm_engine.scheduler.stats()
+        assert stats.num_draft_tokens > 0
+        accepted.append(stats.num_accepted_tokens / stats.num_draft_tokens)
+    if head == "draft_model":
+        assert accepted[1] > 0.9 * accepted[0], accepted
 
 
 def _rewrite_head(path: str, drop: tuple[str, ...] = (), replace: dict | None = None, config: dict | None = None
