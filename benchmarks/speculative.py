@@ -16,7 +16,7 @@ up), what speculation must not slow down (issue 10: at most 5% at N=64).
         # bound of the acceptance; no smaller SmolLM2 is available offline)
     .venv/bin/python benchmarks/speculative.py --methods eagle --eagle-model HEAD_DIR --workload chat --batch 1
     .venv/bin/python benchmarks/speculative.py --methods eagle --eagle-model HEAD_DIR --workload chat --batch 1 \
-        --num-prompts 8      # the 8 chat questions one after another, at batch 1
+        --num-prompts 8 --int8-draft   # the 8 chat questions one after another at batch 1; bf16 and int8 head
     .venv/bin/python benchmarks/speculative.py --workload standard --batch 64 --max-tokens 128 --repeats 3
 
 Figures: docs/benchmarks.md ("Speculative decoding: adaptive k", and the later "copy workload, EAGLE head"
@@ -94,6 +94,9 @@ def main() -> int:
                              "time (--max-num-seqs is then the batch), e.g. all 8 chat questions at batch 1")
     parser.add_argument("--step-times", action="store_true",
                         help="also print each config's median step time by the step's number of tokens")
+    parser.add_argument("--int8-draft", action="store_true",
+                        help="also run each draft_model / eagle method with its draft stored as int8 "
+                             "(speculative_config quantization)")
     parser.add_argument("--fixed-k", action="store_true",
                         help="also run each method with adaptive speculation off (k drafts at every step)")
     args = parser.parse_args()
@@ -110,6 +113,10 @@ def main() -> int:
             if args.eagle_model is None:
                 parser.error(f"--methods {method} needs --eagle-model")
             configs[method] = {"method": method, "model": args.eagle_model, "num_speculative_tokens": k}
+    if args.int8_draft:
+        for method in args.methods:
+            if method != "ngram":
+                configs[f"{method}-int8"] = {**configs[method], "quantization": "int8"}
     if args.fixed_k:
         for method in args.methods:
             configs[f"{method}-fixed-k"] = configs[method]
