@@ -27,7 +27,7 @@ from kvloom.loader.weights import resolve_model
 from kvloom.outputs import RequestOutput
 from kvloom.platform import configure_host
 from kvloom.sampling_params import SamplingParams
-from kvloom.spec_decode.adaptive import SpeculationController
+from kvloom.spec_decode.adaptive import DECAY, MODEL_DECAY, SpeculationController
 from kvloom.spec_decode.ngram import NgramProposer
 from kvloom.step_io import ModelRunnerOutput, SchedulerOutput
 
@@ -68,7 +68,8 @@ class LLMEngine:
             self.kv_cache_manager, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, proposer,
             num_lookahead_tokens=speculative.num_speculative_tokens if speculative and speculative.uses_draft_model
             else 0, speculative_max_model_len=speculative.max_model_len if speculative else None,
-            speculation=SpeculationController(speculative.num_speculative_tokens, speculative.disable_by_batch_size)
+            speculation=SpeculationController(speculative.num_speculative_tokens, speculative.disable_by_batch_size,
+                                              MODEL_DECAY if speculative.uses_draft_model else DECAY)
             if speculative else None)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.scheduler.check_fits)

@@ -274,7 +274,7 @@ class Scheduler:
                 # are computed again. Accepted: len(token_ids) - 1 drafts, then the target's own token.
                 accepted = len(token_ids) - 1
                 request.num_computed_tokens = item.num_computed_tokens + 1 + accepted
-                request.draft_stats.observe(item.num_draft_tokens, accepted)
+                request.draft_stats.observe(item.num_draft_tokens, accepted, self.speculation.decay)
                 self.num_drafts += 1
                 self.num_draft_tokens += item.num_draft_tokens
                 self.num_accepted_tokens += accepted

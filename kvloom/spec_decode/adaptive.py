@@ -10,7 +10,11 @@ holds given the one before it did (copying is all-or-nothing: both high; a loop 
 ``first`` high, ``later`` lower). So draft j adds ``first * later ** (j - 1)`` expected tokens. Each rate is
 a ratio of discounted counts (each observation scales the old ones by ``DECAY``: about the last five steps
 with drafts count), starting from two holds in three tries (2/3). A step with ``k`` drafts that accepts
-``m`` tried the first draft once and later drafts ``min(m, k - 1)`` times.
+``m`` tried the first draft once and later drafts ``min(m, k - 1)`` times. A draft model's or EAGLE head's
+rates keep about the last twenty steps (``MODEL_DECAY``): n-gram lookup's chances jump where a copied span
+starts or ends, a model's drift with the text's kind, and with five steps' memory a request whose guesses
+hold 45% of the time fell to no drafts after a few misses in a row (a quarter of its steps, measured: SmolLM2
+with a trained EAGLE head at batch 1).
 
 **Per step: what a draft costs.** Each draft is one more token the target verifies (and, for a draft model,
 one more guess). The engine reports every decode step's tokens and seconds; a least-squares line through
@@ -50,7 +54,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DECAY = 0.8  # the weight of the older observations at each new one
+DECAY = 0.8  # the weight of the older observations at each new one (n-gram lookup)
+MODEL_DECAY = 0.95  # the same for a draft model or EAGLE head, whose chances change slowly
 PRIOR_THRESHOLD = 0.1  # for seeded requests
 # Before a measurement: a step costs as much as this many tokens besides one token per request (this CPU's
 # batch-1 decode step is ~16 tokens' worth: 10 ms against ~0.6 ms per extra token).
@@ -88,15 +93,16 @@ class DraftStats:
         """The chance that drafts 1 .. j all hold: what draft j adds."""
         return self.first_rate * self.later_rate ** (j - 1)
 
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
-        """A step verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""
+    def observe(self, num_drafts: int, num_accepted: int, decay: float = DECAY) -> None:
+        """A step verified ``num_drafts`` drafts and accepted the first ``num_accepted``; older observations
+        weigh ``decay`` times less."""
         if num_drafts <= 0:
             return
-        self.first_held = DECAY * self.first_held + (1 if num_accepted else 0)
-        self.first_tried = DECAY * self.first_tried + 1
+        self.first_held = decay * self.first_held + (1 if num_accepted else 0)
+        self.first_tried = decay * self.first_tried + 1
         later = min(num_accepted, num_drafts - 1)  # drafts 2.. tried: those after a held one
-        self.later_held = DECAY * self.later_held + max(num_accepted - 1, 0)
-        self.later_tried = DECAY * self.later_tried + later
+        self.later_held = decay * self.later_held + max(num_accepted - 1, 0)
+        self.later_tried = decay * self.later_tried + later
         if num_accepted == num_drafts:
             self.probe_interval = MIN_PROBE_INTERVAL
 
@@ -104,9 +110,11 @@ class DraftStats:
 class SpeculationController:
     """Chooses ``k_eff`` per request and step (module docstring); no torch, owned by the scheduler."""
 
-    def __init__(self, num_speculative_tokens: int, disable_by_batch_size: int | None = None) -> None:
+    def __init__(self, num_speculative_tokens: int, disable_by_batch_size: int | None = None,
+                 decay: float = DECAY) -> None:
         self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
+        self.decay = decay  # of each request's acceptance counts (DraftStats.observe)
         self.adaptive = True  # False: always k (what tests of a proposer's drafts and benchmarks compare with)
         # Discounted sums over decode steps: weight, tokens, seconds, tokens^2, tokens*seconds, outputs.
         self._w = self._x = self._y = self._xx = self._xy = self._out = 0.0

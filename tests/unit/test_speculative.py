@@ -212,6 +212,27 @@ def test_a_backed_off_request_whose_probe_holds_returns_to_k() -> None:
     assert counts[first_probe + 12:] == [4] * (len(counts) - first_probe - 12)
 
 
+def test_a_model_drafters_longer_memory_keeps_a_request_that_often_holds_drafting() -> None:
+    """A guess that holds 45% of the time, independently each step (an EAGLE head's, roughly): with n-gram's
+    five-step memory a few misses in a row send the request to no drafts; with a model drafter's twenty it
+    never falls that low (at batch 1's threshold of ~0.1)."""
+    import random
+
+    from kvloom.spec_decode.adaptive import DECAY, MODEL_DECAY, DraftStats, drafts_worth_proposing
+
+    rng = random.Random(0)
+    holds = [rng.random() < 0.45 for _ in range(400)]
+    steps_without_drafts = {}
+    for decay in (DECAY, MODEL_DECAY):
+        stats, zeros = DraftStats(), 0
+        for held in holds:
+            k = drafts_worth_proposing(stats, 0.1, 4)
+            zeros += k == 0
+            stats.observe(max(k, 1), int(held), decay)  # at 0 a probe of one draft
+        steps_without_drafts[decay] = zeros
+    assert steps_without_drafts[MODEL_DECAY] == 0 < steps_without_drafts[DECAY], steps_without_drafts
+
+
 def test_drafts_pay_when_their_expected_tokens_exceed_the_measured_cost() -> None:
     from kvloom.spec_decode.adaptive import DraftStats, SpeculationController
 
