@@ -233,6 +233,32 @@ def test_a_model_drafters_longer_memory_keeps_a_request_that_often_holds_draftin
     assert steps_without_drafts[MODEL_DECAY] == 0 < steps_without_drafts[DECAY], steps_without_drafts
 
 
+def test_probes_that_hold_but_leave_drafts_unprofitable_grow_rarer() -> None:
+    """At 64 sequences (threshold ~0.8 before any measurement) a request whose guesses hold 45% of the time
+    never pays for a draft: its probes keep doubling their wait even when they hold, up to the longest; only
+    a probe that raises k_eff brings the next one closer (a probe is a head pass for a model drafter)."""
+    import random
+
+    from kvloom.spec_decode.adaptive import MAX_PROBE_INTERVAL, MODEL_DECAY, DraftStats, SpeculationController
+
+    controller = SpeculationController(4, decay=MODEL_DECAY)
+    stats = DraftStats()
+    rng = random.Random(0)
+    probes, held = [], 0
+    for step in range(700):
+        k = controller.num_drafts(stats, num_running=64)
+        if k:
+            assert k == 1
+            probes.append(step)
+            accepted = int(rng.random() < 0.45)
+            held += accepted
+            stats.observe(k, accepted, MODEL_DECAY)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert held >= 2  # some probes held, and still:
+    assert gaps == sorted(gaps) and gaps[-1] == MAX_PROBE_INTERVAL + 1
+    assert len(probes) <= 10
+
+
 def test_drafts_pay_when_their_expected_tokens_exceed_the_measured_cost() -> None:
     from kvloom.spec_decode.adaptive import DraftStats, SpeculationController
 
