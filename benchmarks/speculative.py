@@ -123,11 +123,10 @@ def main() -> int:
     names = [name for name in configs if name != "plain"]
     # The standard workload runs to max_tokens; copies and chat answers stop at EOS (tok/s counts the tokens made).
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.workload == "standard")
-    max_num_seqs = args.max_num_seqs or max(args.batch)
     for batch in args.batch:
         count = args.num_prompts or batch
-        if args.num_prompts is not None:
-            max_num_seqs = batch
+        # With --num-prompts the batch is the engine's limit; else every batch runs in one engine size.
+        max_num_seqs = batch if args.num_prompts is not None else args.max_num_seqs or max(args.batch)
         if args.workload == "copy":
             prompts = [copy_prompt(i) for i in range(count)]
         elif args.workload == "standard":

@@ -267,20 +267,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def init_from_target_layer(head: EagleHead, source: ModelSource, layer: int) -> int:
-    """Start the head's decoder layer from the target's layer ``layer``: its attention, post-attention norm
-    and MLP (the head has no input norm). Returns the number of tensors copied."""
-    prefix = f"model.layers.{layer}."
-    own = dict(head.layers[0].named_parameters())
-    copied = 0
-    with torch.no_grad():
-        for name, tensor in iter_weights(source):
-            if name.startswith(prefix) and name[len(prefix):] in own:
-                own[name[len(prefix):]].copy_(tensor)
-                copied += 1
-    return copied
-
-
 def head_config_dict(target_config: dict[str, Any], draft_vocab_size: int | None = None) -> dict[str, Any]:
     """config.json of the head: the target's Llama config with one layer, as EAGLE-1 checkpoints give it,
     and EAGLE-3's ``draft_vocab_size`` when the head guesses from a part of the vocabulary."""
@@ -476,8 +462,9 @@ class FeatureRecorder:
 
     def __call__(self, items: Sequence[Any], query_start_loc: Sequence[int], hidden: torch.Tensor) -> None:
         for i, item in enumerate(items):
-            rows = hidden[int(query_start_loc[i]):int(query_start_loc[i + 1])]
-            self.rows.setdefault(item.request_id, []).append((item.num_computed_tokens, rows.to(torch.bfloat16)))
+            # A copy: the hidden states may be a buffer the next step reuses (and a view would keep all of it).
+            rows = hidden[query_start_loc[i]:query_start_loc[i + 1]].to(torch.bfloat16, copy=True)
+            self.rows.setdefault(item.request_id, []).append((item.num_computed_tokens, rows))
 
     def features(self, request_id: str, length: int) -> torch.Tensor | None:
         """f_0 .. f_{length-2} of a finished request ([length, H], the last row zero: the final token is never
@@ -754,8 +741,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ce-fraction", type=float, default=1.0, help="share of each batch's steps whose "
                         "token loss is computed, to save the LM head's product with --draft-vocab 0 (default "
                         "%(default)s)")
-    parser.add_argument("--init-layer", type=int, default=None, help="start the head's layer from this layer of "
-                        "the target (default: random)")
     parser.add_argument("--max-model-len", type=int, default=512, help="the generating engine's max_model_len")
     parser.add_argument("--replies", default=None, help="a file of the replies (token ids and features): "
                         "read when it exists, skipping phases 1 and 2, and written after the features")
@@ -869,9 +854,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     train, held_out = _split(sequences, args.eval_prompts, args.seed)
     head = EagleHead(target.config)
     head.vocab = draft_vocabulary(train, args.draft_vocab or target.config.vocab_size, target.config.vocab_size)
-    if args.init_layer is not None:
-        copied = init_from_target_layer(head, source, args.init_layer)
-        print(f"the head's layer starts from the target's layer {args.init_layer} ({copied} tensors)", flush=True)
     if head.vocab is not None:
         print(f"draft vocabulary: the {len(head.vocab)} most frequent reply tokens, covering "
               f"{vocabulary_coverage(train, head.vocab):.1%} of the training replies' tokens and "

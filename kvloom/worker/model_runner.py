@@ -287,7 +287,7 @@ class ModelRunner:
                 self.broadcast_inputs(inputs)
             hidden, aux_hidden = self._split(self.forward(inputs))
         if self.hidden_state_sink is not None:
-            self.hidden_state_sink(items, list(query_start_loc), hidden)
+            self.hidden_state_sink(items, query_start_loc, hidden)
         sampler_output = None
         if ids:
             last_hidden = hidden if last_token_index is None else hidden.index_select(0, last_token_index)
