@@ -72,10 +72,13 @@ class ModelRunnerOutput:
     ``failed_request_ids``: requests whose logits held a NaN or an infinity; they sampled nothing
     (no entry in ``sampled_token_ids``) and the engine must end them with an error.
     ``draft_token_ids``: with a draft model or EAGLE, the tokens it guesses follow each request's new
-    tokens, for the scheduler to have the target check next step."""
+    tokens, for the scheduler to have the target check next step (``draft_passes``: how long the passes that
+    guessed them took)."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[LogprobsRow]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[LogprobsRow]] = field(default_factory=dict)
     failed_request_ids: list[str] = field(default_factory=list)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # The draft model's / EAGLE head's passes after the step: (rows, seconds) each, for the cost of a guess.
+    draft_passes: list[tuple[int, float]] = field(default_factory=list)

@@ -186,6 +186,8 @@ class Scheduler:
             scheduled.append((request, num_new, []))
             budget -= num_new
 
+        if self.num_lookahead_tokens:
+            self._limit_draft_passes([request for request, _, _ in scheduled if request.num_lookahead_drafts])
         for request, num_new, drafts in scheduled:
             start = request.num_computed_tokens
             num_known = num_new - len(drafts)
@@ -243,6 +245,17 @@ class Scheduler:
         return min(room, self.speculation.num_drafts(request.draft_stats, len(self.running),
                                                      request.sampling_params.seed is not None))
 
+    def _limit_draft_passes(self, drafting: list[Request]) -> None:
+        """A draft model / EAGLE head runs as many passes as the deepest ``k_eff``: the passes whose guesses
+        are not worth a pass's fixed cost are cut for every request (spec_decode/adaptive.py)."""
+        if not drafting:
+            return
+        depth = self.speculation.passes_worth_running(
+            [(r.draft_stats, r.num_lookahead_drafts, r.sampling_params.seed is not None) for r in drafting],
+            len(self.running))
+        for request in drafting:
+            request.num_lookahead_drafts = min(request.num_lookahead_drafts, depth)
+
     @staticmethod
     def _new_request_data(request: Request) -> NewRequestData:
         params = request.sampling_params
@@ -294,12 +307,12 @@ class Scheduler:
     def record_step_time(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                          seconds: float) -> None:
         """The engine's measure of a step, for the cost of speculation: only decode steps count (one known
-        token per request, drafts besides), whose time is what drafts change."""
+        token per request, drafts besides), whose time is what drafts change; a draft model's passes
+        (``runner_output.draft_passes``) are timed apart from the target's step."""
         if self.speculation is None or any(item.num_new_tokens - item.num_draft_tokens != 1
                                            for item in scheduler_output.scheduled):
             return
-        emitted = sum(len(tokens) for tokens in runner_output.sampled_token_ids.values())
-        self.speculation.record_step(scheduler_output.num_batched_tokens, emitted, seconds)
+        self.speculation.record_step(scheduler_output.num_batched_tokens, seconds, runner_output.draft_passes)
 
     def _remove_finished(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)

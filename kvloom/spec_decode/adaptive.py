@@ -18,18 +18,38 @@ with a trained EAGLE head at batch 1).
 
 **Per step: what a draft costs.** Each draft is one more token the target verifies (and, for a draft model,
 one more guess). The engine reports every decode step's tokens and seconds; a least-squares line through
-the recent ones, ``seconds = fixed + cost_per_token * tokens``, gives the cost of one more token, and the
-same steps give the tokens per second the engine is making, ``throughput``. One more draft delays every
-request in the step by ``cost_per_token`` seconds, which would have made ``cost_per_token * throughput``
-tokens: that is ``threshold``, the expected tokens a draft must add to pay. So
+the recent ones, ``seconds = fixed + cost_per_token * tokens``, gives the cost of one more token. One more
+draft delays every request in the step by ``cost_per_token`` seconds; a step of the ``n`` requests now
+running, one token each, makes ``n`` tokens in ``fixed + cost_per_token * n`` seconds, so the delay would
+have made ``cost_per_token * n / (fixed + cost_per_token * n)`` tokens: that is ``threshold``, the expected
+tokens a draft must add to pay. It is ``n / (n + fixed_tokens)``, with ``fixed_tokens = fixed /
+cost_per_token`` the step's fixed cost in tokens' worth. (It was ``cost_per_token`` times the recent steps'
+measured tokens per second, which is the batch that ran before: a 64-request burst after a batch-1 warm-up
+started with batch 1's threshold, 0.11 instead of ~0.9, and every request drafted 4 through its first
+steps.) So
 
     k_eff = the largest j <= num_speculative_tokens with first * later ** (j - 1) >= threshold
 
 The arithmetic on this 2-core CPU (SmolLM2-135M, bf16): at batch 1 a decode step is ~10 ms and each extra
-token ~0.6 ms, at ~100 tok/s: threshold ~0.06, so a copying request (rates ~0.9) keeps k = 4 and one whose
-drafts hold a third of the time gets 2. At batch 64 the step is compute-bound: ~1 ms per token at ~850
-tok/s gives a threshold of ~0.8, so only drafts that nearly always hold are proposed; the batch-size
-cut-off emerges from the measurement (``disable_by_batch_size``, vLLM's key, is the explicit one).
+token ~0.6 ms: fixed_tokens ~16 and threshold ~0.06, so a copying request (rates ~0.9) keeps k = 4 and one
+whose drafts hold a third of the time gets 2. At batch 64 the step is compute-bound: ~0.8-0.9 ms per token
+and ~10-15 tokens' fixed cost, so the threshold is ~0.85: only drafts that nearly always hold are
+proposed; the batch-size cut-off emerges from the measurement (``disable_by_batch_size``, vLLM's key, is
+the explicit one).
+
+**A model drafter's passes.** A draft model or EAGLE head guesses in passes after the target's step: the
+first over each proposing request's new tokens, then one per further guess over the requests still
+guessing. The runner times each (``ModelRunnerOutput.draft_passes``); the controller takes them out of the
+step's time and fits them a line of their own, ``seconds = pass_fixed + per_row * rows``. A guess costs its
+row besides its verified token, so the per-request threshold is ``threshold * (1 + per_row /
+cost_per_token)``. A pass's fixed cost is shared by the requests guessing that deep, so it is weighed per
+step (``passes_worth_running``): pass j runs only if its requests' expected tokens at j, each worth a
+request's share of a step (``fixed / n + cost_per_token`` seconds), less what their guesses cost, exceed
+``pass_fixed``; the deepest passes that do not are cut for everyone. At 64 sequences on this CPU an EAGLE
+head's pass costs ~1.2 ms fixed (~1.4 tokens' verification) and a guess that always holds gains ~0.2 ms
+over its verified token, so a lone request that guesses well pays for no pass (it ran 4 passes a step, ~10
+ms, before this rule), while a third of the batch copying pays for all four. At batch 1 a token is worth
+the whole ~10 ms step and nothing is cut.
 
 **Backing off and probing.** A request below k makes no observations of the drafts it does not get, so
 every so often it gets one more than worth it: at ``k_eff = 0`` one draft (n-gram lookup is skipped
@@ -44,9 +64,8 @@ sizes). A step's time enters the cost fit within 1.5x of
 what the line predicts: the machine's other work delays steps at random, and one delayed step with drafts
 must not make drafts look ruinous.
 
-Before the engine has timed decode steps of different sizes (at start-up, through the prompts' prefill), the
-threshold is that of a step costing ``PRIOR_FIXED_TOKENS`` tokens' worth plus one per request:
-``num_running / (num_running + 16)``, 0.06 at batch 1 and 0.8 at 64.
+Before the engine has timed decode steps of different sizes (at start-up, through the prompts' prefill),
+``fixed_tokens`` is ``PRIOR_FIXED_TOKENS`` (16): the threshold is 0.06 at batch 1 and 0.8 at 64.
 
 **Seeded requests.** Which drafts a sampled request is offered changes its tokens (not their distribution),
 and the measured threshold depends on timing and on the batch; so a request with a seed uses the fixed
@@ -110,6 +129,39 @@ class DraftStats:
         self.later_tried = decay * self.later_tried + later
 
 
+class Line:
+    """A least-squares line ``seconds = fixed + slope * size`` through recent timings, older ones weighing
+    ``STEP_DECAY`` times less at each new one. A timing enters within ``OUTLIER`` times what the line
+    predicts: the machine's other work delays steps at random, and one delayed step must not make drafts
+    look ruinous."""
+
+    def __init__(self) -> None:
+        # Discounted sums: weight, sizes, seconds, sizes^2, sizes*seconds.
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.slope: float | None = None  # seconds per unit of size, once sizes varied
+
+    @property
+    def fixed(self) -> float:
+        """Seconds at size 0 (0 before any timing)."""
+        return (self._y - (self.slope or 0.0) * self._x) / self._w if self._w else 0.0
+
+    def add(self, size: float, seconds: float) -> None:
+        if self.slope is not None:
+            predicted = self.fixed + self.slope * size
+            if predicted > 0:
+                seconds = min(max(seconds, predicted / OUTLIER), predicted * OUTLIER)
+        d = STEP_DECAY
+        self._w = d * self._w + 1.0
+        self._x = d * self._x + size
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + size * size
+        self._xy = d * self._xy + size * seconds
+        mean_x = self._x / self._w
+        variance = self._xx / self._w - mean_x * mean_x
+        if variance >= MIN_TOKEN_VARIANCE:  # else keep the last slope: every timing had the same size
+            self.slope = max((self._xy / self._w - mean_x * self._y / self._w) / variance, 0.0)
+
+
 class SpeculationController:
     """Chooses ``k_eff`` per request and step (module docstring); no torch, owned by the scheduler."""
 
@@ -119,43 +171,43 @@ class SpeculationController:
         self.disable_by_batch_size = disable_by_batch_size
         self.decay = decay  # of each request's acceptance counts (DraftStats.observe)
         self.adaptive = True  # False: always k (what tests of a proposer's drafts and benchmarks compare with)
-        # Discounted sums over decode steps: weight, tokens, seconds, tokens^2, tokens*seconds, outputs.
-        self._w = self._x = self._y = self._xx = self._xy = self._out = 0.0
-        self.cost_per_token: float | None = None  # seconds, once measured
-        self.throughput: float | None = None  # output tokens per second of the recent decode steps
+        self.steps = Line()  # the target's decode steps: seconds against tokens (drafts included)
+        self.passes = Line()  # a draft model's / EAGLE head's passes: seconds against rows
 
     # ---- cost -----------------------------------------------------------------------------------
-    def record_step(self, num_tokens: int, num_output_tokens: int, seconds: float) -> None:
-        """A decode step (no prompt tokens) computed ``num_tokens`` tokens (drafts included) and emitted
-        ``num_output_tokens`` in ``seconds``."""
-        if self.cost_per_token is not None:
-            # A step the machine's other work held up (or a lucky one) moves the line by a bounded amount: the
-            # fit takes it as at most OUTLIER times (at least 1 / OUTLIER of) what the line predicts.
-            predicted = (self._y - self.cost_per_token * self._x) / self._w + self.cost_per_token * num_tokens
-            if predicted > 0:
-                seconds = min(max(seconds, predicted / OUTLIER), predicted * OUTLIER)
-        d = STEP_DECAY
-        self._w = d * self._w + 1.0
-        self._x = d * self._x + num_tokens
-        self._y = d * self._y + seconds
-        self._xx = d * self._xx + num_tokens * num_tokens
-        self._xy = d * self._xy + num_tokens * seconds
-        self._out = d * self._out + num_output_tokens
-        mean_x = self._x / self._w
-        variance = self._xx / self._w - mean_x * mean_x
-        if variance >= MIN_TOKEN_VARIANCE:  # else keep the last slope: all steps had the same size
-            slope = (self._xy / self._w - mean_x * self._y / self._w) / variance
-            self.cost_per_token = max(slope, 0.0)
-        if self._y > 0:
-            self.throughput = self._out / self._y
+    @property
+    def cost_per_token(self) -> float | None:
+        """Seconds one more token adds to a target step, once measured."""
+        return self.steps.slope
+
+    def record_step(self, num_tokens: int, seconds: float, passes: list[tuple[int, float]] = ()) -> None:
+        """A decode step (no prompt tokens) computed ``num_tokens`` tokens (drafts included) in ``seconds``,
+        of which the draft's ``passes`` (rows, seconds each) took their share."""
+        for rows, pass_seconds in passes:
+            self.passes.add(rows, pass_seconds)
+            seconds -= pass_seconds
+        self.steps.add(num_tokens, seconds)
+
+    @property
+    def fixed_tokens(self) -> float:
+        """A decode step's fixed cost in tokens' worth (``PRIOR_FIXED_TOKENS`` before a measurement; 0 where
+        the line has none, as at a compute-bound batch)."""
+        cost = self.cost_per_token
+        if not cost:
+            return PRIOR_FIXED_TOKENS if cost is None else float("inf")
+        return max(self.steps.fixed / cost, 0.0)
 
     def threshold(self, num_running: int = 1) -> float:
-        """Expected tokens a draft must add to pay for itself (module docstring). Until decode steps of more
-        than one size were timed: a step of ``PRIOR_FIXED_TOKENS``' worth of fixed cost plus one token's per
-        request, i.e. ``num_running / (num_running + PRIOR_FIXED_TOKENS)``."""
-        if self.cost_per_token is None or self.throughput is None:
-            return max(num_running / (num_running + PRIOR_FIXED_TOKENS), MIN_THRESHOLD)
-        return max(self.cost_per_token * self.throughput, MIN_THRESHOLD)
+        """Expected tokens a draft must add to pay for the token the target verifies, while ``num_running``
+        requests run: ``num_running / (num_running + fixed_tokens)`` (module docstring)."""
+        return max(num_running / (num_running + self.fixed_tokens), MIN_THRESHOLD)
+
+    def _guess_threshold(self, num_running: int) -> float:
+        """The same for a model drafter's draft, which also costs a row in one of its passes."""
+        threshold = self.threshold(num_running)
+        if self.passes.slope and self.cost_per_token:
+            threshold *= 1 + self.passes.slope / self.cost_per_token
+        return threshold
 
     # ---- choice ---------------------------------------------------------------------------------
     def num_drafts(self, stats: DraftStats, num_running: int, seeded: bool = False) -> int:
@@ -165,7 +217,7 @@ class SpeculationController:
             return 0
         if not self.adaptive:
             return self.k
-        threshold = PRIOR_THRESHOLD if seeded else self.threshold(num_running)
+        threshold = PRIOR_THRESHOLD if seeded else self._guess_threshold(num_running)
         k = drafts_worth_proposing(stats, threshold, self.k)
         if stats.probed_from >= 0:
             if k > stats.probed_from:  # the probe showed more drafts pay: probe again soon if it falls back
@@ -183,6 +235,30 @@ class SpeculationController:
         stats.probe_interval = min(2 * stats.probe_interval, MAX_PROBE_INTERVAL)
         stats.probed_from = k
         return k + 1
+
+    def passes_worth_running(self, choices: list[tuple[DraftStats, int, bool]], num_running: int) -> int:
+        """How many passes a model drafter runs this step, given each drafting request's (stats, ``k_eff``,
+        seeded): the deepest pass whose guesses are worth more than the pass's fixed cost (module
+        docstring). Probes and seeded requests keep their ``k_eff`` (a probe measures; a seeded request's
+        tokens must not depend on its batch): the passes they need run whatever the rest is worth."""
+        deepest = max((k for _, k, _ in choices), default=0)
+        if not self.adaptive or not self.passes._w or not self.cost_per_token:
+            return deepest
+        floor = max((k for stats, k, seeded in choices if seeded or stats.probed_from >= 0), default=0)
+        cost = self.cost_per_token
+        # An output token is worth a request's share of a step (seconds); a guess costs the token the target
+        # verifies and a row of the pass.
+        worth = max(self.steps.fixed, 0.0) / num_running + cost
+        per_guess = cost + (self.passes.slope or 0.0)
+        pass_cost = max(self.passes.fixed, 0.0)
+        depth = deepest
+        while depth > floor:
+            gain = sum(stats.expected_tokens(depth) * worth - per_guess
+                       for stats, k, _ in choices if k >= depth)
+            if gain >= pass_cost:
+                break
+            depth -= 1
+        return depth
 
 
 def drafts_worth_proposing(stats: DraftStats, threshold: float, max_drafts: int) -> int:

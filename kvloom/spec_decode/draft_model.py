@@ -26,6 +26,7 @@ distribution.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -91,6 +92,9 @@ class DraftModelProposer:
         self.max_position = min(max_model_len, self.config.max_position_embeddings,
                                 speculative.max_model_len or max_model_len)
         self.sliding_window = self.config.sliding_window
+        # The last propose's passes: (rows, seconds) each, the time until its guesses reached the host (the
+        # scheduler's measure of what a guess costs, spec_decode/adaptive.py).
+        self.passes: list[tuple[int, float]] = []
 
     def _load(self, speculative: SpeculativeConfig, target_config: ModelConfig, target: nn.Module
               ) -> tuple[ModelConfig, nn.Module]:
@@ -148,7 +152,10 @@ class DraftModelProposer:
                 build_inputs: BuildInputs) -> dict[str, list[int]]:
         """Run the first pass over every request's kept tokens, then feed the guesses back one position at a
         time; returns each proposing request's guesses. ``target_hidden``: the target's hidden states of
-        this step [T, H] (EAGLE-3: the auxiliary ones; read by EAGLE only)."""
+        this step [T, H] (EAGLE-3: the auxiliary ones; read by EAGLE only). Times each pass that guesses
+        (``passes``; a first pass that only brings lagging KV up to date is not a guess's cost)."""
+        self.passes = []
+        start_time = time.perf_counter()
         items: list[ScheduledRequest] = []
         rows: dict[str, list[int]] = {}
         num_drafts: dict[str, int] = {}
@@ -183,17 +190,22 @@ class DraftModelProposer:
             return {}
         last_rows = torch.tensor([starts[i + 1] - 1 for i, _ in proposing], dtype=torch.long, device=self.device)
         tokens = self.next_tokens(logits_hidden.index_select(0, last_rows))
+        pass_rows = inputs.input_ids.shape[0]
         carried = next_hidden.index_select(0, last_rows)
         active = [item for _, item in proposing]
         drafts: dict[str, list[int]] = {item.request_id: [] for item in active}
         positions = {item.request_id: item.num_computed_tokens + item.num_new_tokens for item in active}
         for step in range(1, max(num_drafts.values()) + 1):
-            token_list = tokens.tolist()
+            token_list = tokens.tolist()  # waits for the pass
+            now = time.perf_counter()
+            self.passes.append((pass_rows, now - start_time))
+            start_time = now
             for item, token in zip(active, token_list):
                 drafts[item.request_id].append(token)
             keep = [j for j, item in enumerate(active) if num_drafts[item.request_id] > step]
             if not keep:
                 break
+            pass_rows = len(keep)
             steps = [ScheduledRequest(active[j].request_id, positions[active[j].request_id] + step - 1,
                                       [token_list[j]], active[j].block_ids, samples=True) for j in keep]
             _, inputs = build_inputs(steps, self.sliding_window)

@@ -335,6 +335,7 @@ class ModelRunner:
                                                                hidden if aux_hidden is None else aux_hidden)
                 if requests:
                     output.draft_token_ids = self.proposer.propose(requests, target_hidden, self._draft_inputs)
+                    output.draft_passes = self.proposer.passes
             return output
 
         return finish

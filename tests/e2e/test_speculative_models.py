@@ -98,6 +98,8 @@ def test_requests_given_no_drafts_cost_no_draft_pass_and_catch_up_exactly(tiny_l
     # Every 7th choice drafts k (2 or 3 at a time), the rest none: requests lag by varying amounts.
     engine.scheduler.speculation.num_drafts = lambda stats, num_running, seeded=False: (
         2 + next(calls) % 2 if next(calls) % 7 == 0 else 0)
+    # ... and every pass they need runs (no cut for the passes' measured cost).
+    engine.scheduler.speculation.passes_worth_running = lambda choices, num_running: max(k for _, k, _ in choices)
     runner = engine.executor.driver
     drafting, steps = [], []  # the draft's work of each step that had some; the steps
     propose, execute = runner.proposer.propose, engine.executor.execute
@@ -387,3 +389,28 @@ def test_a_mismatched_eagle_head_is_a_value_error_naming_what(tiny_llama3_dir: s
     with pytest.raises(ValueError, match=message):
         LLM(model=tiny_llama3_dir, max_model_len=256,
             speculative_config={"method": method, "model": path, "num_speculative_tokens": 2})
+
+
+def test_the_draft_passes_are_timed_and_fitted(tiny_llama3_dir: str) -> None:
+    """Each pass that guesses comes back with the step (rows, seconds): the first over the proposing requests'
+    new tokens, then one row per request still guessing; the controller fits them a line apart from the
+    target's steps."""
+    llm = LLM(model=tiny_llama3_dir, max_model_len=256, speculative_config={
+        "method": "draft_model", "model": tiny_llama3_dir, "num_speculative_tokens": 3})
+    engine = llm.llm_engine
+    engine.scheduler.speculation.adaptive = False  # k = 3 for every request at every step
+    seen = []
+    record = engine.scheduler.record_step_time
+    engine.scheduler.record_step_time = lambda out, runner_output, seconds: (
+        seen.append((out, runner_output.draft_passes)) or record(out, runner_output, seconds))
+    prompts = varied_prompts(4)
+    run(llm, greedy_params(len(prompts)), prompts)
+    decodes = [(out, passes) for out, passes in seen
+               if passes and all(item.num_new_tokens - item.num_draft_tokens == 1 for item in out.scheduled)]
+    assert decodes
+    for out, passes in decodes:
+        guessing = [item for item in out.scheduled if item.num_speculative_tokens]
+        assert len(passes) == max(item.num_speculative_tokens for item in guessing)
+        assert passes[0][0] >= len(guessing) and all(rows <= len(guessing) for rows, _ in passes[1:])
+        assert all(seconds > 0 for _, seconds in passes)
+    assert engine.scheduler.speculation.passes.slope is not None

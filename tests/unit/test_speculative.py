@@ -267,16 +267,18 @@ def test_drafts_pay_when_their_expected_tokens_exceed_the_measured_cost() -> Non
     assert controller.threshold(num_running=1) == 1 / 17 and controller.threshold(num_running=64) == 0.8
     # Batch 1, memory-bound: 10 ms a step and 0.5 ms per extra token, one token out per step.
     for n in (1, 5, 1, 3, 1, 5, 2, 1) * 4:
-        controller.record_step(n, 1, 0.010 + 0.0005 * n)
+        controller.record_step(n, 0.010 + 0.0005 * n)
     assert abs(controller.cost_per_token - 0.0005) < 1e-9
-    assert 0.04 < controller.threshold() < 0.05  # 0.5 ms at ~95 tok/s
+    assert abs(controller.fixed_tokens - 20) < 1e-6 and abs(controller.threshold() - 1 / 21) < 1e-9
     thirds = DraftStats(first_held=1, first_tried=3, later_held=1, later_tried=3)
     assert controller.num_drafts(thirds, num_running=1) == 2  # 1/3, 1/9 > 0.048 > 1/27
+    # The same line at 64 requests (not the tokens per second of the batch-1 steps it was fitted on).
+    assert abs(controller.threshold(num_running=64) - 64 / 84) < 1e-9
     # Batch 64, compute-bound: every token costs about what a request's share of the step does.
     controller = SpeculationController(num_speculative_tokens=4)
     for n in (64, 128, 64, 96, 64, 192) * 4:
-        controller.record_step(n, n, 0.010 + 0.001 * n)  # every draft accepted: n tokens out
-    assert controller.threshold() > 0.8
+        controller.record_step(n, 0.010 + 0.001 * n)
+    assert abs(controller.fixed_tokens - 10) < 1e-6 and abs(controller.threshold(num_running=64) - 64 / 74) < 1e-9
     assert controller.num_drafts(DraftStats(), num_running=64) == 0  # the prior: 2/3
     copying = DraftStats(first_held=99, first_tried=100, later_held=99, later_tried=100)
     assert controller.num_drafts(copying, num_running=64) == 4
@@ -285,6 +287,12 @@ def test_drafts_pay_when_their_expected_tokens_exceed_the_measured_cost() -> Non
     assert controller.num_drafts(looping, num_running=64) == 1
     # A seeded request does not follow the measurement (its tokens would depend on timing).
     assert controller.num_drafts(DraftStats(), num_running=64, seeded=True) == 4
+    # A line with no fixed part (this CPU at 64 sequences): a draft pays only if it always holds.
+    controller = SpeculationController(num_speculative_tokens=4)
+    for n in (64, 128, 64, 96, 64, 192) * 4:
+        controller.record_step(n, 0.001 * n)
+    assert controller.fixed_tokens < 1e-6 and controller.threshold(num_running=64) > 0.999
+    assert controller.num_drafts(copying, num_running=64) == 0
 
 
 def test_disable_by_batch_size_stops_drafts_while_the_batch_is_that_large() -> None:
@@ -325,12 +333,81 @@ def test_a_step_delayed_by_other_work_does_not_turn_speculation_off() -> None:
 
     controller = SpeculationController(num_speculative_tokens=4)
     for n in (1, 5, 1, 1, 3, 1) * 5:
-        controller.record_step(n, 1, 0.010 + 0.0005 * n)
-    controller.record_step(5, 5, 5 * (0.010 + 0.0005 * 5))
+        controller.record_step(n, 0.010 + 0.0005 * n)
+    controller.record_step(5, 5 * (0.010 + 0.0005 * 5))
     assert controller.threshold() < 0.25
     copying = DraftStats(first_held=9, first_tried=10, later_held=9, later_tried=10)
     assert controller.num_drafts(copying, num_running=1) == 4
     # A threshold no draft can meet: a request below k is probed all the same.
-    controller.cost_per_token, controller.throughput = 1.0, 10.0
+    controller = SpeculationController(num_speculative_tokens=4)
+    for n in (1, 2, 3) * 3:
+        controller.record_step(n, 1.0 * n)  # no fixed part: every token costs a whole step
     stats = DraftStats()
     assert [controller.num_drafts(stats, num_running=1) for _ in range(6)] == [0, 0, 0, 0, 1, 0]
+
+
+def _measured_at_64(passes: bool = True) -> SpeculationController:
+    """A controller that timed this CPU's steps at 64 sequences (~13 ms fixed, 0.8 ms per token) and, with
+    ``passes``, an EAGLE head's passes (1.2 ms fixed, 0.03 ms per row)."""
+    controller = SpeculationController(num_speculative_tokens=4)
+    for n in (64, 80, 64, 72, 64, 96) * 4:
+        pass_times = [(rows, 0.0012 + 0.00003 * rows) for rows in (n - 63, 1)] if passes else []
+        controller.record_step(n, 0.013 + 0.0008 * n + sum(t for _, t in pass_times), pass_times)
+    return controller
+
+
+def test_a_model_drafters_passes_are_timed_apart_from_the_target_step() -> None:
+    controller = _measured_at_64()
+    assert abs(controller.cost_per_token - 0.0008) < 1e-9 and abs(controller.steps.fixed - 0.013) < 1e-9
+    assert abs(controller.passes.slope - 0.00003) < 1e-9 and abs(controller.passes.fixed - 0.0012) < 1e-9
+    # A guess costs its verified token and a row of a pass: the threshold per request rises by the row's share.
+    assert controller._guess_threshold(64) == pytest.approx(controller.threshold(64) * (1 + 0.03 / 0.8))
+
+
+def test_passes_whose_guesses_do_not_pay_for_the_pass_are_cut() -> None:
+    """At 64 sequences a lone request whose guesses always hold gains ~0.2 ms a guess over its verified token,
+    less than a head pass's fixed 1.2 ms: no pass runs for it. Thirty-two such requests share the passes, and
+    all four pay. At batch 1 (a 14 ms step) one request pays for every pass."""
+    from kvloom.spec_decode.adaptive import DraftStats
+
+    controller = _measured_at_64()
+
+    def sure() -> DraftStats:
+        return DraftStats(first_held=99, first_tried=100, later_held=99, later_tried=100)
+
+    assert controller.num_drafts(sure(), num_running=64) == 4
+    assert controller.passes_worth_running([(sure(), 4, False)], num_running=64) == 0
+    assert controller.passes_worth_running([(sure(), 4, False)] * 32, num_running=64) == 4
+    assert controller.passes_worth_running([(sure(), 4, False)], num_running=1) == 4
+    # Guesses that hold half the time pay for the first pass (shared by 32) but not for the later ones.
+    half = DraftStats(first_held=99, first_tried=100, later_held=50, later_tried=100)
+    assert controller.passes_worth_running([(half, 4, False)] * 32, num_running=64) == 1
+    # A probe, and a seeded request, keep their k_eff: the passes they need run all the same.
+    probing = sure()
+    probing.probed_from = 1
+    assert controller.passes_worth_running([(probing, 2, False), (sure(), 4, False)], num_running=64) == 2
+    assert controller.passes_worth_running([(sure(), 3, True)], num_running=64) == 3
+    # Without timed passes (n-gram lookup, or before the first) nothing is cut.
+    assert _measured_at_64(passes=False).passes_worth_running([(sure(), 4, False)], num_running=64) == 4
+
+
+def test_the_scheduler_cuts_the_lookahead_to_the_passes_worth_running() -> None:
+    """Two requests on a draft model: one whose guesses always hold, one whose guesses never do. With the
+    passes' fixed cost as high as a whole step's, the cut leaves neither a guess; without timed passes both
+    keep theirs."""
+    from kvloom.spec_decode.adaptive import DraftStats
+
+    for pass_seconds, expected in ((None, [4, 0]), (0.05, [0, 0])):
+        controller = SpeculationController(num_speculative_tokens=4)
+        for n in (2, 4, 3) * 4:
+            passes = [(n, pass_seconds + 0.00001 * n)] if pass_seconds else []
+            controller.record_step(n, 0.010 + 0.001 * n + sum(t for _, t in passes), passes)
+        kv = KVCacheManager(num_blocks=32, block_size=4)
+        scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                              num_lookahead_tokens=4, speculation=controller)
+        for name, held in (("a", 99.0), ("b", 1.0)):
+            request = Request(name, list(range(10, 16)), SamplingParams(temperature=0, max_tokens=20))
+            request.draft_stats = DraftStats(first_held=held, first_tried=100, later_held=99, later_tried=100)
+            scheduler.add_request(request)
+        out = scheduler.schedule()
+        assert [item.num_speculative_tokens for item in out.scheduled] == expected
