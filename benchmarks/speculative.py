@@ -18,6 +18,8 @@ up), what speculation must not slow down (issue 10: at most 5% at N=64).
     .venv/bin/python benchmarks/speculative.py --methods eagle --eagle-model HEAD_DIR --workload chat --batch 1 \
         --num-prompts 8 --int8-draft   # the 8 chat questions one after another at batch 1; bf16 and int8 head
     .venv/bin/python benchmarks/speculative.py --workload standard --batch 64 --max-tokens 128 --repeats 3
+    .venv/bin/python benchmarks/speculative.py --methods eagle --eagle-model HEAD_DIR --workload standard \
+        --batch 64 --max-tokens 128 --repeats 5 --drafts-off-at 32   # and with drafts off: the head's own cost
 
 Figures: docs/benchmarks.md ("Speculative decoding: adaptive k", and the later "copy workload, EAGLE head"
 section). Earlier, with the raw copy prompt this file used to send (its text shorter than the reply):
@@ -99,6 +101,9 @@ def main() -> int:
                              "(speculative_config quantization)")
     parser.add_argument("--fixed-k", action="store_true",
                         help="also run each method with adaptive speculation off (k drafts at every step)")
+    parser.add_argument("--drafts-off-at", type=int, default=None, metavar="N",
+                        help="also run each method with disable_by_batch_size=N: at batches of N or more no "
+                             "drafts, so what remains is the drafter's own cost (a head's KV catching up)")
     args = parser.parse_args()
     k = args.num_speculative_tokens
     print(f"load average at start: {os.getloadavg()}", flush=True)
@@ -120,6 +125,10 @@ def main() -> int:
     if args.fixed_k:
         for method in args.methods:
             configs[f"{method}-fixed-k"] = configs[method]
+    if args.drafts_off_at is not None:
+        for method in args.methods:
+            configs[f"{method}-off-at-{args.drafts_off_at}"] = {**configs[method],
+                                                                "disable_by_batch_size": args.drafts_off_at}
     names = [name for name in configs if name != "plain"]
     # The standard workload runs to max_tokens; copies and chat answers stop at EOS (tok/s counts the tokens made).
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.workload == "standard")

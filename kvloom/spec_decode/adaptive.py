@@ -26,7 +26,9 @@ tokens a draft must add to pay. It is ``n / (n + fixed_tokens)``, with ``fixed_t
 cost_per_token`` the step's fixed cost in tokens' worth. (It was ``cost_per_token`` times the recent steps'
 measured tokens per second, which is the batch that ran before: a 64-request burst after a batch-1 warm-up
 started with batch 1's threshold, 0.11 instead of ~0.9, and every request drafted 4 through its first
-steps.) So
+steps.) A step's cost is not one line from 1 to 64 sequences (memory-bound at small batches, compute-bound
+at large: ~0.6 ms a token at batch 1, ~1 ms at 64), so each batch-size bucket (1, 2-3, 4-7, ..., 64-127)
+keeps its own line, and a bucket not yet measured borrows the nearest one's. So
 
     k_eff = the largest j <= num_speculative_tokens with first * later ** (j - 1) >= threshold
 
@@ -60,7 +62,12 @@ on any probe that held was too eager for a model drafter at a large batch: its g
 there too, never enough to pay, yet every other probe held and brought the next one four steps closer; each
 probe is a head pass, and SmolLM2 with an EAGLE head lost 14-18% at 64 sequences on random prompts.)
 Probes go on even when no draft seems to pay, so the cost keeps being measured (with steps of different
-sizes). A step's time enters the cost fit within 1.5x of
+sizes). But a probe costs about ``threshold`` tokens (its verified token, for a model drafter a row of a
+pass) and a draft that always holds gains at most ``1 - threshold`` over its cost, so the wait passes at
+``(1 - threshold) / threshold`` steps a step (``probe_pace``, between ``MIN_PROBE_PACE`` and 1): at batch 1
+(threshold ~0.06) at full pace, at 64 sequences (~0.85) about six times slower. (At full pace each of 64
+requests probed ~5 times in 128 steps, the requests that started together in waves: an EAGLE head's probes
+cost 3-5% there, measured.) A step's time enters the cost fit within 1.5x of
 what the line predicts: the machine's other work delays steps at random, and one delayed step with drafts
 must not make drafts look ruinous.
 
@@ -86,6 +93,7 @@ PRIOR_FIXED_TOKENS = 16
 MIN_THRESHOLD = 0.02  # noise can make a draft look free; none is (a lookup, a longer step)
 MIN_PROBE_INTERVAL = 4
 MAX_PROBE_INTERVAL = 128
+MIN_PROBE_PACE = 0.125  # the wait to a probe passes at least this fast (steps per step)
 STEP_DECAY = 0.97  # the weight of older steps in the cost fit (about the last 30 steps)
 MIN_TOKEN_VARIANCE = 0.05  # the fit's tokens must vary at least this much to give a slope
 OUTLIER = 1.5  # a step's time enters the fit within [1 / OUTLIER, OUTLIER] times the line's prediction
@@ -101,7 +109,7 @@ class DraftStats:
     first_tried: float = 3.0
     later_held: float = 2.0
     later_tried: float = 3.0
-    steps_to_probe: int = MIN_PROBE_INTERVAL  # below k: steps before the next probe
+    steps_to_probe: float = MIN_PROBE_INTERVAL  # below k: steps before the next probe (at pace 1)
     probe_interval: int = MIN_PROBE_INTERVAL
     probed_from: int = -1  # the k_eff a probe was given one more than, until the next choice (-1: none)
 
@@ -171,42 +179,57 @@ class SpeculationController:
         self.disable_by_batch_size = disable_by_batch_size
         self.decay = decay  # of each request's acceptance counts (DraftStats.observe)
         self.adaptive = True  # False: always k (what tests of a proposer's drafts and benchmarks compare with)
-        self.steps = Line()  # the target's decode steps: seconds against tokens (drafts included)
+        # The target's decode steps, seconds against tokens (drafts included), one line per batch-size bucket
+        # (batch_bucket): a step's cost is not linear from 1 to 64 sequences (memory-bound at small batches,
+        # compute-bound at large), and only the slope near the running batch says what a draft costs there.
+        self.steps: dict[int, Line] = {}
         self.passes = Line()  # a draft model's / EAGLE head's passes: seconds against rows
 
     # ---- cost -----------------------------------------------------------------------------------
-    @property
-    def cost_per_token(self) -> float | None:
-        """Seconds one more token adds to a target step, once measured."""
-        return self.steps.slope
-
-    def record_step(self, num_tokens: int, seconds: float, passes: list[tuple[int, float]] = ()) -> None:
-        """A decode step (no prompt tokens) computed ``num_tokens`` tokens (drafts included) in ``seconds``,
-        of which the draft's ``passes`` (rows, seconds each) took their share."""
+    def record_step(self, num_tokens: int, seconds: float, passes: list[tuple[int, float]] = (),
+                    num_requests: int = 1) -> None:
+        """A decode step of ``num_requests`` requests (no prompt tokens) computed ``num_tokens`` tokens (drafts
+        included) in ``seconds``, of which the draft's ``passes`` (rows, seconds each) took their share."""
         for rows, pass_seconds in passes:
             self.passes.add(rows, pass_seconds)
             seconds -= pass_seconds
-        self.steps.add(num_tokens, seconds)
+        self.steps.setdefault(batch_bucket(num_requests), Line()).add(num_tokens, seconds)
 
-    @property
-    def fixed_tokens(self) -> float:
-        """A decode step's fixed cost in tokens' worth (``PRIOR_FIXED_TOKENS`` before a measurement; 0 where
-        the line has none, as at a compute-bound batch)."""
-        cost = self.cost_per_token
-        if not cost:
-            return PRIOR_FIXED_TOKENS if cost is None else float("inf")
-        return max(self.steps.fixed / cost, 0.0)
+    def step_line(self, num_running: int = 1) -> Line | None:
+        """The fitted step line for a batch of ``num_running``: its bucket's, else the nearest bucket's that has
+        a slope (None before any)."""
+        bucket = batch_bucket(num_running)
+        measured = [b for b, line in self.steps.items() if line.slope is not None]
+        if not measured:
+            return None
+        return self.steps[min(measured, key=lambda b: (abs(b - bucket), -b))]
+
+    def cost_per_token(self, num_running: int = 1) -> float | None:
+        """Seconds one more token adds to a target step at a batch of ``num_running``, once measured."""
+        line = self.step_line(num_running)
+        return None if line is None else line.slope
+
+    def fixed_tokens(self, num_running: int = 1) -> float:
+        """A decode step's fixed cost in tokens' worth at a batch of ``num_running`` (``PRIOR_FIXED_TOKENS``
+        before a measurement; 0 where the line has none, as at a compute-bound batch)."""
+        line = self.step_line(num_running)
+        if line is None:
+            return PRIOR_FIXED_TOKENS
+        if not line.slope:
+            return float("inf")  # tokens are free
+        return max(line.fixed / line.slope, 0.0)
 
     def threshold(self, num_running: int = 1) -> float:
         """Expected tokens a draft must add to pay for the token the target verifies, while ``num_running``
         requests run: ``num_running / (num_running + fixed_tokens)`` (module docstring)."""
-        return max(num_running / (num_running + self.fixed_tokens), MIN_THRESHOLD)
+        return max(num_running / (num_running + self.fixed_tokens(num_running)), MIN_THRESHOLD)
 
     def _guess_threshold(self, num_running: int) -> float:
         """The same for a model drafter's draft, which also costs a row in one of its passes."""
         threshold = self.threshold(num_running)
-        if self.passes.slope and self.cost_per_token:
-            threshold *= 1 + self.passes.slope / self.cost_per_token
+        cost = self.cost_per_token(num_running)
+        if self.passes.slope and cost:
+            threshold *= 1 + self.passes.slope / cost
         return threshold
 
     # ---- choice ---------------------------------------------------------------------------------
@@ -227,9 +250,10 @@ class SpeculationController:
             stats.steps_to_probe = MIN_PROBE_INTERVAL  # the wait starts when it falls below k
             return k
         # Probes go on even where no draft seems to pay: they are rare, and they keep measuring (a threshold
-        # that noise pushed up would otherwise stop speculation for good).
-        if stats.steps_to_probe > 0:
-            stats.steps_to_probe -= 1
+        # that noise pushed up would otherwise stop speculation for good). The wait passes slower where even a
+        # draft that always holds would gain little over its cost (module docstring).
+        if stats.steps_to_probe > 1e-9:  # (a pace of 0.2 / 0.8 sums to a hair above 0)
+            stats.steps_to_probe -= probe_pace(threshold)
             return k
         stats.steps_to_probe = stats.probe_interval
         stats.probe_interval = min(2 * stats.probe_interval, MAX_PROBE_INTERVAL)
@@ -242,13 +266,14 @@ class SpeculationController:
         docstring). Probes and seeded requests keep their ``k_eff`` (a probe measures; a seeded request's
         tokens must not depend on its batch): the passes they need run whatever the rest is worth."""
         deepest = max((k for _, k, _ in choices), default=0)
-        if not self.adaptive or not self.passes._w or not self.cost_per_token:
+        line = self.step_line(num_running)
+        if not self.adaptive or not self.passes._w or line is None or not line.slope:
             return deepest
         floor = max((k for stats, k, seeded in choices if seeded or stats.probed_from >= 0), default=0)
-        cost = self.cost_per_token
+        cost = line.slope
         # An output token is worth a request's share of a step (seconds); a guess costs the token the target
         # verifies and a row of the pass.
-        worth = max(self.steps.fixed, 0.0) / num_running + cost
+        worth = max(line.fixed, 0.0) / num_running + cost
         per_guess = cost + (self.passes.slope or 0.0)
         pass_cost = max(self.passes.fixed, 0.0)
         depth = deepest
@@ -259,6 +284,18 @@ class SpeculationController:
                 break
             depth -= 1
         return depth
+
+
+def batch_bucket(num_running: int) -> int:
+    """The step lines' bucket of a batch size: 1, 2-3, 4-7, ..., 64-127, ... (its bit length)."""
+    return max(num_running, 1).bit_length()
+
+
+def probe_pace(threshold: float) -> float:
+    """Steps of the wait to a probe that one step counts for: a draft that always holds gains ``1 -
+    threshold`` tokens over its cost, a probe costs about ``threshold``; the wait passes at their ratio, at
+    most one step a step and at least ``MIN_PROBE_PACE``."""
+    return min(max((1 - threshold) / threshold, MIN_PROBE_PACE), 1.0)
 
 
 def drafts_worth_proposing(stats: DraftStats, threshold: float, max_drafts: int) -> int:

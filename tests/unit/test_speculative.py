@@ -255,8 +255,23 @@ def test_probes_that_hold_but_leave_drafts_unprofitable_grow_rarer() -> None:
             stats.observe(k, accepted, MODEL_DECAY)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert held >= 2  # some probes held, and still:
-    assert gaps == sorted(gaps) and gaps[-1] == MAX_PROBE_INTERVAL + 1
-    assert len(probes) <= 10
+    assert gaps == sorted(gaps) and gaps[-1] > MAX_PROBE_INTERVAL
+    assert len(probes) <= 6
+
+
+def test_probes_wait_longer_where_even_a_sure_draft_gains_little() -> None:
+    """A probe costs about the threshold in tokens and a draft that always holds gains at most 1 - threshold:
+    at 64 sequences (prior threshold 0.8) the wait to each probe passes at a quarter of the pace of batch 1."""
+    from kvloom.spec_decode.adaptive import MIN_PROBE_INTERVAL, DraftStats, SpeculationController, probe_pace
+
+    assert probe_pace(1 / 17) == 1.0 and probe_pace(0.8) == pytest.approx(0.25) and probe_pace(0.99) == 0.125
+    first_probe = {}
+    for num_running in (1, 64):
+        controller = SpeculationController(4)
+        never = DraftStats(first_held=0.0, first_tried=10.0)
+        first_probe[num_running] = next(step for step in range(200)
+                                        if controller.num_drafts(never, num_running=num_running))
+    assert first_probe == {1: MIN_PROBE_INTERVAL, 64: 4 * MIN_PROBE_INTERVAL}
 
 
 def test_drafts_pay_when_their_expected_tokens_exceed_the_measured_cost() -> None:
@@ -268,17 +283,18 @@ def test_drafts_pay_when_their_expected_tokens_exceed_the_measured_cost() -> Non
     # Batch 1, memory-bound: 10 ms a step and 0.5 ms per extra token, one token out per step.
     for n in (1, 5, 1, 3, 1, 5, 2, 1) * 4:
         controller.record_step(n, 0.010 + 0.0005 * n)
-    assert abs(controller.cost_per_token - 0.0005) < 1e-9
-    assert abs(controller.fixed_tokens - 20) < 1e-6 and abs(controller.threshold() - 1 / 21) < 1e-9
+    assert abs(controller.cost_per_token() - 0.0005) < 1e-9
+    assert abs(controller.fixed_tokens() - 20) < 1e-6 and abs(controller.threshold() - 1 / 21) < 1e-9
     thirds = DraftStats(first_held=1, first_tried=3, later_held=1, later_tried=3)
     assert controller.num_drafts(thirds, num_running=1) == 2  # 1/3, 1/9 > 0.048 > 1/27
-    # The same line at 64 requests (not the tokens per second of the batch-1 steps it was fitted on).
+    # At 64 requests, before any step of that size was timed: the batch-1 line, at 64 requests (not the tokens
+    # per second of the batch-1 steps).
     assert abs(controller.threshold(num_running=64) - 64 / 84) < 1e-9
     # Batch 64, compute-bound: every token costs about what a request's share of the step does.
     controller = SpeculationController(num_speculative_tokens=4)
     for n in (64, 128, 64, 96, 64, 192) * 4:
-        controller.record_step(n, 0.010 + 0.001 * n)
-    assert abs(controller.fixed_tokens - 10) < 1e-6 and abs(controller.threshold(num_running=64) - 64 / 74) < 1e-9
+        controller.record_step(n, 0.010 + 0.001 * n, num_requests=64)
+    assert abs(controller.fixed_tokens(64) - 10) < 1e-6 and abs(controller.threshold(num_running=64) - 64 / 74) < 1e-9
     assert controller.num_drafts(DraftStats(), num_running=64) == 0  # the prior: 2/3
     copying = DraftStats(first_held=99, first_tried=100, later_held=99, later_tried=100)
     assert controller.num_drafts(copying, num_running=64) == 4
@@ -287,12 +303,16 @@ def test_drafts_pay_when_their_expected_tokens_exceed_the_measured_cost() -> Non
     assert controller.num_drafts(looping, num_running=64) == 1
     # A seeded request does not follow the measurement (its tokens would depend on timing).
     assert controller.num_drafts(DraftStats(), num_running=64, seeded=True) == 4
-    # A line with no fixed part (this CPU at 64 sequences): a draft pays only if it always holds.
+    # A line with no fixed part at 64 sequences: a draft pays only if it always holds. The batch-1 steps keep
+    # a line of their own (the step's cost is not one line from 1 to 64 sequences).
     controller = SpeculationController(num_speculative_tokens=4)
     for n in (64, 128, 64, 96, 64, 192) * 4:
-        controller.record_step(n, 0.001 * n)
-    assert controller.fixed_tokens < 1e-6 and controller.threshold(num_running=64) > 0.999
+        controller.record_step(n, 0.001 * n, num_requests=64)
+        controller.record_step(1 + n % 3, 0.010 + 0.0005 * (1 + n % 3), num_requests=1)
+    assert controller.fixed_tokens(64) < 1e-6 and controller.threshold(num_running=64) > 0.999
     assert controller.num_drafts(copying, num_running=64) == 0
+    assert abs(controller.threshold(num_running=1) - 1 / 21) < 1e-9
+    assert controller.step_line(48) is controller.step_line(64)  # no line at 32-63: the nearest bucket's
 
 
 def test_disable_by_batch_size_stops_drafts_while_the_batch_is_that_large() -> None:
@@ -338,12 +358,13 @@ def test_a_step_delayed_by_other_work_does_not_turn_speculation_off() -> None:
     assert controller.threshold() < 0.25
     copying = DraftStats(first_held=9, first_tried=10, later_held=9, later_tried=10)
     assert controller.num_drafts(copying, num_running=1) == 4
-    # A threshold no draft can meet: a request below k is probed all the same.
+    # A threshold no draft can meet: a request below k is probed all the same (at the slowest pace, 1/8).
     controller = SpeculationController(num_speculative_tokens=4)
     for n in (1, 2, 3) * 3:
         controller.record_step(n, 1.0 * n)  # no fixed part: every token costs a whole step
     stats = DraftStats()
-    assert [controller.num_drafts(stats, num_running=1) for _ in range(6)] == [0, 0, 0, 0, 1, 0]
+    counts = [controller.num_drafts(stats, num_running=1) for _ in range(40)]
+    assert [i for i, k in enumerate(counts) if k] == [32] and counts[32] == 1
 
 
 def _measured_at_64(passes: bool = True) -> SpeculationController:
@@ -352,13 +373,13 @@ def _measured_at_64(passes: bool = True) -> SpeculationController:
     controller = SpeculationController(num_speculative_tokens=4)
     for n in (64, 80, 64, 72, 64, 96) * 4:
         pass_times = [(rows, 0.0012 + 0.00003 * rows) for rows in (n - 63, 1)] if passes else []
-        controller.record_step(n, 0.013 + 0.0008 * n + sum(t for _, t in pass_times), pass_times)
+        controller.record_step(n, 0.013 + 0.0008 * n + sum(t for _, t in pass_times), pass_times, 64)
     return controller
 
 
 def test_a_model_drafters_passes_are_timed_apart_from_the_target_step() -> None:
     controller = _measured_at_64()
-    assert abs(controller.cost_per_token - 0.0008) < 1e-9 and abs(controller.steps.fixed - 0.013) < 1e-9
+    assert abs(controller.cost_per_token(64) - 0.0008) < 1e-9 and abs(controller.step_line(64).fixed - 0.013) < 1e-9
     assert abs(controller.passes.slope - 0.00003) < 1e-9 and abs(controller.passes.fixed - 0.0012) < 1e-9
     # A guess costs its verified token and a row of a pass: the threshold per request rises by the row's share.
     assert controller._guess_threshold(64) == pytest.approx(controller.threshold(64) * (1 + 0.03 / 0.8))
@@ -401,7 +422,7 @@ def test_the_scheduler_cuts_the_lookahead_to_the_passes_worth_running() -> None:
         controller = SpeculationController(num_speculative_tokens=4)
         for n in (2, 4, 3) * 4:
             passes = [(n, pass_seconds + 0.00001 * n)] if pass_seconds else []
-            controller.record_step(n, 0.010 + 0.001 * n + sum(t for _, t in passes), passes)
+            controller.record_step(n, 0.010 + 0.001 * n + sum(t for _, t in passes), passes, 2)
         kv = KVCacheManager(num_blocks=32, block_size=4)
         scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                               num_lookahead_tokens=4, speculation=controller)
