@@ -312,8 +312,7 @@ class Scheduler:
         if self.speculation is None or any(item.num_new_tokens - item.num_draft_tokens != 1
                                            for item in scheduler_output.scheduled):
             return
-        self.speculation.record_step(scheduler_output.num_batched_tokens, seconds, runner_output.draft_passes,
-                                     len(scheduler_output.scheduled))
+        self.speculation.record_step(scheduler_output.num_batched_tokens, seconds, runner_output.draft_passes)
 
     def _remove_finished(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)

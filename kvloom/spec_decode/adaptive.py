@@ -26,9 +26,14 @@ tokens a draft must add to pay. It is ``n / (n + fixed_tokens)``, with ``fixed_t
 cost_per_token`` the step's fixed cost in tokens' worth. (It was ``cost_per_token`` times the recent steps'
 measured tokens per second, which is the batch that ran before: a 64-request burst after a batch-1 warm-up
 started with batch 1's threshold, 0.11 instead of ~0.9, and every request drafted 4 through its first
-steps.) A step's cost is not one line from 1 to 64 sequences (memory-bound at small batches, compute-bound
-at large: ~0.6 ms a token at batch 1, ~1 ms at 64), so each batch-size bucket (1, 2-3, 4-7, ..., 64-127)
-keeps its own line, and a bucket not yet measured borrows the nearest one's. So
+steps.) A step's cost is not one line from 1 token to 100: on this CPU the weights are read once per block
+of 8 rows, so up to ~8 tokens a step is memory-bound (~10 ms at batch 1, each further token ~0.1-0.6 ms),
+and past that compute-bound (~0.9-1.2 ms a token; a batch of 8 with one draft among it costs ~3 ms more
+than without). So the steps are fitted in ranges of tokens: line b through the steps of 2^(b-1) to
+2^(b+1) - 1 tokens, and a batch of n is priced by the line that starts at n's range (n to ~4n tokens: its
+own step and its drafts); before that line has a slope, a neighbouring one, before either the prior. (One
+line through every step, or one per batch size, priced a batch of 8's drafts at ~0.6 ms against ~1.3:
+EAGLE at batch 8 ran at 0.79x the plain engine.) So
 
     k_eff = the largest j <= num_speculative_tokens with first * later ** (j - 1) >= threshold
 
@@ -179,30 +184,33 @@ class SpeculationController:
         self.disable_by_batch_size = disable_by_batch_size
         self.decay = decay  # of each request's acceptance counts (DraftStats.observe)
         self.adaptive = True  # False: always k (what tests of a proposer's drafts and benchmarks compare with)
-        # The target's decode steps, seconds against tokens (drafts included), one line per batch-size bucket
-        # (batch_bucket): a step's cost is not linear from 1 to 64 sequences (memory-bound at small batches,
-        # compute-bound at large), and only the slope near the running batch says what a draft costs there.
+        # The target's decode steps, seconds against tokens (drafts included), one line per range of tokens
+        # (token_bucket): a step's cost is not one line from 1 token to 100 (module docstring), and only the
+        # slope just above the running batch's tokens says what its drafts cost.
         self.steps: dict[int, Line] = {}
         self.passes = Line()  # a draft model's / EAGLE head's passes: seconds against rows
 
     # ---- cost -----------------------------------------------------------------------------------
-    def record_step(self, num_tokens: int, seconds: float, passes: list[tuple[int, float]] = (),
-                    num_requests: int = 1) -> None:
-        """A decode step of ``num_requests`` requests (no prompt tokens) computed ``num_tokens`` tokens (drafts
-        included) in ``seconds``, of which the draft's ``passes`` (rows, seconds each) took their share."""
+    def record_step(self, num_tokens: int, seconds: float, passes: list[tuple[int, float]] = ()) -> None:
+        """A decode step (no prompt tokens) computed ``num_tokens`` tokens (drafts included) in ``seconds``, of
+        which the draft's ``passes`` (rows, seconds each) took their share."""
         for rows, pass_seconds in passes:
             self.passes.add(rows, pass_seconds)
             seconds -= pass_seconds
-        self.steps.setdefault(batch_bucket(num_requests), Line()).add(num_tokens, seconds)
+        bucket = token_bucket(num_tokens)
+        for line in (bucket - 1, bucket):  # line b holds the steps of buckets b and b + 1
+            self.steps.setdefault(line, Line()).add(num_tokens, seconds)
 
     def step_line(self, num_running: int = 1) -> Line | None:
-        """The fitted step line for a batch of ``num_running``: its bucket's, else the nearest bucket's that has
-        a slope (None before any)."""
-        bucket = batch_bucket(num_running)
-        measured = [b for b, line in self.steps.items() if line.slope is not None]
-        if not measured:
-            return None
-        return self.steps[min(measured, key=lambda b: (abs(b - bucket), -b))]
+        """The fitted step line for a batch of ``num_running`` (one token each, and their drafts): the line
+        through steps of ``num_running`` to ~4x as many tokens, else a neighbouring one; None before either
+        has a slope (the prior then)."""
+        bucket = token_bucket(num_running)
+        for b in (bucket, bucket - 1, bucket + 1):
+            line = self.steps.get(b)
+            if line is not None and line.slope is not None:
+                return line
+        return None
 
     def cost_per_token(self, num_running: int = 1) -> float | None:
         """Seconds one more token adds to a target step at a batch of ``num_running``, once measured."""
@@ -286,9 +294,9 @@ class SpeculationController:
         return depth
 
 
-def batch_bucket(num_running: int) -> int:
-    """The step lines' bucket of a batch size: 1, 2-3, 4-7, ..., 64-127, ... (its bit length)."""
-    return max(num_running, 1).bit_length()
+def token_bucket(num_tokens: int) -> int:
+    """A step's bucket by its tokens: 1, 2-3, 4-7, ..., 64-127, ... (the bit length)."""
+    return max(num_tokens, 1).bit_length()
 
 
 def probe_pace(threshold: float) -> float:

@@ -287,13 +287,13 @@ def test_drafts_pay_when_their_expected_tokens_exceed_the_measured_cost() -> Non
     assert abs(controller.fixed_tokens() - 20) < 1e-6 and abs(controller.threshold() - 1 / 21) < 1e-9
     thirds = DraftStats(first_held=1, first_tried=3, later_held=1, later_tried=3)
     assert controller.num_drafts(thirds, num_running=1) == 2  # 1/3, 1/9 > 0.048 > 1/27
-    # At 64 requests, before any step of that size was timed: the batch-1 line, at 64 requests (not the tokens
+    # At 64 requests, before any step of that size was timed: the prior, not the batch-1 line (nor the tokens
     # per second of the batch-1 steps).
-    assert abs(controller.threshold(num_running=64) - 64 / 84) < 1e-9
+    assert controller.threshold(num_running=64) == 0.8
     # Batch 64, compute-bound: every token costs about what a request's share of the step does.
     controller = SpeculationController(num_speculative_tokens=4)
     for n in (64, 128, 64, 96, 64, 192) * 4:
-        controller.record_step(n, 0.010 + 0.001 * n, num_requests=64)
+        controller.record_step(n, 0.010 + 0.001 * n)
     assert abs(controller.fixed_tokens(64) - 10) < 1e-6 and abs(controller.threshold(num_running=64) - 64 / 74) < 1e-9
     assert controller.num_drafts(DraftStats(), num_running=64) == 0  # the prior: 2/3
     copying = DraftStats(first_held=99, first_tried=100, later_held=99, later_tried=100)
@@ -303,16 +303,32 @@ def test_drafts_pay_when_their_expected_tokens_exceed_the_measured_cost() -> Non
     assert controller.num_drafts(looping, num_running=64) == 1
     # A seeded request does not follow the measurement (its tokens would depend on timing).
     assert controller.num_drafts(DraftStats(), num_running=64, seeded=True) == 4
-    # A line with no fixed part at 64 sequences: a draft pays only if it always holds. The batch-1 steps keep
-    # a line of their own (the step's cost is not one line from 1 to 64 sequences).
+    # A line with no fixed part at 64 tokens and more: a draft pays only if it always holds. Steps of 1 to 3
+    # tokens keep a line of their own (the step's cost is not one line from 1 token to 100).
     controller = SpeculationController(num_speculative_tokens=4)
     for n in (64, 128, 64, 96, 64, 192) * 4:
-        controller.record_step(n, 0.001 * n, num_requests=64)
-        controller.record_step(1 + n % 3, 0.010 + 0.0005 * (1 + n % 3), num_requests=1)
+        controller.record_step(n, 0.001 * n)
+        controller.record_step(1 + n % 3, 0.010 + 0.0005 * (1 + n % 3))
     assert controller.fixed_tokens(64) < 1e-6 and controller.threshold(num_running=64) > 0.999
     assert controller.num_drafts(copying, num_running=64) == 0
     assert abs(controller.threshold(num_running=1) - 1 / 21) < 1e-9
-    assert controller.step_line(48) is controller.step_line(64)  # no line at 32-63: the nearest bucket's
+    assert controller.step_line(8) is None  # no steps of 4 to 63 tokens: the prior
+    assert controller.step_line(40) is controller.steps[6]  # steps of 32 to 127 tokens: those of 64 and 96
+
+
+def test_a_batch_is_priced_by_the_steps_just_above_its_size() -> None:
+    """Memory-bound up to 8 tokens (10 ms, a further token 0.2 ms), compute-bound past that (1.2 ms a
+    token): one line through all the steps prices a batch of 8's drafts at ~0.7 ms; the line of steps of 8
+    to 31 tokens at 1.2 ms, and batch 1's at 0.2 ms."""
+    def seconds(tokens: int) -> float:
+        return 0.010 + 0.0002 * min(tokens, 8) + 0.0012 * max(tokens - 8, 0)
+
+    controller = SpeculationController(num_speculative_tokens=4)
+    for tokens in (1, 2, 3, 1, 5, 8, 12, 16, 9, 24, 8, 20, 2, 4) * 3:
+        controller.record_step(tokens, seconds(tokens))
+    assert controller.cost_per_token(1) == pytest.approx(0.0002)
+    assert controller.cost_per_token(8) > 0.0009
+    assert controller.threshold(8) > 0.5 > 0.2 > controller.threshold(1)
 
 
 def test_disable_by_batch_size_stops_drafts_while_the_batch_is_that_large() -> None:
@@ -373,7 +389,7 @@ def _measured_at_64(passes: bool = True) -> SpeculationController:
     controller = SpeculationController(num_speculative_tokens=4)
     for n in (64, 80, 64, 72, 64, 96) * 4:
         pass_times = [(rows, 0.0012 + 0.00003 * rows) for rows in (n - 63, 1)] if passes else []
-        controller.record_step(n, 0.013 + 0.0008 * n + sum(t for _, t in pass_times), pass_times, 64)
+        controller.record_step(n, 0.013 + 0.0008 * n + sum(t for _, t in pass_times), pass_times)
     return controller
 
 
@@ -422,7 +438,7 @@ def test_the_scheduler_cuts_the_lookahead_to_the_passes_worth_running() -> None:
         controller = SpeculationController(num_speculative_tokens=4)
         for n in (2, 4, 3) * 4:
             passes = [(n, pass_seconds + 0.00001 * n)] if pass_seconds else []
-            controller.record_step(n, 0.010 + 0.001 * n + sum(t for _, t in passes), passes, 2)
+            controller.record_step(n, 0.010 + 0.001 * n + sum(t for _, t in passes), passes)
         kv = KVCacheManager(num_blocks=32, block_size=4)
         scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                               num_lookahead_tokens=4, speculation=controller)
