@@ -101,6 +101,7 @@ MAX_PROBE_INTERVAL = 128
 MIN_PROBE_PACE = 0.125  # the wait to a probe passes at least this fast (steps per step)
 STEP_DECAY = 0.97  # the weight of older steps in the cost fit (about the last 30 steps)
 MIN_TOKEN_VARIANCE = 0.05  # the fit's tokens must vary at least this much to give a slope
+MIN_STEPS = 3.0  # a step line prices drafts once this many (discounted) steps went into it
 OUTLIER = 1.5  # a step's time enters the fit within [1 / OUTLIER, OUTLIER] times the line's prediction
 
 
@@ -154,6 +155,11 @@ class Line:
         self.slope: float | None = None  # seconds per unit of size, once sizes varied
 
     @property
+    def weight(self) -> float:
+        """How many timings went in (discounted)."""
+        return self._w
+
+    @property
     def fixed(self) -> float:
         """Seconds at size 0 (0 before any timing)."""
         return (self._y - (self.slope or 0.0) * self._x) / self._w if self._w else 0.0
@@ -204,11 +210,11 @@ class SpeculationController:
     def step_line(self, num_running: int = 1) -> Line | None:
         """The fitted step line for a batch of ``num_running`` (one token each, and their drafts): the line
         through steps of ``num_running`` to ~4x as many tokens, else a neighbouring one; None before either
-        has a slope (the prior then)."""
+        has a slope and ``MIN_STEPS`` steps (the prior then: a slope through two steps is mostly noise)."""
         bucket = token_bucket(num_running)
         for b in (bucket, bucket - 1, bucket + 1):
             line = self.steps.get(b)
-            if line is not None and line.slope is not None:
+            if line is not None and line.slope is not None and line.weight >= MIN_STEPS:
                 return line
         return None
 
@@ -275,7 +281,7 @@ class SpeculationController:
         tokens must not depend on its batch): the passes they need run whatever the rest is worth."""
         deepest = max((k for _, k, _ in choices), default=0)
         line = self.step_line(num_running)
-        if not self.adaptive or not self.passes._w or line is None or not line.slope:
+        if not self.adaptive or not self.passes.weight or line is None or not line.slope:
             return deepest
         floor = max((k for stats, k, seeded in choices if seeded or stats.probed_from >= 0), default=0)
         cost = line.slope

@@ -329,6 +329,14 @@ def test_a_batch_is_priced_by_the_steps_just_above_its_size() -> None:
     assert controller.cost_per_token(1) == pytest.approx(0.0002)
     assert controller.cost_per_token(8) > 0.0009
     assert controller.threshold(8) > 0.5 > 0.2 > controller.threshold(1)
+    # Two steps make a slope, mostly noise: the prior prices drafts until the line has a few more.
+    controller = SpeculationController(num_speculative_tokens=4)
+    controller.record_step(1, 0.010)
+    controller.record_step(2, 0.020)
+    assert controller.step_line(1) is None and controller.threshold(1) == 1 / 17
+    controller.record_step(3, 0.030)
+    controller.record_step(1, 0.010)
+    assert controller.step_line(1) is not None and controller.threshold(1) == pytest.approx(1.0)
 
 
 def test_disable_by_batch_size_stops_drafts_while_the_batch_is_that_large() -> None:
