@@ -77,7 +77,10 @@ what the line predicts: the machine's other work delays steps at random, and one
 must not make drafts look ruinous.
 
 Before the engine has timed decode steps of different sizes (at start-up, through the prompts' prefill),
-``fixed_tokens`` is ``PRIOR_FIXED_TOKENS`` (16): the threshold is 0.06 at batch 1 and 0.8 at 64.
+``fixed_tokens`` is ``PRIOR_FIXED_TOKENS`` (5): the threshold is 0.17 at batch 1, 0.62 at 8 and 0.93 at 64,
+what this CPU measures past ~8 tokens a step and cautious below (a batch-1 line is measured within a few
+steps). (It was 16, batch 1's measure: a batch of 8 then started at 0.33, every request drafting two, and
+its first steps cost up to 3x a plain one.)
 
 **Seeded requests.** Which drafts a sampled request is offered changes its tokens (not their distribution),
 and the measured threshold depends on timing and on the batch; so a request with a seed uses the fixed
@@ -92,9 +95,10 @@ from dataclasses import dataclass
 DECAY = 0.8  # the weight of the older observations at each new one (n-gram lookup)
 MODEL_DECAY = 0.95  # the same for a draft model or EAGLE head, whose chances change slowly
 PRIOR_THRESHOLD = 0.1  # for seeded requests
-# Before a measurement: a step costs as much as this many tokens besides one token per request (this CPU's
-# batch-1 decode step is ~16 tokens' worth: 10 ms against ~0.6 ms per extra token).
-PRIOR_FIXED_TOKENS = 16
+# Before a measurement: a step costs as much as this many tokens besides one token per request (this CPU past
+# ~8 tokens a step: 2-13 ms fixed against ~1 ms a token; its batch-1 step is ~16 tokens' worth, measured
+# within a few steps).
+PRIOR_FIXED_TOKENS = 5
 MIN_THRESHOLD = 0.02  # noise can make a draft look free; none is (a lookup, a longer step)
 MIN_PROBE_INTERVAL = 4
 MAX_PROBE_INTERVAL = 128
@@ -110,7 +114,7 @@ class DraftStats:
     """One request's record of how its drafts fared (kept on its Request)."""
 
     # Discounted (holds, tries) of its first drafts and of its later ones; the prior (2/3 each) tries a new
-    # request at k = 3..4 with the prior threshold at batch 1, and at none at large batches.
+    # request at k = 4 with the prior threshold at batch 1, 1 at batch 8 and none at 64.
     first_held: float = 2.0
     first_tried: float = 3.0
     later_held: float = 2.0

@@ -234,7 +234,7 @@ def test_a_model_drafters_longer_memory_keeps_a_request_that_often_holds_draftin
 
 
 def test_probes_that_hold_but_leave_drafts_unprofitable_grow_rarer() -> None:
-    """At 64 sequences (threshold ~0.8 before any measurement) a request whose guesses hold 45% of the time
+    """At 64 sequences (threshold ~0.93 before any measurement) a request whose guesses hold 45% of the time
     never pays for a draft: its probes keep doubling their wait even when they hold, up to the longest; only
     a probe that raises k_eff brings the next one closer (a probe is a head pass for a model drafter)."""
     import random
@@ -261,7 +261,8 @@ def test_probes_that_hold_but_leave_drafts_unprofitable_grow_rarer() -> None:
 
 def test_probes_wait_longer_where_even_a_sure_draft_gains_little() -> None:
     """A probe costs about the threshold in tokens and a draft that always holds gains at most 1 - threshold:
-    at 64 sequences (prior threshold 0.8) the wait to each probe passes at a quarter of the pace of batch 1."""
+    at 64 sequences (prior threshold 64 / 69) the wait to each probe passes at an eighth of the pace of batch 1
+    (the slowest); at batch 1 (prior 1 / 6) at full pace."""
     from kvloom.spec_decode.adaptive import MIN_PROBE_INTERVAL, DraftStats, SpeculationController, probe_pace
 
     assert probe_pace(1 / 17) == 1.0 and probe_pace(0.8) == pytest.approx(0.25) and probe_pace(0.99) == 0.125
@@ -271,15 +272,15 @@ def test_probes_wait_longer_where_even_a_sure_draft_gains_little() -> None:
         never = DraftStats(first_held=0.0, first_tried=10.0)
         first_probe[num_running] = next(step for step in range(200)
                                         if controller.num_drafts(never, num_running=num_running))
-    assert first_probe == {1: MIN_PROBE_INTERVAL, 64: 4 * MIN_PROBE_INTERVAL}
+    assert first_probe == {1: MIN_PROBE_INTERVAL, 64: 8 * MIN_PROBE_INTERVAL}
 
 
 def test_drafts_pay_when_their_expected_tokens_exceed_the_measured_cost() -> None:
     from kvloom.spec_decode.adaptive import DraftStats, SpeculationController
 
     controller = SpeculationController(num_speculative_tokens=4)
-    # Unmeasured: a step is taken to cost 16 tokens' worth besides one per request.
-    assert controller.threshold(num_running=1) == 1 / 17 and controller.threshold(num_running=64) == 0.8
+    # Unmeasured: a step is taken to cost 5 tokens' worth besides one per request.
+    assert controller.threshold(num_running=1) == 1 / 6 and controller.threshold(num_running=64) == 64 / 69
     # Batch 1, memory-bound: 10 ms a step and 0.5 ms per extra token, one token out per step.
     for n in (1, 5, 1, 3, 1, 5, 2, 1) * 4:
         controller.record_step(n, 0.010 + 0.0005 * n)
@@ -289,7 +290,7 @@ def test_drafts_pay_when_their_expected_tokens_exceed_the_measured_cost() -> Non
     assert controller.num_drafts(thirds, num_running=1) == 2  # 1/3, 1/9 > 0.048 > 1/27
     # At 64 requests, before any step of that size was timed: the prior, not the batch-1 line (nor the tokens
     # per second of the batch-1 steps).
-    assert controller.threshold(num_running=64) == 0.8
+    assert controller.threshold(num_running=64) == 64 / 69
     # Batch 64, compute-bound: every token costs about what a request's share of the step does.
     controller = SpeculationController(num_speculative_tokens=4)
     for n in (64, 128, 64, 96, 64, 192) * 4:
@@ -333,7 +334,7 @@ def test_a_batch_is_priced_by_the_steps_just_above_its_size() -> None:
     controller = SpeculationController(num_speculative_tokens=4)
     controller.record_step(1, 0.010)
     controller.record_step(2, 0.020)
-    assert controller.step_line(1) is None and controller.threshold(1) == 1 / 17
+    assert controller.step_line(1) is None and controller.threshold(1) == 1 / 6
     controller.record_step(3, 0.030)
     controller.record_step(1, 0.010)
     assert controller.step_line(1) is not None and controller.threshold(1) == pytest.approx(1.0)
