@@ -312,7 +312,8 @@ class Scheduler:
         if self.speculation is None or any(item.num_new_tokens - item.num_draft_tokens != 1
                                            for item in scheduler_output.scheduled):
             return
-        self.speculation.record_step(scheduler_output.num_batched_tokens, seconds, runner_output.draft_passes)
+        self.speculation.record_step(scheduler_output.num_batched_tokens, seconds, runner_output.draft_passes,
+                                     sum(item.num_draft_tokens for item in scheduler_output.scheduled))
 
     def _remove_finished(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)

@@ -105,6 +105,7 @@ MAX_PROBE_INTERVAL = 128
 MIN_PROBE_PACE = 0.125  # the wait to a probe passes at least this fast (steps per step)
 STEP_DECAY = 0.97  # the weight of older steps in the cost fit (about the last 30 steps)
 MIN_TOKEN_VARIANCE = 0.05  # the fit's tokens must vary at least this much to give a slope
+MIN_FLAG_VARIANCE = 0.02  # steps with and without drafts must both be this common (p(1-p)) to fit a jump
 MIN_STEPS = 3.0  # a step line prices drafts once this many (discounted) steps went into it
 OUTLIER = 1.5  # a step's time enters the fit within [1 / OUTLIER, OUTLIER] times the line's prediction
 
@@ -148,15 +149,20 @@ class DraftStats:
 
 
 class Line:
-    """A least-squares line ``seconds = fixed + slope * size`` through recent timings, older ones weighing
-    ``STEP_DECAY`` times less at each new one. A timing enters within ``OUTLIER`` times what the line
-    predicts: the machine's other work delays steps at random, and one delayed step must not make drafts
-    look ruinous."""
+    """A least-squares fit ``seconds = fixed + slope * size + jump * flag`` through recent timings, older ones
+    weighing ``STEP_DECAY`` times less at each new one. ``flag`` (0 or 1) marks a step with drafts: on this
+    CPU the first draft in a step costs more than the next ones (module docstring), so ``fixed + slope * n``
+    is a step without drafts and ``jump`` what having any adds; while the flag does not vary (every step
+    drafts, or none) ``jump`` is 0 and ``fixed`` takes it in. A timing enters within ``OUTLIER`` times what
+    the fit predicts: the machine's other work delays steps at random, and one delayed step must not make
+    drafts look ruinous."""
 
     def __init__(self) -> None:
-        # Discounted sums: weight, sizes, seconds, sizes^2, sizes*seconds.
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        # Discounted sums: weight, sizes, flags, seconds, sizes^2, sizes*flags, flags^2 (= flags),
+        # sizes*seconds, flags*seconds.
+        self._w = self._x = self._f = self._y = self._xx = self._xf = self._xy = self._fy = 0.0
         self.slope: float | None = None  # seconds per unit of size, once sizes varied
+        self.jump = 0.0  # seconds a flagged timing adds
 
     @property
     def weight(self) -> float:
@@ -165,24 +171,42 @@ class Line:
 
     @property
     def fixed(self) -> float:
-        """Seconds at size 0 (0 before any timing)."""
-        return (self._y - (self.slope or 0.0) * self._x) / self._w if self._w else 0.0
+        """Seconds at size 0, unflagged (0 before any timing)."""
+        if not self._w:
+            return 0.0
+        return (self._y - (self.slope or 0.0) * self._x - self.jump * self._f) / self._w
 
-    def add(self, size: float, seconds: float) -> None:
+    def add(self, size: float, seconds: float, flag: int = 0) -> None:
         if self.slope is not None:
-            predicted = self.fixed + self.slope * size
+            predicted = self.fixed + self.slope * size + self.jump * flag
             if predicted > 0:
                 seconds = min(max(seconds, predicted / OUTLIER), predicted * OUTLIER)
         d = STEP_DECAY
         self._w = d * self._w + 1.0
         self._x = d * self._x + size
+        self._f = d * self._f + flag
         self._y = d * self._y + seconds
         self._xx = d * self._xx + size * size
+        self._xf = d * self._xf + size * flag
         self._xy = d * self._xy + size * seconds
-        mean_x = self._x / self._w
-        variance = self._xx / self._w - mean_x * mean_x
-        if variance >= MIN_TOKEN_VARIANCE:  # else keep the last slope: every timing had the same size
-            self.slope = max((self._xy / self._w - mean_x * self._y / self._w) / variance, 0.0)
+        self._fy = d * self._fy + flag * seconds
+        w = self._w
+        mean_x, mean_f, mean_y = self._x / w, self._f / w, self._y / w
+        sxx = self._xx / w - mean_x * mean_x
+        sff = mean_f - mean_f * mean_f  # flags are 0 or 1
+        sxf = self._xf / w - mean_x * mean_f
+        sxy = self._xy / w - mean_x * mean_y
+        sfy = self._fy / w - mean_f * mean_y
+        if sxx < MIN_TOKEN_VARIANCE:
+            return  # keep the last fit: every timing had the same size
+        det = sxx * sff - sxf * sxf
+        if sff >= MIN_FLAG_VARIANCE and det > 1e-3 * sxx * sff:
+            slope = (sff * sxy - sxf * sfy) / det
+            jump = (sxx * sfy - sxf * sxy) / det
+            if slope >= 0 and jump >= 0:
+                self.slope, self.jump = slope, jump
+                return
+        self.slope, self.jump = max(sxy / sxx, 0.0), 0.0
 
 
 class SpeculationController:
@@ -201,15 +225,16 @@ class SpeculationController:
         self.passes = Line()  # a draft model's / EAGLE head's passes: seconds against rows
 
     # ---- cost -----------------------------------------------------------------------------------
-    def record_step(self, num_tokens: int, seconds: float, passes: list[tuple[int, float]] = ()) -> None:
-        """A decode step (no prompt tokens) computed ``num_tokens`` tokens (drafts included) in ``seconds``, of
-        which the draft's ``passes`` (rows, seconds each) took their share."""
+    def record_step(self, num_tokens: int, seconds: float, passes: list[tuple[int, float]] = (),
+                    num_drafts: int = 0) -> None:
+        """A decode step (no prompt tokens) computed ``num_tokens`` tokens (``num_drafts`` of them drafts) in
+        ``seconds``, of which the draft's ``passes`` (rows, seconds each) took their share."""
         for rows, pass_seconds in passes:
             self.passes.add(rows, pass_seconds)
             seconds -= pass_seconds
-        bucket = token_bucket(num_tokens)
+        bucket = token_bucket(num_tokens - num_drafts)  # by the batch: its own tokens
         for line in (bucket - 1, bucket):  # line b holds the steps of buckets b and b + 1
-            self.steps.setdefault(line, Line()).add(num_tokens, seconds)
+            self.steps.setdefault(line, Line()).add(num_tokens, seconds, 1 if num_drafts else 0)
 
     def step_line(self, num_running: int = 1) -> Line | None:
         """The fitted step line for a batch of ``num_running`` (one token each, and their drafts): the line
@@ -298,7 +323,8 @@ class SpeculationController:
         while depth > floor:
             gain = sum(stats.expected_tokens(depth) * worth - per_guess
                        for stats, k, _ in choices if k >= depth)
-            if gain >= pass_cost:
+            # The first pass also brings drafts into a step that had none: the step's jump.
+            if gain >= pass_cost + (line.jump if depth == 1 else 0.0):
                 break
             depth -= 1
         return depth
