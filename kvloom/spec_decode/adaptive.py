@@ -28,12 +28,15 @@ measured tokens per second, which is the batch that ran before: a 64-request bur
 started with batch 1's threshold, 0.11 instead of ~0.9, and every request drafted 4 through its first
 steps.) A step's cost is not one line from 1 token to 100: on this CPU the weights are read once per block
 of 8 rows, so up to ~8 tokens a step is memory-bound (~10 ms at batch 1, each further token ~0.1-0.6 ms),
-and past that compute-bound (~0.9-1.2 ms a token; a batch of 8 with one draft among it costs ~3 ms more
-than without). So the steps are fitted in ranges of tokens: line b through the steps of 2^(b-1) to
-2^(b+1) - 1 tokens, and a batch of n is priced by the line that starts at n's range (n to ~4n tokens: its
-own step and its drafts); before that line has a slope, a neighbouring one, before either the prior. (One
-line through every step, or one per batch size, priced a batch of 8's drafts at ~0.6 ms against ~1.3:
-EAGLE at batch 8 ran at 0.79x the plain engine.) So
+and past that compute-bound (~1 ms a token). So the steps are fitted by the batch's size (line b through
+the steps of batches of 2^(b-1) to 2^(b+1) - 1 requests, drafts included in their tokens), and a batch
+of n is priced by the line from n; before that line has a slope and ~3 steps, a neighbouring one, before
+either the prior. And the first draft in a step costs more than the next ones (at batch 8: 13.6 ms without
+drafts, 16.7 with one, ~1 ms for each further: the 9th row's pass over the weights, the verification): the
+fit is ``seconds = fixed + cost_per_token * tokens + jump * [the step has drafts]`` (``jump`` 0 while every
+step drafts, or none), ``fixed + cost_per_token * n`` is the step without drafts, and a model drafter's
+first pass must pay for ``jump`` too (below). (One line through every step priced a batch of 8's drafts at
+~0.6 ms: EAGLE at batch 8 ran at 0.75-0.80x the plain engine; 0.87x with this fit.) So
 
     k_eff = the largest j <= num_speculative_tokens with first * later ** (j - 1) >= threshold
 
@@ -218,9 +221,9 @@ class SpeculationController:
         self.disable_by_batch_size = disable_by_batch_size
         self.decay = decay  # of each request's acceptance counts (DraftStats.observe)
         self.adaptive = True  # False: always k (what tests of a proposer's drafts and benchmarks compare with)
-        # The target's decode steps, seconds against tokens (drafts included), one line per range of tokens
-        # (token_bucket): a step's cost is not one line from 1 token to 100 (module docstring), and only the
-        # slope just above the running batch's tokens says what its drafts cost.
+        # The target's decode steps, seconds against tokens (drafts included), one fit per range of batch sizes
+        # (token_bucket of the batch's own tokens): a step's cost is not one line from 1 token to 100 (module
+        # docstring), and only the slope just above the running batch's tokens says what its drafts cost.
         self.steps: dict[int, Line] = {}
         self.passes = Line()  # a draft model's / EAGLE head's passes: seconds against rows
 
@@ -238,8 +241,9 @@ class SpeculationController:
 
     def step_line(self, num_running: int = 1) -> Line | None:
         """The fitted step line for a batch of ``num_running`` (one token each, and their drafts): the line
-        through steps of ``num_running`` to ~4x as many tokens, else a neighbouring one; None before either
-        has a slope and ``MIN_STEPS`` steps (the prior then: a slope through two steps is mostly noise)."""
+        through steps of batches of ``num_running`` to ~4x as many, else a neighbouring one; None before
+        either has a slope and ``MIN_STEPS`` steps (the prior then: a slope through two steps is mostly
+        noise)."""
         bucket = token_bucket(num_running)
         for b in (bucket, bucket - 1, bucket + 1):
             line = self.steps.get(b)
@@ -331,7 +335,8 @@ class SpeculationController:
 
 
 def token_bucket(num_tokens: int) -> int:
-    """A step's bucket by its tokens: 1, 2-3, 4-7, ..., 64-127, ... (the bit length)."""
+    """The bucket of a number of tokens (a batch's own, one per request): 1, 2-3, 4-7, ..., 64-127, ... (the
+    bit length)."""
     return max(num_tokens, 1).bit_length()
 
 
