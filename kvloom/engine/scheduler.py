@@ -309,11 +309,15 @@ class Scheduler:
         """The engine's measure of a step, for the cost of speculation: only decode steps count (one known
         token per request, drafts besides), whose time is what drafts change; a draft model's passes
         (``runner_output.draft_passes``) are timed apart from the target's step."""
-        if self.speculation is None or any(item.num_new_tokens - item.num_draft_tokens != 1
-                                           for item in scheduler_output.scheduled):
+        if self.speculation is None:
             return
+        num_drafts = 0
+        for item in scheduler_output.scheduled:
+            if item.num_new_tokens - item.num_draft_tokens != 1:
+                return
+            num_drafts += item.num_draft_tokens
         self.speculation.record_step(scheduler_output.num_batched_tokens, seconds, runner_output.draft_passes,
-                                     sum(item.num_draft_tokens for item in scheduler_output.scheduled))
+                                     num_drafts)
 
     def _remove_finished(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)

@@ -222,10 +222,12 @@ class SpeculationController:
         self.decay = decay  # of each request's acceptance counts (DraftStats.observe)
         self.adaptive = True  # False: always k (what tests of a proposer's drafts and benchmarks compare with)
         # The target's decode steps, seconds against tokens (drafts included), one fit per range of batch sizes
-        # (token_bucket of the batch's own tokens): a step's cost is not one line from 1 token to 100 (module
-        # docstring), and only the slope just above the running batch's tokens says what its drafts cost.
+        # (batch_bucket): a step's cost is not one line from 1 token to 100 (module docstring), and only the
+        # slope just above the running batch's tokens says what its drafts cost.
         self.steps: dict[int, Line] = {}
         self.passes = Line()  # a draft model's / EAGLE head's passes: seconds against rows
+        # _guess_threshold per batch size, asked for every request of a step: kept until the next timing.
+        self._guess_thresholds: dict[int, float] = {}
 
     # ---- cost -----------------------------------------------------------------------------------
     def record_step(self, num_tokens: int, seconds: float, passes: list[tuple[int, float]] = (),
@@ -235,16 +237,17 @@ class SpeculationController:
         for rows, pass_seconds in passes:
             self.passes.add(rows, pass_seconds)
             seconds -= pass_seconds
-        bucket = token_bucket(num_tokens - num_drafts)  # by the batch: its own tokens
+        bucket = batch_bucket(num_tokens - num_drafts)  # a decode step: one known token per request
         for line in (bucket - 1, bucket):  # line b holds the steps of buckets b and b + 1
             self.steps.setdefault(line, Line()).add(num_tokens, seconds, 1 if num_drafts else 0)
+        self._guess_thresholds.clear()
 
     def step_line(self, num_running: int = 1) -> Line | None:
         """The fitted step line for a batch of ``num_running`` (one token each, and their drafts): the line
         through steps of batches of ``num_running`` to ~4x as many, else a neighbouring one; None before
         either has a slope and ``MIN_STEPS`` steps (the prior then: a slope through two steps is mostly
         noise)."""
-        bucket = token_bucket(num_running)
+        bucket = batch_bucket(num_running)
         for b in (bucket, bucket - 1, bucket + 1):
             line = self.steps.get(b)
             if line is not None and line.slope is not None and line.weight >= MIN_STEPS:
@@ -272,11 +275,15 @@ class SpeculationController:
         return max(num_running / (num_running + self.fixed_tokens(num_running)), MIN_THRESHOLD)
 
     def _guess_threshold(self, num_running: int) -> float:
-        """The same for a model drafter's draft, which also costs a row in one of its passes."""
-        threshold = self.threshold(num_running)
-        cost = self.cost_per_token(num_running)
-        if self.passes.slope and cost:
-            threshold *= 1 + self.passes.slope / cost
+        """The same for a model drafter's draft, which also costs a row in one of its passes (for n-gram
+        lookup, no passes: the same); computed once per batch size between timings."""
+        threshold = self._guess_thresholds.get(num_running)
+        if threshold is None:
+            threshold = self.threshold(num_running)
+            cost = self.cost_per_token(num_running)
+            if self.passes.slope and cost:
+                threshold *= 1 + self.passes.slope / cost
+            self._guess_thresholds[num_running] = threshold
         return threshold
 
     # ---- choice ---------------------------------------------------------------------------------
@@ -334,10 +341,9 @@ class SpeculationController:
         return depth
 
 
-def token_bucket(num_tokens: int) -> int:
-    """The bucket of a number of tokens (a batch's own, one per request): 1, 2-3, 4-7, ..., 64-127, ... (the
-    bit length)."""
-    return max(num_tokens, 1).bit_length()
+def batch_bucket(num_requests: int) -> int:
+    """The step fits' bucket of a batch size: 1, 2-3, 4-7, ..., 64-127, ... (the bit length)."""
+    return max(num_requests, 1).bit_length()
 
 
 def probe_pace(threshold: float) -> float:
