@@ -82,3 +82,6 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # The draft model's / EAGLE head's passes after the step: (rows, seconds) each, for the cost of a guess.
     draft_passes: list[tuple[int, float]] = field(default_factory=list)
+    # Requests whose draft KV cannot be completed (an EAGLE head's, where a prefix-cache hit holds none): they
+    # are given no more drafts.
+    draft_disabled_request_ids: list[str] = field(default_factory=list)

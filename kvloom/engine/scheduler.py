@@ -189,6 +189,9 @@ class Scheduler:
         if self.num_lookahead_tokens:
             self._limit_draft_passes([request for request, _, _ in scheduled if request.num_lookahead_drafts])
         for request, num_new, drafts in scheduled:
+            if self.num_lookahead_tokens:  # a model drafter catches up whenever it guesses (model_runner.py)
+                stats = request.draft_stats
+                stats.lag = 0 if request.num_lookahead_drafts else stats.lag + num_new - len(drafts)
             start = request.num_computed_tokens
             num_known = num_new - len(drafts)
             out.scheduled.append(ScheduledRequest(
@@ -300,6 +303,10 @@ class Scheduler:
                     break
             else:
                 request.spec_token_ids = runner_output.draft_token_ids.get(item.request_id, [])
+        for request_id in runner_output.draft_disabled_request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.draft_stats.disabled = True
         for request in finished:
             self._remove_finished(request)
         return finished

@@ -126,6 +126,10 @@ class DraftStats:
     steps_to_probe: float = MIN_PROBE_INTERVAL  # below k: steps before the next probe (at pace 1)
     probe_interval: int = MIN_PROBE_INTERVAL
     probed_from: int = -1  # the k_eff a probe was given one more than, until the next choice (-1: none)
+    # A model drafter's: the tokens its KV trails the target's by (since the request last drafted; the
+    # scheduler's count, an upper bound), which its next guess must first run over.
+    lag: int = 0
+    disabled: bool = False  # its draft KV cannot be completed (model_runner.py): no more drafts
 
     @property
     def first_rate(self) -> float:
@@ -274,6 +278,14 @@ class SpeculationController:
         requests run: ``num_running / (num_running + fixed_tokens)`` (module docstring)."""
         return max(num_running / (num_running + self.fixed_tokens(num_running)), MIN_THRESHOLD)
 
+    def catch_up_tokens(self, lag: int, num_running: int) -> float:
+        """What a model drafter's pass over ``lag`` tokens its KV trails by costs, in output tokens' worth at a
+        batch of ``num_running`` (0 before its passes and the steps are measured)."""
+        line = self.step_line(num_running)
+        if not lag or not self.passes.slope or line is None or not line.slope:
+            return 0.0
+        return lag * self.passes.slope * num_running / (max(line.fixed, 0.0) + line.slope * num_running)
+
     def _guess_threshold(self, num_running: int) -> float:
         """The same for a model drafter's draft, which also costs a row in one of its passes (for n-gram
         lookup, no passes: the same); computed once per batch size between timings."""
@@ -290,7 +302,8 @@ class SpeculationController:
     def num_drafts(self, stats: DraftStats, num_running: int, seeded: bool = False) -> int:
         """``k_eff`` for one request this step; call once per request and step (it counts the wait to a
         probe)."""
-        if self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size:
+        if stats.disabled or (self.disable_by_batch_size is not None
+                              and num_running >= self.disable_by_batch_size):
             return 0
         if not self.adaptive:
             return self.k
@@ -307,7 +320,7 @@ class SpeculationController:
         # that noise pushed up would otherwise stop speculation for good). The wait passes slower where even a
         # draft that always holds would gain little over its cost (module docstring).
         if stats.steps_to_probe > 1e-9:  # (a pace of 0.2 / 0.8 sums to a hair above 0)
-            stats.steps_to_probe -= probe_pace(threshold)
+            stats.steps_to_probe -= probe_pace(threshold, self.catch_up_tokens(stats.lag, num_running))
             return k
         stats.steps_to_probe = stats.probe_interval
         stats.probe_interval = min(2 * stats.probe_interval, MAX_PROBE_INTERVAL)
@@ -346,11 +359,12 @@ def batch_bucket(num_requests: int) -> int:
     return max(num_requests, 1).bit_length()
 
 
-def probe_pace(threshold: float) -> float:
+def probe_pace(threshold: float, catch_up: float = 0.0) -> float:
     """Steps of the wait to a probe that one step counts for: a draft that always holds gains ``1 -
     threshold`` tokens over its cost, a probe costs about ``threshold``; the wait passes at their ratio, at
-    most one step a step and at least ``MIN_PROBE_PACE``."""
-    return min(max((1 - threshold) / threshold, MIN_PROBE_PACE), 1.0)
+    most one step a step and at least ``MIN_PROBE_PACE``. A model drafter's probe first runs over the tokens
+    its KV trails by (``catch_up`` tokens' worth): that many times slower again."""
+    return min(max((1 - threshold) / threshold, MIN_PROBE_PACE), 1.0) * threshold / (threshold + catch_up)
 
 
 def drafts_worth_proposing(stats: DraftStats, threshold: float, max_drafts: int) -> int:

@@ -4,7 +4,7 @@ The model runner owns the proposer and calls ``propose`` after each step, once t
 sampled. The draft keeps its own paged KV cache, in the same block layout as the target's and indexed by
 the same block tables: one KV cache manager, and a block holds the target's and the draft's keys and values
 for its positions. So whatever the manager does to a block (prefix-cache hit, eviction, preemption) it does
-to both, and a cached block's draft KV is right because the draft ran over every token the target did:
+to both (whether a block's draft KV is complete is the runner's to know, below). After each step:
 
     target step        positions [s, s + n) computed; the rejected drafts' tail is dropped: n_valid kept
     draft first pass   the same kept tokens at [s, s + n_valid), then the new token at s + n_valid
@@ -13,10 +13,15 @@ to both, and a cached block's draft KV is right because the draft ran over every
 
 A request the scheduler gives no drafts (``k_eff`` = 0, spec_decode/adaptive.py) is left out of the passes:
 its draft KV lags, and its next first pass starts where the draft's KV ends (the runner's
-``draft_computed``), over every token since. The runner also brings a lagging request up to date whenever
-one of its blocks fills (so a block in the prefix cache, or kept through preemption, always holds the
-draft's KV of all its positions) and once it lags ``MAX_DRAFT_LAG`` tokens (one block per sequence), in the
-pass of the requests that propose. Once up to date the draft's KV is valid wherever the target's is (and
+``draft_computed``), over every token since. A request that never drafts (most of them in a large batch,
+where a draft rarely pays) never runs the draft at all: at 64 sequences on this CPU an EAGLE head's passes
+over every token took ~3.5% of the run. EAGLE keeps the target's hidden states of the lagging tokens for its
+catch-up (hidden size x 2 bytes a token, x3 for EAGLE-3's three layers); past ``MAX_DRAFT_LAG`` of them it
+catches up anyway. A block filled while the draft lagged holds no draft KV, so the runner tracks, per block,
+whether its draft KV is complete (``ModelRunner.draft_complete``): a request whose prefix-cache hit starts
+with incomplete blocks starts its draft KV at the first of them (a draft model runs over the tokens from
+there; an EAGLE head, which would need the target's hidden states of positions it never computed, drafts no
+more for that request). Once up to date the draft's KV is valid wherever the target's is (and
 one past). The guesses' own KV sits in
 slots past the request's tokens, which the scheduler reserves (``num_lookahead_tokens``); a rejected guess's
 slot is simply written again later, as the target's is. Guesses are greedy (argmax), so the rejection
@@ -46,9 +51,10 @@ from kvloom.step_io import ScheduledRequest
 if TYPE_CHECKING:
     from kvloom.worker.model_runner import ModelInputs
 
-# A request proposing no drafts still has its draft KV brought up to date once it lags this many tokens: few
-# passes over many tokens each, not one per step (and EAGLE's waiting hidden-state rows stay bounded).
-MAX_DRAFT_LAG = 64
+# An EAGLE head's KV is brought up to date once it lags this many tokens, though its request proposes no
+# drafts: the target's hidden-state rows waiting for it stay bounded (SmolLM2-135M: 0.6 MB a request, an
+# 8B model's 4096-wide rows 4 MB). A draft model, which needs only the tokens, lags without bound.
+MAX_DRAFT_LAG = 512
 
 # (scheduled items, sliding window) -> (the items in the order of the inputs' rows, the inputs)
 BuildInputs = Callable[[list[ScheduledRequest], "int | None"], "tuple[list[ScheduledRequest], ModelInputs]"]

@@ -57,6 +57,10 @@ class RequestState:
     # lags, EAGLE's inputs for the positions from there on (the target's hidden-state rows) wait here.
     draft_computed: int | None = None
     draft_hidden: list[torch.Tensor] = field(default_factory=list)
+    draft_hidden_start: int | None = None  # the position of draft_hidden's first row (past draft_computed: a gap)
+    draft_resumes: bool = True  # new or preempted: its next step starts from a prefix-cache hit
+    # Its prefix-cache hit held no draft KV where EAGLE cannot compute it: it drafts no more.
+    draft_disabled: bool = False
 
 
 @dataclass
@@ -213,6 +217,7 @@ class ModelRunner:
                           for _ in range(mc.num_hidden_layers)]
         if self.proposer is not None:
             self.proposer.init_kv_cache(num_blocks, self.block_size)
+            self.draft_complete = bytearray(num_blocks)  # per block id (see _clear_draft_complete)
         self.capture_graphs()
         if self.artifacts is not None:
             self.artifacts.close()
@@ -261,6 +266,10 @@ class ModelRunner:
         """
         for new in scheduler_output.new_requests:
             self.requests[new.request_id] = self._request_state(new)
+        for request_id in scheduler_output.preempted_request_ids:
+            state = self.requests.get(request_id)
+            if state is not None:
+                state.draft_resumes = True
         scheduled = scheduler_output.scheduled
         use_graph = (self.graphs is not None and self.graphs.can_run(len(scheduled))
                      and all(item.num_new_tokens == 1 for item in scheduled))
@@ -413,40 +422,49 @@ class ModelRunner:
 
         Per request the tokens the target kept (a speculated request's rejected drafts dropped) and the token
         after them, from where the draft's KV ends; guesses for the ``num_speculative_tokens`` the scheduler
-        asked. A request asked for none is left out (its draft KV lags; EAGLE keeps its hidden-state rows
-        until then) unless a block of it fills or it lags ``MAX_DRAFT_LAG`` tokens (spec_decode/draft_model.py)."""
+        asked. A request asked for none is left out: its draft KV lags, and EAGLE keeps its hidden-state rows
+        until then, at most ``MAX_DRAFT_LAG`` of them (spec_decode/draft_model.py). A request whose draft KV
+        cannot be completed is reported in ``output.draft_disabled_request_ids``."""
+        self._clear_draft_complete(items)
         failed = set(output.failed_request_ids)
         reads_hidden = self.proposer.reads_hidden_states
-        included: list[tuple[int, ScheduledRequest, RequestState, int]] = []  # (row in items, item, state, end)
+        wanted: list[tuple[int, ScheduledRequest, RequestState, int]] = []  # (row in items, item, state, end)
         lagging: list[tuple[RequestState, int, int]] = []  # (state, first row in hidden, rows)
         for i, item in enumerate(items):
             new_tokens = output.sampled_token_ids.get(item.request_id)
             if item.request_id in failed or (item.samples and not new_tokens):
                 continue
             state = self.requests[item.request_id]
+            if state.draft_disabled:
+                continue
             start = item.num_computed_tokens
             num_valid = item.num_new_tokens - item.num_draft_tokens
             if item.num_draft_tokens:
                 num_valid += len(new_tokens) - 1  # the accepted drafts
-            if state.draft_computed is None or state.draft_computed > start:
-                # New, or readmitted after preemption, or rolled back: the draft's KV is taken as complete below
-                # ``start`` (a prefix hit's full blocks hold the draft's KV too, see below).
-                state.draft_computed, state.draft_hidden = start, []
-            elif reads_hidden:
-                waiting = sum(len(h) for h in state.draft_hidden)
-                if state.draft_computed + waiting < start:  # readmitted past a prefix hit: its blocks are complete
-                    state.draft_computed, state.draft_hidden = start, []
-                elif state.draft_computed + waiting > start:  # readmitted short of where it was
-                    state.draft_hidden = _first_rows(state.draft_hidden, start - state.draft_computed)
+            if state.draft_resumes:  # new, or readmitted after preemption: from its prefix-cache hit
+                state.draft_resumes = False
+                self._resume_draft(state, item.block_ids, start)
             end = start + num_valid  # the draft's KV is to hold positions < end
             speculates = item.samples and can_speculate(state.sampling_params, len(state.output_token_ids))
-            # Caught up when it proposes, and whenever a block fills: a full block may be hit in the prefix cache
-            # from the next step on, so its draft KV must be complete by then.
-            if ((speculates and item.num_speculative_tokens) or end // self.block_size > state.draft_computed
-                    // self.block_size or end - state.draft_computed >= MAX_DRAFT_LAG):
-                included.append((i, item, state, end))
+            if (speculates and item.num_speculative_tokens) or (reads_hidden and end - state.draft_hidden_start
+                                                                 >= MAX_DRAFT_LAG):
+                wanted.append((i, item, state, end))
             elif reads_hidden and num_valid:
                 lagging.append((state, query_start_loc[i], num_valid))
+        included: list[tuple[int, ScheduledRequest, RequestState, int]] = []
+        # Those whose draft KV is whole first: their passes complete blocks that another's hit may begin with
+        # (the same pass writes them before its attention reads them).
+        for i, item, state, end in sorted(wanted, key=lambda w: w[2].draft_computed < w[2].draft_hidden_start):
+            if self._close_gap(state, item.block_ids):
+                included.append((i, item, state, end))
+                self._mark_draft_complete(item.block_ids, state.draft_computed, end)
+                continue
+            # A gap at the start of its prefix-cache hit that no pass has filled yet: it cannot guess now.
+            if end - state.draft_hidden_start >= MAX_DRAFT_LAG:
+                state.draft_disabled, state.draft_hidden = True, []
+                output.draft_disabled_request_ids.append(item.request_id)
+            elif end > item.num_computed_tokens:
+                lagging.append((state, query_start_loc[i], end - item.num_computed_tokens))
         if lagging:
             # One copy of every lagging request's rows (the hidden states may be a reused buffer).
             kept = hidden.index_select(0, torch.tensor([first + j for _, first, n in lagging for j in range(n)],
@@ -472,8 +490,60 @@ class ModelRunner:
             speculates = item.samples and can_speculate(state.sampling_params, len(state.output_token_ids))
             requests.append(DraftRequest(item.request_id, first, _token_slice(state, first, end + 1), end - first,
                                          item.block_ids, rows, item.num_speculative_tokens if speculates else 0))
-            state.draft_computed, state.draft_hidden = end, []
+            state.draft_computed = state.draft_hidden_start = end
+            state.draft_hidden = []
         return requests, target_hidden
+
+    # ---- which blocks hold the draft's KV ----------------------------------------------------
+    # A block's draft KV is complete when the draft's KV of all its positions was written after the target's
+    # last write to it (``draft_complete``, per block id). A full block may be a prefix-cache hit for another
+    # request, which must know whether the draft's KV it finds there is real: a lagging request fills blocks
+    # the draft has not run over.
+    def _clear_draft_complete(self, items: list[ScheduledRequest]) -> None:
+        """The target wrote this step's positions of every item: their blocks' draft KV is stale."""
+        size, complete = self.block_size, self.draft_complete
+        for item in items:
+            first, last = item.num_computed_tokens // size, (item.num_computed_tokens + item.num_new_tokens - 1) // size
+            for index in range(first, min(last + 1, len(item.block_ids))):
+                complete[item.block_ids[index]] = 0
+
+    def _mark_draft_complete(self, block_ids: list[int], start: int, end: int) -> None:
+        """The draft's KV will hold positions < ``end`` after this step's pass (from ``start`` written in it):
+        the blocks wholly below it are complete (not past the positions the draft reaches)."""
+        size = self.block_size
+        for index in range(start // size, min(end, self.proposer.max_position) // size):
+            self.draft_complete[block_ids[index]] = 1
+
+    def _resume_draft(self, state: RequestState, block_ids: list[int], start: int) -> None:
+        """Where a new or readmitted request's draft KV starts: after the run of complete blocks its
+        prefix-cache hit (positions below ``start``) begins with. A draft model runs over the tokens from
+        there. EAGLE also needs the target's hidden states of those positions: a readmitted request may have
+        kept some; positions between the complete blocks and its rows are a gap (``draft_computed <
+        draft_hidden_start``) that only the pass of the request that filled those blocks can close."""
+        size, complete = self.block_size, 0
+        while complete + size <= start and self.draft_complete[block_ids[complete // size]]:
+            complete += size
+        old, rows = state.draft_hidden_start, state.draft_hidden
+        if not self.proposer.reads_hidden_states:
+            state.draft_hidden_start, state.draft_hidden = complete, []
+        elif old is not None and old <= start <= old + _num_rows(rows):
+            first = max(old, complete)
+            state.draft_hidden_start, state.draft_hidden = first, _row_range(rows, first - old, start - old)
+        else:
+            state.draft_hidden_start, state.draft_hidden = start, []
+        state.draft_computed = complete
+
+    def _close_gap(self, state: RequestState, block_ids: list[int]) -> bool:
+        """Whether the draft's KV is whole up to the request's waiting rows (a gap's blocks may have been
+        completed since, by their own request's pass)."""
+        size, computed = self.block_size, state.draft_computed
+        while computed < state.draft_hidden_start and self.draft_complete[block_ids[computed // size]]:
+            computed = (computed // size + 1) * size
+        if computed < state.draft_hidden_start:
+            state.draft_computed = computed
+            return False
+        state.draft_computed = state.draft_hidden_start
+        return True
 
     def _draft_inputs(self, items: list[ScheduledRequest], sliding_window: int | None
                       ) -> tuple[list[ScheduledRequest], ModelInputs]:
@@ -660,14 +730,18 @@ def _token_slice(state: RequestState, start: int, end: int) -> list[int]:
     return prompt[start:] + outputs[:end - n]
 
 
-def _first_rows(chunks: list[torch.Tensor], count: int) -> list[torch.Tensor]:
-    """The first ``count`` rows of the chunks' concatenation, as chunks."""
-    kept = []
+def _num_rows(chunks: list[torch.Tensor]) -> int:
+    return sum(len(chunk) for chunk in chunks)
+
+
+def _row_range(chunks: list[torch.Tensor], start: int, end: int) -> list[torch.Tensor]:
+    """Rows [start, end) of the chunks' concatenation, as chunks."""
+    kept, offset = [], 0
     for chunk in chunks:
-        if count <= 0:
-            break
-        kept.append(chunk[:count])
-        count -= len(chunk)
+        lo, hi = max(start - offset, 0), min(end - offset, len(chunk))
+        if lo < hi:
+            kept.append(chunk[lo:hi])
+        offset += len(chunk)
     return kept
 
 

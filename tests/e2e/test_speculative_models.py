@@ -295,6 +295,11 @@ def test_eagle_guesses_equal_a_plain_torch_head_and_greedy_output_is_unchanged(
         return drafts
 
     runner.proposer.propose = recording
+    # Every third choice drafts 3, the rest none (the adaptive choice reads step times, which a loaded machine
+    # skews): requests lag and catch up by varying amounts.
+    speculation, calls = llm.llm_engine.scheduler.speculation, iter(range(1 << 30))
+    speculation.num_drafts = lambda stats, num_running, seeded=False: 3 if next(calls) % 3 == 0 else 0
+    speculation.passes_worth_running = lambda choices, num_running: max(k for _, k, _ in choices)
     for _ in range(2):  # the second time with prefix-cache hits
         assert run(llm, greedy_params(len(prompts)), prompts) == expected
     stats = llm.llm_engine.scheduler.stats()
@@ -304,9 +309,8 @@ def test_eagle_guesses_equal_a_plain_torch_head_and_greedy_output_is_unchanged(
     with open(f"{eagle_heads[head]}/config.json") as f:
         config = json.load(f)
     weights = load_file(f"{eagle_heads[head]}/model.safetensors")
-    # The random head's guesses fail, so requests back off to re-probes (spec_decode/adaptive.py): a probe's
-    # first pass catches the head's KV up over the tokens since its last one, and must guess as the whole
-    # sequence does.
+    # A request's first pass after steps without drafts catches the head's KV up over the tokens since its
+    # last one, and must guess as the whole sequence does.
     assert len(records) >= 16
     for tokens, guesses in records[len(records) // 2 - 4:len(records) // 2 + 4]:  # prefix hits among them
         assert guesses == _reference_eagle_guesses(hf_target, weights, config, method, tokens, 3)[:len(guesses)]
@@ -414,3 +418,71 @@ def test_the_draft_passes_are_timed_and_fitted(tiny_llama3_dir: str) -> None:
         assert passes[0][0] >= len(guessing) and all(rows <= len(guessing) for rows, _ in passes[1:])
         assert all(seconds > 0 for _, seconds in passes)
     assert engine.scheduler.speculation.passes.slope is not None
+
+
+def test_a_prefix_hit_on_blocks_filled_while_the_head_lagged_drafts_only_once_their_head_kv_exists(
+        tiny_llama3_dir: str, eagle_heads: dict, hf_target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request given no drafts never runs the EAGLE head, so the blocks it fills hold no head KV. A later
+    request whose prefix-cache hit begins with them cannot guess (the head would attend to stale KV, and the
+    target's hidden states of those positions are gone): it gets no drafts, and once it has waited
+    ``MAX_DRAFT_LAG`` tokens it is given none for good. Two requests sharing a new prefix in one step both
+    guess: the first's pass writes the blocks the second's hit begins with, and each guess is what the head
+    computes over the whole sequence."""
+    import json
+
+    from safetensors.torch import load_file
+
+    import kvloom.worker.model_runner as model_runner
+
+    head = [7 + (j * 11) % 290 for j in range(24)]
+    prompts = {name: head + [5 + (seed * 13 + j * 7) % 300 for j in range(5)]
+               for seed, name in enumerate(("lagging", "hit", "hit-again"))}
+    plain_llm = LLM(model=tiny_llama3_dir, max_model_len=256, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = {name: run(plain_llm, params, [prompt]) for name, prompt in prompts.items()}
+    llm = LLM(model=tiny_llama3_dir, max_model_len=256, block_size=4, speculative_config={
+        "method": "eagle", "model": eagle_heads["eagle"], "num_speculative_tokens": 3})
+    engine = llm.llm_engine
+    runner, speculation = engine.executor.driver, engine.scheduler.speculation
+    records, disabled = [], []
+    propose = runner.proposer.propose
+
+    def recording(requests, hidden, build_inputs):
+        drafts = propose(requests, hidden, build_inputs)
+        for request_id, guesses in drafts.items():
+            state = runner.requests[request_id]
+            records.append((request_id, state.prompt_token_ids + state.output_token_ids, guesses))
+        return drafts
+
+    runner.proposer.propose = recording
+    update = engine.scheduler.update_from_output
+    engine.scheduler.update_from_output = lambda out, runner_output: (
+        disabled.extend(runner_output.draft_disabled_request_ids) or update(out, runner_output))
+    speculation.adaptive = False  # k = 3 at every step, but none for the first request
+    num_drafts = speculation.num_drafts
+    speculation.num_drafts = lambda *args, **kwargs: 0
+    assert run(llm, params, [prompts["lagging"]]) == expected["lagging"]
+    assert not records
+    speculation.num_drafts = num_drafts
+    monkeypatch.setattr(model_runner, "MAX_DRAFT_LAG", 12)  # the hits below wait at most 12 tokens
+    for name in ("hit", "hit-again"):  # hits on the lagging request's blocks: no guess, then disabled
+        assert run(llm, params, [prompts[name]]) == expected[name]
+        assert not records
+    assert len(disabled) == 2
+    # 5 blocks of the shared 24 tokens each (EAGLE names a block with the token after it, which differs in the 6th).
+    assert engine.scheduler.stats().prefix_cache_hits == 2 * 20
+
+    shared = [11 + (j * 17) % 280 for j in range(16)]
+    together = [shared + [40 + i, 50 + i, 60 + i] for i in range(2)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in together], params, use_tqdm=False)
+    assert [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outputs] == [
+        run(plain_llm, params, [p])[0] for p in together]
+    assert len(disabled) == 2
+    assert engine.scheduler.stats().prefix_cache_hits == 2 * 20 + 12  # the second's hit: the first's 3 blocks
+    ids = [o.request_id for o in outputs]
+    assert {request_id for request_id, _, _ in records} == set(ids)
+    with open(f"{eagle_heads['eagle']}/config.json") as f:
+        config = json.load(f)
+    weights = load_file(f"{eagle_heads['eagle']}/model.safetensors")
+    for _, tokens, guesses in [r for r in records if r[0] == ids[1]][:4]:
+        assert guesses == _reference_eagle_guesses(hf_target, weights, config, "eagle", tokens, 3)[:len(guesses)]

@@ -489,3 +489,49 @@ def test_the_first_draft_in_a_step_is_priced_apart_from_the_next_ones() -> None:
     for drafts in (1, 3, 2, 4) * 4:
         controller.record_step(1 + drafts, 0.010 + 0.0005 * drafts, num_drafts=drafts)
     assert controller.step_line(1).jump == 0.0 and controller.cost_per_token(1) == pytest.approx(0.0005)
+
+
+def test_a_lagging_model_drafters_probe_is_priced_with_its_catch_up() -> None:
+    """A request that has not drafted for a while has a draft KV that trails by its tokens since: its probe
+    must first run the drafter over them (at 64 sequences here 200 rows ~ 6 tokens' worth of a step), so the
+    wait to it passes that many times slower; with no lag, or before the passes are timed, as before."""
+    from kvloom.spec_decode.adaptive import DraftStats, probe_pace
+
+    controller = _measured_at_64()
+    per_token = (0.013 + 0.0008 * 64) / 64  # seconds a request's output token costs at 64 sequences
+    assert controller.catch_up_tokens(200, 64) == pytest.approx(200 * 0.00003 / per_token)
+    assert controller.catch_up_tokens(0, 64) == 0.0
+    assert _measured_at_64(passes=False).catch_up_tokens(200, 64) == 0.0
+    assert probe_pace(0.8, 0.8) == pytest.approx(0.125) and probe_pace(0.8) == pytest.approx(0.25)
+
+    def first_probe(lag: int) -> int:
+        never = DraftStats(first_held=0.0, first_tried=10.0, lag=lag)
+        return next(step for step in range(5000) if controller.num_drafts(never, num_running=64))
+
+    fresh, lagging = first_probe(0), first_probe(200)
+    threshold = controller._guess_threshold(64)
+    assert lagging / fresh == pytest.approx((threshold + controller.catch_up_tokens(200, 64)) / threshold, rel=0.05)
+
+
+def test_the_scheduler_counts_a_model_drafters_lag_and_drafts_no_more_for_a_disabled_request() -> None:
+    """The scheduler counts each request's tokens since it last drafted (its drafter catches up when it next
+    does); a request the runner reports as unable to complete its draft KV is given no more drafts."""
+    from kvloom.spec_decode.adaptive import DraftStats
+
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, num_lookahead_tokens=3,
+                          speculation=SpeculationController(num_speculative_tokens=3))
+    sure = DraftStats(first_held=99, first_tried=100, later_held=99, later_tried=100)
+    never = DraftStats(first_held=0.0, first_tried=100.0)
+    for name, stats, first in (("sure", sure, 10), ("never", never, 30)):
+        request = Request(name, list(range(first, first + 6)), SamplingParams(temperature=0, max_tokens=30))
+        request.draft_stats = stats
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert [item.num_speculative_tokens for item in out.scheduled] == [3, 0]
+    assert (sure.lag, never.lag) == (0, 6)  # the prompt
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"sure": [20], "never": [20]},
+                                                        draft_disabled_request_ids=["sure"]))
+    out = scheduler.schedule()
+    assert [item.num_speculative_tokens for item in out.scheduled] == [0, 0]
+    assert (sure.disabled, sure.lag, never.lag) == (True, 1, 7)
