@@ -75,7 +75,18 @@ pass) and a draft that always holds gains at most ``1 - threshold`` over its cos
 ``(1 - threshold) / threshold`` steps a step (``probe_pace``, between ``MIN_PROBE_PACE`` and 1): at batch 1
 (threshold ~0.06) at full pace, at 64 sequences (~0.85) about six times slower. (At full pace each of 64
 requests probed ~5 times in 128 steps, the requests that started together in waves: an EAGLE head's probes
-cost 3-5% there, measured.) A step's time enters the cost fit within 1.5x of
+cost 3-5% there, measured.) A model drafter runs only for requests that guess, so a request that has not
+guessed for a while has a draft KV that trails by its tokens since (``DraftStats.lag``, counted by the
+scheduler), and its probe first runs the drafter over them: ``catch_up_tokens`` prices that pass in output
+tokens' worth, and the wait passes ``threshold / (threshold + catch_up)`` times slower again. (At 64
+sequences on this CPU 200 tokens of an EAGLE head's catch-up cost ~6 tokens' worth; with probes priced
+without it, nearly every request probed within its first ~100 tokens and the head still ran over ~all of
+them.) A lagging request whose drafts would pay does not draft either unless what they gain over
+``CATCH_UP_HORIZON`` steps repays its catch-up: as a batch of 64 filled up, or emptied as its requests
+finished, the threshold fell below the new requests' prior 2/3 and up to 55 of them drafted at once, each
+after a pass over its whole prompt (a 125 ms step where 67 ms was usual). Until the passes are timed a row
+costs ``PRIOR_ROW_COST`` verified tokens (else the 64 requests that started together probed together, at
+step ~36, after a 9,200-row pass). A step's time enters the cost fit within 1.5x of
 what the line predicts: the machine's other work delays steps at random, and one delayed step with drafts
 must not make drafts look ruinous.
 
@@ -108,9 +119,22 @@ MAX_PROBE_INTERVAL = 128
 MIN_PROBE_PACE = 0.125  # the wait to a probe passes at least this fast (steps per step)
 STEP_DECAY = 0.97  # the weight of older steps in the cost fit (about the last 30 steps)
 MIN_TOKEN_VARIANCE = 0.05  # the fit's tokens must vary at least this much to give a slope
-MIN_FLAG_VARIANCE = 0.02  # steps with and without drafts must both be this common (p(1-p)) to fit a jump
+# A jump is fitted only where steps with and without drafts are both this common (p(1-p): a tenth of either)
+# and their sizes tell it from the slope (the squared correlation of size and flag at most MAX_FLAG_CORRELATION).
+# At 64 sequences with drafts in 2 of ~30 recent steps, a jump fitted through them priced a token at 0.2 ms
+# and a step's fixed cost at 51 ms (1.3 ms and ~0 measured), and the threshold fell to 0.23 for a step.
+MIN_FLAG_VARIANCE = 0.09
+MAX_FLAG_CORRELATION = 0.75
 MIN_STEPS = 3.0  # a step line prices drafts once this many (discounted) steps went into it
+# A fitted slope is taken this many standard errors high: steps of nearly one size (64 sequences, a draft or
+# two in a few of them) with the machine's noise (+-8 ms on ~65 ms) gave slopes of 0.2 ms a token where
+# 1.2 ms was right, and a threshold of 0.3 where ~1 was; a larger slope means a higher threshold.
+CAUTION = 1.5
 OUTLIER = 1.5  # a step's time enters the fit within [1 / OUTLIER, OUTLIER] times the line's prediction
+# Before a model drafter's passes are timed, a row of one costs this many verified tokens (a draft model is
+# often a tenth of its target; an EAGLE head on this CPU measured 0.03 ms a row against 0.8 ms a token).
+PRIOR_ROW_COST = 0.1
+CATCH_UP_HORIZON = 16  # steps of drafts that must repay a model drafter's catch-up (a probe's is paced instead)
 
 
 @dataclass
@@ -166,9 +190,10 @@ class Line:
 
     def __init__(self) -> None:
         # Discounted sums: weight, sizes, flags, seconds, sizes^2, sizes*flags, flags^2 (= flags),
-        # sizes*seconds, flags*seconds.
-        self._w = self._x = self._f = self._y = self._xx = self._xf = self._xy = self._fy = 0.0
-        self.slope: float | None = None  # seconds per unit of size, once sizes varied
+        # sizes*seconds, flags*seconds, seconds^2.
+        self._w = self._x = self._f = self._y = self._xx = self._xf = self._xy = self._fy = self._yy = 0.0
+        # Seconds per unit of size, once sizes varied: the fitted slope plus CAUTION standard errors.
+        self.slope: float | None = None
         self.jump = 0.0  # seconds a flagged timing adds
 
     @property
@@ -197,6 +222,7 @@ class Line:
         self._xf = d * self._xf + size * flag
         self._xy = d * self._xy + size * seconds
         self._fy = d * self._fy + flag * seconds
+        self._yy = d * self._yy + seconds * seconds
         w = self._w
         mean_x, mean_f, mean_y = self._x / w, self._f / w, self._y / w
         sxx = self._xx / w - mean_x * mean_x
@@ -204,16 +230,21 @@ class Line:
         sxf = self._xf / w - mean_x * mean_f
         sxy = self._xy / w - mean_x * mean_y
         sfy = self._fy / w - mean_f * mean_y
+        syy = self._yy / w - mean_y * mean_y
         if sxx < MIN_TOKEN_VARIANCE:
             return  # keep the last fit: every timing had the same size
         det = sxx * sff - sxf * sxf
-        if sff >= MIN_FLAG_VARIANCE and det > 1e-3 * sxx * sff:
+        if sff >= MIN_FLAG_VARIANCE and det >= (1 - MAX_FLAG_CORRELATION) * sxx * sff:
             slope = (sff * sxy - sxf * sfy) / det
             jump = (sxx * sfy - sxf * sxy) / det
             if slope >= 0 and jump >= 0:
-                self.slope, self.jump = slope, jump
+                # The slope's variance: residual variance / (effective timings - 3) * sff / det.
+                variance = _residual(syy, slope * sxy + jump * sfy) * sff / det / max(w - 3, 1.0)
+                self.slope, self.jump = slope + CAUTION * variance ** 0.5, jump
                 return
-        self.slope, self.jump = max(sxy / sxx, 0.0), 0.0
+        slope = max(sxy / sxx, 0.0)
+        variance = _residual(syy, slope * sxy) / sxx / max(w - 2, 1.0)
+        self.slope, self.jump = slope + CAUTION * variance ** 0.5, 0.0
 
 
 class SpeculationController:
@@ -280,11 +311,13 @@ class SpeculationController:
 
     def catch_up_tokens(self, lag: int, num_running: int) -> float:
         """What a model drafter's pass over ``lag`` tokens its KV trails by costs, in output tokens' worth at a
-        batch of ``num_running`` (0 before its passes and the steps are measured)."""
-        line = self.step_line(num_running)
-        if not lag or not self.passes.slope or line is None or not line.slope:
+        batch of ``num_running``: a row costs ``passes.slope / cost_per_token`` verified tokens
+        (``PRIOR_ROW_COST`` until both are measured), and a verified token ``threshold`` output tokens."""
+        if not lag:
             return 0.0
-        return lag * self.passes.slope * num_running / (max(line.fixed, 0.0) + line.slope * num_running)
+        cost = self.cost_per_token(num_running)
+        row_cost = self.passes.slope / cost if self.passes.slope and cost else PRIOR_ROW_COST
+        return lag * row_cost * self.threshold(num_running)
 
     def _guess_threshold(self, num_running: int) -> float:
         """The same for a model drafter's draft, which also costs a row in one of its passes (for n-gram
@@ -309,6 +342,12 @@ class SpeculationController:
             return self.k
         threshold = PRIOR_THRESHOLD if seeded else self._guess_threshold(num_running)
         k = drafts_worth_proposing(stats, threshold, self.k)
+        if k and stats.lag and not seeded:
+            # Drafting again first runs the drafter over the tokens it lags by: worth it only if the drafts'
+            # gain over the next steps repays it.
+            gain = sum(stats.expected_tokens(j) - threshold for j in range(1, k + 1))
+            if gain * CATCH_UP_HORIZON < self.catch_up_tokens(stats.lag, num_running):
+                k = 0
         if stats.probed_from >= 0:
             if k > stats.probed_from:  # the probe showed more drafts pay: probe again soon if it falls back
                 stats.probe_interval = MIN_PROBE_INTERVAL
@@ -352,6 +391,12 @@ class SpeculationController:
                 break
             depth -= 1
         return depth
+
+
+def _residual(total: float, explained: float) -> float:
+    """The variance a fit leaves, 0 where it is the rounding of the difference (an exact line)."""
+    residual = total - explained
+    return residual if residual > 1e-9 * total else 0.0
 
 
 def batch_bucket(num_requests: int) -> int:

@@ -494,14 +494,17 @@ def test_the_first_draft_in_a_step_is_priced_apart_from_the_next_ones() -> None:
 def test_a_lagging_model_drafters_probe_is_priced_with_its_catch_up() -> None:
     """A request that has not drafted for a while has a draft KV that trails by its tokens since: its probe
     must first run the drafter over them (at 64 sequences here 200 rows ~ 6 tokens' worth of a step), so the
-    wait to it passes that many times slower; with no lag, or before the passes are timed, as before."""
-    from kvloom.spec_decode.adaptive import DraftStats, probe_pace
+    wait to it passes that many times slower; with no lag as before. Before the passes are timed a row costs
+    ``PRIOR_ROW_COST`` verified tokens."""
+    from kvloom.spec_decode.adaptive import PRIOR_ROW_COST, DraftStats, probe_pace
 
     controller = _measured_at_64()
     per_token = (0.013 + 0.0008 * 64) / 64  # seconds a request's output token costs at 64 sequences
     assert controller.catch_up_tokens(200, 64) == pytest.approx(200 * 0.00003 / per_token)
     assert controller.catch_up_tokens(0, 64) == 0.0
-    assert _measured_at_64(passes=False).catch_up_tokens(200, 64) == 0.0
+    unpassed = _measured_at_64(passes=False)
+    assert unpassed.catch_up_tokens(200, 64) == pytest.approx(200 * PRIOR_ROW_COST * unpassed.threshold(64))
+    assert SpeculationController(4).catch_up_tokens(200, 64) == pytest.approx(200 * PRIOR_ROW_COST * 64 / 69)
     assert probe_pace(0.8, 0.8) == pytest.approx(0.125) and probe_pace(0.8) == pytest.approx(0.25)
 
     def first_probe(lag: int) -> int:
@@ -535,3 +538,47 @@ def test_the_scheduler_counts_a_model_drafters_lag_and_drafts_no_more_for_a_disa
     out = scheduler.schedule()
     assert [item.num_speculative_tokens for item in out.scheduled] == [0, 0]
     assert (sure.disabled, sure.lag, never.lag) == (True, 1, 7)
+
+
+def test_a_lagging_request_drafts_again_only_if_its_drafts_repay_the_catch_up() -> None:
+    """Drafts that pay a little per step (the prior 2/3 against a threshold just below) do not repay a pass
+    over 280 lagging tokens within ``CATCH_UP_HORIZON`` steps: no drafts, and no burst of catch-up passes
+    when a large batch's threshold dips. Drafts that pay a lot do; a request that does not lag drafts as
+    before."""
+    from kvloom.spec_decode.adaptive import CATCH_UP_HORIZON, DraftStats
+
+    controller = _measured_at_64()
+    threshold = controller._guess_threshold(64)
+    sure = DraftStats(first_held=99, first_tried=100, later_held=99, later_tried=100)
+    assert controller.num_drafts(DraftStats(lag=280), 64) == 0 and controller.num_drafts(sure, 64) == 4
+    dipped = 0.6  # a threshold the batch's step line can dip to
+    controller._guess_thresholds[64] = dipped
+    assert controller.num_drafts(DraftStats(), 64) == 1  # the prior 2/3 > 0.6
+    lagging = DraftStats(lag=280)
+    assert (2 / 3 - dipped) * CATCH_UP_HORIZON < controller.catch_up_tokens(280, 64)
+    assert controller.num_drafts(lagging, 64) == 0
+    sure.lag = 280
+    assert controller.num_drafts(sure, 64) == 4
+    assert threshold > dipped
+
+
+@pytest.mark.parametrize("caution", [True, False])
+def test_steps_of_nearly_one_size_do_not_fit_a_low_threshold(caution: bool, monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """64 sequences, compute-bound (~1 ms a token, ~65 ms a step), the machine's noise +-8 ms, and a draft or
+    two in a few steps: a slope through sizes 64-68 is mostly noise. Taken ``CAUTION`` standard errors high it
+    keeps the threshold near 1; the bare fit (traced at 0.2 ms a token, 51 ms fixed) made it ~0.3, and then
+    every request drafted at once."""
+    from kvloom.spec_decode import adaptive
+
+    if not caution:
+        monkeypatch.setattr(adaptive, "CAUTION", 0.0)
+    noise = [0.0, 6.0, -4.0, 8.0, -7.0, 2.0, -1.0, 5.0, -8.0, 3.0]
+    controller = SpeculationController(num_speculative_tokens=4)
+    for step in range(40):
+        drafts = {13: 2, 27: 4, 33: 1}.get(step, 0)
+        # A step with drafts happened to fall on quiet moments: the noise hides their cost.
+        seconds = 0.001 * (65 + drafts + (noise[step % 10] if not drafts else -6.0))
+        controller.record_step(64 + drafts, seconds, num_drafts=drafts)
+    threshold = controller.threshold(64)
+    assert threshold > 0.8 if caution else threshold < 0.5, threshold
