@@ -245,7 +245,11 @@ class Scheduler:
         room = min(self.num_lookahead_tokens, final_length - end)
         if room <= 0:
             return 0
-        return min(room, self.speculation.num_drafts(request.draft_stats, len(self.running),
+        # A request being admitted joins the batch the waiting queue is filling (when a burst arrives, the
+        # first admitted priced as a batch of 1 drafted at once, after a pass over its whole prompt).
+        batch = (len(self.running) if request.status == RequestStatus.RUNNING
+                 else min(self.max_num_seqs, len(self.running) + len(self.waiting)))
+        return min(room, self.speculation.num_drafts(request.draft_stats, batch,
                                                      request.sampling_params.seed is not None))
 
     def _limit_draft_passes(self, drafting: list[Request]) -> None:

@@ -582,3 +582,17 @@ def test_steps_of_nearly_one_size_do_not_fit_a_low_threshold(caution: bool, monk
         controller.record_step(64 + drafts, seconds, num_drafts=drafts)
     threshold = controller.threshold(64)
     assert threshold > 0.8 if caution else threshold < 0.5, threshold
+
+
+def test_a_request_admitted_with_a_burst_is_priced_as_the_batch_it_joins() -> None:
+    """32 requests arrive at once; those admitted first are priced as the batch the queue is filling (the
+    prior threshold at 32: 32 / 37 > the prior 2/3), not as a batch of 1: no drafts, no pass over their
+    prompts. A request alone drafts."""
+    for count, drafting in ((32, 0), (1, 1)):
+        kv = KVCacheManager(num_blocks=256, block_size=4)
+        scheduler = Scheduler(kv, max_num_seqs=32, max_num_batched_tokens=64, max_model_len=64,
+                              num_lookahead_tokens=3, speculation=SpeculationController(num_speculative_tokens=3))
+        for i in range(count):
+            scheduler.add_request(Request(str(i), [10 + i, 11, 12], SamplingParams(temperature=0, max_tokens=8)))
+        out = scheduler.schedule()
+        assert sum(1 for item in out.scheduled if item.num_speculative_tokens) == drafting
