@@ -146,6 +146,7 @@ def main() -> int:
         step_times: dict[str, dict[int, list[float]]] = {}
         tokens: dict[str, list] = {}
         acceptance: dict[str, str] = {}
+        drafter_shares: dict[str, list[tuple[float, int]]] = {}  # per run: (the drafter's share of it, its rows)
         for repeat in range(args.repeats):
             # Alternated: A B C, C B A, ... so slow drift of the shared machine falls on every config alike.
             order = list(configs.items())
@@ -159,10 +160,14 @@ def main() -> int:
                 before = llm.llm_engine.scheduler.stats()
                 if args.step_times:
                     _time_steps(llm, step_times.setdefault(name, {}))
+                drafter = _time_drafter(llm)
                 start = time.perf_counter()
                 outputs = generate(prompts, params, use_tqdm=False)
                 made = sum(len(o.outputs[0].token_ids) for o in outputs)
-                rates[name].append(made / (time.perf_counter() - start))
+                seconds = time.perf_counter() - start
+                rates[name].append(made / seconds)
+                if drafter is not None:
+                    drafter_shares.setdefault(name, []).append((drafter["seconds"] / seconds, drafter["rows"]))
                 print(f"  batch {batch} repeat {repeat + 1} {name}: {rates[name][-1]:.1f} tok/s, load "
                       f"{os.getloadavg()[0]:.1f}", flush=True)
                 tokens[name] = [o.outputs[0].token_ids for o in outputs]
@@ -189,6 +194,10 @@ def main() -> int:
             line.append(f"{name} {rate:.1f} ({' / '.join(f'{r:.1f}' for r in rates[name])}): {rate / plain:.2f}x "
                         f"(per pair {' / '.join(f'{r:.2f}' for r in pairs)}, median {statistics.median(pairs):.2f}x), "
                         f"{acceptance[name]}, same tokens: {tokens[name] == tokens['plain']}")
+            if name in drafter_shares:
+                shares = drafter_shares[name]
+                line[-1] += (f", the drafter's passes {100 * statistics.median(s for s, _ in shares):.1f}% of the run "
+                             f"over {statistics.median(r for _, r in shares):.0f} rows (medians)")
         print("; ".join(line), flush=True)
         for name, by_size in step_times.items():
             # Medians resist the steps the machine's other work delayed; sizes: tokens in the step, drafts included.
@@ -198,6 +207,27 @@ def main() -> int:
         step_times.clear()
     print(f"load average at end: {os.getloadavg()}", flush=True)
     return 0
+
+
+def _time_drafter(llm: LLM) -> dict[str, float] | None:
+    """Time a draft model's / EAGLE head's work after each step (its passes, and their rows: the tokens
+    it runs over), or None without one."""
+    runner = llm.llm_engine.executor.driver
+    proposer = getattr(runner, "proposer", None)
+    if proposer is None:
+        return None
+    totals = {"seconds": 0.0, "rows": 0}
+    propose = proposer.propose
+
+    def timed(requests, *args):
+        start = time.perf_counter()
+        drafts = propose(requests, *args)
+        totals["seconds"] += time.perf_counter() - start
+        totals["rows"] += sum(r.num_valid for r in requests)
+        return drafts
+
+    proposer.propose = timed
+    return totals
 
 
 def _time_steps(llm: LLM, by_size: dict[int, list[float]]) -> None:
