@@ -84,10 +84,13 @@ without it, nearly every request probed within its first ~100 tokens and the hea
 them.) A lagging request whose drafts would pay does not draft either unless what they gain over
 ``CATCH_UP_HORIZON`` steps repays its catch-up: as a batch of 64 filled up, or emptied as its requests
 finished, the threshold fell below the new requests' prior 2/3 and up to 55 of them drafted at once, each
-after a pass over its whole prompt (a 125 ms step where 67 ms was usual). Until the passes are timed a row
-costs ``PRIOR_ROW_COST`` verified tokens (else the 64 requests that started together probed together, at
-step ~36, after a 9,200-row pass). A step's time enters the cost fit within 1.5x of
-what the line predicts: the machine's other work delays steps at random, and one delayed step with drafts
+after a pass over its whole prompt (a 125 ms step where 67 ms was usual). And a probe from ``k_eff`` = 0
+brings a draft into a step that may have none: it pays the step line's ``jump`` and, for a model drafter,
+a pass's fixed cost too (``first_draft_tokens``, ~2 tokens' worth at batch 8 on this CPU), so its wait
+passes slower by that as well (EAGLE at batch 8 on chat questions: 0.82x -> 0.89x, drafts half as often).
+Until the passes are timed a row costs ``PRIOR_ROW_COST`` verified tokens (else the 64 requests that
+started together probed together, at step ~36, after a 9,200-row pass). A step's time enters the cost fit
+within 1.5x of what the line predicts: the machine's other work delays steps at random, and one delayed step with drafts
 must not make drafts look ruinous.
 
 Before the engine has timed decode steps of different sizes (at start-up, through the prompts' prefill),
@@ -319,6 +322,16 @@ class SpeculationController:
         row_cost = self.passes.slope / cost if self.passes.slope and cost else PRIOR_ROW_COST
         return lag * row_cost * self.threshold(num_running)
 
+    def first_draft_tokens(self, num_running: int) -> float:
+        """What a step's first draft costs besides its verified token, in output tokens' worth at a batch of
+        ``num_running``: the step line's ``jump`` and, for a model drafter, its first pass's fixed cost (0
+        before the line is measured)."""
+        line = self.step_line(num_running)
+        if line is None or not line.slope:
+            return 0.0
+        seconds = line.jump + (max(self.passes.fixed, 0.0) if self.passes.weight else 0.0)
+        return seconds * num_running / (max(line.fixed, 0.0) + line.slope * num_running)
+
     def _guess_threshold(self, num_running: int) -> float:
         """The same for a model drafter's draft, which also costs a row in one of its passes (for n-gram
         lookup, no passes: the same); computed once per batch size between timings."""
@@ -359,7 +372,9 @@ class SpeculationController:
         # that noise pushed up would otherwise stop speculation for good). The wait passes slower where even a
         # draft that always holds would gain little over its cost (module docstring).
         if stats.steps_to_probe > 1e-9:  # (a pace of 0.2 / 0.8 sums to a hair above 0)
-            stats.steps_to_probe -= probe_pace(threshold, self.catch_up_tokens(stats.lag, num_running))
+            extra = self.catch_up_tokens(stats.lag, num_running) + (self.first_draft_tokens(num_running) if k == 0
+                                                                     else 0.0)
+            stats.steps_to_probe -= probe_pace(threshold, extra)
             return k
         stats.steps_to_probe = stats.probe_interval
         stats.probe_interval = min(2 * stats.probe_interval, MAX_PROBE_INTERVAL)

@@ -512,8 +512,8 @@ def test_a_lagging_model_drafters_probe_is_priced_with_its_catch_up() -> None:
         return next(step for step in range(5000) if controller.num_drafts(never, num_running=64))
 
     fresh, lagging = first_probe(0), first_probe(200)
-    threshold = controller._guess_threshold(64)
-    assert lagging / fresh == pytest.approx((threshold + controller.catch_up_tokens(200, 64)) / threshold, rel=0.05)
+    base = controller._guess_threshold(64) + controller.first_draft_tokens(64)  # a probe's cost without lag
+    assert lagging / fresh == pytest.approx((base + controller.catch_up_tokens(200, 64)) / base, rel=0.05)
 
 
 def test_the_scheduler_counts_a_model_drafters_lag_and_drafts_no_more_for_a_disabled_request() -> None:
@@ -596,3 +596,27 @@ def test_a_request_admitted_with_a_burst_is_priced_as_the_batch_it_joins() -> No
             scheduler.add_request(Request(str(i), [10 + i, 11, 12], SamplingParams(temperature=0, max_tokens=8)))
         out = scheduler.schedule()
         assert sum(1 for item in out.scheduled if item.num_speculative_tokens) == drafting
+
+
+def test_a_probe_from_no_drafts_is_priced_with_the_steps_first_draft() -> None:
+    """At batch 8 a step's first draft costs a jump (~2 ms) and a model drafter's pass (~1 ms) besides its
+    verified token, ~2 tokens' worth: the wait to a probe from k_eff = 0 passes that much slower (a probe
+    from k_eff > 0 adds a draft to a step that has them, and waits as before)."""
+    from kvloom.spec_decode.adaptive import DraftStats, probe_pace
+
+    controller = SpeculationController(num_speculative_tokens=4)
+    for drafts in (0, 0, 1, 0, 3, 0, 2, 0, 0, 5, 0, 1) * 3:
+        seconds = 0.0136 + (0.002 + 0.001 * drafts if drafts else 0.0)
+        passes = [(8, 0.001 + 0.00003 * 8), (1, 0.001 + 0.00003)] if drafts else []
+        controller.record_step(8 + drafts, seconds + sum(t for _, t in passes), passes, num_drafts=drafts)
+    line = controller.step_line(8)
+    per_token = (line.fixed + 8 * line.slope) / 8
+    assert controller.first_draft_tokens(8) == pytest.approx((line.jump + controller.passes.fixed) / per_token)
+    assert controller.first_draft_tokens(8) > 1.5
+    threshold = controller._guess_threshold(8)
+    never = DraftStats(first_held=0.0, first_tried=10.0)
+    before = never.steps_to_probe
+    assert controller.num_drafts(never, num_running=8) == 0
+    assert before - never.steps_to_probe == pytest.approx(
+        probe_pace(threshold, controller.first_draft_tokens(8)))
+    assert SpeculationController(4).first_draft_tokens(8) == 0.0  # before any step is timed
