@@ -98,6 +98,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if self.speculation is not None:
+            request.draft_stats = self.speculation.new_stats(request.sampling_params.seed is not None)
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -294,7 +296,7 @@ class Scheduler:
                 # are computed again. Accepted: len(token_ids) - 1 drafts, then the target's own token.
                 accepted = len(token_ids) - 1
                 request.num_computed_tokens = item.num_computed_tokens + 1 + accepted
-                request.draft_stats.observe(item.num_draft_tokens, accepted, self.speculation.decay)
+                self.speculation.observe(request.draft_stats, item.num_draft_tokens, accepted)
                 self.num_drafts += 1
                 self.num_draft_tokens += item.num_draft_tokens
                 self.num_accepted_tokens += accepted

@@ -453,8 +453,8 @@ def test_the_scheduler_cuts_the_lookahead_to_the_passes_worth_running() -> None:
                               num_lookahead_tokens=4, speculation=controller)
         for name, held in (("a", 99.0), ("b", 1.0)):
             request = Request(name, list(range(10, 16)), SamplingParams(temperature=0, max_tokens=20))
-            request.draft_stats = DraftStats(first_held=held, first_tried=100, later_held=99, later_tried=100)
             scheduler.add_request(request)
+            request.draft_stats = DraftStats(first_held=held, first_tried=100, later_held=99, later_tried=100)
         out = scheduler.schedule()
         assert [item.num_speculative_tokens for item in out.scheduled] == expected
 
@@ -528,8 +528,8 @@ def test_the_scheduler_counts_a_model_drafters_lag_and_drafts_no_more_for_a_disa
     never = DraftStats(first_held=0.0, first_tried=100.0)
     for name, stats, first in (("sure", sure, 10), ("never", never, 30)):
         request = Request(name, list(range(first, first + 6)), SamplingParams(temperature=0, max_tokens=30))
-        request.draft_stats = stats
         scheduler.add_request(request)
+        request.draft_stats = stats
     out = scheduler.schedule()
     assert [item.num_speculative_tokens for item in out.scheduled] == [3, 0]
     assert (sure.lag, never.lag) == (0, 6)  # the prompt
@@ -620,3 +620,23 @@ def test_a_probe_from_no_drafts_is_priced_with_the_steps_first_draft() -> None:
     assert before - never.steps_to_probe == pytest.approx(
         probe_pace(threshold, controller.first_draft_tokens(8)))
     assert SpeculationController(4).first_draft_tokens(8) == 0.0  # before any step is timed
+
+
+def test_a_new_request_starts_from_the_rates_the_engines_requests_have_shown() -> None:
+    """A model drafter's guesses that hold about half the time at batch 8 should not be offered to each new
+    request at the optimistic 2/3 until its own misses teach it: a new request starts from the engine's
+    rates (after ~10 first drafts tried); a seeded one at 2/3, so that its tokens do not depend on others."""
+    controller = SpeculationController(num_speculative_tokens=4)
+    assert controller.new_stats().first_rate == pytest.approx(2 / 3)
+    for step in range(200):
+        stats = controller.new_stats()
+        controller.observe(stats, 2, 1 if step % 10 < 3 else 0)  # the first draft holds 30%, the second never
+    fresh = controller.new_stats()
+    assert 0.28 < fresh.first_rate < 0.35 and fresh.later_rate < 0.1 and fresh.first_tried == 3.0
+    assert controller.new_stats(seeded=True).first_rate == pytest.approx(2 / 3)
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, num_lookahead_tokens=3,
+                          speculation=controller)
+    request = Request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8))
+    scheduler.add_request(request)
+    assert request.draft_stats.first_rate == pytest.approx(fresh.first_rate)
