@@ -145,6 +145,7 @@ PRIOR_ROW_COST = 0.1
 # steps), weighing as much as this many tries (2/3 each until ~10 first drafts were tried).
 POPULATION_DECAY = 0.99
 PRIOR_TRIES = 3.0
+MIN_POPULATION_TRIES = 10.0
 CATCH_UP_HORIZON = 16  # steps of drafts that must repay a model drafter's catch-up (a probe's is paced instead)
 
 
@@ -258,6 +259,15 @@ class Line:
         self.slope, self.jump = slope + CAUTION * variance ** 0.5, 0.0
 
 
+@dataclass
+class Prices:
+    """What speculation costs at one batch size, in output tokens' worth (SpeculationController._prices_at)."""
+
+    guess_threshold: float  # the expected tokens a model drafter's guess must add: its verified token and row
+    row_tokens: float  # a row of a drafter's pass (what one lagging token's catch-up costs)
+    first_draft_tokens: float  # a step's first draft besides its verified token: the jump, a pass's fixed cost
+
+
 class SpeculationController:
     """Chooses ``k_eff`` per request and step (module docstring); no torch, owned by the scheduler."""
 
@@ -273,8 +283,8 @@ class SpeculationController:
         self.steps: dict[int, Line] = {}
         self.passes = Line()  # a draft model's / EAGLE head's passes: seconds against rows
         self.population = DraftStats()  # every request's drafts, for a new request's prior (new_stats)
-        # _guess_threshold per batch size, asked for every request of a step: kept until the next timing.
-        self._guess_thresholds: dict[int, float] = {}
+        # Prices per batch size, asked for every request of a step: kept until the next timing (_prices_at).
+        self._prices: dict[int, Prices] = {}
 
     # ---- acceptance -----------------------------------------------------------------------------
     def observe(self, stats: DraftStats, num_drafts: int, num_accepted: int) -> None:
@@ -287,7 +297,7 @@ class SpeculationController:
         """A new request's rates: the engine's requests' so far, weighing ``PRIOR_TRIES`` tries (a seeded
         request starts at 2/3, so that its drafts, and so its tokens, do not depend on other requests)."""
         population = self.population
-        if seeded or population.first_tried < 10:
+        if seeded or population.first_tried < MIN_POPULATION_TRIES:
             return DraftStats()
         return DraftStats(first_held=PRIOR_TRIES * population.first_rate, first_tried=PRIOR_TRIES,
                           later_held=PRIOR_TRIES * population.later_rate, later_tried=PRIOR_TRIES)
@@ -303,7 +313,7 @@ class SpeculationController:
         bucket = batch_bucket(num_tokens - num_drafts)  # a decode step: one known token per request
         for line in (bucket - 1, bucket):  # line b holds the steps of buckets b and b + 1
             self.steps.setdefault(line, Line()).add(num_tokens, seconds, 1 if num_drafts else 0)
-        self._guess_thresholds.clear()
+        self._prices.clear()
 
     def step_line(self, num_running: int = 1) -> Line | None:
         """The fitted step line for a batch of ``num_running`` (one token each, and their drafts): the line
@@ -339,35 +349,36 @@ class SpeculationController:
 
     def catch_up_tokens(self, lag: int, num_running: int) -> float:
         """What a model drafter's pass over ``lag`` tokens its KV trails by costs, in output tokens' worth at a
-        batch of ``num_running``: a row costs ``passes.slope / cost_per_token`` verified tokens
-        (``PRIOR_ROW_COST`` until both are measured), and a verified token ``threshold`` output tokens."""
-        if not lag:
-            return 0.0
-        cost = self.cost_per_token(num_running)
-        row_cost = self.passes.slope / cost if self.passes.slope and cost else PRIOR_ROW_COST
-        return lag * row_cost * self.threshold(num_running)
+        batch of ``num_running`` (``Prices.row_tokens`` a token)."""
+        return lag * self._prices_at(num_running).row_tokens if lag else 0.0
 
     def first_draft_tokens(self, num_running: int) -> float:
         """What a step's first draft costs besides its verified token, in output tokens' worth at a batch of
-        ``num_running``: the step line's ``jump`` and, for a model drafter, its first pass's fixed cost (0
-        before the line is measured)."""
-        line = self.step_line(num_running)
-        if line is None or not line.slope:
-            return 0.0
-        seconds = line.jump + (max(self.passes.fixed, 0.0) if self.passes.weight else 0.0)
-        return seconds * num_running / (max(line.fixed, 0.0) + line.slope * num_running)
+        ``num_running`` (``Prices.first_draft_tokens``)."""
+        return self._prices_at(num_running).first_draft_tokens
 
     def _guess_threshold(self, num_running: int) -> float:
-        """The same for a model drafter's draft, which also costs a row in one of its passes (for n-gram
-        lookup, no passes: the same); computed once per batch size between timings."""
-        threshold = self._guess_thresholds.get(num_running)
-        if threshold is None:
-            threshold = self.threshold(num_running)
-            cost = self.cost_per_token(num_running)
-            if self.passes.slope and cost:
-                threshold *= 1 + self.passes.slope / cost
-            self._guess_thresholds[num_running] = threshold
-        return threshold
+        """The threshold for a model drafter's draft, which also costs a row in one of its passes (for n-gram
+        lookup, no passes: ``threshold``)."""
+        return self._prices_at(num_running).guess_threshold
+
+    def _prices_at(self, num_running: int) -> Prices:
+        """The prices at a batch of ``num_running``, computed once per batch size between timings."""
+        prices = self._prices.get(num_running)
+        if prices is not None:
+            return prices
+        line = self.step_line(num_running)
+        threshold = self.threshold(num_running)
+        cost = None if line is None else line.slope
+        # A row of a pass in verified tokens: measured, or PRIOR_ROW_COST; a verified token is worth threshold.
+        row_cost = self.passes.slope / cost if self.passes.slope and cost else PRIOR_ROW_COST
+        first_draft = 0.0
+        if cost:
+            seconds = line.jump + (max(self.passes.fixed, 0.0) if self.passes.weight else 0.0)
+            first_draft = seconds / _token_seconds(line, num_running)
+        guess = threshold * (1 + row_cost) if self.passes.slope and cost else threshold
+        prices = self._prices[num_running] = Prices(guess, row_cost * threshold, first_draft)
+        return prices
 
     # ---- choice ---------------------------------------------------------------------------------
     def num_drafts(self, stats: DraftStats, num_running: int, seeded: bool = False) -> int:
@@ -419,7 +430,7 @@ class SpeculationController:
         cost = line.slope
         # An output token is worth a request's share of a step (seconds); a guess costs the token the target
         # verifies and a row of the pass.
-        worth = max(line.fixed, 0.0) / num_running + cost
+        worth = _token_seconds(line, num_running)
         per_guess = cost + (self.passes.slope or 0.0)
         pass_cost = max(self.passes.fixed, 0.0)
         depth = deepest
@@ -431,6 +442,12 @@ class SpeculationController:
                 break
             depth -= 1
         return depth
+
+
+def _token_seconds(line: Line, num_running: int) -> float:
+    """What an output token is worth in seconds at a batch of ``num_running``: a request's share of a step
+    without drafts (``line`` has a slope)."""
+    return max(line.fixed, 0.0) / num_running + line.slope
 
 
 def _residual(total: float, explained: float) -> float:

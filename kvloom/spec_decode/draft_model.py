@@ -20,8 +20,9 @@ catch-up (hidden size x 2 bytes a token, x3 for EAGLE-3's three layers); past ``
 catches up anyway. A block filled while the draft lagged holds no draft KV, so the runner tracks, per block,
 whether its draft KV is complete (``ModelRunner.draft_complete``): a request whose prefix-cache hit starts
 with incomplete blocks starts its draft KV at the first of them (a draft model runs over the tokens from
-there; an EAGLE head, which would need the target's hidden states of positions it never computed, drafts no
-more for that request). Once up to date the draft's KV is valid wherever the target's is (and
+there; an EAGLE head, which would need the target's hidden states of positions it never computed, guesses
+only once the request that filled those blocks has completed them, and drafts no more for it after
+``MAX_DRAFT_LAG`` tokens without). Once up to date the draft's KV is valid wherever the target's is (and
 one past). The guesses' own KV sits in
 slots past the request's tokens, which the scheduler reserves (``num_lookahead_tokens``); a rejected guess's
 slot is simply written again later, as the target's is. Guesses are greedy (argmax), so the rejection

@@ -428,7 +428,8 @@ class ModelRunner:
         self._clear_draft_complete(items)
         failed = set(output.failed_request_ids)
         reads_hidden = self.proposer.reads_hidden_states
-        wanted: list[tuple[int, ScheduledRequest, RequestState, int]] = []  # (row in items, item, state, end)
+        # (row in items, item, state, end, guesses asked)
+        wanted: list[tuple[int, ScheduledRequest, RequestState, int, int]] = []
         lagging: list[tuple[RequestState, int, int]] = []  # (state, first row in hidden, rows)
         for i, item in enumerate(items):
             new_tokens = output.sampled_token_ids.get(item.request_id)
@@ -446,17 +447,18 @@ class ModelRunner:
                 self._resume_draft(state, item.block_ids, start)
             end = start + num_valid  # the draft's KV is to hold positions < end
             speculates = item.samples and can_speculate(state.sampling_params, len(state.output_token_ids))
-            if (speculates and item.num_speculative_tokens) or (reads_hidden and end - state.draft_hidden_start
-                                                                 >= MAX_DRAFT_LAG):
-                wanted.append((i, item, state, end))
+            max_drafts = item.num_speculative_tokens if speculates else 0
+            if max_drafts or (reads_hidden and end - state.draft_hidden_start >= MAX_DRAFT_LAG):
+                wanted.append((i, item, state, end, max_drafts))
             elif reads_hidden and num_valid:
                 lagging.append((state, query_start_loc[i], num_valid))
-        included: list[tuple[int, ScheduledRequest, RequestState, int]] = []
+        included: list[tuple[int, ScheduledRequest, RequestState, int, int]] = []
         # Those whose draft KV is whole first: their passes complete blocks that another's hit may begin with
         # (the same pass writes them before its attention reads them).
-        for i, item, state, end in sorted(wanted, key=lambda w: w[2].draft_computed < w[2].draft_hidden_start):
+        for i, item, state, end, max_drafts in sorted(wanted, key=lambda w: w[2].draft_computed
+                                                      < w[2].draft_hidden_start):
             if self._close_gap(state, item.block_ids):
-                included.append((i, item, state, end))
+                included.append((i, item, state, end, max_drafts))
                 self._mark_draft_complete(item.block_ids, state.draft_computed, end)
                 continue
             # A gap at the start of its prefix-cache hit that no pass has filled yet: it cannot guess now.
@@ -475,11 +477,11 @@ class ModelRunner:
                 offset += n
         if not included:
             return [], hidden
-        waiting_rows = [h for _, _, state, _ in included for h in state.draft_hidden] if reads_hidden else []
+        waiting_rows = [h for _, _, state, _, _ in included for h in state.draft_hidden] if reads_hidden else []
         target_hidden = torch.cat([hidden, *waiting_rows]) if waiting_rows else hidden
         next_row = hidden.shape[0]
         requests = []
-        for i, item, state, end in included:
+        for i, item, state, end, max_drafts in included:
             first = state.draft_computed
             rows: list[int] = []
             if reads_hidden:
@@ -487,9 +489,8 @@ class ModelRunner:
                     rows.extend(range(next_row, next_row + len(chunk)))
                     next_row += len(chunk)
                 rows.extend(range(query_start_loc[i], query_start_loc[i] + end - item.num_computed_tokens))
-            speculates = item.samples and can_speculate(state.sampling_params, len(state.output_token_ids))
             requests.append(DraftRequest(item.request_id, first, _token_slice(state, first, end + 1), end - first,
-                                         item.block_ids, rows, item.num_speculative_tokens if speculates else 0))
+                                         item.block_ids, rows, max_drafts))
             state.draft_computed = state.draft_hidden_start = end
             state.draft_hidden = []
         return requests, target_hidden
@@ -520,9 +521,7 @@ class ModelRunner:
         there. EAGLE also needs the target's hidden states of those positions: a readmitted request may have
         kept some; positions between the complete blocks and its rows are a gap (``draft_computed <
         draft_hidden_start``) that only the pass of the request that filled those blocks can close."""
-        size, complete = self.block_size, 0
-        while complete + size <= start and self.draft_complete[block_ids[complete // size]]:
-            complete += size
+        complete = self._complete_until(block_ids, 0, start)  # a hit is whole blocks: start is a block's start
         old, rows = state.draft_hidden_start, state.draft_hidden
         if not self.proposer.reads_hidden_states:
             state.draft_hidden_start, state.draft_hidden = complete, []
@@ -536,14 +535,16 @@ class ModelRunner:
     def _close_gap(self, state: RequestState, block_ids: list[int]) -> bool:
         """Whether the draft's KV is whole up to the request's waiting rows (a gap's blocks may have been
         completed since, by their own request's pass)."""
-        size, computed = self.block_size, state.draft_computed
-        while computed < state.draft_hidden_start and self.draft_complete[block_ids[computed // size]]:
-            computed = (computed // size + 1) * size
-        if computed < state.draft_hidden_start:
-            state.draft_computed = computed
-            return False
-        state.draft_computed = state.draft_hidden_start
-        return True
+        state.draft_computed = self._complete_until(block_ids, state.draft_computed, state.draft_hidden_start)
+        return state.draft_computed == state.draft_hidden_start
+
+    def _complete_until(self, block_ids: list[int], position: int, end: int) -> int:
+        """How far from ``position`` (a block's start, or inside a complete run) the blocks' draft KV is
+        complete, at most ``end``."""
+        size = self.block_size
+        while position < end and self.draft_complete[block_ids[position // size]]:
+            position = (position // size + 1) * size
+        return min(position, end)
 
     def _draft_inputs(self, items: list[ScheduledRequest], sliding_window: int | None
                       ) -> tuple[list[ScheduledRequest], ModelInputs]:

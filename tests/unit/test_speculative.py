@@ -552,7 +552,7 @@ def test_a_lagging_request_drafts_again_only_if_its_drafts_repay_the_catch_up() 
     sure = DraftStats(first_held=99, first_tried=100, later_held=99, later_tried=100)
     assert controller.num_drafts(DraftStats(lag=280), 64) == 0 and controller.num_drafts(sure, 64) == 4
     dipped = 0.6  # a threshold the batch's step line can dip to
-    controller._guess_thresholds[64] = dipped
+    controller._prices_at(64).guess_threshold = dipped
     assert controller.num_drafts(DraftStats(), 64) == 1  # the prior 2/3 > 0.6
     lagging = DraftStats(lag=280)
     assert (2 / 3 - dipped) * CATCH_UP_HORIZON < controller.catch_up_tokens(280, 64)
