@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= SmolLM2-135M-Instruct
 
-.PHONY: setup test serve generate lint bench clean
+.PHONY: setup test test-isa-levels serve generate lint bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,8 +20,25 @@ $(BIN)/.installed: pyproject.toml
 
 setup: $(BIN)/.installed
 
+# The tests whose fast paths depend on the CPU's ISA level (ops against their references, greedy against
+# transformers); `make test` runs them again under each level below the CPU's own (KVLOOM_CPU_ISA).
+ISA_TESTS := tests/unit/test_ops.py tests/unit/test_cpu_attention.py tests/unit/test_gemm.py \
+	tests/unit/test_int8_ops.py tests/unit/test_layer_stack.py tests/unit/test_cpu_capability.py \
+	tests/e2e/test_correctness.py
+
 test: setup
+	# The CPU kernels are compiled once, up front, for this CPU's level (not inside a test's time limit).
+	$(BIN)/python -c "from kvloom.ops import cpu; cpu.load_cpu_kernel()"
 	$(BIN)/pytest -q tests --durations=10
+	$(MAKE) --no-print-directory test-isa-levels
+
+test-isa-levels: setup
+	@for level in $$($(BIN)/python -c "from kvloom.cpu_capability import LEVELS, cpu_capability as c; \
+	    print(' '.join(LEVELS[:LEVELS.index(c().detected)]))"); do \
+	  echo "== the ISA-dependent tests at KVLOOM_CPU_ISA=$$level"; \
+	  KVLOOM_CPU_ISA=$$level $(BIN)/python -c "from kvloom.ops import cpu; cpu.load_cpu_kernel()" || exit 1; \
+	  KVLOOM_CPU_ISA=$$level $(BIN)/pytest -q $(ISA_TESTS) || exit 1; \
+	done
 
 lint: setup
 	$(BIN)/ruff check .

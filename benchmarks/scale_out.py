@@ -21,8 +21,9 @@ router: sequential requests (16-token prompt, 8 greedy tokens, streamed as delta
     With ``--baseline-root`` (another checkout, e.g. main before a change) the router of that checkout
     runs too, in the same alternation (direct, router there, router here), against the same direct runs.
 replicas: the standard workload (SmolLM2-135M, the default model) sent all at once, N concurrent
-    requests, through ``ReplicaRouter`` with 2 replicas each with ``num_threads`` 1 (each pinned to a
-    core) against one ``AsyncLLM`` with ``num_threads`` 1: output tokens/s and the ratio (target >= 1.6x).
+    requests, through ``ReplicaRouter`` with 2 replicas each with ``num_threads`` 1, pinned to a core each
+    (``cpu_omp_threads_bind`` "0|1"), against one ``AsyncLLM`` with ``num_threads`` 1 pinned to one core
+    ("0"): output tokens/s and the ratio (target >= 1.6x).
 
 The machine is shared and noisy (other work runs on its 2 cores): read the spread, not only the median.
 """
@@ -119,14 +120,15 @@ def child_executor(args: argparse.Namespace) -> dict[str, Any]:
             "median_step_ms": 1e3 * statistics.median(step_seconds), "output_tok_s": generated / wall}
 
 
-def _engine(args: argparse.Namespace, data_parallel_size: int, max_num_seqs: int) -> Any:
+def _engine(args: argparse.Namespace, data_parallel_size: int, max_num_seqs: int,
+            cpu_omp_threads_bind: str = "auto") -> Any:
     from kvloom.config import EngineConfig
     from kvloom.engine.async_engine import AsyncLLM
 
     config = EngineConfig(model=args.model, dtype="bfloat16" if args.bf16 else "float32",
                           max_model_len=1024 if args.bf16 else 256,
                           max_num_seqs=max_num_seqs, seed=0, data_parallel_size=data_parallel_size,
-                          override_backend_config={"num_threads": 1})
+                          override_backend_config={"num_threads": 1}, cpu_omp_threads_bind=cpu_omp_threads_bind)
     if data_parallel_size > 1:
         from kvloom.entrypoints.openai.router import ReplicaRouter
 
@@ -164,9 +166,12 @@ def child_router(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def child_replicas(args: argparse.Namespace) -> dict[str, Any]:
+    from kvloom import cpu_affinity
     from kvloom.bench.workload import make_workload
 
-    engine = _engine(args, args.dp, max_num_seqs=args.n)
+    # One core per replica, and one core for the lone engine too: the first usable ones.
+    cores = cpu_affinity.usable_cpus()[:args.dp]
+    engine = _engine(args, args.dp, max_num_seqs=args.n, cpu_omp_threads_bind="|".join(map(str, cores)))
     prompts = make_workload(args.n)
 
     async def run() -> tuple[float, int]:

@@ -10,6 +10,19 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+
+def _cap_torch_cpu_level() -> None:
+    """KVLOOM_CPU_ISA reaches torch's own kernels only if set before torch's first CPU op: now."""
+    from kvloom import cpu_capability
+
+    try:
+        cpu_capability.apply_to_torch()
+    except ValueError:  # a level this CPU lacks: the engine says so when it starts
+        pass
+
+
+_cap_torch_cpu_level()
+
 _EXPORTS = {
     "LLM": "kvloom.llm",
     "SamplingParams": "kvloom.sampling_params",

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from kvloom import envs
+from kvloom import cpu_affinity, envs
 from kvloom.ops import ATTENTION_BACKENDS
 
 if TYPE_CHECKING:
@@ -357,6 +357,12 @@ class EngineConfig:
         "how tensor-parallel ranks run: 'mp' (processes on this machine) or 'ray' (Ray actors, across machines)"))
     data_parallel_size: int = field(default=1, metadata=_help(
         "engine replicas behind one server, each with its own tensor-parallel group"))
+    # None: KVLOOM_CPU_OMP_THREADS_BIND, else "auto" (validate() settles it, so an explicit "auto" wins too).
+    cpu_omp_threads_bind: str | None = field(default=None, metadata=_help(
+        "on the CPU, the cores of each engine process on this host (tensor-parallel ranks, data-parallel "
+        "replicas; vLLM's VLLM_CPU_OMP_THREADS_BIND): 'auto' (several processes: equal shares of the usable "
+        "cores), 'nobind', or one CPU list per process separated by '|', e.g. '0-3|4-7' "
+        "(default: KVLOOM_CPU_OMP_THREADS_BIND, else auto)"))
     quantization: str | None = field(default=None, metadata=_help(
         "weight quantization: 'int8' (per-channel int8 weights, quantized at load; 's8' is the seeds' name)"))
     quantized_checkpoint_path: str | None = field(default=None, metadata=_help(
@@ -419,6 +425,7 @@ class EngineConfig:
             if not ray_installed():
                 raise ValueError(f"distributed_executor_backend='ray' needs Ray, which is not installed; "
                                  f"{INSTALL_HINT}")
+        self._settle_cpu_omp_threads_bind()
         self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not (
                 0 < self.gpu_memory_utilization <= 1):
@@ -443,6 +450,19 @@ class EngineConfig:
                                                               self.num_speculative_tokens,
                                                               self.speculative_max_model_len,
                                                               self.speculative_disable_by_batch_size)
+
+    def _settle_cpu_omp_threads_bind(self) -> None:
+        """The argument, else KVLOOM_CPU_OMP_THREADS_BIND, else "auto"; its syntax checked (whether its
+        cores exist and its lists match the engine processes is checked at start, cpu_affinity.plan)."""
+        if self.cpu_omp_threads_bind is None:
+            variable = envs.get("KVLOOM_CPU_OMP_THREADS_BIND")
+            try:
+                cpu_affinity.parse_setting(variable or cpu_affinity.AUTO)
+            except ValueError as error:
+                raise ValueError(f"KVLOOM_CPU_OMP_THREADS_BIND: {error}") from None
+            self.cpu_omp_threads_bind = variable or cpu_affinity.AUTO
+        if cpu_affinity.parse_setting(self.cpu_omp_threads_bind) is None:  # a keyword: one spelling
+            self.cpu_omp_threads_bind = self.cpu_omp_threads_bind.strip().lower()
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

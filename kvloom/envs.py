@@ -12,10 +12,15 @@ from pathlib import Path
 ENVIRONMENT_VARIABLES: dict[str, str] = {
     "KVLOOM_API_KEY": "API key the server requires on /v1/* (same as --api-key)",
     "KVLOOM_NUM_THREADS": "torch intra-op threads on the CPU (default: all cores)",
+    "KVLOOM_CPU_OMP_THREADS_BIND": "the cores of each engine process on this host (vLLM's VLLM_CPU_OMP_THREADS_BIND; "
+    "same as --cpu-omp-threads-bind): auto (default), nobind, or one CPU list per process separated by |, "
+    "e.g. 0-3|4-7",
     "KVLOOM_CPU_THREAD_POOL": "1: the CPU kernels run their loops on kvloom's own thread pool, which never waits "
     "for a descheduled thread (for a box shared with other busy processes); default 0: torch's OpenMP threads",
     "KVLOOM_CPU_LAYER_STACK": "0: a Llama model's decoder layers run one torch op at a time on the CPU; default 1: "
     "all of them in one native call (csrc/decoder.cpp; the same kernels, no Python between them)",
+    "KVLOOM_CPU_ISA": "avx512, avx2 or generic: run as on a CPU with at most that instruction set (kvloom's kernels "
+    "are built for it, torch's ATen and oneDNN capped to it); default: what the CPU has (kvloom env shows it)",
     "KVLOOM_LOGGING_LEVEL": "log level of the kvloom logger (default INFO)",
     "KVLOOM_CACHE_DIR": "folder for kvloom's on-disk caches; compiled CPU kernels go to its extensions/ "
     "(default ~/.cache/kvloom)",

@@ -19,10 +19,11 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvloom.cpu_capability import cpu_capability
 from kvloom.engine.output_processor import FinishedRequestStats, IterationStats
 from kvloom.engine.scheduler import SchedulerStats
 
@@ -157,6 +158,13 @@ class EngineMetrics:
                                   registry=self.registry)
         self.request_success = {reason: request_success.labels(model_name, reason)
                                 for reason in FINISH_REASONS}
+        # The CPU the engine runs on and the ISA level its kernels use (kvloom env has the whole report).
+        capability = cpu_capability()
+        Info("kvloom:cpu", "The host CPU, its detected ISA level and the level in force (KVLOOM_CPU_ISA).",
+             registry=self.registry).info({
+                 "model_name": model_name, "cpu_model": capability.model_name,
+                 "architecture": capability.architecture, "isa_detected": capability.detected,
+                 "isa_level": capability.level, "features": " ".join(capability.features)})
 
     def observe_iteration(self, stats: IterationStats) -> None:
         """What the engine's steps did: first tokens, gaps between a request's steps, finished requests."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -9,6 +11,9 @@ from contextlib import contextmanager
 import torch
 
 from kvloom.config import EngineConfig
+from kvloom.cpu_capability import cpu_capability, torch_level_mismatch
+
+logger = logging.getLogger("kvloom")
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -24,17 +29,23 @@ def resolve_device(requested: str) -> torch.device:
             raise ValueError(f"device {requested!r} does not exist: torch sees "
                              f"{torch.cuda.device_count()} GPU(s)")
         return device
+    cpu_capability()  # a KVLOOM_CPU_ISA this CPU lacks is a ValueError here, before anything is built
     return torch.device("cpu")
 
 
 def resolve_dtype(requested: str, stored: str | None, device: torch.device) -> torch.dtype:
-    """'auto': bfloat16 for checkpoints stored in 16 bits or quantized, float32 for float32 ones."""
+    """'auto': bfloat16 for checkpoints stored in 16 bits or quantized, float32 for float32 ones; on a CPU
+    bfloat16 only where it has a fast bf16 product (kvloom's GEMM: AVX512-BF16 or AVX2; oneDNN's: AVX-512),
+    float32 elsewhere (the generic level: torch's bf16 products there are several times slower than its fp32
+    ones)."""
     if requested != "auto":
         dtype = getattr(torch, requested)
     elif stored == "float32":
         dtype = torch.float32
     elif stored == "float16" and device.type == "cuda":
         dtype = torch.float16
+    elif device.type == "cpu" and not cpu_has_fast_bf16():
+        dtype = torch.float32
     else:
         dtype = torch.bfloat16
     if dtype == torch.float16 and device.type == "cpu":
@@ -42,9 +53,38 @@ def resolve_dtype(requested: str, stored: str | None, device: torch.device) -> t
     return dtype
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether a bf16 linear layer runs one of the fast packed GEMMs on this CPU (ops/cpu.py linear_format)."""
+    from kvloom.ops import cpu
+
+    return cpu.linear_format(torch.bfloat16) is not None
+
+
+@functools.cache
+def log_cpu_capability() -> None:
+    """Once per process: what the CPU offers and what kvloom runs on it (kvloom env shows more)."""
+    from kvloom.ops import cpu
+
+    logger.info("CPU: %s; kernels: %s", cpu_capability().describe(), cpu.compiled_isa() or "none built")
+    mismatch = torch_level_mismatch()
+    if mismatch:
+        logger.warning("%s", mismatch)
+
+
 def configure_host(config: EngineConfig, device: torch.device) -> None:
+    """On the CPU: torch's thread count, and a one-rank engine's cores when cpu_omp_threads_bind names them
+    (with several ranks the tensor-parallel executor pins each; a replica's router hands it its list)."""
     if device.type == "cpu":
+        from kvloom import cpu_affinity
+
+        log_cpu_capability()
         threads = config.backend.num_threads or os.cpu_count() or 1
+        if config.tensor_parallel_size == 1:
+            cpus = cpu_affinity.plan(config.cpu_omp_threads_bind, 1, cpu_affinity.usable_cpus())[0]
+            if cpus is not None and cpu_affinity.bind(cpus):
+                threads = config.backend.num_threads or len(cpus)
+                logger.info("pinned to CPU core(s) %s, %d torch thread(s)", cpu_affinity.format_cpu_list(cpus),
+                            threads)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 

@@ -13,6 +13,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# KVLOOM_CPU_ISA (make test-isa-levels) caps torch's own kernels only if applied before torch's first CPU op.
+from kvloom import cpu_capability  # noqa: E402
+
+cpu_capability.apply_to_torch()
+
 import torch  # noqa: E402
 
 # Without a GPU, the Triton kernels run in Triton's interpreter on CPU tensors. The variable is read

@@ -7,7 +7,7 @@ prompts (non-streaming, max_tokens 128, temperature 0, ignore_eos, cache_prompt 
 is from the first send to the last response. Start-up is launch -> /health ready; the first token
 adds one 1-token request. The result has the same fields as ``benchmarks/throughput.py``.
 
-    .venv/bin/python benchmarks/peers/llamacpp_throughput.py [-n 64] [--gguf bf16|q4_1|PATH] [--json out]
+    .venv/bin/python benchmarks/peers/llamacpp_throughput.py [-n 64] [--gguf bf16|f16|q8_0|q4_1|PATH] [--json out]
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--gguf", default="bf16", help="bf16 (default), q4_1 or a GGUF path")
+    parser.add_argument("--gguf", default="bf16",
+                        help="bf16 (default), f16, q8_0 (.peers/smollm2-*.gguf), q4_1 or a GGUF path")
     parser.add_argument("--port", type=int, default=8081)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--server-arg", action="append", default=[])

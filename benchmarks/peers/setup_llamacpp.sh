@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # llama.cpp's llama-server and llama-quantize, built from the vendored sources of the llama-cpp-python sdist.
 # Idempotent: skips what exists. Output: .peers/llamacpp/bin/llama-server, llama-quantize, the bf16 GGUF
-# and its Q8_0 made by llama-quantize (.peers/smollm2-q8_0.gguf, the peer of kvloom's int8).
+# (.peers/smollm2-bf16.gguf), an F16 GGUF of the same checkpoint (.peers/smollm2-f16.gguf, llama.cpp's
+# usual 16-bit float type) and the Q8_0 made from the bf16 by llama-quantize (.peers/smollm2-q8_0.gguf,
+# the peer of kvloom's int8).
 #
 #   bash benchmarks/peers/setup_llamacpp.sh
 #   .peers/llamacpp/bin/llama-server -m .peers/smollm2-bf16.gguf -np 64 -cb -t 2 -c 65536 --port 8081
+#   .venv/bin/python benchmarks/peers/llamacpp_throughput.py --gguf f16|q8_0|bf16|PATH
 #
-# The bf16 GGUF is made by make_hf_checkpoint.py (HF checkpoint) and then llama.cpp's
-# convert_hf_to_gguf.py: `bash benchmarks/peers/setup_llamacpp.sh` does both when the main venv exists.
+# The bf16 and F16 GGUFs are made by make_hf_checkpoint.py (HF checkpoint) and then llama.cpp's
+# convert_hf_to_gguf.py (--outtype bf16 / f16): `bash benchmarks/peers/setup_llamacpp.sh` does both
+# when the main venv exists.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 DEST="$ROOT/.peers/llamacpp"
@@ -25,8 +29,8 @@ if [ ! -x "$DEST/bin/llama-server" ] || [ ! -x "$DEST/bin/llama-quantize" ]; the
         mv "$DEST"/sdist/llama_cpp_python-*/vendor/llama.cpp "$DEST/src"
         rm -rf "$DEST/sdist"
     fi
-    # LLAMA_CURL=OFF: no downloads at run time (and no libcurl needed). GGML_NATIVE uses this CPU's
-    # AVX-512 / bf16 instructions.
+    # LLAMA_CURL=OFF: no downloads at run time (and no libcurl needed). GGML_NATIVE builds for this
+    # CPU's own instruction set (-march=native: AVX2 here, AVX-512 / bf16 where the CPU has them).
     cmake -S "$DEST/src" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
         -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
         -DBUILD_SHARED_LIBS=OFF
@@ -47,6 +51,17 @@ if [ ! -f "$GGUF" ]; then
         --outtype bf16 --outfile "$GGUF"
 fi
 echo "bf16 GGUF: $GGUF"
+
+# The F16 GGUF of the same HF checkpoint (its bf16 weights fit f16's wider mantissa exactly, except
+# magnitudes outside f16's normal range, below 6.1e-5 or above 65504).
+F16="$ROOT/.peers/smollm2-f16.gguf"
+if [ ! -f "$F16" ]; then
+    [ -f "$HF/config.json" ] || bash "$ROOT/benchmarks/peers/setup_transformers.sh"
+    "$PY" -c "import sentencepiece" 2>/dev/null || "$PY" -m pip install -q sentencepiece
+    PYTHONPATH="$DEST/src/gguf-py" "$PY" "$DEST/src/convert_hf_to_gguf.py" "$HF" \
+        --outtype f16 --outfile "$F16"
+fi
+echo "F16 GGUF: $F16"
 
 # llama.cpp's own Q8_0 of the same weights (what its users run when they quantize to 8 bits).
 Q8="$ROOT/.peers/smollm2-q8_0.gguf"

@@ -35,6 +35,7 @@ import threading
 import time
 from multiprocessing.connection import Client, Connection
 
+from kvloom import cpu_affinity
 from kvloom.config import EngineConfig, parse_overrides
 from kvloom.engine.async_engine import AsyncLLM, _Add, _Stream
 from kvloom.engine.input_processor import EngineRequest
@@ -58,16 +59,21 @@ class ReplicaSpec:
     log_level: str = "info"
     stats_interval: float = 10.0
     log_requests: bool = True
-    cpus: tuple[int, ...] | None = None  # CPU cores to pin a local replica to
+    # CPU cores to pin a local replica's process to: the union of its ranks' cores (their own lists are
+    # its config's cpu_omp_threads_bind)
+    cpus: tuple[int, ...] | None = None
 
 
-def replica_config(config: EngineConfig, device: str, num_threads: int | None) -> EngineConfig:
-    """A replica's engine config: one replica on ``device`` (the router resolved "auto"), and
-    ``num_threads`` torch threads when given."""
+def replica_config(config: EngineConfig, device: str, num_threads: int | None,
+                   cpu_omp_threads_bind: str = cpu_affinity.NO_BIND) -> EngineConfig:
+    """A replica's engine config: one replica on ``device`` (the router resolved "auto"),
+    ``num_threads`` torch threads when given, and its own ranks' CPU lists (the router's plan for them,
+    or "nobind")."""
     overrides = dict(parse_overrides(config.override_backend_config))
     if num_threads is not None:
         overrides["num_threads"] = num_threads
-    return dataclasses.replace(config, data_parallel_size=1, device=device, override_backend_config=overrides or None)
+    return dataclasses.replace(config, data_parallel_size=1, device=device, override_backend_config=overrides or None,
+                               cpu_omp_threads_bind=cpu_omp_threads_bind)
 
 
 def portable_error(error: BaseException) -> BaseException:
@@ -105,8 +111,8 @@ def run_replica(spec: ReplicaSpec) -> None:
     """A replica's whole life: connect, build the engine, serve the router until told to stop or
     until the router is gone. Runs in a spawned process or a Ray actor."""
     _set_up_logging(spec.index, spec.log_level)
-    if spec.cpus and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, spec.cpus)
+    if spec.cpus:  # before the engine starts a thread; its torch threads follow its config (configure_host)
+        cpu_affinity.bind(spec.cpus)
     conn = no_delay(Client(spec.address, authkey=spec.authkey))
     conn.send(("hello", spec.index, os.getpid()))
     outbox = _Outbox(conn)

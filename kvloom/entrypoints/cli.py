@@ -93,6 +93,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return module.main(args.bench_args) or 0
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    from kvloom.collect_env import main as collect_env
+
+    return collect_env(as_json=args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvloom", description="kvloom: LLM inference and serving "
                                      "with continuous batching over a paged KV cache")
@@ -124,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("bench_kind", choices=["throughput", "latency", "serve"])
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     bench.set_defaults(func=cmd_bench)
+
+    env = sub.add_parser("env", help="report the machine (CPU ISA level, torch, kernels, ops chosen) for bug reports")
+    env.add_argument("--json", action="store_true", help="print the report as JSON")
+    env.set_defaults(func=cmd_env)
     return parser
 
 

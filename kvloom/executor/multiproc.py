@@ -12,6 +12,11 @@
                sample (rank 0 only)              wait for the next inputs
     shutdown ─────────────────────────────────> exit; the driver joins them
 
+On the CPU each rank is pinned to its own cores (``cpu_omp_threads_bind``, ``kvloom/cpu_affinity.py``):
+by default an equal share of the usable cores, rank 0 (the engine's own process, every thread of it)
+included, its earlier cores given back at shutdown; each rank runs as many torch threads as it has
+cores, unless ``num_threads`` says otherwise.
+
 Each step's inputs go through a pipe per worker as one pickle whose tensors travel as numpy arrays
 (about 60 us for a decode batch, measured against ~3 ms for torch.distributed.broadcast_object_list
 over gloo on the same machine), and the worker waits on the pipe with no timeout, so an idle engine
@@ -48,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kvloom import cpu_affinity
 from kvloom.config import ResolvedConfig
 from kvloom.executor.base import LockstepExecutor
 from kvloom.layers.quantization import keeps_q8_0_blocks
@@ -145,6 +151,14 @@ def threads_per_rank(config: ResolvedConfig, world_size: int) -> int:
     return max(1, (config.engine.backend.num_threads or os.cpu_count() or 1) // world_size)
 
 
+def rank_threads(config: ResolvedConfig, world_size: int, cpus: tuple[int, ...] | None) -> int:
+    """A rank's torch threads: one per core it is pinned to, unless backend.num_threads was given
+    (then, as unpinned, ``threads_per_rank``)."""
+    if cpus is not None and config.engine.backend.num_threads is None:
+        return len(cpus)
+    return threads_per_rank(config, world_size)
+
+
 def build_rank_runner(config: ResolvedConfig, device: torch.device, rank: int, world_size: int,
                       group: ProcessGroupLike) -> ModelRunner:
     """A runner holding rank's shard. Its model_config becomes the rank's view (its heads), which
@@ -169,7 +183,10 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 
 def _worker_main(rank: int, world_size: int, store_port: int, backend: str, config: ResolvedConfig,
-                 device: torch.device, threads: int, parent_pid: int, conn: Connection) -> None:
+                 device: torch.device, threads: int, cpus: tuple[int, ...] | None, parent_pid: int,
+                 conn: Connection) -> None:
+    if cpus is not None:  # first: every thread started from here on inherits the cores
+        cpu_affinity.bind(cpus)
     # Ctrl-C reaches the whole process group; the driver decides how the workers end.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
@@ -297,8 +314,9 @@ class WorkerSet:
         return [answers[rank] for rank in sorted(answers)]
 
 
-def _stop(workers: WorkerSet, groups: list[ProcessGroupLike]) -> None:
-    """Ask the workers to leave, join them (terminate stragglers), drop the process group.
+def _stop(workers: WorkerSet, groups: list[ProcessGroupLike], driver_cpus: tuple[int, ...] | None) -> None:
+    """Ask the workers to leave, join them (terminate stragglers), drop the process group, and give the
+    driver's process back the cores it had before rank 0 was pinned (``driver_cpus``; None: it was not).
 
     Module-level on purpose: weakref.finalize and atexit hold it, and it must not hold the executor.
     """
@@ -322,6 +340,9 @@ def _stop(workers: WorkerSet, groups: list[ProcessGroupLike]) -> None:
         with contextlib.suppress(Exception):
             group.shutdown()
     groups.clear()
+    if driver_cpus is not None:
+        with contextlib.suppress(OSError):
+            cpu_affinity.bind(driver_cpus)
 
 
 class MultiprocExecutor(LockstepExecutor):
@@ -336,9 +357,12 @@ class MultiprocExecutor(LockstepExecutor):
                                  and keeps_q8_0_blocks(config.source, config.engine.backend))
         self.world_size = world_size
         backend = "nccl" if device.type == "cuda" else "gloo"
-        threads = threads_per_rank(config, world_size)
+        # On the CPU: rank r's cores (None: unpinned) and torch threads. CUDA ranks are not pinned.
+        cpus: list[tuple[int, ...] | None] = [None] * world_size
         if device.type == "cpu":
-            torch.set_num_threads(threads)
+            cpus = cpu_affinity.plan(config.engine.cpu_omp_threads_bind, world_size, cpu_affinity.usable_cpus())
+        threads = [rank_threads(config, world_size, rank_cpus) for rank_cpus in cpus]
+        driver_cpus = cpu_affinity.current_cpus() if cpus[0] is not None else None
 
         # Port 0: the OS picks a free port for the rendezvous store; the workers are told which.
         store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
@@ -350,16 +374,21 @@ class MultiprocExecutor(LockstepExecutor):
                 parent_conn, child_conn = context.Pipe()
                 process = context.Process(
                     target=_worker_main, name=f"kvloom-tp-worker-{rank}", daemon=True,
-                    args=(rank, world_size, store.port, backend, config, _rank_device(device, rank), threads,
-                          os.getpid(), child_conn))
+                    args=(rank, world_size, store.port, backend, config, _rank_device(device, rank),
+                          threads[rank], cpus[rank], os.getpid(), child_conn))
                 process.start()
                 child_conn.close()
                 processes.append(process)
                 conns.append(parent_conn)
         self.workers = WorkerSet(processes, conns)
         self._groups: list[ProcessGroupLike] = []
-        self._own_stop(_stop, self.workers, self._groups)
+        self._own_stop(_stop, self.workers, self._groups, driver_cpus)
         try:
+            # Rank 0 is pinned after the workers started, so that they do not start on its cores.
+            if cpus[0] is not None:
+                cpu_affinity.bind(cpus[0])
+            if device.type == "cpu":
+                torch.set_num_threads(threads[0])
             self.workers.wait_for("started")
             group = new_process_group(backend, store, 0, world_size)
             self._groups.append(group)
@@ -370,8 +399,13 @@ class MultiprocExecutor(LockstepExecutor):
             raise
         self._store = store
         self._start_lockstep()
-        logger.info("tensor parallelism: %d ranks (%s), %d torch thread(s) each on the CPU",
-                    world_size, backend, threads)
+        if device.type == "cpu":
+            logger.info("tensor parallelism: %d ranks (gloo); %s", world_size, "; ".join(
+                f"rank {rank}: {count} torch thread(s)" + (
+                    f" on core(s) {cpu_affinity.format_cpu_list(rank_cpus)}" if rank_cpus is not None else "")
+                for rank, (rank_cpus, count) in enumerate(zip(cpus, threads))))
+        else:
+            logger.info("tensor parallelism: %d ranks (%s)", world_size, backend)
 
     # ---- LockstepExecutor's hooks -------------------------------------------------------------
     def _send(self, method: str, *args: Any) -> None:

@@ -21,8 +21,9 @@ The kernels' loops run on torch's OpenMP threads, or with KVLOOM_CPU_THREAD_POOL
 pool (csrc/parallel.h: torch.get_num_threads() threads, none of which a loop waits for if it has not
 started, so a busy process beside does not stall a step; off by default, see parallel.h).
 
-The library is compiled at first use (-O3 -march=native; 10-60 s) into
-``$KVLOOM_CACHE_DIR/extensions`` and loaded from there by later processes without compiling. When it
+The library is compiled at first use (-O3, -march for the ISA level in force: kvloom.cpu_capability; 10-60 s)
+into ``$KVLOOM_CACHE_DIR/extensions``, named by that level, and loaded from there by later processes without
+compiling. When it
 cannot be built, ``cpu_kernel_available()`` is False (after one warning) and the op table falls back
 to the native ops.
 """
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 
 from kvloom import envs
+from kvloom.cpu_capability import cpu_capability
 from kvloom.ops.int8 import check_blocks_shape
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.reference import write_kv_cache
@@ -58,8 +60,9 @@ SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name
                      for name in ("fused_ops.cpp", "gemm.cpp", "gemm_int8.cpp", "parallel.cpp", "decoder.cpp")))
 # Included by them: the ISA flags (all) and the thread pool's loops.
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_capability.h", "kernels.h", "parallel.h"))
-# Tried in order: tuned for this CPU, then portable (for compilers that reject -march=native).
-BUILD_VARIANTS = (("native", ["-march=native"]), ("portable", []))
+# Tried in order: built for the ISA level in force (kvloom.cpu_capability: this CPU's own -march=native, or
+# the capped level's baseline), then portable (for compilers that reject those flags).
+PORTABLE = ("portable", [])
 BUILD_LOCK_TIMEOUT_S = 900
 
 
@@ -77,11 +80,19 @@ def _cpu_identity() -> str:
         return platform.processor()
 
 
+def build_variants() -> tuple[tuple[str, list[str]], ...]:
+    """(name, compiler flags) to try in order: the level in force, then portable."""
+    capability = cpu_capability()
+    return ((capability.level, capability.compiler_flags()), PORTABLE)
+
+
 def _build_key(flags: list[str]) -> str:
-    """Everything the binary depends on: a change in any of them builds a new one beside the old."""
+    """Everything the binary depends on: a change in any of them builds a new one beside the old. A build
+    tuned for this CPU is keyed by its model and flags too, so a cache directory shared between machines
+    (a home on NFS) never hands one CPU's library to another."""
     digest = hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS)))
     for part in (" ".join(flags), torch.__version__, sys.version, platform.machine(),
-                 _cpu_identity() if "-march=native" in flags else ""):
+                 _cpu_identity() if any("native" in flag for flag in flags) else ""):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -111,7 +122,7 @@ def _load_or_build(variant: str, flags: list[str]) -> None:
     from filelock import FileLock  # a torch dependency
 
     key = _build_key(flags)
-    name = f"kvloom_paged_attention_{variant}_{key}"
+    name = f"kvloom_cpu_{variant}_{key}"
     directory = extension_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
     library = directory / f"{name}.so"
@@ -141,15 +152,16 @@ def _load_or_build(variant: str, flags: list[str]) -> None:
 def load_cpu_kernel() -> str | None:
     """Loads torch.ops.kvloom.paged_attention (the first call may compile it); None, or why it failed."""
     errors = []
-    for variant, flags in BUILD_VARIANTS:
+    for variant, flags in build_variants():
         try:
             _load_or_build(variant, flags)
         except Exception as e:  # a missing compiler or ninja, a failed build, a lock timeout
             errors.append(f"{variant}: {_build_error(e)}")
             continue
-        if errors:  # the portable build runs without this CPU's AVX-512 kernels: say why, once
-            logger.warning("The CPU kernels' tuned build failed, so the portable one runs, without the bf16 GEMM, "
-                           "the int8 kernels and the layer stack (%s)", "; ".join(errors))
+        if errors:  # the portable build runs without this CPU's SIMD kernels: say why, once
+            logger.warning("The CPU kernels' build for ISA level %s failed, so the portable one runs, without the "
+                           "bf16 GEMM, the int8 kernels and the layer stack (%s)", cpu_capability().level,
+                           "; ".join(errors))
         global loaded_variant
         loaded_variant = variant
         _register_fake()
@@ -160,7 +172,8 @@ def load_cpu_kernel() -> str | None:
     return error
 
 
-# Which BUILD_VARIANTS entry load_cpu_kernel loaded ("native" or "portable"); None before it ran or when none did.
+# Which build_variants() entry load_cpu_kernel loaded (an ISA level, or "portable"); None before it ran or when none
+# did.
 loaded_variant: str | None = None
 
 
@@ -176,6 +189,12 @@ def _build_error(error: Exception) -> str:
 
 def cpu_kernel_available() -> bool:
     return load_cpu_kernel() is None
+
+
+def compiled_isa() -> str | None:
+    """What the loaded library was compiled for ("avx512 (avx512_bf16, avx512_vnni)", "avx2", "generic"), or None
+    where none loaded."""
+    return torch.ops.kvloom.compiled_isa() if cpu_kernel_available() else None
 
 
 def _register_fake() -> None:
@@ -267,7 +286,9 @@ def linear_format(dtype: torch.dtype) -> str | None:
         return None
     if cpu_kernel_available() and hasattr(torch.ops.kvloom, "gemm_bf16"):
         return "kvloom"
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    # oneDNN refuses bf16 weights where the CPU lacks AVX-512 BW/VL/DQ and AVX-NE-CONVERT (or the level is capped).
+    if (cpu_capability().onednn_bf16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return "onednn"
     return None
 
@@ -351,7 +372,7 @@ class LlamaLayerStack:
 
 
 def layer_stack_available() -> bool:
-    """Whether the library holds csrc/decoder.cpp's plan (built with AVX512-BF16)."""
+    """Whether the library holds csrc/decoder.cpp's plan (built with kvloom's bf16 GEMM: AVX512-BF16 or AVX2)."""
     try:
         return torch.classes.kvloom.LlamaLayerStack is not None
     except RuntimeError:  # torch.classes raises this, not AttributeError, for a class never registered
@@ -362,7 +383,7 @@ def llama_layer_stack(layers: list[LayerWeights], shape: LayerShape, hidden_size
                       sin: torch.Tensor) -> LlamaLayerStack | None:
     """The stack of these layers, or None where one does not qualify: every projection one of this module's
     packed products (kvloom's bf16 GEMM, the int8 ones; not oneDNN's), contiguous norm weights and caches,
-    and the library built with the bf16 GEMM (AVX512-BF16). KVLOOM_CPU_LAYER_STACK=0 turns it off (every
+    and the library built with the bf16 GEMM (AVX512-BF16 or AVX2). KVLOOM_CPU_LAYER_STACK=0 turns it off (every
     layer then runs module by module, the reference)."""
     if not envs.get_bool("KVLOOM_CPU_LAYER_STACK", default=True) or not layer_stack_available():
         return None
@@ -415,6 +436,12 @@ def int8_kernels_available() -> bool:
     """True where the library holds both fast int8 kernels (AVX512-VNNI and AVX512-BF16)."""
     return cpu_kernel_available() and hasattr(torch.ops.kvloom, "int8_gemm_kernels") \
         and torch.ops.kvloom.int8_gemm_kernels() == 3
+
+
+def int8_weight_only_kernel_available() -> bool:
+    """True where the library holds a fast weight-only int8 kernel (AVX512-BF16, or AVX2 + FMA)."""
+    return cpu_kernel_available() and hasattr(torch.ops.kvloom, "int8_gemm_kernels") \
+        and bool(torch.ops.kvloom.int8_gemm_kernels() & 2)
 
 
 def pack_int8_weight(qweight: torch.Tensor) -> torch.Tensor:

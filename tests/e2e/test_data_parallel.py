@@ -181,6 +181,21 @@ def test_a_client_that_disconnects_aborts_its_request_on_the_replica_serving_it(
 
 
 @needs_two_cores
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
+def test_replicas_run_on_disjoint_cores(dp_server: Any) -> None:
+    """The default cpu_omp_threads_bind ("auto"): each replica, every thread of it, on its own half of the
+    server's usable cores."""
+    from .test_tensor_parallel import thread_cores
+
+    usable = sorted(os.sched_getaffinity(dp_server.process.pid))
+    share = len(usable) // 2
+    pids = replica_pids(dp_server)
+    assert len(pids) == 2
+    assert sorted(thread_cores(pid).pop() for pid in pids) == [tuple(usable[:share]), tuple(usable[share:2 * share])]
+    assert all(len(thread_cores(pid)) == 1 for pid in pids)
+
+
+@needs_two_cores
 def test_killing_a_replica_mid_load_fails_only_its_requests_and_the_other_keeps_serving(
         dp_server: Any, oracle: Any) -> None:
     """Last of the module's tests on dp_server: it leaves the server with one replica."""

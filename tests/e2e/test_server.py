@@ -519,6 +519,16 @@ def test_metrics_parse_and_counters_move(server: Server, client: openai.OpenAI) 
     assert after["kvloom:kv_cache_usage_perc"] == 0.0
 
 
+def test_metrics_name_the_cpu_and_its_isa_level(server: Server) -> None:
+    from kvloom.cpu_capability import cpu_capability
+
+    text = httpx.get(server.url + "/metrics").text
+    line = next(line for line in text.splitlines() if line.startswith("kvloom:cpu_info{"))
+    capability = cpu_capability()
+    assert f'isa_level="{capability.level}"' in line and f'isa_detected="{capability.detected}"' in line
+    assert line.endswith(" 1.0")
+
+
 def test_request_log_lines(server: Server, client: openai.OpenAI) -> None:
     client.completions.create(model=SERVED_NAME, prompt="log me", max_tokens=3, temperature=0,
                               extra_body={"ignore_eos": True})

@@ -75,6 +75,45 @@ def tp2(tiny_llama_dir: str):
     llm.llm_engine.shutdown()
 
 
+def thread_cores(pid: int) -> set[tuple[int, ...]]:
+    """The distinct core sets of a process's threads (/proc/<pid>/task/*/status Cpus_allowed_list)."""
+    from kvloom.cpu_affinity import parse_cpu_list
+
+    cores = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/status") as f:
+            line = next(line for line in f if line.startswith("Cpus_allowed_list:"))
+            cores.add(parse_cpu_list(line.split(":", 1)[1].strip()))
+    return cores
+
+
+@needs_two_cores
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
+def test_ranks_run_on_disjoint_cores_and_rank_0_gets_its_cores_back(tiny_llama_dir: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default cpu_omp_threads_bind ("auto"): each rank pinned to its own half of the usable cores
+    (rank 0 is this process: every thread of it), a torch thread per core; shutdown gives rank 0's process
+    its cores back. First in the module: the module's tp2 engine pins this process while it lives."""
+    from kvloom.cpu_affinity import usable_cpus
+
+    monkeypatch.delenv("KVLOOM_CPU_OMP_THREADS_BIND", raising=False)
+    usable = usable_cpus()
+    if len(usable) < 2:
+        pytest.skip(f"this process may use only core(s) {usable}")
+    share = len(usable) // 2
+    before = os.sched_getaffinity(0)
+    llm = make_llm(tiny_llama_dir, 2)
+    try:
+        worker = worker_processes(llm)[0]
+        assert thread_cores(os.getpid()) == {tuple(usable[:share])}
+        assert thread_cores(worker.pid) == {tuple(usable[share:2 * share])}
+        assert torch.get_num_threads() == share
+        assert token_ids(llm, [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))
+    finally:
+        llm.llm_engine.shutdown()
+    assert os.sched_getaffinity(0) == before
+
+
 @needs_two_cores
 def test_tp2_greedy_equals_tp1_and_transformers(tiny_llama_dir: str, tp1: LLM, tp2: LLM) -> None:
     prompts = mixed_prompts(400, count=10, seed=3)  # one batch of mixed prefill lengths, then decodes

@@ -231,7 +231,7 @@ def test_op_table_picks_cpu_on_the_cpu_and_triton_on_cuda() -> None:
 def test_failed_build_warns_once_and_falls_back_to_native(monkeypatch: pytest.MonkeyPatch, tmp_path,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu, "BUILD_VARIANTS", (("broken", ["-fno-such-compiler-flag"]),))
+    monkeypatch.setattr(cpu, "build_variants", lambda: (("broken", ["-fno-such-compiler-flag"]),))
     cpu.load_cpu_kernel.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="kvloom"):

@@ -10,6 +10,7 @@ import torch
 from paged_batch import place_requests
 from tiny_models import build_tiny_checkpoint
 
+from kvloom.cpu_capability import cpu_capability
 from kvloom.layers.linear import Linear
 from kvloom.loader.weights import iter_weights, load_model_config, resolve_model
 from kvloom.models.registry import build_model, process_weights_after_loading
@@ -24,7 +25,7 @@ BLOCK_SIZE = 16
 @pytest.fixture(scope="module")
 def stack_kernel() -> None:
     if not cpu.cpu_kernel_available() or not cpu.layer_stack_available():
-        pytest.skip("the layer stack needs the CPU kernels built with AVX512-BF16")
+        pytest.skip("the layer stack needs the CPU kernels built with AVX512-BF16 or AVX2")
 
 
 def _model(path: str, int8: str | None = None):
@@ -206,16 +207,18 @@ def test_eagle1_head_on_the_stack_equals_its_layer_module_by_module(stack_kernel
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-def test_a_cpu_with_avx512_bf16_runs_the_tuned_build() -> None:
+def test_the_cpu_runs_the_build_for_its_isa_level() -> None:
     """A compile error in one source sends the library to its portable build, which has no bf16 GEMM and no
-    stack: every test of those would then skip instead of failing. On a CPU that has the instructions, the tuned
-    build must be the one loaded."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read()
-    except OSError:
-        pytest.skip("no /proc/cpuinfo")
-    if " avx512_bf16" not in flags or not cpu.cpu_kernel_available():
-        pytest.skip("this CPU has no AVX512-BF16, or no compiler builds the kernels here")
-    assert cpu.loaded_variant == "native"
-    assert cpu.layer_stack_available() and cpu.linear_format(torch.bfloat16) == "kvloom"
+    stack: every test of those would then skip instead of failing. A CPU with AVX2 or AVX-512 (or a level capped
+    to one by KVLOOM_CPU_ISA) must load the build for that level, and with it the bf16 GEMM and the stack."""
+    capability = cpu_capability()
+    if not cpu.cpu_kernel_available():
+        pytest.skip("no compiler builds the kernels here")
+    assert cpu.loaded_variant == capability.level
+    assert cpu.compiled_isa().split()[0] == capability.level
+    if capability.level in ("avx2", "avx512"):
+        assert cpu.layer_stack_available() and cpu.linear_format(torch.bfloat16) == "kvloom"
+    if capability.has("avx512_bf16"):
+        assert "avx512_bf16" in cpu.compiled_isa()
+    else:
+        assert "avx512_bf16" not in cpu.compiled_isa()

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import queue
 import secrets
 import threading
@@ -46,6 +45,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from kvloom import cpu_affinity
 from kvloom.config import EngineConfig, resolve_config
 from kvloom.engine.async_engine import EngineDeadError, EngineHealth, stream_outputs
 from kvloom.engine.input_processor import EngineRequest, InputProcessor, PromptInput
@@ -188,18 +188,27 @@ class ReplicaRouter(EngineHealth):
 
             ray_cluster.connect("data_parallel_size with distributed_executor_backend='ray'")
             host = ray_cluster.node_ip_address()
+        usable = cpu_affinity.usable_cpus()
+        ranks_cpus = replica_cpus(config, device, on_ray, usable)  # a bad explicit setting: refused here
+        pinned = ranks_cpus[0][0] is not None
+        threads = config.backend.num_threads
+        if threads is None and not on_ray and device == "cpu" and not pinned:
+            # Unpinned local replicas still share the cores' count, so their threads do not oversubscribe.
+            threads = max(1, len(usable) // (size * config.tensor_parallel_size)) * config.tensor_parallel_size
+        if pinned:
+            logger.info("replicas pinned to CPU cores: %s", "; ".join(
+                f"replica {index}: {cpu_affinity.format_setting(cpus)}" for index, cpus in enumerate(ranks_cpus)))
         authkey = secrets.token_bytes(32)
         listener = Listener((host, 0), authkey=authkey)
-        cpus = _cpu_shares(size, config) if not on_ray else [None] * size
-        threads = config.backend.num_threads
-        if threads is None and not on_ray and device == "cpu":
-            threads = max(1, len(_usable_cpus()) // (size * config.tensor_parallel_size)) * config.tensor_parallel_size
         accepted: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=_accept, args=(listener, accepted), name="kvloom-router-accept", daemon=True).start()
         try:
             for index in range(size):
-                spec = ReplicaSpec(index, replica_config(config, device, threads), listener.address, authkey,
-                                   self.model_name, log_level, stats_interval, log_requests, cpus[index])
+                union = tuple(sorted(set().union(*ranks_cpus[index]))) if pinned else None
+                spec = ReplicaSpec(index, replica_config(config, device, threads,
+                                                         cpu_affinity.format_setting(ranks_cpus[index])),
+                                   listener.address, authkey, self.model_name, log_level, stats_interval,
+                                   log_requests, union)
                 handle = RayReplica(spec) if on_ray else LocalReplica(spec)
                 self.replicas.append(_Replica(index, handle))
             self._num_usable_blocks = self._wait_ready(accepted)
@@ -496,20 +505,22 @@ def _accept(listener: Listener, accepted: queue.SimpleQueue) -> None:
             logger.warning("refused a connection to the replica router", exc_info=True)
 
 
-def _usable_cpus() -> list[int]:
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
+def replica_cpus(config: EngineConfig, device: str, on_ray: bool, usable: list[int]
+                 ) -> list[list[tuple[int, ...] | None]]:
+    """Per replica, the cores of each of its tensor-parallel ranks (None: not pinned).
 
-
-def _cpu_shares(size: int, config: EngineConfig) -> list[tuple[int, ...] | None]:
-    """Local replicas' cores: an equal share each when the machine's cores divide among them (so
-    two replicas never fight over one core), none (no pinning) otherwise or on CUDA."""
-    cpus = _usable_cpus()
-    per_replica = config.backend.num_threads or len(cpus) // size
-    if config.device.startswith("cuda") or per_replica < 1 or per_replica * size > len(cpus):
-        return [None] * size
-    return [tuple(cpus[i * per_replica:(i + 1) * per_replica]) for i in range(size)]
+    ``cpu_omp_threads_bind`` covers every engine process on this host: data_parallel_size x
+    tensor_parallel_size of them, replica i's ranks being processes i*T .. i*T + T-1 of the plan
+    (``cpu_affinity.plan``; with the default "auto", equal contiguous shares of the usable cores). A
+    replica's process is pinned to the union of its ranks' cores (``run_replica``), and its engine is
+    given those ranks' lists as its own explicit setting, so its tensor-parallel executor splits the
+    union again exactly as planned here (with one rank, the replica's engine pins itself to its list).
+    Ray actors (placed by Ray, possibly on other nodes) and CUDA replicas are not pinned."""
+    size, ranks = config.data_parallel_size, config.tensor_parallel_size
+    if on_ray or device != "cpu":
+        return [[None] * ranks for _ in range(size)]
+    shares = cpu_affinity.plan(config.cpu_omp_threads_bind, size * ranks, usable)
+    return [shares[index * ranks:(index + 1) * ranks] for index in range(size)]
 
 
 # ---- /metrics ----------------------------------------------------------------------------------------

@@ -21,6 +21,27 @@
 #define CPU_CAPABILITY kvloom_default
 #endif
 
+// kvloom's bf16 GEMM (gemm.cpp) and so the layer stack (decoder.cpp): vdpbf16ps where the CPU has it,
+// else bf16 widened to fp32 in registers for AVX2 FMAs.
+#if defined(KVLOOM_BF16_DOT) || (defined(__AVX2__) && defined(__FMA__))
+#define KVLOOM_BF16_GEMM
+#endif
+
+// What this build was compiled for, as compiled_isa() reports it (gemm.cpp).
+#if defined(CPU_CAPABILITY_AVX512) && defined(KVLOOM_BF16_DOT) && defined(KVLOOM_VNNI_DOT)
+#define KVLOOM_COMPILED_ISA "avx512 (avx512_bf16, avx512_vnni)"
+#elif defined(CPU_CAPABILITY_AVX512) && defined(KVLOOM_BF16_DOT)
+#define KVLOOM_COMPILED_ISA "avx512 (avx512_bf16)"
+#elif defined(CPU_CAPABILITY_AVX512) && defined(KVLOOM_VNNI_DOT)
+#define KVLOOM_COMPILED_ISA "avx512 (avx512_vnni)"
+#elif defined(CPU_CAPABILITY_AVX512)
+#define KVLOOM_COMPILED_ISA "avx512"
+#elif defined(CPU_CAPABILITY_AVX2)
+#define KVLOOM_COMPILED_ISA "avx2"
+#else
+#define KVLOOM_COMPILED_ISA "generic"
+#endif
+
 // Fixed-count loops over register arrays must be unrolled completely, or GCC keeps the arrays in
 // memory and reloads them every iteration.
 #define KVLOOM_UNROLL _Pragma("GCC unroll 16")

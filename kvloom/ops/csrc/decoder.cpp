@@ -32,7 +32,7 @@
 #include <tuple>
 #include <vector>
 
-#if defined(KVLOOM_BF16_DOT)
+#if defined(KVLOOM_BF16_GEMM)
 
 namespace {
 
@@ -204,4 +204,4 @@ TORCH_LIBRARY_FRAGMENT(kvloom, m) {
       .def("forward", &LlamaLayerStack::forward);
 }
 
-#endif  // KVLOOM_BF16_DOT
+#endif  // KVLOOM_BF16_GEMM

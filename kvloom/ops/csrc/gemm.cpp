@@ -4,11 +4,18 @@
 // shapes: the weight is streamed once per step and each panel of it is reused from L2 by every
 // row of the batch.
 //
-// The weight is packed once (kvloom/layers/linear.py, pack_gemm_weight) into panels of kPanel
-// output columns: packed[panel][K/2][kPanel][2], so that one k pair of kPanel columns is kPanelVecs
-// contiguous vectors of 16 (column, pair) words and a whole panel is one sequential stream.
-// vdpbf16ps multiplies a broadcast pair of x by such a vector and adds both products into 16
-// fp32 sums. Without AVX512-BF16 the op is not registered and callers keep oneDNN / F.linear.
+// The weight is packed once (kvloom/ops/cpu.py, pack_gemm_weight) into panels of kPanel = 48 output
+// columns: packed[panel][K/2][48][2], so that one k pair of the panel's columns is 48 contiguous 32-bit
+// (column, pair) words and a whole panel is one sequential stream. Two micro-kernels read that layout:
+//
+// - AVX512-BF16: vdpbf16ps multiplies a broadcast pair of x by 16 such words and adds both products
+//   into 16 fp32 sums.
+// - AVX2 + FMA (any x86-64-v3 CPU, and AVX-512 ones without BF16): the words of 8 columns give the
+//   even k's weights as fp32 by a shift left of 16 bits and the odd k's by masking the low half (bf16
+//   is the top half of an fp32: both exact), and 8-wide FMAs add x (converted to fp32 once per call)
+//   times them. Half the weight bytes of an fp32 GEMM, the same fp32 arithmetic.
+//
+// Without either the op is not registered and callers keep oneDNN / F.linear.
 
 #include "cpu_capability.h"
 #include "kernels.h"
@@ -18,10 +25,22 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <vector>
 
-#if defined(KVLOOM_BF16_DOT)
+namespace {
+// What this build of the library was compiled for (cpu_capability.h), for kvloom env and the tests.
+std::string compiled_isa() { return KVLOOM_COMPILED_ISA; }
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvloom, m) {
+  m.def("compiled_isa() -> str", &compiled_isa);
+}
+
+#if defined(KVLOOM_BF16_GEMM)
 #include <immintrin.h>
 
 namespace {
@@ -30,8 +49,10 @@ using kvloom::parallel_for;
 
 constexpr int64_t kPanelVecs = 3;                 // 16-column vectors per panel
 constexpr int64_t kPanel = 16 * kPanelVecs;       // output columns per panel
-constexpr int64_t kRows = 8;                      // rows per micro-kernel call: 8 x 3 = 24 sums
 constexpr int64_t kRowChunk = 256;                // rows whose x stays in L2 while panels stream
+
+#if defined(KVLOOM_BF16_DOT)
+constexpr int64_t kRows = 8;                      // rows per micro-kernel call: 8 x 3 = 24 sums
 
 inline int32_t load_pair(const c10::BFloat16* p) {
   int32_t word;
@@ -93,6 +114,74 @@ using PanelKernel = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*
 constexpr PanelKernel kKernels[kRows + 1] = {nullptr,          &panel_kernel<1>, &panel_kernel<2>,
                                              &panel_kernel<3>, &panel_kernel<4>, &panel_kernel<5>,
                                              &panel_kernel<6>, &panel_kernel<7>, &panel_kernel<8>};
+#else
+constexpr int64_t kRows = 4;                      // rows per micro-kernel call: 4 x 3 = 12 sums of 8 columns
+constexpr int64_t kHalf = kPanel / 2;             // columns per pass over a panel: 3 vectors of 8
+
+// R rows of y for one panel, in two passes of 24 columns (16 registers hold 4 x 3 sums, 3 weight vectors
+// and a broadcast x). x: fp32 rows of 2 * pairs values (zero past K), stride ldx.
+template <int R>
+inline void panel_kernel(const float* x, int64_t ldx, const c10::BFloat16* panel, int64_t K, const float* bias,
+                         c10::BFloat16* y, int64_t ldy, int64_t columns) {
+  const int64_t pairs = (K + 1) / 2;
+  const auto* words = reinterpret_cast<const int32_t*>(panel);
+  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t half = 0; half < 2 && half * kHalf < columns; ++half) {
+    __m256 acc[R][3];
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r)
+      KVLOOM_UNROLL
+      for (int v = 0; v < 3; ++v) acc[r][v] = _mm256_setzero_ps();
+    const int32_t* w = words + half * kHalf;
+    for (int64_t p = 0; p < pairs; ++p, w += kPanel) {
+      __m256 wv[3];
+      KVLOOM_UNROLL
+      for (int v = 0; v < 3; ++v)
+        wv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(w + 8 * v)), 16));
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + 2 * p);
+        KVLOOM_UNROLL
+        for (int v = 0; v < 3; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+      }
+      KVLOOM_UNROLL
+      for (int v = 0; v < 3; ++v)
+        wv[v] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)(w + 8 * v)), odd_mask));
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
+        KVLOOM_UNROLL
+        for (int v = 0; v < 3; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+      }
+    }
+    const int64_t n0 = half * kHalf, count = std::min(kHalf, columns - n0);
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) {
+      alignas(32) float sums[kHalf];
+      KVLOOM_UNROLL
+      for (int v = 0; v < 3; ++v) _mm256_store_ps(sums + 8 * v, acc[r][v]);
+      for (int64_t c = 0; c < count; ++c)  // c10's rounding: to nearest even, NaN kept
+        y[r * ldy + n0 + c] = c10::BFloat16(sums[c] + (bias ? bias[n0 + c] : 0.0f));
+    }
+  }
+}
+
+using PanelKernel = void (*)(const float*, int64_t, const c10::BFloat16*, int64_t, const float*, c10::BFloat16*,
+                             int64_t, int64_t);
+constexpr PanelKernel kKernels[kRows + 1] = {nullptr, &panel_kernel<1>, &panel_kernel<2>, &panel_kernel<3>,
+                                             &panel_kernel<4>};
+
+// x's rows [m0, m1) as fp32, 2 * pairs values a row (the odd K's pad zero), for the AVX2 kernel's broadcasts.
+void widen_rows(const c10::BFloat16* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int64_t pairs, float* out) {
+  kvloom::parallel_for(m0, m1, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      float* row = out + (m - m0) * 2 * pairs;
+      for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(x[m * ldx + k]);
+      if (K % 2) row[K] = 0.0f;
+    }
+  });
+}
+#endif
 
 // y = x packed^T (+ bias). x: [M, K] bf16, rows contiguous; packed: from pack_gemm_weight for an
 // [N, K] weight; bias: [N] float32 or undefined; y: [M, N] bf16 contiguous.
@@ -116,20 +205,31 @@ void gemm_bf16(at::Tensor y, at::Tensor x, at::Tensor packed, c10::optional<at::
   const auto* ws = packed.data_ptr<c10::BFloat16>();
   auto* ys = y.data_ptr<c10::BFloat16>();
   const int64_t ldx = x.stride(0), panel_size = pairs * kPanel * 2;
-  // Whole panels per thread: each streams its share of the weight once per row chunk.
-  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-      const int64_t m1 = std::min(M, m0 + kRowChunk);
+#if !defined(KVLOOM_BF16_DOT)
+  std::vector<float> widened(std::min(M, kRowChunk) * 2 * pairs);
+#endif
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+    const int64_t m1 = std::min(M, m0 + kRowChunk);
+#if defined(KVLOOM_BF16_DOT)
+    const c10::BFloat16* rows_x = xs + m0 * ldx;
+    const int64_t ld = ldx;
+#else
+    widen_rows(xs, ldx, m0, m1, K, pairs, widened.data());
+    const float* rows_x = widened.data();
+    const int64_t ld = 2 * pairs;
+#endif
+    // Whole panels per thread: each streams its share of the weight once per row chunk.
+    parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t panel = begin; panel < end; ++panel) {
         const int64_t n0 = panel * kPanel, columns = std::min(kPanel, N - n0);
         for (int64_t m = m0; m < m1; m += kRows) {
           const int64_t rows = std::min(kRows, m1 - m);
-          kKernels[rows](xs + m * ldx, ldx, ws + panel * panel_size, K, bs ? bs + n0 : nullptr, ys + m * N + n0, N,
-                         columns);
+          kKernels[rows](rows_x + (m - m0) * ld, ld, ws + panel * panel_size, K, bs ? bs + n0 : nullptr,
+                         ys + m * N + n0, N, columns);
         }
       }
-    }
-  });
+    });
+  }
 }
 
 }  // namespace
@@ -148,4 +248,4 @@ TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
   m.impl("gemm_bf16", &gemm_bf16);
 }
 
-#endif  // KVLOOM_BF16_DOT
+#endif  // KVLOOM_BF16_GEMM

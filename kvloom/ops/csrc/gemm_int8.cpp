@@ -26,7 +26,10 @@
 // whose 32-bit lanes hold (column c, k pair p) for 8 columns each; a broadcast 64-bit x word gives
 // lane p its own pair, and the two lanes of each column are added at the end.
 //
-// Without AVX512-VNNI (or AVX512-BF16, for the weight-only kernel) the same packed layout is read by
+// On AVX2 (no VNNI, no BF16) the weight-only product has its own micro-kernel: 8 bytes of a group (2 columns
+// x 4 k) widened to one fp32 vector, FMAs with a broadcast of the group's 4 x values, and each column's 4
+// lanes added at the end; W8A8 has none there (vpmaddubsw's 16-bit sums would saturate on u8 x s8).
+// Without AVX512-VNNI (or AVX512-BF16 / AVX2, for the weight-only kernel) the same packed layout is read by
 // plain loops; `portable=True` runs those anywhere, so tests pin both against the references. All three
 // products walk the panels with one loop (for_each_panel) and differ only in their micro-kernels.
 
@@ -45,7 +48,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -419,6 +422,56 @@ template <bool kSplit, typename T>
 constexpr WeightOnlyKernel<T> kWeightOnlyKernels[kRowsWeightOnly + 1] = {
     nullptr, &weight_only_kernel<1, kSplit, T>, &weight_only_kernel<2, kSplit, T>,
     &weight_only_kernel<3, kSplit, T>, &weight_only_kernel<4, kSplit, T>};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KVLOOM_INT8_WEIGHT_ONLY_AVX2
+constexpr int64_t kRowsWeightOnlyAvx2 = 2;  // 2 x 4 sums, a weight vector and 2 x vectors in 16 registers
+
+// R rows of y for one panel, 8 columns at a time. x: fp32 rows of Kp = 4 * groups values (zero past K).
+// 8 bytes of the packed layout (2 columns x 4 k) widen to one fp32 vector; a broadcast of the group's 4 x
+// values multiplies it, so acc[r][i], lane 4h + j, sums column 2i + h's products with k = 4g + j; the 4 lanes
+// of each column are added at the end.
+template <int R, typename T>
+inline void weight_only_avx2_kernel(const float* x, int64_t ldx, const int8_t* panel, int64_t groups,
+                                    const float* w_scale, const float* bias, T* y, int64_t ldy, int64_t columns) {
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t c0 = 0; c0 < columns; c0 += 8) {
+    __m256 acc[R][4];
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r)
+      KVLOOM_UNROLL
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+    const int8_t* w = panel + c0 * kGroup;
+    for (int64_t g = 0; g < groups; ++g, w += kGroupBytes) {
+      __m256 xv[R];
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) xv[r] = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(x + r * ldx + g * kGroup));
+      KVLOOM_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * i))));
+        KVLOOM_UNROLL
+        for (int r = 0; r < R; ++r) acc[r][i] = _mm256_fmadd_ps(xv[r], wv, acc[r][i]);
+      }
+    }
+    const int64_t count = std::min<int64_t>(8, columns - c0);
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) {
+      // hadd pairs lanes within 128-bit halves: (c0 c2 c4 c6 | c1 c3 c5 c7), then back in column order.
+      const __m256 h01 = _mm256_hadd_ps(acc[r][0], acc[r][1]), h23 = _mm256_hadd_ps(acc[r][2], acc[r][3]);
+      const __m256 sums = _mm256_permutevar8x32_ps(_mm256_hadd_ps(h01, h23), order);
+      alignas(32) float out[8];
+      _mm256_store_ps(out, sums);
+      for (int64_t c = 0; c < count; ++c)
+        y[r * ldy + c0 + c] = static_cast<T>(std::fma(out[c], w_scale[c0 + c], bias ? bias[c0 + c] : 0.0f));
+    }
+  }
+}
+
+template <typename T>
+using WeightOnlyAvx2Kernel = void (*)(const float*, int64_t, const int8_t*, int64_t, const float*, const float*, T*,
+                                      int64_t, int64_t);
+template <typename T>
+constexpr WeightOnlyAvx2Kernel<T> kWeightOnlyAvx2Kernels[kRowsWeightOnlyAvx2 + 1] = {
+    nullptr, &weight_only_avx2_kernel<1, T>, &weight_only_avx2_kernel<2, T>};
 #endif
 
 // Plain loops: fp32 products and sums (exact products for bf16 x), the same epilogue.
@@ -472,18 +525,46 @@ void weight_only_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
   const auto* x_hi = copy ? hi.data() : reinterpret_cast<const c10::BFloat16*>(xs);
   const int64_t ld_hi = copy ? Kp : x.stride(0);
   const bool fast = !portable;
+  const int64_t step = kRowsWeightOnly;
+#elif defined(KVLOOM_INT8_WEIGHT_ONLY_AVX2)
+  // The kernel reads whole groups of 4 fp32: x itself when it is fp32 and K a multiple of 4, else a widened,
+  // zero-padded copy.
+  const int64_t Kp = s.groups * kGroup;
+  const bool fast = !portable;
+  const bool copy = fast && (!std::is_same_v<T, float> || s.K % kGroup != 0);
+  std::vector<float> widened(copy ? s.M * Kp : 0);
+  if (copy) {
+    parallel_for(0, s.M, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        const T* xr = xs + m * x.stride(0);
+        float* row = widened.data() + m * Kp;
+        for (int64_t k = 0; k < s.K; ++k) row[k] = static_cast<float>(xr[k]);
+        for (int64_t k = s.K; k < Kp; ++k) row[k] = 0.0f;
+      }
+    });
+  }
+  const float* x_wide = copy ? widened.data() : reinterpret_cast<const float*>(xs);
+  const int64_t ld_wide = copy ? Kp : x.stride(0);
+  const int64_t step = kRowsWeightOnlyAvx2;
 #else
   const bool fast = false;
+  const int64_t step = kRowChunk;
   (void)portable;
 #endif
-  for_each_panel(s, fast ? kRowsWeightOnly : kRowChunk, [&](int64_t m, int64_t rows, int64_t panel, int64_t n0,
-                                                            int64_t columns) {
+  for_each_panel(s, fast ? step : kRowChunk, [&](int64_t m, int64_t rows, int64_t panel, int64_t n0,
+                                                 int64_t columns) {
     const int8_t* wp = ws + panel * panel_size;
     const float* bp = bias ? bias + n0 : nullptr;
 #if defined(KVLOOM_BF16_DOT)
     if (fast) {
       kWeightOnlyKernels<kSplit, T>[rows](x_hi + m * ld_hi, kSplit ? lo.data() + m * Kp : nullptr, ld_hi, wp,
                                           s.groups, w_scale + n0, bp, ys + m * s.N + n0, s.N, columns);
+      return;
+    }
+#elif defined(KVLOOM_INT8_WEIGHT_ONLY_AVX2)
+    if (fast) {
+      kWeightOnlyAvx2Kernels<T>[rows](x_wide + m * ld_wide, ld_wide, wp, s.groups, w_scale + n0, bp,
+                                      ys + m * s.N + n0, s.N, columns);
       return;
     }
 #endif
@@ -645,13 +726,13 @@ void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor 
 }
 
 // Which fast kernels this build holds: bit 0 the W8A8 ones, per token and on blocks (AVX512-VNNI),
-// bit 1 the weight-only one (AVX512-BF16). The ops run on plain loops wherever a bit is missing.
+// bit 1 the weight-only one (AVX512-BF16, or AVX2 + FMA). The ops run on plain loops wherever a bit is missing.
 int64_t int8_gemm_kernels() {
   int64_t flags = 0;
 #if defined(KVLOOM_VNNI_DOT)
   flags |= 1;
 #endif
-#if defined(KVLOOM_BF16_DOT)
+#if defined(KVLOOM_BF16_DOT) || defined(KVLOOM_INT8_WEIGHT_ONLY_AVX2)
   flags |= 2;
 #endif
   return flags;

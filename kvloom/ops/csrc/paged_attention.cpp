@@ -127,6 +127,29 @@ inline void transpose_16x16(__m512 r[16]) {
     r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
   }
 }
+#elif defined(CPU_CAPABILITY_AVX2)
+// r[i] = row i of an 8 x 8 block of floats in, column i out.
+inline void transpose_8x8(__m256 r[8]) {
+  __m256 t[8];
+  KVLOOM_UNROLL
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);      // per 128-bit lane: a0 b0 a1 b1
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);  // a2 b2 a3 b3
+  }
+  __m256 u[8];
+  KVLOOM_UNROLL
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);          // a0 b0 c0 d0 (per lane)
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);      // a1 b1 c1 d1
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);  // a2 b2 c2 d2
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);  // a3 b3 c3 d3
+  }
+  KVLOOM_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);      // columns 0..3: low lanes
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);  // columns 4..7: high lanes
+  }
+}
 #endif
 
 // ---- S = Q K^T: two layouts of the K tile, both with the keys along the vectors ---------------
@@ -152,6 +175,17 @@ struct FloatKeys {
         transpose_16x16(r);
         KVLOOM_UNROLL
         for (int i = 0; i < 16; ++i) _mm512_storeu_ps(key_t + (d + i) * kKeyTile + j0, r[i]);
+      }
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    for (; d + 8 <= head_dim; d += 8) {
+      for (int j0 = 0; j0 < kKeyTile; j0 += 8) {
+        __m256 r[8];
+        KVLOOM_UNROLL
+        for (int j = 0; j < 8; ++j) r[j] = load_float(rows[j0 + j] + d);
+        transpose_8x8(r);
+        KVLOOM_UNROLL
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(key_t + (d + i) * kKeyTile + j0, r[i]);
       }
     }
 #endif
