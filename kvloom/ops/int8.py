@@ -173,19 +173,21 @@ def w8a8_blocks_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scale: 
 
 
 class NativeInt8Linear:
-    """Weight-only int8 in torch ops: the int8 weight is cast to x's dtype per call (exact: |q| <= 127),
-    multiplied by torch's GEMM, and the per-channel scale applied to the output."""
+    """Weight-only int8 in torch ops: int8_linear_reference's arithmetic. The int8 weight is cast to fp32 per
+    call (exact), multiplied by torch's fp32 GEMM, scaled and biased in fp32 and rounded once to x's dtype:
+    torch's bf16 GEMM where the CPU has no bf16 dot product rounds partial sums (4 bf16 ulps off at AVX2's and
+    the generic level), and a bf16 scale would round the scale itself."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.qweight = qweight
         self.scale = scale.float()
-        self.bias = bias
+        self.bias = None if bias is None else bias.float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
+        out = F.linear(x.float(), self.qweight.float()) * self.scale
         if self.bias is not None:
-            out = out + self.bias.to(x.dtype)
-        return out
+            out = out + self.bias
+        return out.to(x.dtype)
 
 
 class NativeInt8BlocksLinear:
