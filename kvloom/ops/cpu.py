@@ -276,7 +276,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the GEMM -------------------------------------------------------------------------------------
-# Output columns per packed panel of the "kvloom" format: 3 vectors of 16 (csrc/gemm.cpp's kPanel).
+# Output columns per packed panel of the int8 formats and of the AVX512-BF16 bf16 GEMM: 3 vectors of 16
+# (csrc/gemm.cpp's kPanel there; gemm_panel() gives the loaded bf16 GEMM's).
 GEMM_PANEL = 48
 
 
@@ -293,14 +294,20 @@ def linear_format(dtype: torch.dtype) -> str | None:
     return None
 
 
-def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / 48), ceil(K / 2), 48, 2]: per panel of 48 output columns and k pair, the
-    48 columns' (W[n, 2p], W[n, 2p + 1]) words in a row. Padding is zero."""
+def gemm_panel() -> int:
+    """Output columns per panel of the loaded bf16 GEMM: 48 with AVX512-BF16 (3 vectors of 16), 16 with AVX2
+    (2 vectors of 8: one 64-byte line per k pair, so a panel streams from memory in order)."""
+    return int(torch.ops.kvloom.gemm_panel())
+
+
+def pack_gemm_weight(weight: torch.Tensor, panel: int = GEMM_PANEL) -> torch.Tensor:
+    """[N, K] -> [ceil(N / panel), ceil(K / 2), panel, 2]: per panel of ``panel`` output columns and k pair,
+    the columns' (W[n, 2p], W[n, 2p + 1]) words in a row. Padding is zero."""
     n, k = weight.shape
-    panels, pairs = -(-n // GEMM_PANEL), -(-k // 2)
-    padded = weight.new_zeros(panels * GEMM_PANEL, pairs * 2)
+    panels, pairs = -(-n // panel), -(-k // 2)
+    padded = weight.new_zeros(panels * panel, pairs * 2)
     padded[:n, :k] = weight
-    return padded.view(panels, GEMM_PANEL, pairs, 2).permute(0, 2, 1, 3).contiguous()
+    return padded.view(panels, panel, pairs, 2).permute(0, 2, 1, 3).contiguous()
 
 
 class PackedWeight:
@@ -310,7 +317,7 @@ class PackedWeight:
         self.format = fmt
         self.out_features, self.in_features = weight.shape
         if fmt == "kvloom":
-            self.data = pack_gemm_weight(weight)
+            self.data = pack_gemm_weight(weight, gemm_panel())
             self.bias = None if bias is None else bias.float()  # added to the fp32 sums before rounding
         elif fmt == "onednn":
             self.data = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)

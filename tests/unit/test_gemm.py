@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from kvloom.cpu_capability import cpu_capability
 from kvloom.layers.embedding import LMHead
 from kvloom.layers.linear import Linear
-from kvloom.ops.cpu import PackedWeight, linear_format, pack_gemm_weight
+from kvloom.ops.cpu import PackedWeight, gemm_panel, linear_format, pack_gemm_weight
 from kvloom.ops.table import NATIVE_OPS
 
 
@@ -51,10 +51,10 @@ def test_gemm_matches_f_linear(gemm_kernel: None, rows: int, k: int, n: int) -> 
     # A tail of sentinels after y shows that the masked stores of the last panel stay inside it.
     buffer = torch.full((rows * n + 64,), 7.0, dtype=torch.bfloat16)
     out = buffer[:rows * n].view(rows, n)
-    torch.ops.kvloom.gemm_bf16(out, x, pack_gemm_weight(weight), bias.float())
+    torch.ops.kvloom.gemm_bf16(out, x, pack_gemm_weight(weight, gemm_panel()), bias.float())
     _assert_rounding_close(out, x, weight, bias)
     assert (buffer[rows * n:] == 7.0).all()
-    torch.ops.kvloom.gemm_bf16(out, x, pack_gemm_weight(weight), None)
+    torch.ops.kvloom.gemm_bf16(out, x, pack_gemm_weight(weight, gemm_panel()), None)
     _assert_rounding_close(out, x, weight, None)
 
 
@@ -65,13 +65,13 @@ def test_gemm_reads_strided_rows_and_ignores_what_follows_an_odd_k(gemm_kernel: 
     x = wide[:, :33]
     weight = torch.randn(20, 33, dtype=torch.bfloat16)
     out = torch.empty(10, 20, dtype=torch.bfloat16)
-    torch.ops.kvloom.gemm_bf16(out, x, pack_gemm_weight(weight), None)
+    torch.ops.kvloom.gemm_bf16(out, x, pack_gemm_weight(weight, gemm_panel()), None)
     _assert_rounding_close(out, x, weight, None)
 
 
 def test_gemm_rejects_a_weight_of_another_shape(gemm_kernel: None) -> None:
     x = torch.randn(4, 64, dtype=torch.bfloat16)
-    packed = pack_gemm_weight(torch.randn(96, 32, dtype=torch.bfloat16))
+    packed = pack_gemm_weight(torch.randn(96, 32, dtype=torch.bfloat16), gemm_panel())
     with pytest.raises(RuntimeError, match="packed weight does not match"):
         torch.ops.kvloom.gemm_bf16(torch.empty(4, 96, dtype=torch.bfloat16), x, packed, None)
 

@@ -4,9 +4,10 @@
 // shapes: the weight is streamed once per step and each panel of it is reused from L2 by every
 // row of the batch.
 //
-// The weight is packed once (kvloom/ops/cpu.py, pack_gemm_weight) into panels of kPanel = 48 output
-// columns: packed[panel][K/2][48][2], so that one k pair of the panel's columns is 48 contiguous 32-bit
-// (column, pair) words and a whole panel is one sequential stream. Two micro-kernels read that layout:
+// The weight is packed once (kvloom/ops/cpu.py, pack_gemm_weight) into panels of kPanel output columns
+// (48 with AVX512-BF16, 16 with AVX2: gemm_panel() says which): packed[panel][K/2][kPanel][2], so that one k
+// pair of the panel's columns is kPanel contiguous 32-bit (column, pair) words and a whole panel is one
+// sequential stream. Two micro-kernels read that layout:
 //
 // - AVX512-BF16: vdpbf16ps multiplies a broadcast pair of x by 16 such words and adds both products
 //   into 16 fp32 sums.
@@ -47,11 +48,11 @@ namespace {
 
 using kvloom::parallel_for;
 
-constexpr int64_t kPanelVecs = 3;                 // 16-column vectors per panel
-constexpr int64_t kPanel = 16 * kPanelVecs;       // output columns per panel
 constexpr int64_t kRowChunk = 256;                // rows whose x stays in L2 while panels stream
 
 #if defined(KVLOOM_BF16_DOT)
+constexpr int64_t kPanelVecs = 3;                 // 16-column vectors per panel
+constexpr int64_t kPanel = 16 * kPanelVecs;       // output columns per panel
 constexpr int64_t kRows = 8;                      // rows per micro-kernel call: 8 x 3 = 24 sums
 
 inline int32_t load_pair(const c10::BFloat16* p) {
@@ -115,54 +116,54 @@ constexpr PanelKernel kKernels[kRows + 1] = {nullptr,          &panel_kernel<1>,
                                              &panel_kernel<3>, &panel_kernel<4>, &panel_kernel<5>,
                                              &panel_kernel<6>, &panel_kernel<7>, &panel_kernel<8>};
 #else
-constexpr int64_t kRows = 4;                      // rows per micro-kernel call: 4 x 3 = 12 sums of 8 columns
-constexpr int64_t kHalf = kPanel / 2;             // columns per pass over a panel: 3 vectors of 8
+constexpr int64_t kPanelVecs = 2;                 // 8-column vectors per panel
+constexpr int64_t kPanel = 8 * kPanelVecs;        // output columns per panel: one 64-byte line per k pair
+constexpr int64_t kRows = 4;                      // rows per micro-kernel call: 4 x 2 = 8 sums of 8 columns
 
-// R rows of y for one panel, in two passes of 24 columns (16 registers hold 4 x 3 sums, 3 weight vectors
-// and a broadcast x). x: fp32 rows of 2 * pairs values (zero past K), stride ldx.
+// R rows of y for one panel of 16 columns: 4 x 2 sums, 2 weight vectors, a broadcast x and the odd mask fit
+// the 16 registers (4 x 3 sums did not: GCC spilled three, and their store-to-load chains held the kernel to a
+// third of the FMA peak), and a panel is one sequential stream of lines, which the prefetcher follows from
+// memory (48-column panels read in three passes of 16 were half as fast at a decode's few rows). x: fp32 rows
+// of 2 * pairs values (zero past K), stride ldx.
 template <int R>
 inline void panel_kernel(const float* x, int64_t ldx, const c10::BFloat16* panel, int64_t K, const float* bias,
                          c10::BFloat16* y, int64_t ldy, int64_t columns) {
   const int64_t pairs = (K + 1) / 2;
-  const auto* words = reinterpret_cast<const int32_t*>(panel);
+  const auto* w = reinterpret_cast<const int32_t*>(panel);
   const __m256i odd_mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  for (int64_t half = 0; half < 2 && half * kHalf < columns; ++half) {
-    __m256 acc[R][3];
+  __m256 acc[R][kPanelVecs];
+  KVLOOM_UNROLL
+  for (int r = 0; r < R; ++r)
     KVLOOM_UNROLL
-    for (int r = 0; r < R; ++r)
-      KVLOOM_UNROLL
-      for (int v = 0; v < 3; ++v) acc[r][v] = _mm256_setzero_ps();
-    const int32_t* w = words + half * kHalf;
-    for (int64_t p = 0; p < pairs; ++p, w += kPanel) {
-      __m256 wv[3];
-      KVLOOM_UNROLL
-      for (int v = 0; v < 3; ++v)
-        wv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(w + 8 * v)), 16));
-      KVLOOM_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + 2 * p);
-        KVLOOM_UNROLL
-        for (int v = 0; v < 3; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
-      }
-      KVLOOM_UNROLL
-      for (int v = 0; v < 3; ++v)
-        wv[v] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)(w + 8 * v)), odd_mask));
-      KVLOOM_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
-        KVLOOM_UNROLL
-        for (int v = 0; v < 3; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
-      }
-    }
-    const int64_t n0 = half * kHalf, count = std::min(kHalf, columns - n0);
+    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p, w += kPanel) {
+    __m256 wv[kPanelVecs];
+    KVLOOM_UNROLL
+    for (int v = 0; v < kPanelVecs; ++v)
+      wv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(w + 8 * v)), 16));
     KVLOOM_UNROLL
     for (int r = 0; r < R; ++r) {
-      alignas(32) float sums[kHalf];
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + 2 * p);
       KVLOOM_UNROLL
-      for (int v = 0; v < 3; ++v) _mm256_store_ps(sums + 8 * v, acc[r][v]);
-      for (int64_t c = 0; c < count; ++c)  // c10's rounding: to nearest even, NaN kept
-        y[r * ldy + n0 + c] = c10::BFloat16(sums[c] + (bias ? bias[n0 + c] : 0.0f));
+      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
     }
+    KVLOOM_UNROLL
+    for (int v = 0; v < kPanelVecs; ++v)
+      wv[v] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)(w + 8 * v)), odd_mask));
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
+      KVLOOM_UNROLL
+      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+    }
+  }
+  KVLOOM_UNROLL
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float sums[kPanel];
+    KVLOOM_UNROLL
+    for (int v = 0; v < kPanelVecs; ++v) _mm256_store_ps(sums + 8 * v, acc[r][v]);
+    for (int64_t c = 0; c < columns; ++c)  // c10's rounding: to nearest even, NaN kept
+      y[r * ldy + c] = c10::BFloat16(sums[c] + (bias ? bias[c] : 0.0f));
   }
 }
 
@@ -240,8 +241,11 @@ void gemm_bf16(at::Tensor y, at::Tensor x, at::Tensor packed, c10::optional<at::
 }
 }  // namespace kvloom::kernels
 
+static int64_t gemm_panel() { return kPanel; }
+
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("gemm_bf16(Tensor(a!) y, Tensor x, Tensor packed, Tensor? bias) -> ()");
+  m.def("gemm_panel() -> int", &gemm_panel);  // output columns per packed panel (pack_gemm_weight's panel)
 }
 
 TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
