@@ -119,6 +119,7 @@ constexpr PanelKernel kKernels[kRows + 1] = {nullptr,          &panel_kernel<1>,
 constexpr int64_t kPanelVecs = 2;                 // 8-column vectors per panel
 constexpr int64_t kPanel = 8 * kPanelVecs;        // output columns per panel: one 64-byte line per k pair
 constexpr int64_t kRows = 4;                      // rows per micro-kernel call: 4 x 2 = 8 sums of 8 columns
+constexpr int64_t kPrefetch = 16;                 // k pairs (64-byte lines) the weight is requested ahead
 
 // R rows of y for one panel of 16 columns: 4 x 2 sums, 2 weight vectors, a broadcast x and the odd mask fit
 // the 16 registers (4 x 3 sums did not: GCC spilled three, and their store-to-load chains held the kernel to a
@@ -137,6 +138,9 @@ inline void panel_kernel(const float* x, int64_t ldx, const c10::BFloat16* panel
     KVLOOM_UNROLL
     for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p, w += kPanel) {
+    // A decode's few rows leave the loads waiting on memory: ask for the line kPrefetch pairs ahead (past the
+    // panel's end it is the next panel's, which this thread usually takes next).
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch * kPanel), _MM_HINT_T0);
     __m256 wv[kPanelVecs];
     KVLOOM_UNROLL
     for (int v = 0; v < kPanelVecs; ++v)

@@ -271,6 +271,63 @@ struct PairKeys {
       for (int v = 0; v < kKeyVecs; ++v) _mm512_storeu_ps(scores + r * kKeyTile + v * 16, acc[r][v]);
   }
 };
+#elif defined(CPU_CAPABILITY_AVX2)
+// bf16 on AVX2: the same pair words (K[j][2p], K[j][2p+1]) of 8 keys per vector, read as fp32 by a shift left
+// of 16 bits (the even dimension) and a mask of the high half (the odd one): both exact, and no transposes
+// in the pairs layout (in the rows layout, half those of FloatKeys). Query rows are fp32 (head_dim words),
+// broadcast per dimension. Needs head_dim % 32 == 0.
+struct PairKeys {
+  static int words(int head_dim) { return head_dim; }
+
+  static void pack_query(const c10::BFloat16* q, int head_dim, float* words) {
+    for (int d = 0; d < head_dim; ++d) words[d] = static_cast<float>(q[d]);
+  }
+
+  // key_t[p][j]: the pair word p of key j, as 8 x 8 transposes of 32-bit words.
+  static void pack_keys(const c10::BFloat16* const* rows, int head_dim, float* key_t) {
+    for (int p = 0; p < head_dim / 2; p += 8) {
+      for (int j0 = 0; j0 < kKeyTile; j0 += 8) {
+        __m256 r[8];
+        KVLOOM_UNROLL
+        for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(reinterpret_cast<const float*>(rows[j0 + j] + 2 * p));
+        transpose_8x8(r);
+        KVLOOM_UNROLL
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(key_t + (p + i) * kKeyTile + j0, r[i]);
+      }
+    }
+  }
+
+  // keys[v] + p * stride: the 8 words of pair p of vector v's keys (the buffer or the paired cache).
+  template <int R>
+  static void score(const float* query, const float* const* keys, int64_t stride, int head_dim, float* scores) {
+    const __m256i odd_mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    __m256 acc[R][kKeyVecs];
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r)
+      KVLOOM_UNROLL
+      for (int v = 0; v < kKeyVecs; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int p = 0; p < head_dim / 2; ++p) {
+      __m256 q_even[R], q_odd[R];
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        q_even[r] = _mm256_broadcast_ss(query + r * head_dim + 2 * p);
+        q_odd[r] = _mm256_broadcast_ss(query + r * head_dim + 2 * p + 1);
+      }
+      KVLOOM_UNROLL
+      for (int v = 0; v < kKeyVecs; ++v) {
+        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys[v] + p * stride));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(words, odd_mask));
+        KVLOOM_UNROLL
+        for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(q_odd[r], odd, _mm256_fmadd_ps(q_even[r], even, acc[r][v]));
+      }
+    }
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r)
+      KVLOOM_UNROLL
+      for (int v = 0; v < kKeyVecs; ++v) _mm256_storeu_ps(scores + r * kKeyTile + v * kVecSize, acc[r][v]);
+  }
+};
 #endif
 
 // ---- O += P V ---------------------------------------------------------------------------------
@@ -387,6 +444,63 @@ inline void add_probs_times_value_pairs(const float* probs, int rows, const floa
         const float prob = static_cast<float>(reinterpret_cast<const c10::BFloat16*>(p + r * kStride)[n - 1]);
         for (int d = 0; d < head_dim; ++d) o[r * out_stride + d] += prob * static_cast<float>(last[2 * d]);
       }
+    }
+  }
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+// The pairs layout's O += P V on AVX2: each value word (V[2i][d], V[2i+1][d]) read as two fp32 by a shift and a
+// mask, times P[r][2i] and P[r][2i+1] kept in fp32. probs: R rows of kKeyTile; value_pairs[i]: head_dim words.
+template <int R, int C>
+inline void value_pair_block(const float* probs, const float* const* value_pairs, int pairs, int column, float* out,
+                             int out_stride) {
+  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m256 acc[R][C];
+  KVLOOM_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVLOOM_UNROLL
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_loadu_ps(out + r * out_stride + column + c * 8);
+  for (int i = 0; i < pairs; ++i) {
+    KVLOOM_UNROLL
+    for (int c = 0; c < C; ++c) {
+      const __m256i words =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(value_pairs[i] + column + c * 8));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(words, odd_mask));
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(probs + r * kKeyTile + 2 * i + 1), odd,
+                                    _mm256_fmadd_ps(_mm256_broadcast_ss(probs + r * kKeyTile + 2 * i), even, acc[r][c]));
+    }
+  }
+  KVLOOM_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVLOOM_UNROLL
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + r * out_stride + column + c * 8, acc[r][c]);
+}
+
+// probs: `rows` rows of kKeyTile fp32 (keys [0, n) used; head_dim % 32 == 0); value_pairs: ceil(n / 2) pair rows.
+// An odd last key has no partner in the tile (its slot's partner may hold anything, even a non-finite value),
+// so it is added alone.
+inline void add_probs_times_value_pairs(const float* probs, int rows, const float* const* value_pairs, int n,
+                                        int head_dim, float* out, int out_stride, int32_t* /*unused*/) {
+  const int pairs = n / 2;
+  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const int block = std::min(kRowBlock, rows - r0);
+    const float* p = probs + r0 * kKeyTile;
+    float* o = out + r0 * out_stride;
+    with_row_count(block, [&](auto r) {
+      constexpr int R = decltype(r)::value;
+      constexpr int C = R * 4 <= kAccumulators ? 4 : kAccumulators / R;
+      int column = 0;
+      for (; column + C * 8 <= head_dim; column += C * 8)
+        value_pair_block<R, C>(p, value_pairs, pairs, column, o, out_stride);
+      for (; column < head_dim; column += 8) value_pair_block<R, 1>(p, value_pairs, pairs, column, o, out_stride);
+    });
+    if (n % 2 == 1) {
+      const auto* last = reinterpret_cast<const c10::BFloat16*>(value_pairs[pairs]);  // V[n - 1][d] at 2 d
+      for (int r = 0; r < block; ++r)
+        for (int d = 0; d < head_dim; ++d)
+          o[r * out_stride + d] += p[r * kKeyTile + n - 1] * static_cast<float>(last[2 * d]);
     }
   }
 }
@@ -622,7 +736,7 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* 
       softmax_tile(s_tile, head_rows, pb.scale, k0, visible, scratch.row_max.data() + h * head_rows,
                    scratch.row_sum.data() + h * head_rows, o_head, out_stride, scratch.new_max.data(),
                    scratch.correction.data());
-#if defined(KVLOOM_BF16_DOT)
+#if defined(KVLOOM_BF16_DOT) || defined(CPU_CAPABILITY_AVX2)
       if (pb.paired) {
         add_probs_times_value_pairs(s_tile, head_rows, value_pairs, n, head_dim, o_head, out_stride,
                                     scratch.probs_bf16.data());
@@ -667,7 +781,7 @@ void check_rows(const at::Tensor& t, const char* name) {
 
 // Whether this build reads bf16 caches in the pairs layout for this head size and block size.
 bool pairs_layout_supported(int64_t head_dim, int64_t block_size) {
-#if defined(KVLOOM_BF16_DOT)
+#if defined(KVLOOM_BF16_DOT) || defined(CPU_CAPABILITY_AVX2)
   return head_dim % 32 == 0 && head_dim <= kMaxHeadDim && block_size % kVecSize == 0;
 #else
   return false;
@@ -796,7 +910,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   switch (dtype) {
     case at::kFloat: run(float(), FloatKeys()); break;
     case at::kBFloat16:
-#if defined(KVLOOM_BF16_DOT)
+#if defined(KVLOOM_BF16_DOT) || defined(CPU_CAPABILITY_AVX2)
       if (head_dim % 32 == 0) {
         run(c10::BFloat16(), PairKeys());
         break;
