@@ -75,11 +75,6 @@ class CpuCapability:
         """Whether oneDNN computes bf16 products here (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
         return self.level == "avx512" or self.has("avx_ne_convert")
 
-    @property
-    def native_bf16(self) -> bool:
-        """Whether the CPU multiplies bf16 pairs itself (vdpbf16ps or AMX) at the level in force."""
-        return self.has("avx512_bf16") or self.has("amx_bf16")
-
     def compiler_flags(self) -> list[str]:
         """The C++ kernels' -march for this level: this CPU's own at its detected level (the library then only
         loads on this CPU model: cpu.py keys it so), the x86-64-v3 baseline (tuned for this CPU) when capped to

@@ -40,27 +40,22 @@ if [ ! -x "$DEST/bin/llama-server" ] || [ ! -x "$DEST/bin/llama-quantize" ]; the
 fi
 echo "llama-server: $DEST/bin/llama-server"
 
-# The bf16 GGUF of the HF checkpoint (convert_hf_to_gguf.py needs gguf-py from the same sources).
+# A GGUF of the HF checkpoint in one float type (convert_hf_to_gguf.py needs gguf-py from the same sources):
+# bf16, and f16 (its bf16 weights fit f16's wider mantissa exactly, except magnitudes outside f16's normal
+# range, below 6.1e-5 or above 65504).
 HF="$ROOT/.peers/smollm2-hf"
-GGUF="$ROOT/.peers/smollm2-bf16.gguf"
-if [ ! -f "$GGUF" ]; then
+convert() {  # convert OUTTYPE FILE
+    [ -f "$2" ] && return
     [ -f "$HF/config.json" ] || bash "$ROOT/benchmarks/peers/setup_transformers.sh"
     # The converter imports sentencepiece before it looks for a tokenizer.model (SmolLM2 has none).
     "$PY" -c "import sentencepiece" 2>/dev/null || "$PY" -m pip install -q sentencepiece
-    PYTHONPATH="$DEST/src/gguf-py" "$PY" "$DEST/src/convert_hf_to_gguf.py" "$HF" \
-        --outtype bf16 --outfile "$GGUF"
-fi
+    PYTHONPATH="$DEST/src/gguf-py" "$PY" "$DEST/src/convert_hf_to_gguf.py" "$HF" --outtype "$1" --outfile "$2"
+}
+GGUF="$ROOT/.peers/smollm2-bf16.gguf"
+convert bf16 "$GGUF"
 echo "bf16 GGUF: $GGUF"
-
-# The F16 GGUF of the same HF checkpoint (its bf16 weights fit f16's wider mantissa exactly, except
-# magnitudes outside f16's normal range, below 6.1e-5 or above 65504).
 F16="$ROOT/.peers/smollm2-f16.gguf"
-if [ ! -f "$F16" ]; then
-    [ -f "$HF/config.json" ] || bash "$ROOT/benchmarks/peers/setup_transformers.sh"
-    "$PY" -c "import sentencepiece" 2>/dev/null || "$PY" -m pip install -q sentencepiece
-    PYTHONPATH="$DEST/src/gguf-py" "$PY" "$DEST/src/convert_hf_to_gguf.py" "$HF" \
-        --outtype f16 --outfile "$F16"
-fi
+convert f16 "$F16"
 echo "F16 GGUF: $F16"
 
 # llama.cpp's own Q8_0 of the same weights (what its users run when they quantize to 8 bits).
