@@ -76,7 +76,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if linear_format(torch.bfloat16) != "kvloom" or not int8_kernels_available():
-        print("kvloom's GEMMs are not available here (they need AVX512-BF16, AVX512-VNNI and the built CPU kernels)")
+        print("kvloom's GEMMs are not available here (they need AVX2 or AVX-512 and the built CPU kernels)")
         return 1
     print(f"threads {args.threads}; median us [interquartile spread %]; x = bf16 time / int8 time")
     for rows in args.rows:

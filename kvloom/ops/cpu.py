@@ -4,16 +4,17 @@
   group of query heads that share it, for decodes and prefill chunks alike, so the whole flat batch
   is one call per layer;
 - the KV-cache write, add+RMSNorm, rotary, SiLU-and-mul and argmax (csrc/fused_ops.cpp, vectorized);
-- the bf16 GEMM (csrc/gemm.cpp): weights packed once after loading (``pack_linear``) into 48-column
-  panels for an AVX512-BF16 micro-kernel, 1.05-1.2x oneDNN at batch 64 and about 2x at batches of 1-8
-  on SmolLM2's shapes (``benchmarks/gemm_micro.py``); oneDNN's pre-packed linear where our kernel is
-  not built (no AVX512-BF16). Both compute F.linear's answer: products summed in fp32, rounded once.
+- the bf16 GEMM (csrc/gemm.cpp): weights packed once after loading (``pack_linear``) into panels for an
+  AVX512-BF16 micro-kernel (1.05-1.2x oneDNN at batch 64, about 2x at batches of 1-8 on SmolLM2's shapes,
+  ``benchmarks/gemm_micro.py``) or, on AVX2, bf16 widened to fp32 in registers for FMAs; oneDNN's
+  pre-packed linear where our kernel is not built. All compute F.linear's answer: fp32 sums, rounded once.
 - the int8 GEMMs (csrc/gemm_int8.cpp) for int8 weights (``pack_linear_int8``, ``PackedInt8Weight``):
   one packing into 48-column panels of 4-k groups serves W8A8 (activations quantized per token inside
-  the op, AVX512-VNNI, exact int32 sums) and weight-only (int8 widened to bf16 for AVX512-BF16, fp32
-  sums); a single row takes the weight-only product, batches W8A8: 1.4-2x the bf16 GEMM on SmolLM2's
-  shapes (``benchmarks/int8_micro.py``; the figures and the rule are at ``W8A8_MIN_ROWS``). Plain loops read the same
-  layout where those instructions are missing (the op table then keeps ``NativeInt8Linear``). A block-scaled
+  the op, exact int32 sums: AVX512-VNNI, or AVX2's vpmaddubsw with the weight's sign moved onto the
+  activations) and weight-only (int8 widened to bf16 for AVX512-BF16, or to fp32 on AVX2; fp32 sums); a
+  single row takes the weight-only product, batches W8A8: 1.4-2x the bf16 GEMM on SmolLM2's shapes
+  (``benchmarks/int8_micro.py``; the figures and the rule are at ``W8A8_MIN_ROWS``). Plain loops read the
+  same layout where those instructions are missing (the op table then keeps ``NativeInt8Linear``). A block-scaled
   weight (a GGUF Q8_0 kept as stored, ``PackedInt8BlocksWeight``) reads the same panels with its block scales
   packed beside them, and multiplies activations quantized per (row, block of 32) at every batch size.
 
@@ -440,15 +441,10 @@ W8A8_MAX_IN_FEATURES = (2**31 - 1) // (255 * 127)
 
 
 def int8_kernels_available() -> bool:
-    """True where the library holds both fast int8 kernels (AVX512-VNNI and AVX512-BF16)."""
+    """True where the library holds fast W8A8 and weight-only int8 kernels (AVX-512 with VNNI and BF16, or
+    AVX2 with FMA: every build above the generic level)."""
     return cpu_kernel_available() and hasattr(torch.ops.kvloom, "int8_gemm_kernels") \
         and torch.ops.kvloom.int8_gemm_kernels() == 3
-
-
-def int8_weight_only_kernel_available() -> bool:
-    """True where the library holds a fast weight-only int8 kernel (AVX512-BF16, or AVX2 + FMA)."""
-    return cpu_kernel_available() and hasattr(torch.ops.kvloom, "int8_gemm_kernels") \
-        and bool(torch.ops.kvloom.int8_gemm_kernels() & 2)
 
 
 def pack_int8_weight(qweight: torch.Tensor) -> torch.Tensor:

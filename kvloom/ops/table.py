@@ -152,7 +152,7 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
     pack = None if fmt is None else (lambda weight, bias: cpu.PackedWeight(weight, bias, fmt, batch_hint))
     if not cpu.cpu_kernel_available():
         return dataclasses.replace(NATIVE_OPS, pack_linear=pack)
-    # csrc/gemm_int8.cpp for float32 and bfloat16 activations alike, where its AVX-512 (or AVX2) kernels are built.
+    # csrc/gemm_int8.cpp for float32 and bfloat16 activations alike, where its AVX-512 or AVX2 kernels are built.
     pack_int8, pack_int8_blocks = int8.NativeInt8Linear, int8.NativeInt8BlocksLinear
     if cpu.int8_kernels_available():
         pack_int8_blocks = cpu.PackedInt8BlocksWeight
@@ -160,10 +160,6 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
         # perplexity alone, +0.7% with the default smoothing (layers/smoothing.py; benchmarks/int8_quality.py).
         rows = cpu.W8A8_MIN_ROWS if int8_activations else sys.maxsize
         pack_int8 = functools.partial(cpu.PackedInt8Weight, w8a8_min_rows=rows)
-    elif cpu.int8_weight_only_kernel_available():
-        # AVX2: the weight-only kernel at every batch size (no W8A8 kernel there, so int8_activations has no
-        # effect); Q8_0 blocks keep torch's ops.
-        pack_int8 = functools.partial(cpu.PackedInt8Weight, w8a8_min_rows=sys.maxsize)
     return Ops(name="cpu", attention=cpu.attention, rms_norm=cpu.rms_norm, add_rms_norm=cpu.add_rms_norm,
                rotary_embedding=cpu.rotary_embedding, silu_and_mul=cpu.silu_and_mul, argmax=cpu.argmax,
                pack_linear=pack, pack_linear_int8=pack_int8, pack_linear_int8_blocks=pack_int8_blocks,

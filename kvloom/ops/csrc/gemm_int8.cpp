@@ -26,11 +26,12 @@
 // whose 32-bit lanes hold (column c, k pair p) for 8 columns each; a broadcast 64-bit x word gives
 // lane p its own pair, and the two lanes of each column are added at the end.
 //
-// On AVX2 (no VNNI, no BF16) the weight-only product has its own micro-kernel: 8 bytes of a group (2 columns
-// x 4 k) widened to one fp32 vector, FMAs with a broadcast of the group's 4 x values, and each column's 4
-// lanes added at the end; W8A8 has none there (vpmaddubsw's 16-bit sums would saturate on u8 x s8).
-// Without AVX512-VNNI (or AVX512-BF16 / AVX2, for the weight-only kernel) the same packed layout is read by
-// plain loops; `portable=True` runs those anywhere, so tests pin both against the references. All three
+// On AVX2 (no VNNI, no BF16) each product has its own micro-kernel. Both W8A8 ones keep x's codes s8 and
+// move the weight's sign onto them, so vpmaddubsw's 16-bit pair sums cannot saturate and vpmaddwd adds
+// each 4 k into an int32 lane: the same exact sums as vpdpbusd, with no compensation. The weight-only one
+// widens 8 bytes of a group (2 columns x 4 k) to one fp32 vector, FMAs it with a broadcast of the group's
+// 4 x values, and adds each column's 4 lanes at the end. Without these instructions the same packed
+// layout is read by plain loops; `portable=True` runs those anywhere, so tests pin both against the references. All three
 // products walk the panels with one loop (for_each_panel) and differ only in their micro-kernels.
 
 #include "cpu_capability.h"
@@ -166,6 +167,55 @@ float quantize_row_avx512(const T* x, int64_t K, int64_t Kp, int32_t shift, uint
   if (code_sum) *code_sum = _mm512_reduce_add_epi32(sums);
   return scale;
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KVLOOM_QUANTIZE_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// quantize_row_portable's integers, 8 at a time: the same true division, rounding to even and clamp.
+template <typename T>
+float quantize_row_avx2(const T* x, int64_t K, int64_t Kp, int32_t shift, uint8_t* q, int32_t* code_sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const int64_t K8 = K - K % 8;
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K8; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, load8(x + k)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  float row_max = 0.0f;
+  for (float v : lanes) row_max = std::max(row_max, v);
+  for (int64_t k = K8; k < K; ++k) row_max = std::max(row_max, std::fabs(static_cast<float>(x[k])));
+  const float scale = row_max > 0.0f ? row_max / kQmax : 1.0f;
+  const __m256 vscale = _mm256_set1_ps(scale), hi = _mm256_set1_ps(kQmax), lo = _mm256_set1_ps(-kQmax);
+  const __m256i vshift = _mm256_set1_epi32(shift);
+  // Byte 0 of each int32 lane, gathered into the low 8 bytes.
+  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i halves = _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
+  __m256i sums = _mm256_setzero_si256();
+  for (int64_t k = 0; k < K8; k += 8) {
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(load8(x + k), vscale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i i = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+    sums = _mm256_add_epi32(sums, i);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(_mm256_add_epi32(i, vshift), low_bytes), halves);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm256_castsi256_si128(bytes));
+  }
+  alignas(32) int32_t parts[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(parts), sums);
+  int32_t sum = 0;
+  for (int32_t v : parts) sum += v;
+  for (int64_t k = K8; k < K; ++k) {
+    const float r = std::min(kQmax, std::max(-kQmax, std::nearbyint(static_cast<float>(x[k]) / scale)));
+    sum += static_cast<int32_t>(r);
+    q[k] = static_cast<uint8_t>(static_cast<int32_t>(r) + shift);
+  }
+  for (int64_t k = K; k < Kp; ++k) q[k] = static_cast<uint8_t>(shift);
+  if (code_sum) *code_sum = sum;
+  return scale;
+}
 #endif
 
 template <typename T>
@@ -193,7 +243,7 @@ void quantize_rows(const at::Tensor& x, const Shapes& s, int64_t block, int32_t 
   const T* xs = x.data_ptr<T>();
   const int64_t ldx = x.stride(0), Kp = s.groups * kGroup;
   const int64_t width = block ? block : s.K, padded = block ? block : Kp, per_row = s.K / width;
-#if !defined(CPU_CAPABILITY_AVX512)
+#if !defined(CPU_CAPABILITY_AVX512) && !defined(KVLOOM_QUANTIZE_AVX2)
   (void)portable;
 #endif
   parallel_for(0, s.M, 16, [&](int64_t begin, int64_t end) {
@@ -205,6 +255,11 @@ void quantize_rows(const at::Tensor& x, const Shapes& s, int64_t block, int32_t 
 #if defined(CPU_CAPABILITY_AVX512)
         if (!portable) {
           scales[m * per_row + b] = quantize_row_avx512(xr, width, padded, shift, qr, sum);
+          continue;
+        }
+#elif defined(KVLOOM_QUANTIZE_AVX2)
+        if (!portable) {
+          scales[m * per_row + b] = quantize_row_avx2(xr, width, padded, shift, qr, sum);
           continue;
         }
 #endif
@@ -282,6 +337,90 @@ template <typename T>
 constexpr W8A8Kernel<T> kW8A8Kernels[kRowsW8A8 + 1] = {
     nullptr, &w8a8_kernel<1, T>, &w8a8_kernel<2, T>, &w8a8_kernel<3, T>, &w8a8_kernel<4, T>,
     &w8a8_kernel<5, T>, &w8a8_kernel<6, T>, &w8a8_kernel<7, T>, &w8a8_kernel<8, T>};
+#elif defined(KVLOOM_QUANTIZE_AVX2)
+// Without VNNI, AVX2's vpmaddubsw multiplies u8 by s8 into 16-bit pair sums that saturate past 32767, so
+// u8 activations (q + 128) could overflow them. Here x's codes stay s8 and the weight's sign moves onto
+// them (vpsignb), its magnitude being the u8 operand: every pair is at most 2 * 127 * 127 = 32258, exact;
+// vpmaddwd by ones sums the pairs of each 4 k into an int32 lane, as vpdpbusd does in one instruction.
+#define KVLOOM_W8A8_AVX2
+constexpr int64_t kRowsW8A8Avx2 = 4;  // 4 rows x 16 columns: 8 int32 sums, 2 weight vectors and their magnitudes
+
+inline __m256i dot_groups(__m256i acc, __m256i w_abs, __m256i w, __m256i x, __m256i ones) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)), ones));
+}
+
+inline __m256i broadcast_word(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm256_set1_epi32(word);
+}
+
+// Columns [0, count) of a panel's scales or bias (zeros past them: nothing is read past N).
+inline __m256 load_columns(const float* p, int64_t count) {
+  if (count == 8) return _mm256_loadu_ps(p);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(count)),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_maskload_ps(p, mask);
+}
+
+// Columns [0, count) of an 8-column vector of results into y, rounded once to T.
+template <typename T>
+inline void store_avx2(T* y, __m256 v, int64_t count) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (count == 8) {
+      _mm256_storeu_ps(y, v);
+      return;
+    }
+  }
+  alignas(32) float out[8];
+  _mm256_store_ps(out, v);
+  for (int64_t c = 0; c < count; ++c) y[c] = static_cast<T>(out[c]);
+}
+
+// R rows of y for one panel, 16 columns at a time. xq: s8 rows of Kp = 4 * groups codes; the epilogue is
+// w8a8_portable_panel's (the same int32 sums, the same fp32 operations).
+template <int R, typename T>
+inline void w8a8_avx2_kernel(const int8_t* xq, int64_t ldq, const float* x_scale, const int8_t* panel, int64_t groups,
+                             const float* w_scale, const float* bias, T* y, int64_t ldy, int64_t columns) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t c0 = 0; c0 < columns; c0 += 16) {
+    __m256i acc[R][2];
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const int8_t* w = panel + c0 * kGroup;
+    for (int64_t g = 0; g < groups; ++g, w += kGroupBytes) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = broadcast_word(xq + r * ldq + g * kGroup);
+        acc[r][0] = dot_groups(acc[r][0], a0, w0, xv, ones);
+        acc[r][1] = dot_groups(acc[r][1], a1, w1, xv, ones);
+      }
+    }
+    KVLOOM_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int64_t c = c0 + 8 * h, count = std::min<int64_t>(8, columns - c);
+      if (count <= 0) break;
+      const __m256 ws = load_columns(w_scale + c, count);
+      const __m256 b = bias ? load_columns(bias + c, count) : _mm256_setzero_ps();
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(x_scale[r]));
+        store_avx2(y + r * ldy + c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), s, b), count);
+      }
+    }
+  }
+}
+
+template <typename T>
+using W8A8Avx2Kernel = void (*)(const int8_t*, int64_t, const float*, const int8_t*, int64_t, const float*,
+                                const float*, T*, int64_t, int64_t);
+
+template <typename T>
+constexpr W8A8Avx2Kernel<T> kW8A8Avx2Kernels[kRowsW8A8Avx2 + 1] = {
+    nullptr, &w8a8_avx2_kernel<1, T>, &w8a8_avx2_kernel<2, T>, &w8a8_avx2_kernel<3, T>, &w8a8_avx2_kernel<4, T>};
 #endif
 
 // The same sums by plain loops over the packed layout, and the same fp32 epilogue (bit for bit).
@@ -308,25 +447,39 @@ template <typename T>
 void w8a8_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const int32_t* compensation,
                 const float* w_scale, const float* bias, const Shapes& s, bool portable) {
   const int64_t Kp = s.groups * kGroup;
+#if defined(KVLOOM_VNNI_DOT)
+  const bool fast = !portable;
+  const int32_t shift = kShift;  // u8 codes for vpdpbusd, the shift taken out by the compensation
+  const int64_t step = kRowsW8A8;
+#elif defined(KVLOOM_W8A8_AVX2)
+  const bool fast = !portable;
+  const int32_t shift = fast ? 0 : kShift;  // s8 codes: the AVX2 kernel needs no compensation
+  const int64_t step = kRowsW8A8Avx2;
+#else
+  const bool fast = false;
+  const int32_t shift = kShift;
+  const int64_t step = kRowChunk;
+#endif
   std::vector<uint8_t> xq(s.M * Kp);
   std::vector<float> x_scale(s.M);
-  quantize_rows<T>(x, s, 0, kShift, xq.data(), x_scale.data(), nullptr, portable);
+  quantize_rows<T>(x, s, 0, shift, xq.data(), x_scale.data(), nullptr, portable);
   const auto* ws = packed.data_ptr<int8_t>();
   T* ys = y.data_ptr<T>();
   const int64_t panel_size = s.groups * kGroupBytes;
-#if defined(KVLOOM_VNNI_DOT)
-  const bool fast = !portable;
-#else
-  const bool fast = false;
-#endif
-  for_each_panel(s, fast ? kRowsW8A8 : kRowChunk, [&](int64_t m, int64_t rows, int64_t panel, int64_t n0,
-                                                      int64_t columns) {
+  for_each_panel(s, fast ? step : kRowChunk, [&](int64_t m, int64_t rows, int64_t panel, int64_t n0,
+                                                 int64_t columns) {
     const int8_t* wp = ws + panel * panel_size;
     const float* bp = bias ? bias + n0 : nullptr;
 #if defined(KVLOOM_VNNI_DOT)
     if (fast) {
       kW8A8Kernels<T>[rows](xq.data() + m * Kp, Kp, x_scale.data() + m, wp, s.groups, compensation + n0,
                             w_scale + n0, bp, ys + m * s.N + n0, s.N, columns);
+      return;
+    }
+#elif defined(KVLOOM_W8A8_AVX2)
+    if (fast) {
+      kW8A8Avx2Kernels<T>[rows](reinterpret_cast<const int8_t*>(xq.data()) + m * Kp, Kp, x_scale.data() + m, wp,
+                                s.groups, w_scale + n0, bp, ys + m * s.N + n0, s.N, columns);
       return;
     }
 #endif
@@ -651,6 +804,65 @@ template <typename T>
 constexpr W8A8BlocksKernel<T> kW8A8BlocksKernels[kRowsBlocks + 1] = {
     nullptr, &w8a8_blocks_kernel<1, T>, &w8a8_blocks_kernel<2, T>, &w8a8_blocks_kernel<3, T>,
     &w8a8_blocks_kernel<4, T>};
+#elif defined(KVLOOM_W8A8_AVX2)
+constexpr int64_t kRowsBlocksAvx2 = 2;  // 2 rows x 16 columns: 4 int32 and 4 fp32 sums
+
+// R rows of y for one panel, 16 columns at a time, as w8a8_avx2_kernel: the weight's u8 bytes (q + 128)
+// flipped back to q, so each block's int32 sums start from zero; then w8a8_blocks_portable_panel's fp32 steps.
+template <int R, typename T>
+inline void w8a8_blocks_avx2_kernel(const int8_t* xq, int64_t ldq, const float* x_scale, int64_t ldxs,
+                                    const uint8_t* panel, int64_t blocks, const float* w_scale, const float* bias,
+                                    T* y, int64_t ldy, int64_t columns) {
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t c0 = 0; c0 < columns; c0 += 16) {
+    __m256 acc[R][2];
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256i sums[R][2];
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+      const uint8_t* w = panel + b * kGroupsPerBlock * kGroupBytes + c0 * kGroup;
+      KVLOOM_UNROLL
+      for (int64_t j = 0; j < kGroupsPerBlock; ++j, w += kGroupBytes) {
+        const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), flip);
+        const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)), flip);
+        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+        KVLOOM_UNROLL
+        for (int r = 0; r < R; ++r) {
+          const __m256i xv = broadcast_word(xq + r * ldq + (b * kGroupsPerBlock + j) * kGroup);
+          sums[r][0] = dot_groups(sums[r][0], a0, w0, xv, ones);
+          sums[r][1] = dot_groups(sums[r][1], a1, w1, xv, ones);
+        }
+      }
+      KVLOOM_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const __m256 ws = _mm256_loadu_ps(w_scale + b * kPanel + c0 + 8 * h);  // zero past N within the panel
+        KVLOOM_UNROLL
+        for (int r = 0; r < R; ++r) {
+          const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(x_scale[r * ldxs + b]));
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][h]), scale, acc[r][h]);
+        }
+      }
+    }
+    KVLOOM_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int64_t c = c0 + 8 * h, count = std::min<int64_t>(8, columns - c);
+      if (count <= 0) break;
+      const __m256 bv = bias ? load_columns(bias + c, count) : _mm256_setzero_ps();
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) store_avx2(y + r * ldy + c, _mm256_add_ps(acc[r][h], bv), count);
+    }
+  }
+}
+
+template <typename T>
+using W8A8BlocksAvx2Kernel = void (*)(const int8_t*, int64_t, const float*, int64_t, const uint8_t*, int64_t,
+                                      const float*, const float*, T*, int64_t, int64_t);
+
+template <typename T>
+constexpr W8A8BlocksAvx2Kernel<T> kW8A8BlocksAvx2Kernels[kRowsBlocksAvx2 + 1] = {
+    nullptr, &w8a8_blocks_avx2_kernel<1, T>, &w8a8_blocks_avx2_kernel<2, T>};
 #endif
 
 // The same integers and the same fp32 operations in the same order (bit for bit).
@@ -691,11 +903,16 @@ void w8a8_blocks_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
   const int64_t panel_size = s.groups * kGroupBytes, scales_size = blocks * kPanel;
 #if defined(KVLOOM_VNNI_DOT)
   const bool fast = !portable;
+  const int64_t step = kRowsBlocks;
+#elif defined(KVLOOM_W8A8_AVX2)
+  const bool fast = !portable;
+  const int64_t step = kRowsBlocksAvx2;
 #else
   const bool fast = false;
+  const int64_t step = kRowChunk;
 #endif
-  for_each_panel(s, fast ? kRowsBlocks : kRowChunk, [&](int64_t m, int64_t rows, int64_t panel, int64_t n0,
-                                                        int64_t columns) {
+  for_each_panel(s, fast ? step : kRowChunk, [&](int64_t m, int64_t rows, int64_t panel, int64_t n0,
+                                                 int64_t columns) {
     const uint8_t* wp = ws + panel * panel_size;
     const float* sp = w_scale + panel * scales_size;
     const float* bp = bias ? bias + n0 : nullptr;
@@ -703,6 +920,12 @@ void w8a8_blocks_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
     if (fast) {
       kW8A8BlocksKernels<T>[rows](xq.data() + m * s.K, s.K, x_scale.data() + m * blocks, x_sum.data() + m * blocks,
                                   blocks, wp, blocks, sp, bp, ys + m * s.N + n0, s.N, columns);
+      return;
+    }
+#elif defined(KVLOOM_W8A8_AVX2)
+    if (fast) {
+      kW8A8BlocksAvx2Kernels<T>[rows](xq.data() + m * s.K, s.K, x_scale.data() + m * blocks, blocks, wp, blocks, sp,
+                                      bp, ys + m * s.N + n0, s.N, columns);
       return;
     }
 #endif
@@ -725,11 +948,11 @@ void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor 
   });
 }
 
-// Which fast kernels this build holds: bit 0 the W8A8 ones, per token and on blocks (AVX512-VNNI),
+// Which fast kernels this build holds: bit 0 the W8A8 ones, per token and on blocks (AVX512-VNNI, or AVX2),
 // bit 1 the weight-only one (AVX512-BF16, or AVX2 + FMA). The ops run on plain loops wherever a bit is missing.
 int64_t int8_gemm_kernels() {
   int64_t flags = 0;
-#if defined(KVLOOM_VNNI_DOT)
+#if defined(KVLOOM_VNNI_DOT) || defined(KVLOOM_W8A8_AVX2)
   flags |= 1;
 #endif
 #if defined(KVLOOM_BF16_DOT) || defined(KVLOOM_INT8_WEIGHT_ONLY_AVX2)
