@@ -50,7 +50,7 @@ generate: setup
 	$(BIN)/kvloom generate --model $(MODEL) "The capital of France is"
 
 bench: setup
-	$(BIN)/python benchmarks/throughput.py
+	$(BIN)/python -m kvloom.entrypoints.cli bench throughput
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,7 +1,10 @@
 """kvloom against a peer on the offline throughput benchmark: alternated runs, medians, ratios.
 
-Each run is a fresh subprocess (so every start-up is measured) of ``benchmarks/throughput.py`` —
-or, for llama.cpp, ``benchmarks/peers/llamacpp_throughput.py`` — in the engine's own environment.
+Each run is a fresh subprocess (so every start-up is measured), from the main venv on this checkout's
+kvloom: ``kvloom bench throughput`` for kvloom, ``benchmarks/peers/vllm_bench.py throughput`` for vLLM
+(which runs vLLM in its own venv, ``.peers/vllm``), ``peers/hf_bench.py throughput`` for transformers and
+``peers/llamacpp_throughput.py`` for llama.cpp. ``--base-arg`` / ``--peer-arg`` go to that command (the
+flags of ``kvloom bench throughput``: ``--dtype``, ``--engine-arg``, ...; llama.cpp: ``--gguf``).
 Runs alternate A B B A A B ... so slow drift of the machine (other work on the two cores) falls on
 both engines alike. Prints the median of each figure and the ratio kvloom / peer.
 
@@ -27,9 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _bootstrap import ROOT, bench_module
+from kvloom.bench import common
 
-common = bench_module("common", need_engine=False)
+ROOT = Path(__file__).resolve().parents[1]
+PEERS_SCRIPTS = ROOT / "benchmarks" / "peers"
 
 ENGINES = ("kvloom", "vllm", "hf", "llamacpp")
 # (result key, label, higher is better)
@@ -49,13 +53,23 @@ def engine_command(engine: str, num_prompts: int, json_path: str, extra: list[st
     main_python = ROOT / ".venv" / "bin" / "python"
     python = str(main_python) if main_python.exists() else sys.executable
     common_args = ["-n", str(num_prompts), "--json", json_path, *extra]
+    if engine == "kvloom":
+        return [python, "-m", "kvloom.entrypoints.cli", "bench", "throughput", *common_args]
     if engine == "llamacpp":
-        return [python, str(ROOT / "benchmarks" / "peers" / "llamacpp_throughput.py"), *common_args]
+        return [python, str(PEERS_SCRIPTS / "llamacpp_throughput.py"), *common_args]
     if engine == "vllm":
-        python = str(ROOT / ".peers" / "vllm" / "bin" / "python")
-        if not Path(python).exists():
-            raise SystemExit(f"{python} is missing: run bash benchmarks/peers/setup_vllm.sh")
-    return [python, str(ROOT / "benchmarks" / "throughput.py"), "--engine", engine, *common_args]
+        vllm_python = ROOT / ".peers" / "vllm" / "bin" / "python"
+        if not vllm_python.exists():
+            raise SystemExit(f"{vllm_python} is missing: run bash benchmarks/peers/setup_vllm.sh")
+        return [python, str(PEERS_SCRIPTS / "vllm_bench.py"), "throughput", *common_args]
+    if engine == "hf":
+        return [python, str(PEERS_SCRIPTS / "hf_bench.py"), "throughput", *common_args]
+    raise SystemExit(f"unknown engine {engine!r}; choose from {ENGINES}")
+
+
+def engine_env() -> dict[str, str]:
+    """The runs import this checkout's kvloom (whatever the venv has installed as kvloom)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
 
 
 def run_once(engine: str, num_prompts: int, extra: list[str], timeout: float,
@@ -68,7 +82,7 @@ def run_once(engine: str, num_prompts: int, extra: list[str], timeout: float,
     try:
         with open(log_path, "w") as log:
             proc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
-                                  cwd=ROOT)
+                                  cwd=ROOT, env=engine_env())
         if proc.returncode != 0:
             tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
             print(f"  {engine} failed (exit {proc.returncode}, log {log_path}):", *tail, sep="\n    ")
@@ -103,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-r", "--repeats", type=int, default=3)
     parser.add_argument("--base-arg", action="append", default=[],
                         help="extra argument for the base engine's script, repeatable "
-                             "(e.g. --base-arg=--engine-arg=enforce_eager=true)")
+                             "(e.g. --base-arg=--engine-arg=enforce_eager=true, --base-arg=--dtype=auto)")
     parser.add_argument("--peer-arg", action="append", default=[],
-                        help="extra argument for the peer's script, repeatable")
+                        help="extra argument for the peer's script, repeatable "
+                             "(e.g. --peer-arg=--dtype=float32, llama.cpp: --peer-arg=--gguf=f16)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--json", metavar="PATH", help="write every run and the medians as JSON")
     parser.add_argument("--background-load", type=int, default=0, metavar="N",

@@ -1,29 +1,27 @@
-"""Serving benchmark against an OpenAI-compatible /v1/completions endpoint; see kvloom/bench/serve.py.
+"""``kvloom bench serve`` against a server this script starts and stops: kvloom, vLLM or llama.cpp.
 
-Against a running server:
-    .venv/bin/python benchmarks/serve.py --base-url http://127.0.0.1:8000 --concurrency 64
-Starting the server too (stopped at the end; its start-up time is printed):
+Starting the server (see peers/servers.py for each one's flags; its start-up time and peak RSS are printed):
     .venv/bin/python benchmarks/serve.py --server vllm --concurrency 64
     .venv/bin/python benchmarks/serve.py --server llamacpp --request-rate 4
     .venv/bin/python benchmarks/serve.py --server kvloom --concurrency 8
-Every other flag is kvloom.bench.serve's (--help lists them).
+Without --server it is ``kvloom bench serve`` against --base-url. Every other flag is ``kvloom bench
+serve``'s (--help lists them).
 """
 
 import sys
 from pathlib import Path
 
-from _bootstrap import bench_module
-
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
 from servers import Server, launcher_parser  # noqa: E402
 
+from kvloom.bench import serve  # noqa: E402
+
 
 def main() -> int:
     launcher = launcher_parser(("kvloom", "vllm", "llamacpp"))
-    launcher.add_argument("--gguf", default=None, help="llamacpp: bf16 (default), q4_1 or a path")
+    launcher.add_argument("--gguf", default=None, help="llamacpp: bf16 (default), f16, q8_0, q4_1 or a path")
     args, rest = launcher.parse_known_args()
-    serve = bench_module("serve", need_engine=False)
     if "-h" in rest or "--help" in rest:
         print(__doc__)
         return serve.main(rest)
@@ -45,4 +43,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ValueError as e:
+        sys.exit(f"serve.py: error: {e}")

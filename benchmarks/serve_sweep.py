@@ -23,15 +23,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _bootstrap import bench_module
-
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
 from servers import Server  # noqa: E402
 
-serve = bench_module("serve", need_engine=False)
-common = bench_module("common", need_engine=False)
-workload = bench_module("workload", need_engine=False)
+from kvloom.bench import common, serve, workload  # noqa: E402
 
 
 def measure(base_url: str, num_prompts: int, rate: float, concurrency: int | None, seed: int,

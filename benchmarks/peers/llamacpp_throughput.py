@@ -5,7 +5,7 @@ time), so the peer figure is llama-server with N parallel slots and continuous b
 (``-np N -cb -t 2``): the server is started, then all N prompts are sent at once as token-id
 prompts (non-streaming, max_tokens 128, temperature 0, ignore_eos, cache_prompt false); the wall time
 is from the first send to the last response. Start-up is launch -> /health ready; the first token
-adds one 1-token request. The result has the same fields as ``benchmarks/throughput.py``.
+adds one 1-token request. The result has the same fields as ``kvloom bench throughput``'s.
 
     .venv/bin/python benchmarks/peers/llamacpp_throughput.py [-n 64] [--gguf bf16|f16|q8_0|q4_1|PATH] [--json out]
 """
@@ -17,14 +17,11 @@ import asyncio
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from _bootstrap import bench_module  # noqa: E402
-from servers import MODEL_NAME, ROOT, Server, common, llamacpp_gguf  # noqa: E402
+from servers import MODEL_NAME, ROOT, Server, llamacpp_gguf
 
-serve = bench_module("serve", need_engine=False)
-workload = bench_module("workload", need_engine=False)
+from kvloom.bench import common, serve, throughput
+from kvloom.bench.workload import add_dataset_args, load_prompts, warmup_prompt
 
 
 def llamacpp_version() -> str:
@@ -42,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0, help="the workload's seed")
+    add_dataset_args(parser)
     parser.add_argument("--gguf", default="bf16",
                         help="bf16 (default), f16, q8_0 (.peers/smollm2-*.gguf), q4_1 or a GGUF path")
     parser.add_argument("--port", type=int, default=8081)
@@ -52,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     machine = common.machine_info()
-    prompts = workload.make_workload(args.num_prompts)
+    try:
+        prompts = load_prompts(args, args.num_prompts, seed=args.seed)
+    except ValueError as e:
+        raise SystemExit(f"llamacpp_throughput.py: error: {e}") from None
     gguf = llamacpp_gguf(args.gguf)
     extra = {"cache_prompt": False}
     with Server("llamacpp", port=args.port, num_seqs=args.num_prompts, gguf=str(gguf),
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         launched = time.time() - server.startup_s
         first_token = None
         if args.first_token:
-            asyncio.run(serve.run_load(server.base_url, workload.make_workload(1, seed=1),
+            asyncio.run(serve.run_load(server.base_url, [warmup_prompt(args, prompts, seed=args.seed)],
                                        model=MODEL_NAME, max_tokens=1, stream=False,
                                        extra_body=extra))
             first_token = time.time() - launched
@@ -75,22 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r.error for r in results if not r.ok]
     if failed:
         raise SystemExit(f"{len(failed)} requests failed, e.g. {failed[0]}")
-    result = {
-        "benchmark": "throughput",
-        "engine": "llamacpp",
-        "engine_version": llamacpp_version(),
-        "model": str(gguf),
-        "engine_kwargs": {"argv": server.argv},
-        **common.throughput_figures(str(gguf), [len(p) for p in prompts],
-                                    sum(r.output_tokens for r in results), args.output_len, elapsed),
-        "startup_s": startup,
-        "startup_to_first_token_s": first_token,
-        "peak_rss_mib": rss,
-        "peak_rss_tree_mib": rss,
-        "machine": machine,
-        "loadavg_end": common.machine_info()["loadavg"],
-    }
-    throughput = bench_module("throughput", need_engine=False)
+    result = throughput.throughput_result(
+        engine="llamacpp", version=llamacpp_version(), engine_kwargs={"argv": server.argv}, model=str(gguf),
+        prompt_lens=[len(p) for p in prompts], generated=[r.output_tokens for r in results],
+        output_len=args.output_len, elapsed=elapsed, startup_s=startup, startup_to_first_token_s=first_token,
+        peak_rss_mib=rss, peak_rss_tree_mib=rss, machine=machine)
     throughput.report(result)
     common.write_json(args.json, result)
     return 0

@@ -4,7 +4,8 @@ Each server gets the same model (SmolLM2-135M-Instruct, bf16), 1,024-token conte
 ``num_seqs`` concurrent requests, listens on 127.0.0.1 and answers to the model name
 ``SmolLM2-135M-Instruct``:
 
-- ``kvloom``: ``kvloom serve SmolLM2-135M-Instruct`` from the main venv.
+- ``kvloom``: ``python -m kvloom.entrypoints.cli serve SmolLM2-135M-Instruct`` from the main venv, on this
+  checkout's kvloom (``PYTHONPATH`` starts with the repository root).
 - ``vllm``: ``python -m vllm.entrypoints.openai.api_server --model .peers/smollm2-hf`` from
   .peers/vllm (VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_KVCACHE_SPACE=4 unless set).
 - ``llamacpp``: ``llama-server -np N -cb -t 2 -c N*1024`` on .peers/smollm2-bf16.gguf
@@ -24,11 +25,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _bootstrap import bench_module  # noqa: E402
+from kvloom.bench import common
 
-common = bench_module("common", need_engine=False)
+ROOT = Path(__file__).resolve().parents[2]
 PEERS = ROOT / ".peers"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 SERVERS = ("kvloom", "vllm", "llamacpp")
@@ -60,8 +59,8 @@ def server_command(name: str, port: int, num_seqs: int = 64, max_model_len: int 
     """argv and environment that start server ``name`` on 127.0.0.1:port."""
     env = dict(os.environ)
     if name == "kvloom":
-        kvloom = ROOT / ".venv" / "bin" / "kvloom"
-        argv = [str(kvloom) if kvloom.exists() else "kvloom", "serve", MODEL_NAME,
+        env["PYTHONPATH"] = checkout_pythonpath()
+        argv = [main_python(), "-m", "kvloom.entrypoints.cli", "serve", MODEL_NAME,
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
                 "--max-model-len", str(max_model_len), "--max-num-seqs", str(num_seqs)]
     elif name == "vllm":
@@ -87,6 +86,17 @@ def server_command(name: str, port: int, num_seqs: int = 64, max_model_len: int 
     else:
         raise SystemExit(f"unknown server {name!r}; choose from {SERVERS}")
     return argv + list(extra or []), env
+
+
+def main_python() -> str:
+    """The main venv's python (kvloom and its test dependencies), or this interpreter."""
+    python = ROOT / ".venv" / "bin" / "python"
+    return str(python) if python.exists() else sys.executable
+
+
+def checkout_pythonpath() -> str:
+    """``PYTHONPATH`` for a child that must run this checkout's kvloom, whatever the venv installed."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 
 def launcher_parser(servers: tuple[str, ...]) -> argparse.ArgumentParser:

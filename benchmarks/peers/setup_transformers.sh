@@ -5,7 +5,7 @@
 # Idempotent.
 #
 #   bash benchmarks/peers/setup_transformers.sh
-#   .venv/bin/python benchmarks/throughput.py --engine hf
+#   .venv/bin/python benchmarks/peers/hf_bench.py throughput
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 PY="${PY:-$ROOT/.venv/bin/python}"

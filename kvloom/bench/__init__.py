@@ -1,13 +1,15 @@
-"""Benchmarks of kvloom and its peers on the standard workloads (``docs/benchmarks.md``).
+"""``kvloom bench throughput|latency|serve`` (vLLM's ``vllm bench``) and what they share.
 
-- ``workload``: the standard prompts, ``make_workload(n)`` (64 prompts = 9,202 tokens).
-- ``throughput``: offline ``LLM.generate`` over the workload; kvloom, vLLM or HF transformers.
+- ``throughput``: offline ``LLM.generate`` over a workload; tok/s, GFLOP/s, start-up, memory.
 - ``latency``: one batch of B requests; time to first token and decode step time.
 - ``serve``: a load generator for any OpenAI-compatible ``/v1/completions`` endpoint.
-- ``stream_cost``: a streamed completion's output-path cost per token, at its start and at its end.
-- ``common``: FLOPs per token, peak memory, process start time, result printing.
+- ``workload``: the standard prompts, ``make_workload(n)`` (64 prompts = 9,202 tokens), and the dataset flags.
+- ``common``: FLOPs per token, peak memory, process start time, percentiles, result printing.
+- ``stream_cost``, ``int8_quality``: the measurements of two studies whose commands are in ``benchmarks/``;
+  they stay here because tests pin the output path and int8 quality with them.
 
-Each of ``throughput``, ``latency`` and ``serve`` has ``build_parser()`` and ``main(argv) -> int``
-(``kvloom bench NAME`` calls it). The modules import no engine at import time, so the same files run
-inside a peer's environment (``benchmarks/*.py``).
+Each of ``throughput``, ``latency`` and ``serve`` has ``build_parser()``, ``execute(args)`` and
+``main(argv) -> int``. No module imports torch or the engine at import time. The peers (vLLM, llama.cpp,
+HF transformers) are run by ``benchmarks/peers/``, which report through ``throughput_result`` and
+``latency.batch_result`` so that every engine gives the same fields.
 """

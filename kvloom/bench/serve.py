@@ -1,14 +1,14 @@
 """Serving load generator for any OpenAI-compatible ``/v1/completions`` endpoint.
 
     kvloom bench serve --base-url http://127.0.0.1:8000 --request-rate 4
-    kvloom bench serve --base-url http://127.0.0.1:8000 --concurrency 8
-    python benchmarks/serve.py --server vllm --concurrency 64     # starts the server too
+    kvloom bench serve --base-url http://127.0.0.1:8000 --max-concurrency 8 --input-len 256
+    python benchmarks/serve.py --server vllm --concurrency 64     # starts a peer's server too
 
-Requests: the standard workload's prompts as token ids (``"prompt": [ids]``), ``max_tokens``
-128, ``temperature`` 0, ``ignore_eos`` true (an extra field that vLLM, kvloom and llama-server
-accept), ``stream`` true. Arrivals are a Poisson process at ``--request-rate`` requests/s
-(``inf``: all at once), and ``--concurrency N`` caps the requests in flight, so
-``--concurrency N`` alone is N closed-loop clients.
+Requests: the workload's prompts (the standard one unless the dataset flags say otherwise) as token
+ids (``"prompt": [ids]``), ``max_tokens`` 128 (``--output-len``), ``temperature`` 0, ``ignore_eos`` true
+(an extra field that vLLM, kvloom and llama-server accept), ``stream`` true. Arrivals are a Poisson
+process at ``--request-rate`` requests/s (``inf``: all at once), and ``--max-concurrency N`` caps the
+requests in flight, so ``--max-concurrency N`` alone is N closed-loop clients.
 
 Measured per request, from the client: TTFT (send -> first streamed token), TPOT ((end - first
 token) / (output tokens - 1)), ITL (gaps between streamed chunks that carry tokens) and end-to-end
@@ -31,14 +31,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvloom.bench import common
-from kvloom.bench.workload import make_workload
+from kvloom.bench.workload import add_dataset_args, load_prompts, make_workload, warmup_prompt
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvloom bench serve", description=__doc__,
+def build_parser(prog: str = "kvloom bench serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_client_options(parser)
-    parser.add_argument("--json", metavar="PATH", help="also write the result as JSON ('-': stdout)")
+    add_dataset_args(parser)
+    parser.add_argument("--json", "--output-json", dest="json", metavar="PATH",
+                        help="also write the result as JSON ('-': stdout)")
     return parser
 
 
@@ -49,10 +51,11 @@ def add_client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model name to send (default: the first of "
                         "/v1/models)")
     parser.add_argument("-n", "--num-prompts", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", "--output-len", dest="max_tokens", type=int, default=128,
+                        help="tokens generated per request")
     parser.add_argument("--request-rate", type=float, default=math.inf,
                         help="Poisson arrival rate in requests/s (default inf: all at once)")
-    parser.add_argument("--concurrency", type=int, default=None,
+    parser.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=int, default=None,
                         help="most requests in flight (N closed-loop clients with the default rate)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     parser.add_argument("--no-stream", dest="stream", action="store_false",
@@ -220,9 +223,13 @@ async def run_load(base_url: str, prompts: Sequence[list[int]], *, model: str | 
                    endpoint: str = "/v1/completions", max_tokens: int = 128,
                    request_rate: float = math.inf, concurrency: int | None = None, seed: int = 0,
                    stream: bool = True, ignore_eos: bool = True, extra_body: dict[str, Any] | None = None,
-                   num_warmup: int = 0, timeout: float = 600.0,
-                   api_key: str | None = None) -> tuple[list[RequestResult], float, str]:
-    """Send every prompt on the arrival schedule; returns (results, seconds, model name)."""
+                   num_warmup: int = 0, timeout: float = 600.0, api_key: str | None = None,
+                   warmup_prompts: Sequence[list[int]] | None = None) -> tuple[list[RequestResult], float, str]:
+    """Send every prompt on the arrival schedule; returns (results, seconds, model name).
+
+    ``num_warmup`` short requests go first, on ``warmup_prompts`` (default: standard-workload prompts
+    that the measured ones do not share a prefix with).
+    """
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -232,7 +239,9 @@ async def run_load(base_url: str, prompts: Sequence[list[int]], *, model: str | 
         if model is None:
             model = await fetch_model_name(client, base_url, headers)
         # Warm-up on prompts the run does not use, so no prefix cache helps the measured requests.
-        for prompt in make_workload(num_warmup, seed=seed + 1000) if num_warmup else []:
+        if warmup_prompts is None:
+            warmup_prompts = make_workload(num_warmup, seed=seed + 1000) if num_warmup else []
+        for prompt in list(warmup_prompts)[:num_warmup]:
             await send_request(client, url, request_body(model, prompt, 4, stream, ignore_eos,
                                                          extra_body), headers, timeout)
         semaphore = asyncio.Semaphore(concurrency) if concurrency else None
@@ -308,14 +317,20 @@ def report(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return execute(build_parser().parse_args(argv))
+
+
+def execute(args: argparse.Namespace) -> int:
+    """The benchmark for parsed flags (``kvloom bench serve`` parses them with this module's parser)."""
     try:
         percentiles = [float(q) for q in args.percentiles.split(",")]
         extra = json.loads(args.extra_body) if args.extra_body else None
     except ValueError as e:
-        raise SystemExit(f"bad --percentiles or --extra-body: {e}") from None
+        raise ValueError(f"bad --percentiles or --extra-body: {e}") from None
     if args.concurrency is not None and args.concurrency < 1:
-        raise SystemExit("--concurrency must be positive")
+        raise ValueError("--max-concurrency must be positive")
+    if args.max_tokens < 1:
+        raise ValueError("--output-len must be positive")
     result = run(args, percentiles, extra)
     report(result)
     common.write_json(args.json, result)
@@ -325,12 +340,15 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, percentiles: Sequence[float] = (50, 90, 99),
         extra: dict[str, Any] | None = None) -> dict[str, Any]:
     machine = common.machine_info()
-    prompts = make_workload(args.num_prompts)
+    prompts = load_prompts(args, args.num_prompts)
+    warmup = None  # the standard workload's own warm-up prompts
+    if args.dataset_path is not None or args.input_len is not None:
+        warmup = [warmup_prompt(args, prompts, seed=args.seed + 1000 + i) for i in range(args.num_warmup)]
     results, duration, model = asyncio.run(run_load(
         args.base_url, prompts, model=args.model, endpoint=args.endpoint, max_tokens=args.max_tokens,
         request_rate=args.request_rate, concurrency=args.concurrency, seed=args.seed,
         stream=args.stream, ignore_eos=args.ignore_eos, extra_body=extra,
-        num_warmup=args.num_warmup, timeout=args.timeout, api_key=args.api_key))
+        num_warmup=args.num_warmup, timeout=args.timeout, api_key=args.api_key, warmup_prompts=warmup))
     summary = summarize_results(results, duration, percentiles)
     return {
         "benchmark": "serve",

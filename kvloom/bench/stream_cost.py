@@ -1,7 +1,7 @@
 """The host cost of a streamed completion's output path, early in the stream and late in it.
 
-    .venv/bin/python benchmarks/stream_cost.py                      # a tiny random model, 4,000 tokens
-    .venv/bin/python benchmarks/stream_cost.py --model DIR --max-tokens 4000 --kind cumulative
+The study's command is ``benchmarks/stream_cost.py``; ``measure_paired`` is kept here because
+``tests/e2e/test_output_processor.py`` pins the output path's flatness with it.
 
 A request runs with ``ignore_eos`` to ``--max-tokens`` tokens through ``LLMEngine.step()``, asking
 for per-step outputs (``output_kind``: ``delta``, as the server streams, by default), with
@@ -24,27 +24,9 @@ end than at the start (ratios that grow with ``--max-tokens``); a flat one gives
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Any
-
-from kvloom.bench import common
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvloom bench stream_cost", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a model whose context holds the prompt + max tokens")
-    parser.add_argument("--max-tokens", type=int, default=4000)
-    parser.add_argument("--window", type=int, default=500, help="decode steps compared at each end")
-    parser.add_argument("--kind", choices=("delta", "cumulative", "final_only"), default="delta",
-                        help="SamplingParams.output_kind of the requests")
-    parser.add_argument("--logprobs", type=int, default=1, help="logprobs per token (-1: none)")
-    parser.add_argument("--stop", default="<never-seen stop>",
-                        help="a stop string that never matches ('': none)")
-    parser.add_argument("--json", metavar="PATH", help="also write the result as JSON ('-': stdout)")
-    return parser
 
 
 class _Timer:
@@ -162,38 +144,3 @@ def measure_paired(engine: Any, max_tokens: int = 4000, window: int = 500, kind:
     ratios = [a / b for a, b in zip(late, early, strict=True)]
     return {"num_pairs": len(ratios), "early": _summary_us(early), "late": _summary_us(late),
             "ratio": statistics.median(ratios)}
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kvloom.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine.from_kwargs(model=args.model, dtype="float32", max_model_len=args.max_tokens + 64,
-                                   max_num_seqs=3)
-    options = dict(max_tokens=args.max_tokens, window=args.window, kind=args.kind,
-                   logprobs=None if args.logprobs < 0 else args.logprobs, stop=args.stop or None)
-    try:
-        return {**options, "single": measure_single(engine, **options),
-                "paired": measure_paired(engine, **options)}
-    finally:
-        engine.shutdown()
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    result = run(args)
-    window = result["window"]
-    print(f"one request of {result['max_tokens']} tokens, {result['kind']} outputs; per decode step, "
-          f"first {window} steps -> last {window}:")
-    for name, what in (("output", "output processor"), ("host", "step outside the model")):
-        r = result["single"][name]
-        first, last = r["first"], r["last"]
-        print(f"  {what:22s} median {first['median_us']:7.1f} -> {last['median_us']:7.1f} us "
-              f"(x{r['ratio_median']:.2f}), p10 {first['p10_us']:7.1f} -> {last['p10_us']:7.1f} us "
-              f"(x{r['ratio_p10']:.2f})")
-    paired = result["paired"]
-    print(f"paired, in the same {paired['num_pairs']} steps: output processor per request, tokens 0-{window} "
-          f"median {paired['early']['median_us']:.1f} us, tokens {result['max_tokens'] - window}-"
-          f"{result['max_tokens']} median {paired['late']['median_us']:.1f} us; median ratio "
-          f"x{paired['ratio']:.2f}")
-    common.write_json(args.json, result)
-    return 0

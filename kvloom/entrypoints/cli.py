@@ -86,11 +86,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args) or 0
 
 
+BENCHMARKS = {
+    "throughput": "offline LLM.generate over a workload: tok/s, GFLOP/s, start-up, memory",
+    "latency": "one batch of B requests: time to first token and decode step time",
+    "serve": "load generator for an OpenAI-compatible server: TTFT, TPOT, ITL, throughput",
+}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    module = importlib.import_module(f"kvloom.bench.{args.bench_kind}")
-    return module.main(args.bench_args) or 0
+    return importlib.import_module(f"kvloom.bench.{args.bench_kind}").execute(args)
+
+
+def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
+    """``kvloom bench throughput|latency|serve`` (vLLM's ``vllm bench``): each takes its module's flags.
+
+    The modules import neither torch nor the engine at import time, so building these parsers is cheap.
+    """
+    import importlib
+
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve",
+                           description="kvloom's benchmarks (docs/benchmarks.md); peers and studies are in "
+                                       "benchmarks/ of the repository")
+    kinds = bench.add_subparsers(dest="bench_kind", metavar="BENCHMARK", required=True)
+    for kind, help_text in BENCHMARKS.items():
+        module = importlib.import_module(f"kvloom.bench.{kind}")
+        kinds.add_parser(kind, help=help_text, description=module.__doc__, add_help=False,
+                         parents=[module.build_parser(prog=f"kvloom bench {kind}")],
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.set_defaults(func=cmd_bench)
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -126,10 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve")
-    bench.add_argument("bench_kind", choices=["throughput", "latency", "serve"])
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
-    bench.set_defaults(func=cmd_bench)
+    _add_bench_parsers(sub)
 
     env = sub.add_parser("env", help="report the machine (CPU ISA level, torch, kernels, ops chosen) for bug reports")
     env.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -1,14 +1,19 @@
-"""A short soak (kvloom/bench/soak.py): 8 streaming clients for 10 s, 30% of requests dropped.
+"""A short soak (benchmarks/soak.py): 8 streaming clients for 10 s, 30% of requests dropped.
 
-The 5-minute, 64-client run is ``benchmarks/soak.py``; this is its fast part for ``make test``.
+The 5-minute, 64-client run is ``benchmarks/soak.py`` itself; this is its fast part for ``make test``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 from typing import Any
 
-from kvloom.bench.soak import SoakConfig, parse_metrics, run_soak
+# benchmarks/ holds scripts, not a package: soak.py is imported by file name.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from soak import SoakConfig, SoakResult, parse_metrics, run_soak  # noqa: E402
 
 
 def test_soak_with_disconnects_loses_nothing_and_frees_the_kv_cache(tiny_llama_dir: str,
@@ -45,6 +50,4 @@ def test_soak_failures_name_what_broke() -> None:
 
 
 async def _no_server_result() -> Any:
-    from kvloom.bench.soak import SoakResult
-
     return SoakResult(config={}, model="m", elapsed=0.0)

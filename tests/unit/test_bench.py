@@ -1,11 +1,13 @@
-"""The benchmark tooling: workload, FLOPs, percentiles, SSE parsing and the serve load generator.
+"""The benchmark tooling: workload, FLOPs, percentiles, SSE parsing, the serve load generator, and
+the peer runners' arguments and JSON protocol.
 
 No engine and no peer is needed: the load generator runs against a small fake OpenAI server
-started in a thread.
+started in a thread, and the vLLM runner against a fake ``vllm`` package.
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import importlib.util
 import json
@@ -23,9 +25,17 @@ from typing import Any
 import pytest
 
 from kvloom.bench import common, latency, serve, throughput
-from kvloom.bench.workload import make_workload
+from kvloom.bench.workload import load_prompts, make_workload
 
 ROOT = Path(__file__).resolve().parents[2]
+# The scripts in benchmarks/ import each other by file name (they are scripts, not a package).
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "peers")]
+
+import compare  # noqa: E402
+import hf_bench  # noqa: E402
+import llamacpp_throughput  # noqa: E402
+import vllm_bench  # noqa: E402
+
 SHARED_WORKLOAD = ROOT.parent / "shared" / "bench" / "workload.py"
 
 SMOLLM2_ARCH = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
@@ -159,27 +169,184 @@ def test_memory_and_start_time_are_plausible() -> None:
 
 def test_each_benchmark_has_a_parser_and_main() -> None:
     assert throughput.build_parser().parse_args([]).num_prompts == 64
-    assert throughput.build_parser().parse_args(["--engine", "vllm"]).engine == "vllm"
+    args = throughput.build_parser().parse_args(["--input-len", "32", "--output-json", "x.json"])
+    assert args.input_len == 32 and args.json == "x.json"
     assert latency.build_parser().parse_args([]).batch_sizes == "1,8,64"
+    assert latency.build_parser().parse_args(["--batch-size", "4"]).batch_sizes == "4"
     assert latency.parse_batch_sizes("1, 8,64") == [1, 8, 64]
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="--batch-sizes"):
         latency.parse_batch_sizes("1,x")
-    args = serve.build_parser().parse_args(["--concurrency", "4"])
-    assert args.concurrency == 4 and math.isinf(args.request_rate) and args.stream
+    args = serve.build_parser().parse_args(["--max-concurrency", "4", "--output-len", "7"])
+    assert args.concurrency == 4 and args.max_tokens == 7 and math.isinf(args.request_rate) and args.stream
     for module in (throughput, latency, serve):
-        assert callable(module.main)
+        assert callable(module.main) and callable(module.execute)
 
 
-def test_bench_scripts_import_no_engine_for_peers() -> None:
-    """A peer's venv must be able to load kvloom.bench without kvloom's engine or torch."""
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); from _bootstrap import bench_module; "
-            "bench_module('throughput', need_engine=False); bench_module('serve', need_engine=False); "
-            "bench_module('latency', need_engine=False); "
-            "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+def _dataset_args(**flags: Any) -> Any:
+    return throughput.build_parser().parse_args(
+        [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()])
+
+
+def test_dataset_flags_choose_the_prompts(tmp_path: Path) -> None:
+    assert load_prompts(_dataset_args(), 8) == make_workload(8)
+    fixed = load_prompts(_dataset_args(input_len=20), 5)
+    assert [len(p) for p in fixed] == [20] * 5
+    assert load_prompts(_dataset_args(input_len=20), 3) == fixed[:3]  # batches are prefixes
+    with pytest.raises(ValueError, match="--input-len"):
+        load_prompts(_dataset_args(dataset_name="random"), 2)
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps([[1, 2, 3], [4, 5]]))
+    assert load_prompts(_dataset_args(dataset_path=path), 2) == [[1, 2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="holds 2 prompts"):
+        load_prompts(_dataset_args(dataset_path=path), 3)
+    path.write_text(json.dumps({"not": "a list"}))
+    with pytest.raises(ValueError, match="token ids"):
+        load_prompts(_dataset_args(dataset_path=path), 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Peer runners: compare.py's command lines, the vLLM runner's self-containment and JSON protocol
+# ---------------------------------------------------------------------------------------------
+
+def test_compare_builds_each_engines_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / ".peers" / "vllm" / "bin").mkdir(parents=True)
+    (tmp_path / ".peers" / "vllm" / "bin" / "python").touch()
+    monkeypatch.setattr(compare, "ROOT", tmp_path)
+    kvloom_cmd = compare.engine_command("kvloom", 64, "out.json", ["--dtype=auto"])
+    assert kvloom_cmd[1:] == ["-m", "kvloom.entrypoints.cli", "bench", "throughput", "-n", "64", "--json",
+                              "out.json", "--dtype=auto"]
+    vllm_cmd = compare.engine_command("vllm", 64, "out.json", ["--dtype=float32"])
+    assert vllm_cmd[1].endswith("benchmarks/peers/vllm_bench.py") and vllm_cmd[2] == "throughput"
+    assert compare.engine_command("llamacpp", 8, "o", ["--gguf=f16"])[1].endswith("llamacpp_throughput.py")
+    assert compare.engine_command("hf", 8, "o", [])[1].endswith("hf_bench.py")
+    (tmp_path / ".peers" / "vllm" / "bin" / "python").unlink()
+    with pytest.raises(SystemExit, match="setup_vllm.sh"):
+        compare.engine_command("vllm", 64, "out.json", [])
+
+
+def test_peer_scripts_take_the_flags_compare_passes() -> None:
+    """compare.py's documented uses: --peer-arg=--dtype=float32, --base-arg=--dtype=auto, --peer-arg=--gguf=f16."""
+    args = throughput.build_parser(prog="vllm_bench.py throughput").parse_args(
+        ["-n", "64", "--json", "o.json", "--dtype=float32", "--engine-arg=enforce_eager=true"])
+    assert args.dtype == "float32" and throughput.llm_kwargs(args, 64)["enforce_eager"] is True
+    hf_args = hf_bench.peer_parser(throughput.build_parser()).parse_args(["--threads", "2"])
+    assert hf_args.threads == 2 and hf_args.model == str(common.PEER_HF_CHECKPOINT)
+    assert vllm_bench.main(["nonsense"]) == 2 and hf_bench.main(["nonsense"]) == 2
+    # llamacpp_throughput.py's own parser: --gguf reaches the server's model choice.
+    with pytest.raises(SystemExit, match="setup_llamacpp.sh"):
+        llamacpp_throughput.main(["-n", "8", "--gguf=/nonexistent.gguf", "--no-first-token"])
+
+
+def test_vllm_runner_needs_only_vllm_and_the_standard_library() -> None:
+    """It runs in vLLM's venv, where kvloom is not installed."""
+    tree = ast.parse((ROOT / "benchmarks" / "peers" / "vllm_runner.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported - sys.stdlib_module_names == {"vllm"}
+
+
+FAKE_VLLM = """
+__version__ = "0.0-fake"
+
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, ignore_eos):
+        self.max_tokens = max_tokens
+
+
+class _Completion:
+    def __init__(self, n):
+        self.token_ids = list(range(n))
+
+
+class _Output:
+    def __init__(self, request_id, n, finished):
+        self.request_id, self.outputs, self.finished = request_id, [_Completion(n)], finished
+
+
+class _Engine:
+    def __init__(self):
+        self.requests = {}
+
+    def add_request(self, request_id, prompt, params):
+        self.requests[request_id] = [0, params.max_tokens]
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        outputs = []
+        for request_id, state in list(self.requests.items()):
+            state[0] += 1
+            outputs.append(_Output(request_id, state[0], state[0] >= state[1]))
+            if state[0] >= state[1]:
+                del self.requests[request_id]
+        return outputs
+
+
+class LLM:
+    def __init__(self, **kwargs):
+        self.llm_engine = _Engine()
+
+    def generate(self, inputs, params, use_tqdm=True):
+        return [_Output(str(i), params.max_tokens, True) for i, _ in enumerate(inputs)]
+"""
+
+
+def test_vllm_runner_runs_jobs_without_kvloom(tmp_path: Path) -> None:
+    """With -S (no site-packages: no kvloom, no torch) and only a fake vllm on the path."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    runner = ROOT / "benchmarks" / "peers" / "vllm_runner.py"
+    prompts = [[5, 6, 7], [8, 9], [10]]
+    jobs = {
+        "throughput": {"benchmark": "throughput", "llm_kwargs": {"model": "m"}, "prompts": prompts,
+                       "output_len": 4, "first_token_prompt": [1, 2]},
+        "latency": {"benchmark": "latency", "llm_kwargs": {"model": "m"}, "prompts": prompts,
+                    "batch_sizes": [1, 3], "output_len": 4, "num_iters": 2, "num_warmup": 1, "method": "step"},
+    }
+    results = {}
+    for name, job in jobs.items():
+        (tmp_path / "job.json").write_text(json.dumps(job))
+        code = (f"import runpy, sys; sys.path.insert(0, {str(tmp_path)!r}); "
+                f"sys.argv = ['vllm_runner.py', 'job.json']; runpy.run_path({str(runner)!r}, run_name='__main__')")
+        out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        results[name] = json.loads(out.stdout)
+    assert results["throughput"]["generated"] == [4, 4, 4]
+    assert results["throughput"]["engine_version"] == "0.0-fake"
+    assert 0 < results["throughput"]["startup_s"] <= results["throughput"]["startup_to_first_token_s"]
+    batches = results["latency"]["batches"]
+    assert set(batches) == {"1", "3"} and all(len(runs) == 2 for runs in batches.values())
+    assert batches["3"][0]["decode_steps"] == 2  # steps 2 and 3 of 4: all started, none finished
+
+
+def test_vllm_bench_makes_kvloom_s_result_from_the_runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: Any) -> None:
+    fake = tmp_path / "fake"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOLLM2_ARCH))
+    monkeypatch.setattr(vllm_bench, "VLLM_PYTHON", Path(sys.executable))
+    monkeypatch.setenv("PYTHONPATH", str(fake))
+    out = tmp_path / "result.json"
+    assert vllm_bench.main(["throughput", "-n", "3", "--output-len", "5", "--model", str(model),
+                            "--dtype=float32", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["engine"] == "vllm" and result["engine_kwargs"]["dtype"] == "float32"
+    assert result["output_tokens"] == result["expected_output_tokens"] == 15
+    assert result["prompt_tokens"] == sum(len(p) for p in make_workload(3))
+    assert result["output_tok_s"] > 0 and "output tok/s" in capsys.readouterr().out
+    assert vllm_bench.main(["latency", "--batch-sizes", "1,2", "--output-len", "4", "--num-iters", "1",
+                            "--model", str(model), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [b["batch_size"] for b in result["batches"]] == [1, 2]
+    assert result["engine_kwargs"]["enable_prefix_caching"] is False
 
 
 # ---------------------------------------------------------------------------------------------
