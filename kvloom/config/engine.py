@@ -77,6 +77,7 @@ class EngineConfig:
     tokenizer_mode: str = knob("model", "auto", "vLLM's tokenizer choice: only 'auto' (the fast tokenizers library)")
     load_format: str = knob("model", "auto", "vLLM's weight format: only 'auto' (what the model path holds)")
     download_dir: str | None = knob("model", None, "vLLM's download folder: only None (nothing is downloaded)")
+    enable_lora: bool = knob("model", False, "vLLM's LoRA adapters: only False (kvloom serves none)")
 
     # ---- cache -------------------------------------------------------------------------------------------
     block_size: int = knob("cache", 16, "tokens per KV cache block; block_size == max_model_len gives one "
@@ -188,7 +189,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")
         for name in ("enable_prefix_caching", "enforce_eager", "trust_remote_code", "disable_log_stats",
-                     "disable_custom_all_reduce"):
+                     "disable_custom_all_reduce", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self.backend = BackendConfig.from_overrides(self.override_backend_config)
