@@ -39,11 +39,11 @@ GROUPS: dict[str, str] = {
 }
 
 
-def knob(group: str, default: Any, help: str, flag: bool = True) -> Any:  # noqa: A002 (argparse's word)
-    """A field of ``group`` with its help text; ``flag=False``: no CLI flag of its own (the server has one)."""
+def knob(group: str, default: Any, text: str, flag: bool = True) -> Any:
+    """A field of ``group`` with its help ``text``; ``flag=False``: no CLI flag of its own (the server has one)."""
     if group not in GROUPS:
         raise KeyError(f"unknown config group {group!r}")
-    return field(default=default, metadata={"group": group, "help": help, "flag": flag})
+    return field(default=default, metadata={"group": group, "help": text, "flag": flag})
 
 
 @dataclass
