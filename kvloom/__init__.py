@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from kvloom.version import __version__
 
 
 def _cap_torch_cpu_level() -> None:

@@ -13,8 +13,9 @@ import platform
 import sys
 from typing import Any
 
-from kvloom import __version__, envs
+from kvloom import envs
 from kvloom.cpu_capability import cpu_capability, torch_level_mismatch
+from kvloom.version import __version__
 
 PACKAGES = ("torch", "triton", "transformers", "tokenizers", "safetensors", "gguf", "numpy", "fastapi", "uvicorn",
             "pydantic", "ray")

@@ -1,7 +1,9 @@
 """Every environment variable kvloom reads, in one place.
 
 Each ``KVLOOM_*`` variable is an alias for an engine or backend setting; an explicit argument
-(``LLM(...)`` keyword or CLI flag) wins over the variable.
+(``LLM(...)`` keyword or CLI flag) wins over the variable. The seeds' ``NEURON_*`` names of four of
+them are read too (``SEED_ALIASES``), so a seed's shell lines run unchanged; the ``KVLOOM_*`` name
+wins where both are set. The seeds' argument spellings are mapped in ``kvloom/config/compat.py``.
 """
 
 from __future__ import annotations
@@ -34,13 +36,32 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "quantization='int8')",
 }
 
+# The seeds' (vLLM on Neuron) names of the same settings, read when the kvloom name is unset.
+SEED_ALIASES: dict[str, str] = {
+    "KVLOOM_TOKEN_GEN_BUCKETS": "NEURON_TOKEN_GEN_BUCKETS",
+    "KVLOOM_CONTEXT_LENGTH_BUCKETS": "NEURON_CONTEXT_LENGTH_BUCKETS",
+    "KVLOOM_COMPILED_ARTIFACTS": "NEURON_COMPILED_ARTIFACTS",
+    "KVLOOM_QUANT_DTYPE": "NEURON_QUANT_DTYPE",
+}
+
 
 def get(name: str) -> str | None:
-    """The value of a documented kvloom environment variable, or None when unset or empty."""
+    """The value of a documented kvloom environment variable (else of its seeds' alias), or None when
+    unset or empty."""
     if name not in ENVIRONMENT_VARIABLES:
         raise KeyError(f"{name} is not a documented kvloom environment variable")
     value = os.environ.get(name, "").strip()
+    if not value and name in SEED_ALIASES:
+        value = os.environ.get(SEED_ALIASES[name], "").strip()
     return value or None
+
+
+def source_name(name: str) -> str:
+    """The variable that ``get(name)`` read: ``name``, or its seeds' alias when only that is set (for
+    messages that name what the user set)."""
+    if not os.environ.get(name, "").strip() and os.environ.get(SEED_ALIASES.get(name, ""), "").strip():
+        return SEED_ALIASES[name]
+    return name
 
 
 def get_int(name: str) -> int | None:
@@ -74,12 +95,13 @@ def get_int_list(name: str) -> list[int] | None:
     raw = get(name)
     if raw is None:
         return None
+    message = f"{source_name(name)}={raw!r} must be comma-separated positive integers, e.g. 1,2,4,8"
     try:
         values = [int(part) for part in raw.split(",") if part.strip()]
     except ValueError:
-        raise ValueError(f"{name}={raw!r} must be comma-separated positive integers, e.g. 1,2,4,8") from None
+        raise ValueError(message) from None
     if not values or min(values) < 1:
-        raise ValueError(f"{name}={raw!r} must be comma-separated positive integers, e.g. 1,2,4,8")
+        raise ValueError(message)
     return values
 
 

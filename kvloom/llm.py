@@ -12,7 +12,7 @@ from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.output_processor import raise_if_failed
 from kvloom.loader.tokenizer import Tokenizer
 from kvloom.outputs import RequestOutput
-from kvloom.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from kvloom.sampling_params import RequestOutputKind, SamplingParams
 
 # vLLM generate() keywords that kvloom accepts when they ask for nothing it lacks.
 _IGNORED_GENERATE_KWARGS = ("lora_request", "priority", "prompt_adapter_request")
@@ -112,11 +112,12 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), "
                              f"got a list holding {type(params).__name__}")
+        config = self.llm_engine.config
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > MAX_LOGPROBS:
-                raise ValueError(f"{name} must be at most max_logprobs={MAX_LOGPROBS}, got {value}")
-        max_num_seqs = self.llm_engine.config.max_num_seqs
+            if value is not None and value > config.max_logprobs:
+                raise ValueError(f"{name} must be at most max_logprobs={config.max_logprobs}, got {value}")
+        max_num_seqs = config.max_num_seqs
         if params.n > max_num_seqs:
             raise ValueError(f"n={params.n} is more than max_num_seqs={max_num_seqs}, the most sequences the "
                              f"engine runs at once; ask for at most {max_num_seqs} completions per prompt "

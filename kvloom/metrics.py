@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvloom.cpu_capability import cpu_capability
-from kvloom.engine.output_processor import FinishedRequestStats, IterationStats
-from kvloom.engine.scheduler import SchedulerStats
+from kvloom.stats import EngineStats, FinishedRequestStats, IterationStats
 
 logger = logging.getLogger("kvloom")
 
@@ -38,18 +36,10 @@ _LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort")
 
+__all__ = ["EngineMetrics", "EngineStats", "StatLogger"]  # EngineStats: kvloom.stats, named here for the server
+
 # No "<name>_created" series next to every counter and histogram (as vLLM).
 disable_created_metrics()
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The engine's state after a step: the scheduler's, and token totals since start-up."""
-
-    scheduler: SchedulerStats = field(default_factory=SchedulerStats)
-    prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
-    generation_tokens: int = 0
-    timestamp: float = 0.0
 
 
 def _token_buckets(max_model_len: int) -> list[float]:

@@ -7,13 +7,27 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 
-from kvloom.config import EngineConfig
 from kvloom.cpu_capability import cpu_capability, torch_level_mismatch
 
 logger = logging.getLogger("kvloom")
+
+
+# What configure_host reads of an EngineConfig, as protocols: the config sits above the platform (its
+# resolve_config asks the platform for the device and dtype), so the platform names no config class.
+class _ThreadSettings(Protocol):
+    num_threads: int | None
+
+
+class HostSettings(Protocol):
+    tensor_parallel_size: int
+    cpu_omp_threads_bind: str | None
+
+    @property
+    def backend(self) -> _ThreadSettings: ...
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -71,7 +85,7 @@ def log_cpu_capability() -> None:
         logger.warning("%s", mismatch)
 
 
-def configure_host(config: EngineConfig, device: torch.device) -> None:
+def configure_host(config: HostSettings, device: torch.device) -> None:
     """On the CPU: torch's thread count, and a one-rank engine's cores when cpu_omp_threads_bind names them
     (with several ranks the tensor-parallel executor pins each; a replica's router hands it its list)."""
     if device.type == "cpu":

@@ -20,46 +20,14 @@ Text that could still become the start of a stop string is held back while a req
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from kvloom.engine.detokenizer import IncrementalDetokenizer
 from kvloom.engine.input_processor import EngineRequest
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.loader.tokenizer import Tokenizer
 from kvloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvloom.sampling_params import RequestOutputKind
+from kvloom.stats import FinishedRequestStats, IterationStats
 from kvloom.step_io import LogprobsRow
-
-
-@dataclass
-class FinishedRequestStats:
-    """A request that finished (or was aborted), for the metrics and the request log line."""
-
-    request_id: str
-    finish_reasons: list[str]  # of its completions, sorted, without repeats
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    finished_time: float
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_generation_tokens: int
-
-    @property
-    def finish_reason(self) -> str:
-        """One reason for the request: its completions' common one, else "stop"."""
-        return self.finish_reasons[0] if len(self.finish_reasons) == 1 else "stop"
-
-
-@dataclass
-class IterationStats:
-    """What the engine's steps (and aborts) did since these stats were taken (vLLM's IterationStats)."""
-
-    num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
-    num_generation_tokens: int = 0
-    time_to_first_tokens: list[float] = field(default_factory=list)  # seconds, one per request
-    inter_token_latencies: list[float] = field(default_factory=list)  # seconds between a request's steps
-    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
 
 
 def raise_if_failed(output: RequestOutput) -> None:

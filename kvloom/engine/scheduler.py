@@ -13,13 +13,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.request import ContextLengthError, Request, RequestStatus
 from kvloom.spec_decode import can_speculate
 from kvloom.spec_decode.adaptive import SpeculationController
 from kvloom.spec_decode.ngram import NgramProposer
+from kvloom.stats import SchedulerStats
 from kvloom.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
 
@@ -41,22 +41,6 @@ def check_request_fits(max_model_len: int, block_size: int, num_usable_blocks: i
         raise ValueError(f"The request needs {needed} KV cache blocks ({total} tokens) but the whole cache "
                          f"holds {num_usable_blocks} blocks of {block_size} tokens; "
                          f"raise kv_cache_memory or lower max_tokens.")
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """The scheduler's state now; the counters are totals since start-up."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of KV blocks held by requests, 0..1
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens found
-    num_drafts: int = 0  # speculated request-steps (vLLM's spec_decode_num_drafts)
-    num_draft_tokens: int = 0  # speculative tokens proposed
-    num_accepted_tokens: int = 0  # of those, accepted by the target model
-    num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at draft position i
 
 
 class Scheduler:

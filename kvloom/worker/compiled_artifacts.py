@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from kvloom import __version__, envs
+from kvloom import envs
 from kvloom.config import ResolvedConfig
+from kvloom.version import __version__
 
 logger = logging.getLogger("kvloom")
 

@@ -143,6 +143,8 @@ def test_bad_input_is_a_clear_value_error_and_the_engine_keeps_working(llm: LLM,
     ({"dtype": "int3"}, "dtype"),
     ({"max_model_len": 10 ** 6}, "max_model_len"),
     ({"override_backend_config": {"nope": 1}}, "nope"),
+    ({"enable_chunked_prefill": False}, "enable_chunked_prefill=False is not supported"),
+    ({"pipeline_parallel_size": 2}, "no pipeline parallelism"),
 ])
 def test_bad_engine_arguments_are_clear_value_errors(tiny_llama_dir: str, kwargs, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -178,3 +180,24 @@ def test_seed_offline_example_runs(tiny_llama_dir: str) -> None:
     lines = [line for line in result.stdout.splitlines() if line.startswith("Prompt: ")]
     assert len(lines) == 4
     assert lines[2].startswith("Prompt: 'The capital of France is', Generated text: ")
+
+
+def test_a_seeds_engine_arguments_run_on_a_cpu_with_one_bucket_warning(
+        tiny_llama_dir: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """shared/seeds/002's override_neuron_config and NEURON_* buckets with vLLM's usual arguments: the
+    buckets (CUDA graphs) are ignored on the CPU with one warning; max_logprobs is honoured."""
+    import logging
+
+    monkeypatch.setenv("NEURON_CONTEXT_LENGTH_BUCKETS", "32,64")
+    with caplog.at_level(logging.WARNING, logger="kvloom"):
+        llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=128, block_size=128, max_num_seqs=4,
+                  device="cpu", override_neuron_config={"enable_bucketing": True}, enable_chunked_prefill=True,
+                  use_v2_block_manager=True, disable_log_stats=True, swap_space=4, max_logprobs=2)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "CUDA" in r.getMessage()]
+    assert len(warnings) == 1 and "enable_bucketing, context_length_buckets" in warnings[0]
+    out = llm.generate("The quick", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="logprobs must be at most max_logprobs=2, got 3"):
+        llm.generate("The quick", SamplingParams(max_tokens=1, logprobs=3), use_tqdm=False)
+

@@ -1,0 +1,151 @@
+"""Backend knobs: ``override_backend_config`` (the seeds' ``override_neuron_config``), a dict or JSON.
+
+They tune how the platform runs the model (attention backend, CPU threads, shape buckets, int8 details);
+``KVLOOM_*`` environment variables set some of them, and an explicit key wins over the variable.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvloom import envs
+from kvloom.config.compat import canonical_quantization
+from kvloom.ops import ATTENTION_BACKENDS
+
+# The keys that make shapes padded to buckets (CUDA graphs); kvloom's CPU path runs every shape eagerly.
+BUCKET_KEYS = ("enable_bucketing", "token_gen_buckets", "context_length_buckets")
+
+
+@dataclass
+class BackendConfig:
+    """Backend knobs, set through ``override_backend_config``."""
+
+    # "auto" picks the fast path of the platform; "reference" the plain-torch one.
+    attention_backend: str = "auto"
+    # torch intra-op threads on the CPU (None: all cores).
+    num_threads: int | None = None
+    # Shape buckets (the seeds' enable_bucketing): decode batches padded to a token-generation bucket
+    # run as one captured CUDA graph each; prefill token counts padded to a context-length bucket.
+    # None: on CUDA, on; on the CPU, off (the C++ kernels take any shape at no cost).
+    enable_bucketing: bool | None = None
+    token_gen_buckets: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, 32, ... up to max_num_seqs
+    context_length_buckets: list[int] | None = None  # None: prefills run at their own length (eager)
+    # Where compiled kernels are kept across restarts (None: KVLOOM_CACHE_DIR/compiled).
+    compiled_artifacts: str | None = None
+    # int8 weight storage, the seeds' spelling (NxD's quantized / quantization_dtype; KVLOOM_QUANT_DTYPE=s8):
+    # the same as the engine argument quantization="int8".
+    quantized: bool = False
+    quantization_dtype: str = "int8"
+    # With int8 weights: the LM head too (off by default: it is the layer whose error shows most).
+    quantize_lm_head: bool = False
+    # With int8 weights on the CPU: quantize activations per token too (W8A8 on VNNI) for batches of 2+
+    # rows: 1.4-1.9x faster products than weight-only, at a perplexity cost (SmolLM2: +3.3% against +0.3%
+    # weight-only) that smoothing (below) cuts to +0.7%. False: weight-only products.
+    int8_activations: bool = True
+    # With int8 activations on the CPU: SmoothQuant's migration strength alpha in [0, 1] (None: no smoothing).
+    # Per input channel s = max|X|^alpha / max|W|^(1 - alpha), calibrated at quantize time and folded into
+    # the weights (kvloom/layers/smoothing.py). Unused without int8_activations or off the CPU, and skipped
+    # (with a log line) when a GGUF's Q8_0 blocks are kept (below): their product needs no smoothing.
+    int8_smoothing_alpha: float | None = 0.65
+    # With int8 weights and int8 activations: a GGUF's Q8_0 projections keep their own int8 codes and block
+    # scales (one per 32 inputs, no re-quantization), multiplied by activations quantized per (token, block)
+    # as llama.cpp does; smoothing is then skipped. False: Q8_0 weights are re-quantized per row (and
+    # smoothed) like any other. (CUDA has no block kernel: there the blocks become per-row int8 at load.)
+    int8_gguf_blocks: bool = True
+
+    @classmethod
+    def from_overrides(cls, overrides: dict[str, Any] | str | None) -> BackendConfig:
+        """Defaults, then KVLOOM_* variables, then the explicit overrides (highest)."""
+        values: dict[str, Any] = {}
+        if envs.get("KVLOOM_NUM_THREADS"):
+            values["num_threads"] = envs.get_int("KVLOOM_NUM_THREADS")
+        for key in ("token_gen_buckets", "context_length_buckets"):
+            buckets = envs.get_int_list(f"KVLOOM_{key.upper()}")
+            if buckets is not None:
+                values[key] = buckets
+        if envs.get("KVLOOM_COMPILED_ARTIFACTS"):
+            values["compiled_artifacts"] = envs.get("KVLOOM_COMPILED_ARTIFACTS")
+        if envs.get("KVLOOM_QUANT_DTYPE"):
+            values["quantized"] = True
+            values["quantization_dtype"] = envs.get("KVLOOM_QUANT_DTYPE")
+        values.update(parse_overrides(overrides))
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - allowed)
+        if unknown:
+            raise ValueError(f"override_backend_config: unknown key(s) {unknown}; "
+                             f"allowed: {sorted(allowed)}")
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Each key's type and range (ValueError naming the key); normalizes buckets and dtype names."""
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"override_backend_config: attention_backend must be one of "
+                             f"{list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int)
+                                             or isinstance(self.num_threads, bool) or self.num_threads < 1):
+            raise ValueError(f"override_backend_config: num_threads must be a positive integer, "
+                             f"got {self.num_threads!r}")
+        if self.enable_bucketing is not None and not isinstance(self.enable_bucketing, bool):
+            raise ValueError(f"override_backend_config: enable_bucketing must be true or false, "
+                             f"got {self.enable_bucketing!r}")
+        for name in ("token_gen_buckets", "context_length_buckets"):
+            buckets = getattr(self, name)
+            if buckets is None:
+                continue
+            if (not isinstance(buckets, list) or not buckets
+                    or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets)):
+                raise ValueError(f"override_backend_config: {name} must be a non-empty list of positive "
+                                 f"integers, e.g. [1, 2, 4, 8], got {buckets!r}")
+            setattr(self, name, sorted(set(buckets)))
+        if self.compiled_artifacts is not None and not isinstance(self.compiled_artifacts, str):
+            raise ValueError(f"override_backend_config: compiled_artifacts must be a folder path, "
+                             f"got {self.compiled_artifacts!r}")
+        for name in ("quantized", "quantize_lm_head", "int8_activations", "int8_gguf_blocks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"override_backend_config: {name} must be true or false, got {getattr(self, name)!r}")
+        alpha = self.int8_smoothing_alpha
+        if alpha is not None:
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+                raise ValueError(f"override_backend_config: int8_smoothing_alpha must be a number in [0, 1] "
+                                 f"(SmoothQuant's alpha, e.g. 0.5) or None, got {alpha!r}")
+            self.int8_smoothing_alpha = float(alpha)
+        self.quantization_dtype = canonical_quantization(self.quantization_dtype,
+                                                         "override_backend_config: quantization_dtype")
+
+    def sets_buckets(self) -> bool:
+        """Whether bucketing was asked for (turned on, or buckets named) rather than left to the platform."""
+        return self.enable_bucketing is True or (self.enable_bucketing is None and (
+            self.token_gen_buckets is not None or self.context_length_buckets is not None))
+
+
+def parse_overrides(overrides: dict[str, Any] | str | None) -> dict[str, Any]:
+    """A dict, a JSON object, or the seeds' ``key:value,key:value`` shorthand."""
+    if overrides is None or overrides == "":
+        return {}
+    if isinstance(overrides, dict):
+        return dict(overrides)
+    if not isinstance(overrides, str):
+        raise ValueError(f"override_backend_config must be a dict or a JSON string, "
+                         f"got {type(overrides).__name__}")
+    text = overrides.strip()
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError:
+        parsed = None
+        if ":" in text and not text.startswith("{"):
+            parsed = {}
+            for item in text.split(","):
+                key, _, raw = item.partition(":")
+                try:
+                    parsed[key.strip()] = json.loads(raw.strip().lower()
+                                                     if raw.strip() in ("True", "False") else raw)
+                except json.JSONDecodeError:
+                    parsed[key.strip()] = raw.strip()
+    if not isinstance(parsed, dict):
+        raise ValueError(f"override_backend_config must be a JSON object such as "
+                         f'\'{{"attention_backend": "reference"}}\', got {overrides!r}')
+    return parsed

@@ -1,0 +1,254 @@
+"""``EngineConfig``: every engine knob, with vLLM's names, grouped by concern, validated once.
+
+The fields are flat (``LLM(max_num_seqs=8)``, ``--max-num-seqs 8``, as vLLM) and each carries its group
+in its metadata: model, cache, scheduler, parallel, speculative, backend. ``GROUPS`` orders them; the CLI's
+``--help`` shows one section per group and docs/configuration.md one table per group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvloom import cpu_affinity, envs
+from kvloom.config.backend import BackendConfig
+from kvloom.config.compat import (
+    canonical_arguments,
+    canonical_dtype,
+    canonical_quantization,
+    check_vllm_arguments,
+    quantization_from_backend,
+)
+from kvloom.config.parsing import check_int, parse_memory
+from kvloom.config.speculative import SpeculativeConfig
+from kvloom.sampling_params import MAX_LOGPROBS
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+# Group name -> its title in --help and the docs.
+GROUPS: dict[str, str] = {
+    "model": "Model: the checkpoint, its tokenizer, dtype and weights",
+    "cache": "KV cache: blocks and the memory they take",
+    "scheduler": "Scheduler: what one engine step may hold",
+    "parallel": "Parallelism: tensor-parallel ranks, data-parallel replicas, CPU cores",
+    "speculative": "Speculative decoding",
+    "backend": "Backend: the device and how it runs the model",
+}
+
+
+def knob(group: str, default: Any, text: str, flag: bool = True) -> Any:
+    """A field of ``group`` with its help ``text``; ``flag=False``: no CLI flag of its own (the server has one)."""
+    if group not in GROUPS:
+        raise KeyError(f"unknown config group {group!r}")
+    return field(default=default, metadata={"group": group, "help": text, "flag": flag})
+
+
+@dataclass
+class EngineConfig:
+    """What ``LLM(...)`` and ``kvloom serve`` accept, with vLLM's names and meanings."""
+
+    # ---- model -------------------------------------------------------------------------------------------
+    model: str = knob("model", DEFAULT_MODEL,
+                      "a HF model directory, a .gguf file, or 'SmolLM2-135M-Instruct' (the default model)")
+    tokenizer: str | None = knob("model", None, "tokenizer directory or .gguf file (default: the model's)")
+    dtype: str = knob("model", "auto",
+                      "weight and activation dtype: auto, float32, bfloat16, float16 (auto: bfloat16 on the CPU "
+                      "when the model is stored in 16 bits, else the checkpoint's dtype)")
+    seed: int = knob("model", 0, "seed of the global sampling generator")
+    max_model_len: int | None = knob("model", None,
+                                     "longest sequence (prompt + output) in tokens (default: the model's context "
+                                     "length)")
+    quantization: str | None = knob("model", None,
+                                    "weight quantization: 'int8' (per-channel int8 weights, quantized at load; "
+                                    "'s8' is the seeds' name)")
+    quantized_checkpoint_path: str | None = knob(
+        "model", None, "with quantization: a safetensors file of the quantized weights, written at the first load "
+        "and read (without quantizing again) at later ones")
+    max_logprobs: int = knob("model", MAX_LOGPROBS, "most logprobs / prompt_logprobs per position a request may "
+                             "ask for (vLLM's; the server's flag is --max-logprobs)", flag=False)
+    trust_remote_code: bool = knob("model", False,
+                                   "accepted for vLLM compatibility; kvloom never runs model code from a checkpoint")
+    revision: str | None = knob("model", None, "vLLM's hub revision: only None (kvloom loads local checkpoints)")
+    tokenizer_revision: str | None = knob("model", None,
+                                          "vLLM's hub revision of the tokenizer: only None (local tokenizers only)")
+    tokenizer_mode: str = knob("model", "auto", "vLLM's tokenizer choice: only 'auto' (the fast tokenizers library)")
+    load_format: str = knob("model", "auto", "vLLM's weight format: only 'auto' (what the model path holds)")
+    download_dir: str | None = knob("model", None, "vLLM's download folder: only None (nothing is downloaded)")
+    enable_lora: bool = knob("model", False, "vLLM's LoRA adapters: only False (kvloom serves none)")
+
+    # ---- cache -------------------------------------------------------------------------------------------
+    block_size: int = knob("cache", 16, "tokens per KV cache block; block_size == max_model_len gives one "
+                           "contiguous block per sequence")
+    enable_prefix_caching: bool = knob("cache", True, "reuse the KV blocks of shared prompt prefixes")
+    kv_cache_memory: int | str | None = knob(
+        "cache", None, "bytes for the KV cache, e.g. 2GiB (default: 2 GiB on the CPU, 90%% of free memory on "
+        "CUDA, never less than one full-length sequence)")
+    gpu_memory_utilization: float = knob("cache", 0.9, "fraction of GPU memory kvloom may use on CUDA")
+    kv_cache_dtype: str = knob("cache", "auto", "vLLM's KV cache dtype: only 'auto' (the model's dtype)")
+    swap_space: float | None = knob("cache", None, "vLLM's CPU swap space in GiB: accepted, unused (kvloom "
+                                    "preempts by recomputation)")
+    cpu_offload_gb: float = knob("cache", 0, "vLLM's weight offload to the CPU: only 0")
+
+    # ---- scheduler ---------------------------------------------------------------------------------------
+    max_num_seqs: int = knob("scheduler", 256, "most requests in one batch")
+    max_num_batched_tokens: int | None = knob(
+        "scheduler", None, "most tokens computed in one step (default: max(2048, max_model_len) capped at 8192)")
+    enable_chunked_prefill: bool | None = knob(
+        "scheduler", None, "prompts longer than a step's token budget are split into chunks: always on in "
+        "kvloom (True or unset; False is refused)")
+    use_v2_block_manager: bool | None = knob("scheduler", None, "accepted for the seeds and old vLLM; no effect "
+                                             "(kvloom has one block manager)")
+    disable_log_stats: bool = knob("scheduler", False, "no periodic engine stats log line (offline, LLM logs "
+                                   "none anyway; the server's --stats-interval 0 does the same)")
+
+    # ---- parallel ----------------------------------------------------------------------------------------
+    tensor_parallel_size: int = knob("parallel", 1, "number of tensor-parallel ranks")
+    pipeline_parallel_size: int = knob("parallel", 1, "vLLM's pipeline stages: only 1 (no pipeline parallelism)")
+    data_parallel_size: int = knob("parallel", 1,
+                                   "engine replicas behind one server, each with its own tensor-parallel group")
+    distributed_executor_backend: str = knob(
+        "parallel", "mp",
+        "how tensor-parallel ranks run: 'mp' (processes on this machine) or 'ray' (Ray actors, across machines)")
+    disable_custom_all_reduce: bool = knob("parallel", False, "accepted, no effect: ranks always reduce through "
+                                           "torch.distributed (gloo / NCCL)")
+    # None: KVLOOM_CPU_OMP_THREADS_BIND, else "auto" (validate() settles it, so an explicit "auto" wins too).
+    cpu_omp_threads_bind: str | None = knob(
+        "parallel", None,
+        "on the CPU, the cores of each engine process on this host (tensor-parallel ranks, data-parallel "
+        "replicas; vLLM's VLLM_CPU_OMP_THREADS_BIND): 'auto' (several processes: equal shares of the usable "
+        "cores), 'nobind', or one CPU list per process separated by '|', e.g. '0-3|4-7' "
+        "(default: KVLOOM_CPU_OMP_THREADS_BIND, else auto)")
+
+    # ---- speculative -------------------------------------------------------------------------------------
+    speculative_config: dict[str, Any] | str | None = knob(
+        "speculative", None, "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
+    speculative_model: str | None = knob(
+        "speculative", None, "the seeds' spelling: a draft model's path, or '[ngram]' for n-gram prompt lookup "
+        "(with --num-speculative-tokens)")
+    num_speculative_tokens: int | None = knob(
+        "speculative", None, "draft tokens proposed per step (the seeds' spelling, with --speculative-model)")
+    speculative_max_model_len: int | None = knob(
+        "speculative", None, "no drafts are proposed at or past this many tokens (the seeds' spelling; the draft "
+        "model's own context length caps it too)")
+    speculative_disable_by_batch_size: int | None = knob(
+        "speculative", None, "no drafts while this many requests or more are running (the seeds' spelling of "
+        "speculative_config's disable_by_batch_size; without it the measured cost of verifying decides)")
+
+    # ---- backend -----------------------------------------------------------------------------------------
+    device: str = knob("backend", "auto", "auto, cpu, cuda or cuda:N")
+    enforce_eager: bool = knob("backend", False, "run every step eagerly: no CUDA graphs for the decode buckets "
+                               "(CUDA only; the CPU always runs eagerly)")
+    max_seq_len_to_capture: int | None = knob("backend", None, "vLLM's CUDA-graph length limit: accepted, unused "
+                                              "(kvloom's decode graphs cover every length)")
+    override_backend_config: dict[str, Any] | str | None = knob(
+        "backend", None, "backend knobs as JSON, e.g. '{\"attention_backend\": \"reference\"}' (the seeds' "
+        "--override-neuron-config)")
+
+    # Settled by validate(): the backend knobs and the speculative settings as objects.
+    backend: BackendConfig = field(init=False, repr=False, default_factory=BackendConfig)
+    speculative: SpeculativeConfig | None = field(init=False, repr=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every knob (ValueError naming it and what is allowed) and settle the derived ones."""
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a path or a model name, got {self.model!r}")
+        self.dtype = canonical_dtype(self.dtype)
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device {self.device!r} is not supported: kvloom runs on 'cpu' or "
+                             f"'cuda' (or 'auto'); hardware such as 'neuron' is not available here")
+        check_int("seed", self.seed, minimum=0)
+        check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        check_int("block_size", self.block_size, minimum=1)
+        check_int("max_logprobs", self.max_logprobs, minimum=0)
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), minimum=1)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        check_int("data_parallel_size", self.data_parallel_size, minimum=1)
+        check_vllm_arguments(self.to_dict())
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray":
+            from kvloom.ray_cluster import INSTALL_HINT, ray_installed
+
+            if not ray_installed():
+                raise ValueError(f"distributed_executor_backend='ray' needs Ray, which is not installed; "
+                                 f"{INSTALL_HINT}")
+        self._settle_cpu_omp_threads_bind()
+        self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not (
+                0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization!r}")
+        for name in ("enable_prefix_caching", "enforce_eager", "trust_remote_code", "disable_log_stats",
+                     "disable_custom_all_reduce", "enable_lora"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self.backend = BackendConfig.from_overrides(self.override_backend_config)
+        if self.quantization is not None:
+            self.quantization = canonical_quantization(self.quantization)
+        else:
+            self.quantization = quantization_from_backend(self.backend.quantized,
+                                                                 self.backend.quantization_dtype)
+        if self.quantized_checkpoint_path is not None and self.quantization is None:
+            raise ValueError("quantized_checkpoint_path needs quantization='int8' (or override_backend_config "
+                             "{\"quantized\": true})")
+        self.speculative = SpeculativeConfig.from_engine_args(self.speculative_config, self.speculative_model,
+                                                              self.num_speculative_tokens,
+                                                              self.speculative_max_model_len,
+                                                              self.speculative_disable_by_batch_size)
+
+    def _settle_cpu_omp_threads_bind(self) -> None:
+        """The argument, else KVLOOM_CPU_OMP_THREADS_BIND, else "auto"; its syntax checked (whether its
+        cores exist and its lists match the engine processes is checked at start, cpu_affinity.plan)."""
+        if self.cpu_omp_threads_bind is None:
+            variable = envs.get("KVLOOM_CPU_OMP_THREADS_BIND")
+            try:
+                cpu_affinity.parse_setting(variable or cpu_affinity.AUTO)
+            except ValueError as error:
+                raise ValueError(f"KVLOOM_CPU_OMP_THREADS_BIND: {error}") from None
+            self.cpu_omp_threads_bind = variable or cpu_affinity.AUTO
+        if cpu_affinity.parse_setting(self.cpu_omp_threads_bind) is None:  # a keyword: one spelling
+            self.cpu_omp_threads_bind = self.cpu_omp_threads_bind.strip().lower()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """The config from ``LLM(...)``-style keywords: the seeds' spellings mapped (compat.ARGUMENT_ALIASES),
+        an unknown name a ValueError listing the known ones."""
+        kwargs = canonical_arguments(kwargs)
+        allowed = sorted(cls.field_names())
+        unknown = sorted(set(kwargs) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {allowed}")
+        return cls(**kwargs)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """Every knob: the fields a caller sets (not the derived ``backend`` and ``speculative``)."""
+        return [f.name for f in fields(cls) if f.init]
+
+    @classmethod
+    def fields_by_group(cls) -> dict[str, list[dataclasses.Field]]:
+        """The knobs of each group, in GROUPS' order and declaration order within a group."""
+        groups: dict[str, list[dataclasses.Field]] = {name: [] for name in GROUPS}
+        for f in fields(cls):
+            if f.init:
+                groups[f.metadata["group"]].append(f)
+        return groups
+
+    def resolve_max_num_batched_tokens(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return min(max(2048, max_model_len), 8192)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The knobs as keywords that ``from_kwargs`` takes back."""
+        return {name: getattr(self, name) for name in self.field_names()}

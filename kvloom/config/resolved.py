@@ -1,0 +1,77 @@
+"""``ResolvedConfig``: the config settled once at start-up against the model and the machine."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvloom.config.backend import BUCKET_KEYS
+from kvloom.config.engine import EngineConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvloom.loader.model_config import ModelConfig
+    from kvloom.loader.weights import ModelSource
+
+logger = logging.getLogger("kvloom")
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """Everything settled once at start-up (the model found, its facts read, device and dtype chosen,
+    lengths defaulted): built by ``resolve_config`` and handed whole to the executor, the workers and
+    the model runner, so no layer re-derives a setting."""
+
+    engine: EngineConfig
+    model: ModelConfig
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+def resolve_config(config: EngineConfig) -> ResolvedConfig:
+    """Find the model and read its config; ValueError when a setting does not fit the model or machine."""
+    # Lazy: the loader and the platform import torch, and kvloom.config must load without it.
+    from kvloom.loader.weights import load_model_config, resolve_model
+    from kvloom.platform import resolve_device, resolve_dtype
+
+    source = resolve_model(config.model)
+    model_config = load_model_config(source)
+    device = resolve_device(config.device)
+    model_max = model_config.max_position_embeddings
+    max_model_len = config.max_model_len or model_max
+    if max_model_len > model_max:
+        raise ValueError(f"max_model_len={max_model_len} is longer than the model's context "
+                         f"length ({model_max} tokens); use max_model_len <= {model_max}")
+    settle_buckets(config, device.type)
+    return ResolvedConfig(
+        engine=config, model=model_config, source=source, device=device,
+        dtype=resolve_dtype(config.dtype, model_config.torch_dtype, device),
+        block_size=config.block_size, max_model_len=max_model_len,
+        max_num_batched_tokens=config.resolve_max_num_batched_tokens(max_model_len))
+
+
+def settle_buckets(config: EngineConfig, device_type: str) -> None:
+    """The seeds' bucket knobs on a CPU: one warning that they apply to CUDA, then bucketing off.
+
+    Buckets pad decode batches to shapes that each replay a captured CUDA graph; kvloom's CPU kernels take
+    any shape at no cost, so there the knobs have nothing to do. Settled here, where the device is known,
+    so a seed's script (or its NEURON_* variables) runs unchanged on a CPU.
+    """
+    backend = config.backend
+    if device_type == "cuda" or not backend.sets_buckets():
+        return
+    named = [key for key in BUCKET_KEYS if getattr(backend, key) not in (None, False)]
+    logger.warning("%s: bucketing applies to CUDA (decode batches replayed from CUDA graphs); the CPU runs every "
+                   "shape as it comes, so they are ignored here", ", ".join(named))
+    config.backend = dataclasses.replace(backend, enable_bucketing=False)
