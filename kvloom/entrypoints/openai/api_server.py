@@ -62,14 +62,10 @@ from kvloom.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from kvloom.entrypoints.openai.serving import (
-    APIError,
-    OpenAIServingChat,
-    OpenAIServingCompletion,
-    OpenAIServingTokenization,
-    error_response,
-    max_chars_per_token_of,
-)
+from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvloom.entrypoints.openai.serving_engine import APIError, error_response, max_chars_per_token_of
+from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvloom.metrics import EngineStats
 from kvloom.sampling_params import MAX_LOGPROBS
 
