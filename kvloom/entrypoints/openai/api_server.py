@@ -27,7 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvloom import __version__, envs
 from kvloom.config import config_from_args
-from kvloom.engine.async_engine import AsyncLLM, EngineDeadError
+from kvloom.engine.async_engine import AsyncLLM
+from kvloom.engine.engine_client import EngineClient, EngineDeadError
 from kvloom.entrypoints.openai.args import DEFAULT_MAX_REQUEST_BODY_BYTES, add_server_args
 from kvloom.entrypoints.openai.auth import require_api_key
 from kvloom.entrypoints.openai.dashboard import dashboard_routes
@@ -78,7 +79,7 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
     return list(names) if names else [args.model]
 
 
-def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
+def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     """The FastAPI app serving ``engine`` under the names and settings in ``args``."""
     names = served_model_names(args)
     chat_template = load_chat_template(getattr(args, "chat_template", None))
@@ -196,8 +197,9 @@ def run_server(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)
     try:
         names = served_model_names(args)
+        engine: EngineClient
         if config.data_parallel_size > 1:
-            from kvloom.entrypoints.openai.router import ReplicaRouter
+            from kvloom.engine.data_parallel.router import ReplicaRouter
 
             engine = ReplicaRouter(config, model_name=names[0], stats_interval=args.stats_interval,
                                    log_requests=not args.disable_log_requests, log_level=level)

@@ -16,7 +16,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from kvloom.engine.async_engine import AsyncLLM
+from kvloom.engine.engine_client import EngineClient
 
 logger = logging.getLogger("kvloom")
 
@@ -41,7 +41,7 @@ class DrainingServer(uvicorn.Server):
     which ends the remaining requests with an error (a stream's last event); a second signal
     of either kind exits at once (uvicorn alone forces only on a second SIGINT)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
@@ -71,7 +71,7 @@ class DrainingServer(uvicorn.Server):
                              f"--shutdown-timeout ({self.shutdown_timeout:g}s)")
 
 
-def serve_http(app: FastAPI, sock: socket.socket, engine: AsyncLLM, *, log_level: str, access_log: bool,
+def serve_http(app: FastAPI, sock: socket.socket, engine: EngineClient, *, log_level: str, access_log: bool,
                shutdown_timeout: float) -> None:
     """Serve ``app`` on the bound ``sock`` until SIGTERM / SIGINT and the drain are over (the
     caller then stops ``engine``)."""

@@ -11,7 +11,7 @@ from contextlib import aclosing
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvloom.engine.async_engine import EngineDeadError
+from kvloom.engine.engine_client import EngineDeadError
 from kvloom.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,

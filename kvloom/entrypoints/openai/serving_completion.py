@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvloom.engine.async_engine import EngineDeadError
+from kvloom.engine.engine_client import EngineDeadError
 from kvloom.engine.input_processor import TokenizedPrompt
 from kvloom.entrypoints.openai.protocol import (
     CompletionLogProbs,

@@ -27,7 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from kvloom.engine.async_engine import AsyncLLM, EngineDeadError
+from kvloom.engine.engine_client import EngineClient, EngineDeadError
 from kvloom.engine.input_processor import EngineRequest, TokenizedPrompt
 from kvloom.engine.request import ContextLengthError
 from kvloom.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields, UsageInfo
@@ -162,7 +162,7 @@ async def run_until_disconnected(coro: Any, raw_request: Request) -> Response:
 class OpenAIServing:
     """Shared by the endpoints: the model names, prompt building, sampling parameters, limits."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None,
+    def __init__(self, engine: EngineClient, served_model_names: list[str], chat_template: str | None = None,
                  *, max_logprobs: int = MAX_LOGPROBS, max_chars_per_token: int | None = None) -> None:
         """``max_logprobs``: the most logprobs per position a request may ask for.
         ``max_chars_per_token``: the character cap's factor (default: from the tokenizer)."""

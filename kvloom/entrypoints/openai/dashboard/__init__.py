@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from kvloom.engine.async_engine import AsyncLLM
+from kvloom.engine.engine_client import EngineClient
 from kvloom.metrics import EngineStats
 
 
@@ -48,7 +48,7 @@ def dashboard_numbers(stats: EngineStats, rates: DashboardRates, model: str) -> 
     }
 
 
-def dashboard_routes(engine: AsyncLLM, model: str) -> APIRouter:
+def dashboard_routes(engine: EngineClient, model: str) -> APIRouter:
     """``/dashboard`` and ``/dashboard/stats`` for ``engine``, serving ``model``."""
     routes = APIRouter()
     page = (Path(__file__).parent / "index.html").read_text()
