@@ -156,7 +156,7 @@ class ReplicaRouter(EngineClient):
                                max_tokens, max_tokens_must_fit)
 
         self.input_processor = InputProcessor(self.tokenizer, resolved.model.vocab_size, check_fits)
-        self.metrics = RouterMetrics(self)
+        self.metrics = RouterMetrics(self.replicas, self.model_name, self.refresh_metrics)
         for replica in self.replicas:
             threading.Thread(target=self._read, args=(replica,), name=f"kvloom-router-{replica.index}",
                              daemon=True).start()
