@@ -121,7 +121,7 @@ class AsyncLLM(EngineClient):
         return self._stats
 
     # ---- requests --------------------------------------------------------------------------
-    def add_request(self, request: EngineRequest, stream: RequestStream) -> None:
+    def queue_request(self, request: EngineRequest, stream: RequestStream) -> None:
         """Queue ``request`` for the engine thread, its outputs to go to ``stream`` (``generate``,
         inherited from EngineClient, is the way in: it makes both)."""
         self._submit(_Add(stream, request))

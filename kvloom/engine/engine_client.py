@@ -7,7 +7,7 @@ it: ``AsyncLLM`` (one LLMEngine stepped by its own thread) and the data-parallel
 
     generate(prompt, params, request_id)
       InputProcessor.engine_request: tokenized and validated once (a ValueError before anything is queued)
-      RequestStream: registered with the subclass's ``add_request``, which queues the EngineRequest
+      RequestStream: registered with the subclass's ``queue_request``, which queues the EngineRequest
         (AsyncLLM: for its engine thread; the router: to the replica it picks)
       stream_outputs: the outputs that thread delivers to the stream, until the finished one
 
@@ -107,7 +107,7 @@ class EngineClient:
 
     A subclass sets ``input_processor``, ``tokenizer``, ``max_model_len``, ``max_num_seqs`` and
     ``metrics``, sets ``_dead_error`` (why the engine died; None while it serves) under its own
-    lock, and implements ``add_request``, ``abort``, ``get_stats``, ``has_requests`` and ``shutdown``.
+    lock, and implements ``queue_request``, ``abort``, ``get_stats``, ``has_requests`` and ``shutdown``.
     """
 
     input_processor: InputProcessor
@@ -146,11 +146,11 @@ class EngineClient:
         request = self.input_processor.engine_request(prompt, sampling_params, request_id,
                                                       arrival_time=arrival_time)
         stream = RequestStream(request.request_id, asyncio.get_running_loop())
-        self.add_request(request, stream)
+        self.queue_request(request, stream)
         async for output in stream_outputs(stream.queue, request, self.abort):
             yield output
 
-    def add_request(self, request: EngineRequest, stream: RequestStream) -> None:
+    def queue_request(self, request: EngineRequest, stream: RequestStream) -> None:
         """Queue ``request``, its outputs to go to ``stream`` (ValueError: its id is in use;
         EngineDeadError: the engine is dead)."""
         raise NotImplementedError

@@ -5,7 +5,8 @@ process of its own, a local process or a Ray actor, serving the router over one 
     Listener(address, port 0, authkey)  <────────── connect: ("hello", i, pid)
                                                     build the engine (AsyncLLM)
                                         <────────── ("ready", i, usable KV blocks) or ("failed", i, error)
-    ("add", EngineRequest)  ──────────────────────> AsyncLLM.generate, one task per request
+    ("add", EngineRequest)  ──────────────────────> AsyncLLM.queue_request (no event loop: the engine thread
+                                                    sends the outputs itself)
     ("abort", [request ids])  ────────────────────> AsyncLLM.abort
                                         <────────── batches of ("output", id, RequestOutput) / ("error", id, exc),
                                                     one batch per engine step, sent by the engine thread
@@ -167,7 +168,7 @@ class _ConnectedAsyncLLM(AsyncLLM):
 
     def submit(self, request: EngineRequest) -> None:
         """Queue a request whose outputs go to the router (EngineDeadError once the engine is dead)."""
-        self.add_request(request, RequestStream(request.request_id, None))
+        self.queue_request(request, RequestStream(request.request_id, None))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batch = []

@@ -270,7 +270,7 @@ class ReplicaRouter(EngineClient):
     def has_requests(self) -> bool:
         return bool(self._requests)
 
-    def add_request(self, request: EngineRequest, stream: RequestStream) -> None:
+    def queue_request(self, request: EngineRequest, stream: RequestStream) -> None:
         """Send ``request`` to the replica ``choose_replica`` picks, its outputs to go to ``stream``
         (``generate``, inherited from EngineClient, is the way in: it makes both)."""
         routed = self._route(request, stream)
