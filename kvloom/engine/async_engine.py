@@ -7,7 +7,7 @@ that request's asyncio queue with ``loop.call_soon_threadsafe`` (one call per st
 that thread mutates the engine; the event loop reads the tokenizer and the read-only validators.
 
     engine = AsyncLLM.from_config(config)   # the engine is built on the thread that steps it
-    async for output in engine.generate("Hello", SamplingParams(max_tokens=8), "req-0"):  # EngineClient's
+    async for output in engine.generate("Hello", SamplingParams(max_tokens=8), "req-0"):
         ...  # RequestOutputs as SamplingParams.output_kind asks (cumulative by default, as vLLM's;
              # DELTA: only what each step added); the last one has finished=True
 
