@@ -11,8 +11,9 @@ that thread mutates the engine; the event loop reads the tokenizer and the read-
         ...  # RequestOutputs as SamplingParams.output_kind asks (cumulative by default, as vLLM's;
              # DELTA: only what each step added); the last one has finished=True
 
-A prompt is tokenized and validated on the caller's thread by the engine's InputProcessor (or
-comes already processed, as an EngineRequest); the engine thread only queues it.
+``generate`` is EngineClient's (``engine_client.py``), shared with the data-parallel router: a
+prompt is tokenized and validated on the caller's thread by the engine's InputProcessor (or comes
+already processed, as an EngineRequest); the engine thread only queues it.
 A consumer that stops early (a client that disconnects) aborts its request, which frees its KV
 blocks at the engine's next turn. If a step raises, the engine is dead: every pending and later
 request fails with EngineDeadError.
@@ -20,64 +21,28 @@ request fails with EngineDeadError.
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvloom.config import EngineConfig
-from kvloom.engine.input_processor import EngineRequest, PromptInput
+from kvloom.engine.engine_client import EngineClient, EngineDeadError, RequestStream, deliver
+from kvloom.engine.input_processor import EngineRequest
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.output_processor import IterationStats, raise_if_failed
+from kvloom.engine.output_processor import IterationStats
 from kvloom.metrics import EngineMetrics, EngineStats, StatLogger
 from kvloom.outputs import RequestOutput
-from kvloom.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kvloom")
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (a step failed, or the engine was shut down)."""
-
-
-class EngineHealth:
-    """What the server asks an engine about its health, for AsyncLLM and the data-parallel router
-    alike: ``errored``, ``dead_error`` and ``check_health``, read from ``_dead_error`` (why the
-    engine died; None while it serves), which each sets under its own lock."""
-
-    _dead_error: BaseException | None = None
-
-    @property
-    def errored(self) -> bool:
-        return self._dead_error is not None
-
-    @property
-    def dead_error(self) -> BaseException | None:
-        return self._dead_error
-
-    def check_health(self) -> None:
-        """EngineDeadError once the engine is dead; what ``generate`` checks first."""
-        if self._dead_error is not None:
-            raise EngineDeadError(f"the engine is dead: {self._dead_error}") from self._dead_error
-
-
-@dataclass
-class _Stream:
-    """One request's way back to its caller."""
-
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-
 @dataclass
 class _Add:
-    stream: _Stream
+    stream: RequestStream
     request: EngineRequest
 
 
@@ -91,42 +56,7 @@ class _Stop:
     reason: str = "the engine was shut down"
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
-
-
-async def stream_outputs(outputs: asyncio.Queue, request: EngineRequest, abort: Callable[[str], None]
-                         ) -> AsyncIterator[RequestOutput]:
-    """A request's outputs as they arrive on ``outputs`` (RequestOutputs, or an exception that
-    ends it), until the finished one. Outputs that pile up while the caller is busy are merged:
-    deltas are joined, otherwise the newest is kept. A caller that stops early aborts the request."""
-    deltas = request.sampling_params.output_kind == RequestOutputKind.DELTA
-    finished = False
-    try:
-        while True:
-            item = await outputs.get()
-            while not outputs.empty() and not isinstance(item, BaseException):
-                later = outputs.get_nowait()
-                if deltas and not isinstance(later, BaseException):
-                    item.add(later, aggregate=True)
-                else:
-                    item = later
-            if isinstance(item, BaseException):
-                finished = True
-                raise item
-            finished = item.finished
-            if finished:
-                raise_if_failed(item)
-            yield item
-            if finished:
-                return
-    finally:
-        if not finished:
-            abort(request.request_id)
-
-
-class AsyncLLM(EngineHealth):
+class AsyncLLM(EngineClient):
     """An LLMEngine stepped by its own thread, with an asyncio ``generate`` per request."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *, model_name: str | None = None,
@@ -178,7 +108,7 @@ class AsyncLLM(EngineHealth):
                                      self.get_stats)
         self._stat_logger = StatLogger(stats_interval) if stats_interval > 0 else None
         self._idle_wait = stats_interval if stats_interval > 0 else None
-        self._streams: dict[str, _Stream] = {}  # owned by the engine thread
+        self._streams: dict[str, RequestStream] = {}  # owned by the engine thread
         self._stop_reason = "the engine was shut down"
 
     @classmethod
@@ -191,33 +121,10 @@ class AsyncLLM(EngineHealth):
         return self._stats
 
     # ---- requests --------------------------------------------------------------------------
-    async def generate(self, prompt: PromptInput | EngineRequest, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs until it finishes.
-
-        ``prompt`` is a prompt (tokenized and validated here) or an EngineRequest from
-        ``input_processor.process``, which carries its id and parameters. ValueError (a bad prompt
-        or parameters) and EngineDeadError are raised before any output. Outputs that pile up while
-        the caller is busy are merged: deltas are joined, otherwise the newest is yielded.
-        """
-        self.check_health()
-        if isinstance(prompt, EngineRequest):
-            request = prompt
-            if sampling_params is not None and sampling_params is not request.sampling_params:
-                raise ValueError("an EngineRequest carries its own sampling_params; pass None")
-            if request_id is not None and request_id != request.request_id:
-                request = dataclasses.replace(request, request_id=request_id)
-        else:
-            if request_id is None:
-                raise ValueError("generate() needs a request_id")
-            request = self.input_processor.process(request_id, prompt, sampling_params,
-                                                   arrival_time=arrival_time)
-        request_id = request.request_id
-        stream = _Stream(request_id, asyncio.get_running_loop(), asyncio.Queue())
+    def queue_request(self, request: EngineRequest, stream: RequestStream) -> None:
+        """Queue ``request`` for the engine thread, its outputs to go to ``stream`` (``generate``,
+        inherited from EngineClient, is the way in: it makes both)."""
         self._submit(_Add(stream, request))
-        async for output in stream_outputs(stream.queue, request, self.abort):
-            yield output
 
     def abort(self, request_id: str | list[str]) -> None:
         """Stop requests and free their KV blocks (at the engine's next turn); unknown ids are ignored."""
@@ -310,19 +217,15 @@ class AsyncLLM(EngineHealth):
                 self._send(stream, output)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        items = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            batches.setdefault(stream.loop, []).append((stream.queue, output))
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the caller's loop is closed: nobody is listening
-                pass
+            items.append((stream, output))
+        deliver(items)
 
     def _record(self, stats: IterationStats) -> None:
         """The metrics and the request log lines of what the engine did since the last call."""
@@ -346,11 +249,8 @@ class AsyncLLM(EngineHealth):
                         finished.num_prompt_tokens, finished.num_cached_tokens,
                         finished.num_generation_tokens, latency, ttft)
 
-    def _send(self, stream: _Stream, item: RequestOutput | BaseException) -> None:
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:
-            pass
+    def _send(self, stream: RequestStream, item: RequestOutput | BaseException) -> None:
+        deliver([(stream, item)])
 
     def _die(self, error: BaseException) -> None:
         """Fail every request, queued or running, and refuse new ones."""

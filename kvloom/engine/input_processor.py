@@ -1,10 +1,12 @@
 """The one way into the engine: a prompt and its SamplingParams, tokenized and validated once.
 
-``LLM.generate`` / ``LLM.chat``, ``AsyncLLM.generate`` and the OpenAI server all turn what they were
-given into an ``EngineRequest`` here and hand that to ``LLMEngine.add_request``, which queues it
-without looking at the prompt again. A prompt is text, token ids, ``{"prompt": text}`` or
-``{"prompt_token_ids": [...]}``; a chat is rendered to text by its caller first (the template
-writes any BOS it wants, so it is tokenized with ``add_special_tokens=False``).
+``LLM.generate`` / ``LLM.chat``, ``LLMEngine.add_request``, ``EngineClient.generate`` (AsyncLLM and
+the data-parallel router) and the OpenAI server all turn what they were given into an
+``EngineRequest`` here (``engine_request``, or ``process`` for a caller with its own id scheme);
+``LLMEngine.add_request`` queues it without looking at the prompt again. A prompt is text, token
+ids, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``; a chat is rendered to text by its
+caller first (the template writes any BOS it wants, so it is tokenized with
+``add_special_tokens=False``).
 
 Everything that is wrong with a request is a ``ValueError`` saying what was wrong and what is
 allowed: a prompt that is empty, not valid Unicode or holds ids outside the vocabulary; parameters
@@ -16,6 +18,7 @@ event loop while the engine thread steps.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,3 +127,20 @@ class InputProcessor:
                 raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {value}")
         return EngineRequest(request_id, tokenized.text, tokenized.token_ids, params,
                              time.time() if arrival_time is None else arrival_time)
+
+    def engine_request(self, prompt: PromptInput | TokenizedPrompt | EngineRequest, params: SamplingParams | None,
+                       request_id: str | None, *, arrival_time: float | None = None) -> EngineRequest:
+        """What every entry (``LLMEngine.add_request``, ``EngineClient.generate``) makes of its arguments.
+
+        An EngineRequest passes as it is (its parameters with it; renamed when ``request_id`` differs);
+        anything else is ``process``-ed under ``request_id``, which it then needs.
+        """
+        if isinstance(prompt, EngineRequest):
+            if params is not None and params is not prompt.sampling_params:
+                raise ValueError("an EngineRequest carries its own sampling_params; pass None")
+            if request_id is None or request_id == prompt.request_id:
+                return prompt
+            return dataclasses.replace(prompt, request_id=request_id)
+        if request_id is None:
+            raise ValueError("generate() needs a request_id")
+        return self.process(request_id, prompt, params, arrival_time=arrival_time)

@@ -9,7 +9,6 @@ logprobs and vLLM's RequestOutputs (deltas, the final output, or the whole outpu
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -107,13 +106,7 @@ class LLMEngine:
         ``prompt`` is a prompt (text, token ids, a prompt dict), tokenized and validated here, or an
         EngineRequest from ``input_processor.process``, queued as it is (its parameters with it).
         """
-        if isinstance(prompt, EngineRequest):
-            if params is not None and params is not prompt.sampling_params:
-                raise ValueError("an EngineRequest carries its own sampling_params; pass params=None")
-            request = prompt if prompt.request_id == request_id else dataclasses.replace(
-                prompt, request_id=request_id)
-        else:
-            request = self.input_processor.process(request_id, prompt, params, arrival_time=arrival_time)
+        request = self.input_processor.engine_request(prompt, params, request_id, arrival_time=arrival_time)
         if request_id in self.output_processor.request_states:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = request.sampling_params

@@ -42,7 +42,7 @@ def raise_if_failed(output: RequestOutput) -> None:
 class CompletionState:
     """One completion (child Request) of a request: its text so far, and what its next output adds."""
 
-    def __init__(self, request: Request, index: int, parent: RequestState, tokenizer: Tokenizer) -> None:
+    def __init__(self, request: Request, index: int, parent: RequestOutputState, tokenizer: Tokenizer) -> None:
         self.request = request
         self.index = index
         self.parent = parent
@@ -88,8 +88,9 @@ class CompletionState:
         return unsent
 
 
-class RequestState:
-    """A request as its caller submitted it: one prompt and its n completions."""
+class RequestOutputState:
+    """A request as its caller submitted it, one prompt and its n completions: what its RequestOutputs
+    are built from (the runner keeps its own per-request sampling state, `worker/model_runner.py`)."""
 
     def __init__(self, engine_request: EngineRequest, children: list[Request], tokenizer: Tokenizer) -> None:
         self.request_id = engine_request.request_id
@@ -113,13 +114,13 @@ class RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.request_states: dict[str, RequestState] = {}
+        self.request_states: dict[str, RequestOutputState] = {}
         self._completions: dict[str, CompletionState] = {}  # by child request id
-        self._touched: dict[str, RequestState] = {}  # the requests with new tokens since make_outputs
+        self._touched: dict[str, RequestOutputState] = {}  # the requests with new tokens since make_outputs
         self._num_new_tokens = 0
 
     def add_request(self, engine_request: EngineRequest, children: list[Request]) -> None:
-        state = RequestState(engine_request, children, self.tokenizer)
+        state = RequestOutputState(engine_request, children, self.tokenizer)
         self.request_states[state.request_id] = state
         for completion in state.completions:
             self._completions[completion.request.request_id] = completion
@@ -266,7 +267,7 @@ class OutputProcessor:
         return outputs
 
     # ---- outputs ---------------------------------------------------------------------------
-    def _make_output(self, state: RequestState, finished: bool, now: float) -> RequestOutput:
+    def _make_output(self, state: RequestOutputState, finished: bool, now: float) -> RequestOutput:
         if state.deltas:
             state.changed.sort(key=lambda c: c.index)
             completions = [self._take_delta(c) for c in state.changed]
@@ -291,7 +292,7 @@ class OutputProcessor:
                              outputs=completions, finished=finished, metrics=metrics,
                              num_cached_tokens=max(first.request.num_cached_tokens, 0))
 
-    def _prompt_logprobs(self, state: RequestState) -> list[dict[int, Logprob] | None] | None:
+    def _prompt_logprobs(self, state: RequestOutputState) -> list[dict[int, Logprob] | None] | None:
         """The prompt's logprobs, from the first completion that has them all (each computes them; one
         that has sampled a token has), else the first's so far."""
         first = state.completions[0].prompt_logprobs
@@ -325,7 +326,7 @@ class OutputProcessor:
             logprobs=list(completion.logprobs) if completion.wants_logprobs else None,
             finish_reason=completion.finish_reason, stop_reason=completion.request.stop_reason)
 
-    def _forget(self, state: RequestState, now: float, stats: IterationStats | None,
+    def _forget(self, state: RequestOutputState, now: float, stats: IterationStats | None,
                 aborted: bool = False) -> None:
         del self.request_states[state.request_id]
         for completion in state.completions:

@@ -44,8 +44,6 @@ import sys
 import threading
 import time
 import traceback
-import types
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -56,6 +54,7 @@ import torch.multiprocessing as mp
 from kvloom import cpu_affinity
 from kvloom.config import ResolvedConfig
 from kvloom.executor.base import LockstepExecutor
+from kvloom.executor.spawn import main_module_hidden
 from kvloom.layers.quantization import keeps_q8_0_blocks
 from kvloom.layers.tensor_parallel import ProcessGroupLike, validate_tensor_parallel
 from kvloom.worker.model_runner import ModelInputs, ModelRunner
@@ -103,23 +102,6 @@ def move_tensors(obj: Any, device: torch.device) -> None:
 
 
 # ---- process set-up -------------------------------------------------------------------------------
-@contextlib.contextmanager
-def main_module_hidden() -> Iterator[None]:
-    """Start spawned processes without re-running the user's __main__ in them.
-
-    spawn re-imports the parent's main script in every child so that objects defined there can be
-    unpickled; a worker needs nothing from it, and a script without an ``if __name__ ==
-    "__main__":`` guard (the seeds' offline example) would build a whole engine again in each worker.
-    """
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        if main is not None:
-            sys.modules["__main__"] = main
-
-
 def new_process_group(backend: str, store: dist.Store, rank: int, world_size: int,
                       hostname: str | None = None) -> ProcessGroupLike:
     """A gloo / NCCL group object of our own rather than init_process_group's global default group,

@@ -175,7 +175,7 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(
 def test_the_cap_comes_from_the_longest_token(tiny_llama_dir: str) -> None:
     """The cap never refuses a prompt that fits: no token spells more characters than the factor."""
     from kvloom import LLM
-    from kvloom.entrypoints.openai.serving import MIN_CHARS_PER_TOKEN, max_chars_per_token_of
+    from kvloom.entrypoints.openai.serving_engine import MIN_CHARS_PER_TOKEN, max_chars_per_token_of
 
     tokenizer = LLM(model=tiny_llama_dir).get_tokenizer()
     factor = max_chars_per_token_of(tokenizer)

@@ -137,8 +137,8 @@ def test_a_bad_setting_is_refused_naming_where_it_came_from(monkeypatch: pytest.
 def test_each_replica_gets_its_ranks_slice_of_the_hosts_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """data_parallel_size x tensor_parallel_size processes share the plan; a replica's engine is handed its
     ranks' lists, so its tensor-parallel executor splits the replica's cores exactly so."""
-    from kvloom.engine.replica import replica_config
-    from kvloom.entrypoints.openai.router import replica_cpus
+    from kvloom.engine.data_parallel.replica import replica_config
+    from kvloom.engine.data_parallel.router import replica_cpus
 
     monkeypatch.delenv("KVLOOM_CPU_OMP_THREADS_BIND", raising=False)
     config = EngineConfig(data_parallel_size=2, tensor_parallel_size=2)

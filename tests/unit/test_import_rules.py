@@ -180,3 +180,12 @@ def test_the_checks_see_a_forbidden_import(tmp_path: Path) -> None:
     source.write_text("def f():\n    from kvloom.engine.request import Request\n    import kvloom.entrypoints.cli\n")
     modules = [module for _, module in imported_modules(source)]
     assert "kvloom.engine.request" in modules and "kvloom.entrypoints.cli" in modules
+
+
+def test_the_engine_imports_nothing_from_the_server() -> None:
+    """The server sits on the engine: ``kvloom/engine/`` (the data-parallel router included) never
+    imports ``kvloom.entrypoints``."""
+    files = sorted((PACKAGE / "engine").rglob("*.py"))
+    bad = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}"
+           for path in files for line, module in imported_modules(path) if module.startswith("kvloom.entrypoints")]
+    assert not bad, "\n".join(bad)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvloom.entrypoints.openai.router import choose_replica, prefix_hashes
+from kvloom.engine.data_parallel.router import choose_replica, prefix_hashes
 
 
 def test_least_outstanding_tokens_wins_and_ties_go_to_the_lowest_index() -> None:

@@ -5,7 +5,8 @@ process of its own, a local process or a Ray actor, serving the router over one 
     Listener(address, port 0, authkey)  <────────── connect: ("hello", i, pid)
                                                     build the engine (AsyncLLM)
                                         <────────── ("ready", i, usable KV blocks) or ("failed", i, error)
-    ("add", EngineRequest)  ──────────────────────> AsyncLLM.generate, one task per request
+    ("add", EngineRequest)  ──────────────────────> AsyncLLM.queue_request (no event loop: the engine thread
+                                                    sends the outputs itself)
     ("abort", [request ids])  ────────────────────> AsyncLLM.abort
                                         <────────── batches of ("output", id, RequestOutput) / ("error", id, exc),
                                                     one batch per engine step, sent by the engine thread
@@ -19,8 +20,7 @@ The connection is a ``multiprocessing.connection`` (pickles over an authenticate
 transport of the multiprocess executor's pipes. A replica renders its metrics only when the router
 is scraped, as AsyncLLM's server does: rendering them every 0.25 s cost ~2 ms with the GIL held
 against the engine thread, which showed in the router's p99 latency. A replica leaves when its connection closes (the
-router is gone), so no replica outlives its server. The router is
-``kvloom/entrypoints/openai/router.py``.
+router is gone), so no replica outlives its server. The router is ``router.py`` beside this file.
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ from multiprocessing.connection import Client, Connection
 
 from kvloom import cpu_affinity
 from kvloom.config import EngineConfig, parse_overrides
-from kvloom.engine.async_engine import AsyncLLM, _Add, _Stream
+from kvloom.engine.async_engine import AsyncLLM
+from kvloom.engine.engine_client import RequestStream
 from kvloom.engine.input_processor import EngineRequest
 from kvloom.engine.llm_engine import LLMEngine
+from kvloom.executor.spawn import main_module_hidden
 from kvloom.outputs import RequestOutput
 
 logger = logging.getLogger("kvloom")
@@ -166,7 +168,7 @@ class _ConnectedAsyncLLM(AsyncLLM):
 
     def submit(self, request: EngineRequest) -> None:
         """Queue a request whose outputs go to the router (EngineDeadError once the engine is dead)."""
-        self._submit(_Add(_Stream(request.request_id, None, None), request))  # type: ignore[arg-type]
+        self.queue_request(request, RequestStream(request.request_id, None))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batch = []
@@ -178,7 +180,7 @@ class _ConnectedAsyncLLM(AsyncLLM):
             batch.append(("output", output.request_id, output))
         self.outbox.send(batch)
 
-    def _send(self, stream: _Stream, item: RequestOutput | BaseException) -> None:
+    def _send(self, stream: RequestStream, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
             self.outbox.send([("error", stream.request_id, portable_error(item))])
         else:
@@ -231,8 +233,6 @@ class LocalReplica:
 
     def __init__(self, spec: ReplicaSpec) -> None:
         import multiprocessing
-
-        from kvloom.executor.multiproc import main_module_hidden
 
         context = multiprocessing.get_context("spawn")
         # Not a daemon: a replica with tensor parallelism starts worker processes of its own.

@@ -1,10 +1,11 @@
 """Data-parallel replicas behind one server: ``kvloom serve MODEL --data-parallel-size N``.
 
-``ReplicaRouter`` starts N replicas (``kvloom/engine/replica.py``: each a whole engine with its own
+``ReplicaRouter`` starts N replicas (``replica.py``: each a whole engine with its own
 tensor-parallel group, in a local process, or in a Ray actor with ``--distributed-executor-backend
 ray``) and offers the server what ``AsyncLLM`` offers it (``generate``, ``abort``, the tokenizer and
-input processor, health, stats, metrics, ``shutdown``), so the OpenAI layer does not know which it
-serves. Prompts are tokenized and validated here, once, against the replicas' smallest KV cache.
+input processor, health, stats, metrics, ``shutdown``: both are ``EngineClient``s, with its one
+``generate``), so the OpenAI layer does not know which it serves. Prompts are tokenized and
+validated here, once, against the replicas' smallest KV cache.
 
 Routing (``choose_replica``): each request goes to the live replica with the fewest outstanding
 tokens (prompt tokens not yet computed plus tokens still to generate, as this router counts them
@@ -18,15 +19,11 @@ taken out of the rotation at once and each of its in-flight requests fails with
 ``ReplicaDeadError`` naming it; the other replicas keep serving. Only when every replica is dead
 is the router dead (``/health`` 503).
 
-``/metrics``: every replica's metrics (asked of the replicas at each scrape: a replica renders
-them only then, never while it steps unasked) with a ``replica`` label, then the total over the live
-replicas without one (``kv_cache_usage_perc`` averaged, the rest summed), and per replica
-``kvloom:replica_up`` and ``kvloom:replica_outstanding_tokens``.
+``/metrics``: every replica's, labelled, and their total (``metrics.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -35,27 +32,23 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import Metric
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
-
 from kvloom import cpu_affinity
 from kvloom.config import EngineConfig, resolve_config
-from kvloom.engine.async_engine import EngineDeadError, EngineHealth, stream_outputs
-from kvloom.engine.input_processor import EngineRequest, InputProcessor, PromptInput
-from kvloom.engine.replica import LocalReplica, RayReplica, ReplicaSpec, no_delay, replica_config
+from kvloom.engine.data_parallel.metrics import RouterMetrics
+from kvloom.engine.data_parallel.replica import LocalReplica, RayReplica, ReplicaSpec, no_delay, replica_config
+from kvloom.engine.engine_client import EngineClient, EngineDeadError, RequestStream, deliver
+from kvloom.engine.input_processor import EngineRequest, InputProcessor
 from kvloom.engine.scheduler import SchedulerStats, check_request_fits
 from kvloom.loader.tokenizer import load_tokenizer
 from kvloom.loader.weights import resolve_model
 from kvloom.metrics import EngineStats
 from kvloom.outputs import RequestOutput
-from kvloom.sampling_params import RequestOutputKind, SamplingParams
+from kvloom.sampling_params import RequestOutputKind
 
 logger = logging.getLogger("kvloom")
 
@@ -108,8 +101,7 @@ class _Routed:
 
     request_id: str
     replica: int
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    stream: RequestStream
     deltas: bool
     prompt_tokens: int
     charge: int  # prompt tokens + tokens to generate, as first charged
@@ -135,12 +127,7 @@ class _Replica:
     send_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
-
-
-class ReplicaRouter(EngineHealth):
+class ReplicaRouter(EngineClient):
     """N replicas behind the server's ``AsyncLLM`` surface; see the module docstring."""
 
     def __init__(self, config: EngineConfig, *, model_name: str | None = None, stats_interval: float = 10.0,
@@ -169,7 +156,7 @@ class ReplicaRouter(EngineHealth):
                                max_tokens, max_tokens_must_fit)
 
         self.input_processor = InputProcessor(self.tokenizer, resolved.model.vocab_size, check_fits)
-        self.metrics = _RouterMetrics(self)
+        self.metrics = RouterMetrics(self.replicas, self.model_name, self.refresh_metrics)
         for replica in self.replicas:
             threading.Thread(target=self._read, args=(replica,), name=f"kvloom-router-{replica.index}",
                              daemon=True).start()
@@ -283,25 +270,11 @@ class ReplicaRouter(EngineHealth):
     def has_requests(self) -> bool:
         return bool(self._requests)
 
-    async def generate(self, prompt: PromptInput | EngineRequest, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """AsyncLLM.generate on the replica ``choose_replica`` picks."""
-        self.check_health()
-        if isinstance(prompt, EngineRequest):
-            request = prompt
-            if sampling_params is not None and sampling_params is not request.sampling_params:
-                raise ValueError("an EngineRequest carries its own sampling_params; pass None")
-            if request_id is not None and request_id != request.request_id:
-                request = dataclasses.replace(request, request_id=request_id)
-        else:
-            if request_id is None:
-                raise ValueError("generate() needs a request_id")
-            request = self.input_processor.process(request_id, prompt, sampling_params, arrival_time=arrival_time)
-        routed = self._route(request)
+    def queue_request(self, request: EngineRequest, stream: RequestStream) -> None:
+        """Send ``request`` to the replica ``choose_replica`` picks, its outputs to go to ``stream``
+        (``generate``, inherited from EngineClient, is the way in: it makes both)."""
+        routed = self._route(request, stream)
         self._send(self.replicas[routed.replica], ("add", request))
-        async for output in stream_outputs(routed.queue, request, self.abort):
-            yield output
 
     def abort(self, request_id: str | list[str]) -> None:
         """Abort requests on the replicas serving them (which answer with a last, finished output)."""
@@ -335,7 +308,7 @@ class ReplicaRouter(EngineHealth):
         self._deliver_errors(failed)
 
     # ---- routing and bookkeeping -------------------------------------------------------------------
-    def _route(self, request: EngineRequest) -> _Routed:
+    def _route(self, request: EngineRequest, stream: RequestStream) -> _Routed:
         params = request.sampling_params
         prompt_tokens = len(request.prompt_token_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_tokens
@@ -353,8 +326,8 @@ class ReplicaRouter(EngineHealth):
                 self._prefixes.move_to_end(h)
             while len(self._prefixes) > MAX_REMEMBERED_PREFIXES:
                 self._prefixes.popitem(last=False)
-            routed = _Routed(request.request_id, index, asyncio.get_running_loop(), asyncio.Queue(),
-                             params.output_kind == RequestOutputKind.DELTA, prompt_tokens, charge, remaining=charge)
+            routed = _Routed(request.request_id, index, stream, params.output_kind == RequestOutputKind.DELTA,
+                             prompt_tokens, charge, remaining=charge)
             replica = self.replicas[index]
             replica.outstanding += charge
             replica.in_flight.add(request.request_id)
@@ -397,7 +370,7 @@ class ReplicaRouter(EngineHealth):
             self._dispatch(replica, batch)
 
     def _dispatch(self, replica: _Replica, batch: list[tuple]) -> None:
-        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        deliveries: list[tuple[RequestStream, Any]] = []
         engine_died = metrics_arrived = False
         with self._lock:
             for message in batch:
@@ -422,10 +395,8 @@ class ReplicaRouter(EngineHealth):
                     self._account(replica, routed, item)
                 if finished:
                     self._forget(replica, routed)
-                deliveries.setdefault(routed.loop, []).append((routed.queue, item))
-        for loop, items in deliveries.items():
-            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody listens
-                loop.call_soon_threadsafe(_put_all, items)
+                deliveries.append((routed.stream, item))
+        deliver(deliveries)
         if metrics_arrived:
             with self._metrics_arrived:
                 self._metrics_arrived.notify_all()
@@ -474,9 +445,7 @@ class ReplicaRouter(EngineHealth):
         self._deliver_errors(failed)
 
     def _deliver_errors(self, failed: list[tuple[_Routed, BaseException]]) -> None:
-        for routed, error in failed:
-            with contextlib.suppress(RuntimeError):
-                routed.loop.call_soon_threadsafe(routed.queue.put_nowait, error)
+        deliver((routed.stream, error) for routed, error in failed)
 
     def _kill_all(self) -> None:
         for replica in self.replicas:
@@ -521,49 +490,3 @@ def replica_cpus(config: EngineConfig, device: str, on_ray: bool, usable: list[i
         return [[None] * ranks for _ in range(size)]
     shares = cpu_affinity.plan(config.cpu_omp_threads_bind, size * ranks, usable)
     return [shares[index * ranks:(index + 1) * ranks] for index in range(size)]
-
-
-# ---- /metrics ----------------------------------------------------------------------------------------
-class _ReplicaMetricsCollector(Collector):
-    def __init__(self, router: ReplicaRouter) -> None:
-        self.router = router
-
-    def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
-        totals: dict[str, dict[tuple, list[float]]] = {}
-        for replica in self.router.replicas:
-            if not replica.alive or not replica.metrics_text:
-                continue
-            for family in text_string_to_metric_families(replica.metrics_text.decode()):
-                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
-                for sample in family.samples:
-                    merged.add_sample(sample.name, {**sample.labels, "replica": str(replica.index)}, sample.value)
-                    key = (sample.name, tuple(sorted(sample.labels.items())))
-                    totals.setdefault(family.name, {}).setdefault(key, []).append(sample.value)
-        for name, merged in families.items():
-            for (sample_name, labels), values in totals.get(name, {}).items():
-                value = sum(values) / len(values) if name == "kvloom:kv_cache_usage_perc" else sum(values)
-                merged.add_sample(sample_name, dict(labels), value)
-            yield merged
-        up = Metric("kvloom:replica_up", "1 while the data-parallel replica serves, 0 once it died.", "gauge")
-        outstanding = Metric("kvloom:replica_outstanding_tokens",
-                             "Tokens the router counts as still owed by the replica (its routing load).", "gauge")
-        for replica in self.router.replicas:
-            labels = {"model_name": self.router.model_name, "replica": str(replica.index)}
-            up.add_sample("kvloom:replica_up", labels, 1.0 if replica.alive else 0.0)
-            outstanding.add_sample("kvloom:replica_outstanding_tokens", labels, float(replica.outstanding))
-        yield up
-        yield outstanding
-
-
-class _RouterMetrics:
-    """``render()`` as EngineMetrics has it: the replicas' metrics, labelled, and their total."""
-
-    def __init__(self, router: ReplicaRouter) -> None:
-        self.router = router
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_ReplicaMetricsCollector(router))
-
-    def render(self) -> bytes:
-        self.router.refresh_metrics()
-        return generate_latest(self.registry)

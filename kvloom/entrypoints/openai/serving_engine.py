@@ -1,0 +1,361 @@
+"""What every OpenAI endpoint family shares: ``OpenAIServing`` (the base class of
+``serving_completion``, ``serving_chat`` and ``serving_tokenization``), OpenAI's error shape, and
+the server-sent-event stream.
+
+Prompts are tokenized and validated once, by the engine's InputProcessor, into the EngineRequests
+handed to ``generate`` of the engine client (``AsyncLLM``, or the data-parallel ``ReplicaRouter``).
+Every client mistake becomes an ``APIError`` (OpenAI's error shape, a 4xx that names the bad
+parameter) before anything is queued. A streamed response asks the engine for deltas
+(``RequestOutputKind.DELTA``) and sends each as a server-sent event, ending with ``data: [DONE]``;
+a whole response asks for the final output only. A consumer that goes away (a client that
+disconnects) cancels the generators, which abort their requests in the engine.
+
+A new endpoint family (embeddings, ...) is a module with one ``OpenAIServing`` subclass: the model
+check, engine health, limits, prompt tokenization and ``engine_request`` are here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from kvloom.engine.engine_client import EngineClient, EngineDeadError
+from kvloom.engine.input_processor import EngineRequest, TokenizedPrompt
+from kvloom.engine.request import ContextLengthError
+from kvloom.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields, UsageInfo
+from kvloom.outputs import Logprob, RequestOutput
+from kvloom.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+
+# What OpenAI's API returns for a -inf logprob (JSON has no infinity).
+MIN_LOGPROB = -9999.0
+# Tokenizing a long text blocks; beyond this many characters it runs in a worker thread.
+INLINE_TOKENIZE_CHARS = 8192
+# A prompt of more than max_model_len * chars-per-token characters cannot fit, and is refused
+# before it is tokenized. Chars-per-token is the longest vocabulary entry's length (a token never
+# stands for more characters than its own spelling; byte-level entries spell one byte per
+# character), and at least this: English text averages ~4 characters per token, and long
+# whitespace or punctuation runs, the longest common tokens, stay under 16 in most vocabularies.
+MIN_CHARS_PER_TOKEN = 16
+
+
+def max_chars_per_token_of(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` can stand for (at least MIN_CHARS_PER_TOKEN)."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None:
+        return MIN_CHARS_PER_TOKEN
+    vocab = backend.get_vocab(with_added_tokens=True)
+    return max(MIN_CHARS_PER_TOKEN, max(map(len, vocab), default=0))
+
+
+class APIError(Exception):
+    """A request the server refuses, in OpenAI's error shape."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.type = type
+        self.code = code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.message, self.status_code, self.param, self.type, self.code)
+
+
+def error_response(message: str, status_code: int = 400, param: str | None = None,
+                   type: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status_code)
+
+
+def sse_event(payload: BaseModel | dict) -> str:
+    """One server-sent event. Chunks leave out null fields, but every choice keeps its
+    finish_reason and logprobs keys, as OpenAI's chunks do."""
+    data = payload.model_dump(exclude_none=True) if isinstance(payload, BaseModel) else payload
+    for choice in data.get("choices", ()):
+        choice.setdefault("logprobs", None)
+        choice.setdefault("finish_reason", None)
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def merge_async_iterators(iterators: Sequence[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Yield (index, item) from several async iterators as items arrive.
+
+    Closing or cancelling the merged iterator cancels the producers, so their ``finally`` blocks
+    (request aborts) run at once.
+    """
+    if len(iterators) == 1:
+        async with aclosing(iterators[0]) as iterator:
+            async for item in iterator:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def produce(index: int, iterator: AsyncIterator[Any]) -> None:
+        try:
+            async for item in iterator:
+                await queue.put((index, item))
+            await queue.put((index, done))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, e))
+
+    tasks = [asyncio.ensure_future(produce(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def last_output(generator: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async with aclosing(generator) as outputs:
+        async for output in outputs:
+            last = output
+    if last is None:
+        raise EngineDeadError("the engine returned no output")
+    return last
+
+
+async def run_until_disconnected(coro: Any, raw_request: Request) -> Response:
+    """Await a handler, cancelling it (and so aborting its requests) if the client goes away."""
+
+    async def wait_for_disconnect() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    handler = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not handler.done():
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
+    if handler.cancelled():
+        return Response(status_code=499)  # nobody is listening any more
+    return handler.result()
+
+
+class OpenAIServing:
+    """Shared by the endpoints: the model names, prompt building, sampling parameters, limits."""
+
+    def __init__(self, engine: EngineClient, served_model_names: list[str], chat_template: str | None = None,
+                 *, max_logprobs: int = MAX_LOGPROBS, max_chars_per_token: int | None = None) -> None:
+        """``max_logprobs``: the most logprobs per position a request may ask for.
+        ``max_chars_per_token``: the character cap's factor (default: from the tokenizer)."""
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.model_name = served_model_names[0]
+        self.chat_template = chat_template
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.input_processor.vocab_size
+        self.max_num_seqs = engine.max_num_seqs
+        self.max_logprobs = max_logprobs
+        if max_chars_per_token is None:
+            max_chars_per_token = max_chars_per_token_of(self.tokenizer)
+        self.max_prompt_chars = self.max_model_len * max_chars_per_token
+
+    # ---- checks ----------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model", code="model_not_found")
+
+    def check_engine(self) -> None:
+        if self.engine.errored:
+            raise APIError(f"The engine is not running: {self.engine.dead_error}", 503,
+                           type="server_error", code="engine_dead")
+
+    def check_limits(self, n: int, logprobs: int | None, logprobs_param: str) -> None:
+        """``n`` and the logprobs a request asks for against the server's limits (a 400 otherwise)."""
+        if n > self.max_num_seqs:
+            raise APIError(f"n must be at most {self.max_num_seqs} (the engine's max_num_seqs: one "
+                           f"batch's worth), got {n}", param="n")
+        if logprobs is not None and logprobs > self.max_logprobs:
+            raise APIError(f"{logprobs_param} must be at most {self.max_logprobs} (the server's "
+                           f"--max-logprobs), got {logprobs}", param=logprobs_param)
+
+    def check_prompt_chars(self, num_chars: int, prompt_name: str) -> None:
+        """Refuse a prompt of more characters than any prompt that fits the context can have."""
+        if num_chars > self.max_prompt_chars:
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                           f"the {prompt_name} has {num_chars} characters, more than any prompt of "
+                           f"{self.max_model_len} tokens can hold (at most {self.max_prompt_chars}). "
+                           f"Please reduce the length of the {prompt_name}.", param=prompt_name,
+                           code="context_length_exceeded")
+
+    def check_prompt_size(self, prompt: str | list[int], prompt_name: str) -> None:
+        """Refuse, before tokenizing, a prompt too long for any tokenization to fit the context."""
+        # Token ids need no tokenizing: the input processor checks their length, with the one message.
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt), prompt_name)
+
+    def max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """OpenAI's default when the client gave none: the rest of the context (a prompt that fills
+        it is refused by the input processor, with the context-length message)."""
+        return max_tokens if max_tokens is not None else max(1, self.max_model_len - num_prompt_tokens)
+
+    def sampling_params(self, request: SamplingFields, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None,
+                        names: dict[str, str] | None = None) -> SamplingParams:
+        """OpenAI's defaults where the client sent nothing; a 400 naming the field otherwise."""
+        top_k = request.top_k
+        if top_k is not None and top_k >= self.vocab_size:
+            top_k = 0  # every token is in the top k: no filter
+        kwargs: dict[str, Any] = dict(
+            n=request.n, temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            top_k=0 if top_k is None else top_k, min_p=request.min_p or 0.0, seed=request.seed,
+            stop=request.stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens, min_tokens=request.min_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
+            # A stream sends what each step adds; a whole response needs only the end.
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)
+        if request.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        if request.stream_options is not None and not request.stream:
+            raise APIError("stream_options can only be set when stream is true", param="stream_options")
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            raise APIError(str(e), param=_param_of(str(e), kwargs, names)) from None
+
+    async def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool,
+                              prompt_name: str) -> TokenizedPrompt:
+        """A prompt's checked token ids; a 400 naming ``prompt_name`` when it is not valid."""
+        self.check_prompt_size(prompt, prompt_name)
+        tokenize = self.engine.input_processor.tokenize
+        try:
+            if isinstance(prompt, str) and len(prompt) > INLINE_TOKENIZE_CHARS:
+                return await asyncio.to_thread(tokenize, prompt, add_special_tokens)
+            return tokenize(prompt, add_special_tokens)
+        except ValueError as e:
+            raise APIError(str(e), param=prompt_name) from None
+
+    def engine_request(self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams,
+                       prompt_name: str, max_tokens_param: str | None) -> EngineRequest:
+        """The request for the engine, validated once; a 400 naming the parameter at fault.
+
+        ``max_tokens_param``: the field the client set max_tokens with (None: it set none)."""
+        try:
+            return self.engine.input_processor.process(request_id, prompt, params, max_tokens_must_fit=True)
+        except ContextLengthError as e:
+            raise APIError(e.message(prompt_name), param=max_tokens_param or prompt_name,
+                           code="context_length_exceeded") from None
+        except ValueError as e:
+            message = str(e)
+            name = prompt_name if "prompt" in message.lower() else _param_of(message, vars(params), None)
+            raise APIError(message, param=name) from None
+
+    async def render_chat_checked(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                                  template_kwargs: dict[str, Any] | None = None) -> str:
+        """``render_chat`` behind the character cap: messages whose text alone is over it are
+        refused before rendering (a template writes every message's text), and long ones are
+        rendered in a worker thread so the event loop keeps serving."""
+        num_chars = sum(_text_length(message.get("content")) for message in messages
+                        if isinstance(message, dict))
+        self.check_prompt_chars(num_chars, "messages")
+        if num_chars > INLINE_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.render_chat, messages, add_generation_prompt, template_kwargs)
+        return self.render_chat(messages, add_generation_prompt, template_kwargs)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text of a conversation, rendered as ``LLM.chat`` renders it."""
+        kwargs = dict(template_kwargs or {})
+        for reserved in ("messages", "add_generation_prompt", "chat_template", "tools"):
+            kwargs.pop(reserved, None)
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      chat_template=self.chat_template, **kwargs)
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
+        except (TypeError, KeyError, AttributeError, IndexError) as e:
+            raise APIError(f"chat template failed to render the messages: {e}", param="messages") from None
+
+    def decoded(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _param_of(message: str, fields: dict[str, Any], names: dict[str, str] | None) -> str | None:
+    """The parameter a SamplingParams / engine error message is about (its first word)."""
+    match = re.match(r"\s*([a-z_]+)", message)
+    if match is None:
+        return None
+    word = match.group(1)
+    if word not in fields:
+        return None
+    return (names or {}).get(word, word)
+
+
+def _text_length(content: Any) -> int:
+    """The characters of a chat message's content: a string or a list of text parts."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part["text"]) for part in content
+                   if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return 0
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def error_event(error: BaseException) -> str:
+    if isinstance(error, APIError):
+        info = ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.code)
+    elif isinstance(error, EngineDeadError):
+        info = ErrorInfo(message=str(error), type="server_error", code="engine_dead")
+    elif isinstance(error, ValueError):
+        info = ErrorInfo(message=str(error), type="invalid_request_error")
+    else:
+        info = ErrorInfo(message=f"internal error: {error!r}", type="server_error")
+    return sse_event(ErrorResponse(error=info).model_dump())
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class ChoiceState:
+    """What one streamed choice has sent so far."""
+
+    __slots__ = ("offset", "finished", "started")
+
+    def __init__(self) -> None:
+        self.offset = 0  # text offset of the next logprob token
+        self.finished = False
+        self.started = False
