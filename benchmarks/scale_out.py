@@ -130,7 +130,7 @@ def _engine(args: argparse.Namespace, data_parallel_size: int, max_num_seqs: int
                           max_num_seqs=max_num_seqs, seed=0, data_parallel_size=data_parallel_size,
                           override_backend_config={"num_threads": 1}, cpu_omp_threads_bind=cpu_omp_threads_bind)
     if data_parallel_size > 1:
-        from kvloom.entrypoints.openai.router import ReplicaRouter
+        from kvloom.engine.data_parallel.router import ReplicaRouter
 
         return ReplicaRouter(config, stats_interval=0, log_requests=False, log_level="warning")
     return AsyncLLM.from_config(config, stats_interval=0, log_requests=False)

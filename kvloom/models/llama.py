@@ -18,8 +18,9 @@ from kvloom.layers.norm import RMSNorm
 from kvloom.layers.rotary import RotaryEmbedding
 from kvloom.loader.model_config import ModelConfig
 from kvloom.ops.int8 import Int8Blocks, Int8Rows
+from kvloom.ops.layer_stack import LayerShape, LayerWeights
 from kvloom.ops.metadata import AttentionMetadata
-from kvloom.ops.table import LayerShape, LayerWeights, Ops
+from kvloom.ops.table import Ops
 
 
 class LlamaAttention(nn.Module):

@@ -48,9 +48,9 @@ import torch
 from kvloom import envs
 from kvloom.cpu_capability import cpu_capability
 from kvloom.ops.int8 import check_blocks_shape
+from kvloom.ops.layer_stack import LayerShape, LayerWeights
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.reference import write_kv_cache
-from kvloom.ops.table import LayerShape, LayerWeights
 
 logger = logging.getLogger("kvloom")
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.ops import ATTENTION_BACKENDS, int8, native, reference
+from kvloom.ops.layer_stack import LayerShape, LayerWeights
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.reference import allocate_kv_cache
 
@@ -47,29 +48,6 @@ PackLinearFn = Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Ten
 # (qweight int8 [N, K], scale fp32 [N] (or [N, K / 32] for the blocks' op), bias [N] or None) -> a function
 # x [..., K] -> [..., N] (ops/int8.py).
 PackInt8Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class LayerWeights:
-    """One Llama decoder layer's weights as a layer stack takes them: the norms' weights and the projections'
-    prepared products (what ``pack_linear`` returned for each Linear)."""
-
-    input_norm: torch.Tensor  # empty: none, the layer reads its input as is (only the first; EAGLE-1's)
-    qkv: object
-    o: object
-    post_norm: torch.Tensor
-    gate_up: object
-    down: object
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    eps: float
-    scale: float
 
 
 # (per-layer weights, shape, hidden size, rotary cos table, sin table) -> a function (embeddings [T, H],

@@ -43,12 +43,12 @@ from kvloom.engine.data_parallel.metrics import RouterMetrics
 from kvloom.engine.data_parallel.replica import LocalReplica, RayReplica, ReplicaSpec, no_delay, replica_config
 from kvloom.engine.engine_client import EngineClient, EngineDeadError, RequestStream, deliver
 from kvloom.engine.input_processor import EngineRequest, InputProcessor
-from kvloom.engine.scheduler import SchedulerStats, check_request_fits
+from kvloom.engine.scheduler import check_request_fits
 from kvloom.loader.tokenizer import load_tokenizer
 from kvloom.loader.weights import resolve_model
-from kvloom.metrics import EngineStats
 from kvloom.outputs import RequestOutput
 from kvloom.sampling_params import RequestOutputKind
+from kvloom.stats import EngineStats, SchedulerStats
 
 logger = logging.getLogger("kvloom")
 

@@ -197,14 +197,16 @@ def run_server(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)
     try:
         names = served_model_names(args)
+        # vLLM's --disable-log-stats: no periodic stats line (what --stats-interval 0 also asks).
+        stats_interval = 0.0 if config.disable_log_stats else args.stats_interval
         engine: EngineClient
         if config.data_parallel_size > 1:
             from kvloom.engine.data_parallel.router import ReplicaRouter
 
-            engine = ReplicaRouter(config, model_name=names[0], stats_interval=args.stats_interval,
+            engine = ReplicaRouter(config, model_name=names[0], stats_interval=stats_interval,
                                    log_requests=not args.disable_log_requests, log_level=level)
         else:
-            engine = AsyncLLM.from_config(config, model_name=names[0], stats_interval=args.stats_interval,
+            engine = AsyncLLM.from_config(config, model_name=names[0], stats_interval=stats_interval,
                                           log_requests=not args.disable_log_requests)
     except BaseException:
         sock.close()
