@@ -12,9 +12,9 @@
   one packing into 48-column panels of 4-k groups serves W8A8 (activations quantized per token inside
   the op, exact int32 sums: AVX512-VNNI, or AVX2's vpmaddubsw with the weight's sign moved onto the
   activations) and weight-only (int8 widened to bf16 for AVX512-BF16, or to fp32 on AVX2; fp32 sums); a
-  single row takes the weight-only product, batches W8A8: 1.4-2x the bf16 GEMM on SmolLM2's shapes
-  (``benchmarks/int8_micro.py``; the figures and the rule are at ``W8A8_MIN_ROWS``). Plain loops read the
-  same layout where those instructions are missing (the op table then keeps ``NativeInt8Linear``). A block-scaled
+  single row takes the weight-only product (W8A8 on AVX2), batches W8A8: 1.4-2x the bf16 GEMM on SmolLM2's
+  shapes (``benchmarks/int8_micro.py``; the figures and the rule are at ``W8A8_MIN_ROWS``). Plain loops read
+  the same layout where those instructions are missing (the op table then keeps ``NativeInt8Linear``). A block-scaled
   weight (a GGUF Q8_0 kept as stored, ``PackedInt8BlocksWeight``) reads the same panels with its block scales
   packed beside them, and multiplies activations quantized per (row, block of 32) at every batch size.
 
@@ -435,6 +435,17 @@ INT8_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # (vpmovsxbd, vcvtdq2ps, vcvtne2ps2bf16; a vpmovsxbw + shift variant measured the same). fp32
 # activations order the two the same way (W8A8 1.4-3.2x the weight-only kernel at 1, 8, 64 rows).
 W8A8_MIN_ROWS = 2
+# On AVX2 the weight-only kernel widens every weight to fp32 (two conversions per 8 weights for the FMAs
+# they feed), which makes it the slower product even at one row: benchmarks/int8_micro.py --threads 1 on
+# the AVX2 EPYC, one row, against the bf16 GEMM: hot weights W8A8 x1.5-2.1, weight-only x1.2-1.4; 30 layers
+# streamed W8A8 x1.13, weight-only x0.82. There W8A8 runs from one row (and a request's products then do
+# not depend on the batch it lands in).
+W8A8_MIN_ROWS_AVX2 = 1
+
+
+def w8a8_min_rows() -> int:
+    """Rows from which PackedInt8Weight takes the W8A8 product on this CPU (with int8 activations on)."""
+    return W8A8_MIN_ROWS_AVX2 if compiled_isa() == "avx2" else W8A8_MIN_ROWS
 # The widest K whose W8A8 int32 sums cannot overflow (csrc/gemm_int8.cpp's kMaxW8A8K): wider weights
 # always take the weight-only product.
 W8A8_MAX_IN_FEATURES = (2**31 - 1) // (255 * 127)

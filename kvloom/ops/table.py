@@ -134,9 +134,9 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
     pack_int8, pack_int8_blocks = int8.NativeInt8Linear, int8.NativeInt8BlocksLinear
     if cpu.int8_kernels_available():
         pack_int8_blocks = cpu.PackedInt8BlocksWeight
-        # W8A8 for 2+ rows unless int8_activations is off: per-token int8 activations cost SmolLM2 +3.3%
+        # W8A8 for 2+ rows (1+ on AVX2) unless int8_activations is off: per-token int8 activations cost SmolLM2 +3.3%
         # perplexity alone, +0.7% with the default smoothing (layers/smoothing.py; benchmarks/int8_quality.py).
-        rows = cpu.W8A8_MIN_ROWS if int8_activations else sys.maxsize
+        rows = cpu.w8a8_min_rows() if int8_activations else sys.maxsize
         pack_int8 = functools.partial(cpu.PackedInt8Weight, w8a8_min_rows=rows)
     return Ops(name="cpu", attention=cpu.attention, rms_norm=cpu.rms_norm, add_rms_norm=cpu.add_rms_norm,
                rotary_embedding=cpu.rotary_embedding, silu_and_mul=cpu.silu_and_mul, argmax=cpu.argmax,
