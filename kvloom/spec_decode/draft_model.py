@@ -126,11 +126,6 @@ class DraftModelProposer:
         return config, model.eval()
 
     # ---- the KV cache: the same blocks as the target's -------------------------------------
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        config = self.config
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element
-
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Per draft layer a key and a value cache of num_blocks blocks, in the layout the ops' attention reads."""
         config = self.config

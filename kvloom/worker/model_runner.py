@@ -63,7 +63,7 @@ class ModelRunner:
         # ``proposer`` is its draft model / EAGLE head, when it has one (rank 0 only).
         self.speculator: Speculator | None = None
         self.proposer: DraftModelProposer | None = None
-        # Set by a caller that records every step's final hidden states (train_eagle.py, its training
+        # Set by a caller that records every step's final hidden states (tools/train_eagle.py, its training
         # features while the target generates): called with the step's items, their rows' starts in the
         # hidden states (query_start_loc) and the hidden states [T, H].
         self.hidden_state_sink: Callable[[list[ScheduledRequest], list[int], torch.Tensor], None] | None = None
