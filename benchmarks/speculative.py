@@ -1,13 +1,13 @@
 """Speculative decoding against the plain engine (greedy): output tok/s, alternated fresh engines, medians,
-the drafts accepted and the mean acceptance length (tokens per target step, the unit train_eagle.py prints),
+the drafts accepted and the mean acceptance length (tokens per target step, the unit tools/train_eagle.py prints),
 and a check that every method gives the plain engine's tokens.
 
 Workloads (``--workload``): ``copy``, chats asking to copy a passage, or to fix its spelling, that is longer
 than the reply's ``--max-tokens`` (n-gram lookup's best case; for an EAGLE head trained on chat replies,
 text it may not have seen); ``chat``, chat-templated
-questions answered until EOS or ``--max-tokens``, the kind of text train_eagle.py trains and evaluates on;
+questions answered until EOS or ``--max-tokens``, the kind of text tools/train_eagle.py trains and evaluates on;
 ``standard``, the throughput benchmark's random-token prompts (kvloom/bench/workload.py: nothing to look
-up), what speculation must not slow down (issue 10: at most 5% at N=64).
+up), what speculation must not slow down (at most 3% at 64 sequences).
 
     .venv/bin/python benchmarks/speculative.py            # n-gram, SmolLM2 on the CPU, batch 1 and 8
     .venv/bin/python benchmarks/speculative.py --batch 1 --repeats 5 --num-speculative-tokens 4
@@ -21,10 +21,7 @@ up), what speculation must not slow down (issue 10: at most 5% at N=64).
     .venv/bin/python benchmarks/speculative.py --methods eagle --eagle-model HEAD_DIR --workload standard \
         --batch 64 --max-tokens 128 --repeats 5 --drafts-off-at 32   # and with drafts off: the head's own cost
 
-Figures: docs/benchmarks.md ("Speculative decoding: adaptive k", and the later "copy workload, EAGLE head"
-section). Earlier, with the raw copy prompt this file used to send (its text shorter than the reply):
-plain 69.4 tok/s, ngram 96.2 (1.39x); draft_model with the target as its own draft 66.1 (0.95x, 78 of 78
-accepted: every guess costs a target-sized decode step, so this bounds the acceptance, not the speed).
+Figures, with the command that measures each: docs/speculative.md.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ import time
 from kvloom import LLM, SamplingParams
 from kvloom.bench.workload import make_workload
 
-# Chat questions in the style of train_eagle.py's prompts (not among them).
+# Chat questions in the style of tools/train_eagle.py's prompts (not among them).
 QUESTIONS = (
     "What is the difference between a comet and an asteroid?", "How do plants make their own food?",
     "Give me three tips for learning a new language.", "Why is the sky blue?",
@@ -154,7 +151,7 @@ def main() -> int:
                 llm = LLM(model=args.model, max_model_len=512 if args.workload != "standard" else 1024,
                           max_num_seqs=max_num_seqs, speculative_config=config)
                 if name.endswith("-fixed-k"):
-                    llm.llm_engine.scheduler.speculation.adaptive = False
+                    llm.llm_engine.executor.driver.speculator.policy.adaptive = False
                 generate = llm.generate if args.workload == "standard" else llm.chat
                 generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
                 before = llm.llm_engine.scheduler.stats()

@@ -45,8 +45,6 @@ class ScheduledRequest(NamedTuple):
     # Speculative decoding: the last num_draft_tokens of token_ids are proposed, not yet accepted; the
     # runner scores them all and returns the accepted ones plus one token of its own.
     num_draft_tokens: int = 0
-    # A draft model / EAGLE head guesses this many tokens after the step (0: none, and no draft pass for it).
-    num_speculative_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -71,17 +69,11 @@ class ModelRunnerOutput:
     a logprobs row per new token where asked, and the rows of prompt logprobs computed this step.
     ``failed_request_ids``: requests whose logits held a NaN or an infinity; they sampled nothing
     (no entry in ``sampled_token_ids``) and the engine must end them with an error.
-    ``draft_token_ids``: with a draft model or EAGLE, the tokens it guesses follow each request's new
-    tokens, for the scheduler to have the target check next step (``draft_passes``: how long the passes that
-    guessed them took)."""
+    ``draft_token_ids``: with speculative decoding, the runner's drafts to follow each request's new tokens
+    (every proposer runs in the runner), for the scheduler to have the target check them next step."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[LogprobsRow]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[LogprobsRow]] = field(default_factory=dict)
     failed_request_ids: list[str] = field(default_factory=list)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # The draft model's / EAGLE head's passes after the step: (rows, seconds) each, for the cost of a guess.
-    draft_passes: list[tuple[int, float]] = field(default_factory=list)
-    # Requests whose draft KV cannot be completed (an EAGLE head's, where a prefix-cache hit holds none): they
-    # are given no more drafts.
-    draft_disabled_request_ids: list[str] = field(default_factory=list)

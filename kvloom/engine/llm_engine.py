@@ -26,8 +26,6 @@ from kvloom.loader.weights import resolve_model
 from kvloom.outputs import RequestOutput
 from kvloom.platform import configure_host
 from kvloom.sampling_params import SamplingParams
-from kvloom.spec_decode.adaptive import DECAY, MODEL_DECAY, SpeculationController
-from kvloom.spec_decode.ngram import NgramProposer
 from kvloom.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("kvloom")
@@ -61,15 +59,12 @@ class LLMEngine:
                                                name_with_next_token=speculative is not None
                                                and speculative.method in ("eagle", "eagle3"))
         self.max_num_batched_tokens = resolved.max_num_batched_tokens
-        proposer = None if speculative is None or speculative.uses_draft_model else NgramProposer(
-            speculative.num_speculative_tokens, speculative.prompt_lookup_max, speculative.prompt_lookup_min)
+        # The runner proposes every draft; the scheduler carries them and reserves their slots.
         self.scheduler = Scheduler(
-            self.kv_cache_manager, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, proposer,
+            self.kv_cache_manager, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
             num_lookahead_tokens=speculative.num_speculative_tokens if speculative and speculative.uses_draft_model
-            else 0, speculative_max_model_len=speculative.max_model_len if speculative else None,
-            speculation=SpeculationController(speculative.num_speculative_tokens, speculative.disable_by_batch_size,
-                                              MODEL_DECAY if speculative.uses_draft_model else DECAY)
-            if speculative else None)
+            else 0, speculative_max_model_len=speculative.max_model_len if speculative else None)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.scheduler.check_fits)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -165,7 +160,6 @@ class LLMEngine:
         stop strings, outputs) is done while the device computes, so outputs come one step later; a
         request a stop string ends then computes one token more, which is dropped.
         """
-        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return self._postprocess_deferred()
@@ -179,8 +173,6 @@ class LLMEngine:
             outputs = []
             runner_output = self.executor.execute(scheduler_output)
         self._update(scheduler_output, runner_output, requests)
-        # What the step cost, for how many drafts pay (spec_decode/adaptive.py).
-        self.scheduler.record_step_time(scheduler_output, runner_output, time.perf_counter() - start)
         if self.overlap_postprocess:
             self.executor.release_requests(self._release_after_step)
             self._release_after_step = []

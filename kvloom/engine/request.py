@@ -6,8 +6,6 @@ import enum
 import time
 
 from kvloom.sampling_params import SamplingParams
-from kvloom.spec_decode.adaptive import DraftStats
-from kvloom.spec_decode.ngram import NgramIndex
 
 
 class ContextLengthError(ValueError):
@@ -80,13 +78,8 @@ class Request:
         self.block_hashes: list[int] = []
         self.num_cached_blocks = 0  # leading blocks already named in the prefix cache
         self.first_scheduled_time: float | None = None
-        # Drafts the model runner proposed after the last step (draft model / EAGLE), for the next one.
+        # Drafts the model runner proposed after the last step (any method), for the next one.
         self.spec_token_ids: list[int] = []
-        # How its drafts fared, for how many it gets (spec_decode/adaptive.py); the runner's draft model
-        # guesses num_lookahead_drafts after the step being scheduled; n-gram lookup's index of its tokens.
-        self.draft_stats = DraftStats()
-        self.num_lookahead_drafts = 0
-        self.ngram_index: NgramIndex | None = None
         # The text, logprobs and timings of the output live in the engine's OutputProcessor.
 
     @property

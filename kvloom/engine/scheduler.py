@@ -6,6 +6,12 @@ when decoding, everything again after preemption. Running requests are served fi
 order; waiting requests are admitted while budget, sequence slots and blocks last. When a running
 request cannot get a block, the newest running request is preempted (its blocks freed, its
 progress reset) and recomputed later. The scheduler never touches tensors.
+
+Speculative decoding (vLLM V1's shape): the runner proposes every draft (n-gram, draft model, EAGLE) after
+a step and returns them with its tokens; the scheduler carries them into the request's next step (cut to the
+budget and the request's limits), reserves their slots, and rolls ``num_computed_tokens`` back past the ones
+the target rejected. With a draft model it also reserves ``num_lookahead_tokens`` slots past a sampling
+step's end, where the draft writes the KV of its own guesses.
 """
 
 from __future__ import annotations
@@ -17,8 +23,6 @@ from collections.abc import Iterable
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.request import ContextLengthError, Request, RequestStatus
 from kvloom.spec_decode import can_speculate
-from kvloom.spec_decode.adaptive import SpeculationController
-from kvloom.spec_decode.ngram import NgramProposer
 from kvloom.stats import SchedulerStats
 from kvloom.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
@@ -45,24 +49,18 @@ def check_request_fits(max_model_len: int, block_size: int, num_usable_blocks: i
 
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, proposer: NgramProposer | None = None,
-                 num_lookahead_tokens: int = 0, speculative_max_model_len: int | None = None,
-                 speculation: SpeculationController | None = None) -> None:
+                 max_num_batched_tokens: int, max_model_len: int, num_speculative_tokens: int = 0,
+                 num_lookahead_tokens: int = 0, speculative_max_model_len: int | None = None) -> None:
         self.kv = kv_cache_manager
-        # Speculative decoding: the scheduler's own proposer (n-gram lookup), or num_lookahead_tokens > 0
-        # when the model runner proposes (a draft model, EAGLE): its drafts come back with each step's
-        # tokens, and up to that many slots past a request's tokens are reserved for the draft's own KV.
-        # ``speculation`` picks each request's number of drafts per step (spec_decode/adaptive.py).
-        self.proposer = proposer
+        # Speculative decoding: the runner's drafts come back with each step's tokens (at most
+        # num_speculative_tokens a request); with a draft model / EAGLE head, num_lookahead_tokens slots past a
+        # sampling step's end are reserved for the draft's own KV.
         self.num_lookahead_tokens = num_lookahead_tokens
-        if speculation is None and (proposer is not None or num_lookahead_tokens):
-            speculation = SpeculationController(proposer.k if proposer is not None else num_lookahead_tokens)
-        self.speculation = speculation
         self.speculative_max_model_len = min(speculative_max_model_len or max_model_len, max_model_len)
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.num_accepted_tokens_per_pos = [0] * (self.speculation.k if self.speculation else 0)
+        self.num_accepted_tokens_per_pos = [0] * num_speculative_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -82,8 +80,6 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        if self.speculation is not None:
-            request.draft_stats = self.speculation.new_stats(request.sampling_params.seed is not None)
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -122,12 +118,11 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            drafts = self._propose(request, budget) if num_new == 1 else []
+            drafts = self._drafts(request, budget) if num_new == 1 else []
             request.spec_token_ids = []
             num_new += len(drafts)
             lookahead = self._lookahead(request, request.num_computed_tokens + num_new,
                                         request.num_computed_tokens + num_new - len(drafts) == request.num_tokens)
-            request.num_lookahead_drafts = lookahead
             while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -155,7 +150,6 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             lookahead = self._lookahead(request, num_hit_tokens + num_new,
                                         num_hit_tokens + num_new == request.num_tokens)
-            request.num_lookahead_drafts = lookahead
             if not self.kv.allocate_slots(request, num_new, computed_blocks, num_lookahead_tokens=lookahead):
                 break
             if looks_up:
@@ -172,82 +166,37 @@ class Scheduler:
             scheduled.append((request, num_new, []))
             budget -= num_new
 
-        if self.num_lookahead_tokens:
-            self._limit_draft_passes([request for request, _, _ in scheduled if request.num_lookahead_drafts])
         for request, num_new, drafts in scheduled:
-            if self.num_lookahead_tokens:  # a model drafter catches up whenever it guesses (model_runner.py)
-                stats = request.draft_stats
-                stats.lag = 0 if request.num_lookahead_drafts else stats.lag + num_new - len(drafts)
             start = request.num_computed_tokens
             num_known = num_new - len(drafts)
             out.scheduled.append(ScheduledRequest(
                 request.request_id, start, request.all_token_ids[start:start + num_known] + drafts,
                 list(request.block_ids), samples=start + num_known == request.num_tokens,
-                num_draft_tokens=len(drafts), num_speculative_tokens=request.num_lookahead_drafts))
+                num_draft_tokens=len(drafts)))
             # The gap closes at schedule time; outputs only append the sampled tokens.
             request.num_computed_tokens += num_new
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens for a decoding request, within the budget, its output limit, max_model_len and
-        speculative_max_model_len: the n-gram proposer's, or those the runner proposed last step.
-
-        Requests whose sampling needs every position's logits in order (logprobs, penalties, min_tokens
-        still to reach) are not speculated. n-gram lookup proposes the request's ``k_eff`` drafts
-        (spec_decode/adaptive.py); the runner's were proposed as many as the scheduler asked last step.
-        """
-        if self.proposer is None and not request.spec_token_ids:
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The runner's drafts for a decoding request, cut to the budget, its output limit and
+        speculative_max_model_len (one token of the step is the target's own)."""
+        if not request.spec_token_ids or not can_speculate(request.sampling_params, request.num_output_tokens):
             return []
-        if not can_speculate(request.sampling_params, request.num_output_tokens):
-            return []
-        # One token comes from the target itself, so k drafts can add k + 1 outputs.
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
                    self.speculative_max_model_len - request.num_tokens)
-        if room <= 0:
-            return []
-        speculation = self.speculation
-        if self.proposer is None:
-            disabled = (speculation.disable_by_batch_size is not None
-                        and len(self.running) >= speculation.disable_by_batch_size)
-            return [] if disabled else request.spec_token_ids[:room]
-        k = min(room, speculation.num_drafts(request.draft_stats, len(self.running),
-                                             request.sampling_params.seed is not None))
-        if k <= 0:
-            return []
-        if request.ngram_index is None:
-            request.ngram_index = self.proposer.new_index()
-        return self.proposer.propose(request.all_token_ids, k, request.ngram_index)
+        return request.spec_token_ids[:max(room, 0)]
 
     def _lookahead(self, request: Request, end: int, samples: bool) -> int:
-        """How many drafts the runner's draft model guesses after this step, and so the slots to reserve past
-        ``end`` (the step's last slot, drafts included) for its own KV: the request's ``k_eff``
-        (spec_decode/adaptive.py), only when the step samples (the runner proposes then), and never past the
-        request's final length (a guess there could never be used, and check_fits promised no more)."""
+        """Slots to reserve past ``end`` (the step's last slot, drafts included) for a draft model's own KV: its
+        guesses after this step are written there. Only when the step samples (the runner proposes then), and
+        never past the request's final length (a guess there could never be used, and check_fits promised no
+        more)."""
         if not self.num_lookahead_tokens or not samples or not can_speculate(request.sampling_params,
                                                                             request.num_output_tokens):
             return 0
         final_length = request.num_prompt_tokens + request.max_tokens
-        room = min(self.num_lookahead_tokens, final_length - end)
-        if room <= 0:
-            return 0
-        # A request being admitted joins the batch the waiting queue is filling (when a burst arrives, the
-        # first admitted priced as a batch of 1 drafted at once, after a pass over its whole prompt).
-        batch = (len(self.running) if request.status == RequestStatus.RUNNING
-                 else min(self.max_num_seqs, len(self.running) + len(self.waiting)))
-        return min(room, self.speculation.num_drafts(request.draft_stats, batch,
-                                                     request.sampling_params.seed is not None))
-
-    def _limit_draft_passes(self, drafting: list[Request]) -> None:
-        """A draft model / EAGLE head runs as many passes as the deepest ``k_eff``: the passes whose guesses
-        are not worth a pass's fixed cost are cut for every request (spec_decode/adaptive.py)."""
-        if not drafting:
-            return
-        depth = self.speculation.passes_worth_running(
-            [(r.draft_stats, r.num_lookahead_drafts, r.sampling_params.seed is not None) for r in drafting],
-            len(self.running))
-        for request in drafting:
-            request.num_lookahead_drafts = min(request.num_lookahead_drafts, depth)
+        return max(0, min(self.num_lookahead_tokens, final_length - end))
 
     @staticmethod
     def _new_request_data(request: Request) -> NewRequestData:
@@ -280,7 +229,6 @@ class Scheduler:
                 # are computed again. Accepted: len(token_ids) - 1 drafts, then the target's own token.
                 accepted = len(token_ids) - 1
                 request.num_computed_tokens = item.num_computed_tokens + 1 + accepted
-                self.speculation.observe(request.draft_stats, item.num_draft_tokens, accepted)
                 self.num_drafts += 1
                 self.num_draft_tokens += item.num_draft_tokens
                 self.num_accepted_tokens += accepted
@@ -293,28 +241,9 @@ class Scheduler:
                     break
             else:
                 request.spec_token_ids = runner_output.draft_token_ids.get(item.request_id, [])
-        for request_id in runner_output.draft_disabled_request_ids:
-            request = self.requests.get(request_id)
-            if request is not None:
-                request.draft_stats.disabled = True
         for request in finished:
             self._remove_finished(request)
         return finished
-
-    def record_step_time(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
-                         seconds: float) -> None:
-        """The engine's measure of a step, for the cost of speculation: only decode steps count (one known
-        token per request, drafts besides), whose time is what drafts change; a draft model's passes
-        (``runner_output.draft_passes``) are timed apart from the target's step."""
-        if self.speculation is None:
-            return
-        num_drafts = 0
-        for item in scheduler_output.scheduled:
-            if item.num_new_tokens - item.num_draft_tokens != 1:
-                return
-            num_drafts += item.num_draft_tokens
-        self.speculation.record_step(scheduler_output.num_batched_tokens, seconds, runner_output.draft_passes,
-                                     num_drafts)
 
     def _remove_finished(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)

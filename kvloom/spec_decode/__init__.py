@@ -1,10 +1,15 @@
 """Speculative decoding: proposers that guess a request's next tokens cheaply, for the target model to
-check all at once (issue 10). The rejection sampler that keeps the target's distribution exact lives
-in kvloom/sample/rejection_sampler.py.
+check all at once. Every proposer runs in the model runner after a step's tokens are sampled
+(kvloom/worker/speculator.py); the scheduler only carries the drafts into the next step and reserves their
+slots. The rejection sampler that keeps the target's distribution exact is kvloom/sample/rejection_sampler.py.
 
-    ngram.py        n-gram prompt lookup, proposed by the scheduler (no model, no torch)
-    draft_model.py  a smaller Llama/Mistral, run by the model runner after each step
-    eagle.py        an EAGLE-1 / EAGLE-3 head fed with the target's hidden states, run likewise
+    policy.py       how many drafts a request gets this step (acceptance, one cost model, a batch cutoff)
+    ngram.py        n-gram prompt lookup (no model, no torch)
+    draft_model.py  a smaller Llama/Mistral with the target's vocabulary
+    eagle.py        an EAGLE-1 / EAGLE-3 head fed with the target's hidden states
+
+This package imports nothing from kvloom.worker: the runner hands a draft model the function that builds
+its inputs (``draft_model.BuildInputs``).
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ def build_model_proposer(speculative: SpeculativeConfig, target_config: ModelCon
                          device: torch.device, dtype: torch.dtype, max_model_len: int) -> DraftModelProposer:
     """The model runner's proposer for ``speculative.method`` (draft_model, eagle, eagle3), loaded.
 
-    Imported here, not at the top: the scheduler imports this package and must not load torch.
+    Imported here, not at the top: the scheduler imports this package (``can_speculate``) and must not
+    load torch.
     """
     if speculative.method == "draft_model":
         from kvloom.spec_decode.draft_model import DraftModelProposer as proposer

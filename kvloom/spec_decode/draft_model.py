@@ -11,14 +11,14 @@ to both (whether a block's draft KV is complete is the runner's to know, below).
                        -> the first guess (argmax of its logits)
     draft steps 2..k   each guess fed back at the next position -> the next guess
 
-A request the scheduler gives no drafts (``k_eff`` = 0, spec_decode/adaptive.py) is left out of the passes:
+A request the policy gives no drafts (spec_decode/policy.py) is left out of the passes:
 its draft KV lags, and its next first pass starts where the draft's KV ends (the runner's
 ``draft_computed``), over every token since. A request that never drafts (most of them in a large batch,
 where a draft rarely pays) never runs the draft at all: at 64 sequences on this CPU an EAGLE head's passes
 over every token took ~3.5% of the run. EAGLE keeps the target's hidden states of the lagging tokens for its
 catch-up (hidden size x 2 bytes a token, x3 for EAGLE-3's three layers); past ``MAX_DRAFT_LAG`` of them it
 catches up anyway. A block filled while the draft lagged holds no draft KV, so the runner tracks, per block,
-whether its draft KV is complete (``ModelRunner.draft_complete``): a request whose prefix-cache hit starts
+whether its draft KV is complete (kvloom/worker/draft_kv.py): a request whose prefix-cache hit starts
 with incomplete blocks starts its draft KV at the first of them (a draft model runs over the tokens from
 there; an EAGLE head, which would need the target's hidden states of positions it never computed, guesses
 only once the request that filled those blocks has completed them, and drafts no more for it after
@@ -32,10 +32,9 @@ distribution.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -45,20 +44,28 @@ from kvloom.layers.quantization import finish_int8, quantize_as_read
 from kvloom.loader.model_config import ModelConfig
 from kvloom.loader.weights import iter_weights, load_model_config, resolve_model
 from kvloom.models.registry import build_model, process_weights_after_loading
+from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops
 from kvloom.platform import default_dtype
 from kvloom.step_io import ScheduledRequest
-
-if TYPE_CHECKING:
-    from kvloom.worker.model_runner import ModelInputs
 
 # An EAGLE head's KV is brought up to date once it lags this many tokens, though its request proposes no
 # drafts: the target's hidden-state rows waiting for it stay bounded (SmolLM2-135M: 0.6 MB a request, an
 # 8B model's 4096-wide rows 4 MB). A draft model, which needs only the tokens, lags without bound.
 MAX_DRAFT_LAG = 512
 
-# (scheduled items, sliding window) -> (the items in the order of the inputs' rows, the inputs)
-BuildInputs = Callable[[list[ScheduledRequest], "int | None"], "tuple[list[ScheduledRequest], ModelInputs]"]
+
+class StepInputs(Protocol):
+    """What a draft pass reads of the inputs the runner builds (the worker's ``ModelInputs``)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+
+
+# (scheduled items, sliding window) -> (the items in the order of the inputs' rows, the inputs): the runner's
+# input preparation, handed in so that this package never imports the worker.
+BuildInputs = Callable[[list[ScheduledRequest], "int | None"], tuple[list[ScheduledRequest], StepInputs]]
 
 
 @dataclass
@@ -99,9 +106,6 @@ class DraftModelProposer:
         self.max_position = min(max_model_len, self.config.max_position_embeddings,
                                 speculative.max_model_len or max_model_len)
         self.sliding_window = self.config.sliding_window
-        # The last propose's passes: (rows, seconds) each, the time until its guesses reached the host (the
-        # scheduler's measure of what a guess costs, spec_decode/adaptive.py).
-        self.passes: list[tuple[int, float]] = []
 
     def _load(self, speculative: SpeculativeConfig, target_config: ModelConfig, target: nn.Module
               ) -> tuple[ModelConfig, nn.Module]:
@@ -122,11 +126,6 @@ class DraftModelProposer:
         return config, model.eval()
 
     # ---- the KV cache: the same blocks as the target's -------------------------------------
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        config = self.config
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element
-
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Per draft layer a key and a value cache of num_blocks blocks, in the layout the ops' attention reads."""
         config = self.config
@@ -142,7 +141,7 @@ class DraftModelProposer:
         count = request.num_valid + (1 if request.max_drafts else 0)
         return request.token_ids[:count], []
 
-    def forward(self, inputs: ModelInputs, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, inputs: StepInputs, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden states for the logits [T, H], hidden states fed to the next step [T, H])."""
         out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         return out, out
@@ -159,10 +158,7 @@ class DraftModelProposer:
                 build_inputs: BuildInputs) -> dict[str, list[int]]:
         """Run the first pass over every request's kept tokens, then feed the guesses back one position at a
         time; returns each proposing request's guesses. ``target_hidden``: the target's hidden states of
-        this step [T, H] (EAGLE-3: the auxiliary ones; read by EAGLE only). Times each pass that guesses
-        (``passes``; a first pass that only brings lagging KV up to date is not a guess's cost)."""
-        self.passes = []
-        start_time = time.perf_counter()
+        this step [T, H] (EAGLE-3: the auxiliary ones; read by EAGLE only)."""
         items: list[ScheduledRequest] = []
         rows: dict[str, list[int]] = {}
         num_drafts: dict[str, int] = {}
@@ -197,22 +193,17 @@ class DraftModelProposer:
             return {}
         last_rows = torch.tensor([starts[i + 1] - 1 for i, _ in proposing], dtype=torch.long, device=self.device)
         tokens = self.next_tokens(logits_hidden.index_select(0, last_rows))
-        pass_rows = inputs.input_ids.shape[0]
         carried = next_hidden.index_select(0, last_rows)
         active = [item for _, item in proposing]
         drafts: dict[str, list[int]] = {item.request_id: [] for item in active}
         positions = {item.request_id: item.num_computed_tokens + item.num_new_tokens for item in active}
         for step in range(1, max(num_drafts.values()) + 1):
             token_list = tokens.tolist()  # waits for the pass
-            now = time.perf_counter()
-            self.passes.append((pass_rows, now - start_time))
-            start_time = now
             for item, token in zip(active, token_list):
                 drafts[item.request_id].append(token)
             keep = [j for j, item in enumerate(active) if num_drafts[item.request_id] > step]
             if not keep:
                 break
-            pass_rows = len(keep)
             steps = [ScheduledRequest(active[j].request_id, positions[active[j].request_id] + step - 1,
                                       [token_list[j]], active[j].block_ids, samples=True) for j in keep]
             _, inputs = build_inputs(steps, self.sliding_window)

@@ -19,8 +19,6 @@ enough: a block filled by a request that diverged right after it could sit insid
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
@@ -29,10 +27,7 @@ from kvloom.loader.model_config import ModelConfig
 from kvloom.models.eagle import load_eagle_head
 from kvloom.models.registry import process_weights_after_loading
 from kvloom.platform import default_dtype
-from kvloom.spec_decode.draft_model import DraftModelProposer, DraftRequest
-
-if TYPE_CHECKING:
-    from kvloom.worker.model_runner import ModelInputs
+from kvloom.spec_decode.draft_model import DraftModelProposer, DraftRequest, StepInputs
 
 
 class EagleProposer(DraftModelProposer):
@@ -53,7 +48,7 @@ class EagleProposer(DraftModelProposer):
     def first_pass(self, request: DraftRequest) -> tuple[list[int], list[int]]:
         return request.token_ids[1:request.num_valid + 1], request.hidden_rows[:request.num_valid]
 
-    def forward(self, inputs: ModelInputs, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, inputs: StepInputs, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model(inputs.input_ids, inputs.positions, hidden, self.kv_caches, inputs.metadata)
 
     def next_tokens(self, hidden: torch.Tensor) -> torch.Tensor:

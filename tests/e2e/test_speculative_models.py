@@ -73,9 +73,7 @@ def test_the_target_as_its_own_draft_has_every_guess_accepted(tiny_llama3_dir: s
     expected = plain(tiny_llama3_dir, plain_outputs, engine_args, prompts)
     llm = LLM(model=tiny_llama3_dir, max_model_len=256, speculative_config={
         "method": "draft_model", "model": tiny_llama3_dir, "num_speculative_tokens": 4}, **engine_args)
-    # k = 4 at every step: the adaptive choice reads step times, and on a loaded box it may draft too few
-    # for the count below (seen once in a run beside a training job).
-    llm.llm_engine.scheduler.speculation.adaptive = False
+    llm.llm_engine.executor.driver.speculator.policy.adaptive = False  # k = 4 at every step
     for _ in range(2):
         assert run(llm, greedy_params(len(prompts)), prompts) == expected
     stats = llm.llm_engine.scheduler.stats()
@@ -86,7 +84,7 @@ def test_the_target_as_its_own_draft_has_every_guess_accepted(tiny_llama3_dir: s
 @pytest.mark.parametrize("engine_args", [{"block_size": 8}, {"max_num_batched_tokens": 20, "block_size": 8}])
 def test_requests_given_no_drafts_cost_no_draft_pass_and_catch_up_exactly(tiny_llama3_dir: str, plain_outputs: dict,
                                                                          engine_args: dict) -> None:
-    """Requests the scheduler gives no drafts (k_eff = 0) are left out of the draft's passes, so most steps run
+    """Requests the policy gives no drafts are left out of the draft's passes, so most steps run
     none; a request that drafts again first catches the draft's KV up over every token since (and at each
     filled block). With the target as its own draft, any gap in that KV would show as a rejected guess."""
     prompts = varied_prompts()
@@ -95,12 +93,10 @@ def test_requests_given_no_drafts_cost_no_draft_pass_and_catch_up_exactly(tiny_l
         "method": "draft_model", "model": tiny_llama3_dir, "num_speculative_tokens": 3}, **engine_args)
     engine = llm.llm_engine
     calls = iter(range(1 << 30))
-    # Every 7th choice drafts k (2 or 3 at a time), the rest none: requests lag by varying amounts.
-    engine.scheduler.speculation.num_drafts = lambda stats, num_running, seeded=False: (
-        2 + next(calls) % 2 if next(calls) % 7 == 0 else 0)
-    # ... and every pass they need runs (no cut for the passes' measured cost).
-    engine.scheduler.speculation.passes_worth_running = lambda choices, num_running: max(k for _, k, _ in choices)
     runner = engine.executor.driver
+    # Every 7th choice drafts k (2 or 3 at a time), the rest none: requests lag by varying amounts.
+    runner.speculator.policy.num_drafts = lambda acceptance, batch_size, seeded=False: (
+        2 + next(calls) % 2 if next(calls) % 7 == 0 else 0)
     drafting, steps = [], []  # the draft's work of each step that had some; the steps
     propose, execute = runner.proposer.propose, engine.executor.execute
     runner.proposer.propose = lambda requests, *args: drafting.append(requests) or propose(requests, *args)
@@ -295,11 +291,10 @@ def test_eagle_guesses_equal_a_plain_torch_head_and_greedy_output_is_unchanged(
         return drafts
 
     runner.proposer.propose = recording
-    # Every third choice drafts 3, the rest none (the adaptive choice reads step times, which a loaded machine
-    # skews): requests lag and catch up by varying amounts.
-    speculation, calls = llm.llm_engine.scheduler.speculation, iter(range(1 << 30))
-    speculation.num_drafts = lambda stats, num_running, seeded=False: 3 if next(calls) % 3 == 0 else 0
-    speculation.passes_worth_running = lambda choices, num_running: max(k for _, k, _ in choices)
+    # Every third choice drafts 3, the rest none: requests lag and catch up by varying amounts.
+    calls = iter(range(1 << 30))
+    runner.speculator.policy.num_drafts = lambda acceptance, batch_size, seeded=False: (
+        3 if next(calls) % 3 == 0 else 0)
     for _ in range(2):  # the second time with prefix-cache hits
         assert run(llm, greedy_params(len(prompts)), prompts) == expected
     stats = llm.llm_engine.scheduler.stats()
@@ -334,7 +329,7 @@ def test_an_int8_draft_or_head_keeps_greedy_output_and_guesses_alike(tiny_llama3
         if quantization:
             spec["quantization"] = quantization
         llm = LLM(model=tiny_llama3_dir, max_model_len=256, speculative_config=spec)
-        llm.llm_engine.scheduler.speculation.adaptive = False
+        llm.llm_engine.executor.driver.speculator.policy.adaptive = False
         runner = llm.llm_engine.executor.driver
         drafter = runner.proposer.model
         linears = [m for m in drafter.modules() if isinstance(m, Linear)]
@@ -395,31 +390,6 @@ def test_a_mismatched_eagle_head_is_a_value_error_naming_what(tiny_llama3_dir: s
             speculative_config={"method": method, "model": path, "num_speculative_tokens": 2})
 
 
-def test_the_draft_passes_are_timed_and_fitted(tiny_llama3_dir: str) -> None:
-    """Each pass that guesses comes back with the step (rows, seconds): the first over the proposing requests'
-    new tokens, then one row per request still guessing; the controller fits them a line apart from the
-    target's steps."""
-    llm = LLM(model=tiny_llama3_dir, max_model_len=256, speculative_config={
-        "method": "draft_model", "model": tiny_llama3_dir, "num_speculative_tokens": 3})
-    engine = llm.llm_engine
-    engine.scheduler.speculation.adaptive = False  # k = 3 for every request at every step
-    seen = []
-    record = engine.scheduler.record_step_time
-    engine.scheduler.record_step_time = lambda out, runner_output, seconds: (
-        seen.append((out, runner_output.draft_passes)) or record(out, runner_output, seconds))
-    prompts = varied_prompts(4)
-    run(llm, greedy_params(len(prompts)), prompts)
-    decodes = [(out, passes) for out, passes in seen
-               if passes and all(item.num_new_tokens - item.num_draft_tokens == 1 for item in out.scheduled)]
-    assert decodes
-    for out, passes in decodes:
-        guessing = [item for item in out.scheduled if item.num_speculative_tokens]
-        assert len(passes) == max(item.num_speculative_tokens for item in guessing)
-        assert passes[0][0] >= len(guessing) and all(rows <= len(guessing) for rows, _ in passes[1:])
-        assert all(seconds > 0 for _, seconds in passes)
-    assert engine.scheduler.speculation.passes.slope is not None
-
-
 def test_a_prefix_hit_on_blocks_filled_while_the_head_lagged_drafts_only_once_their_head_kv_exists(
         tiny_llama3_dir: str, eagle_heads: dict, hf_target, monkeypatch: pytest.MonkeyPatch) -> None:
     """A request given no drafts never runs the EAGLE head, so the blocks it fills hold no head KV. A later
@@ -432,7 +402,7 @@ def test_a_prefix_hit_on_blocks_filled_while_the_head_lagged_drafts_only_once_th
 
     from safetensors.torch import load_file
 
-    import kvloom.worker.model_runner as model_runner
+    import kvloom.worker.draft_kv as draft_kv
 
     head = [7 + (j * 11) % 290 for j in range(24)]
     prompts = {name: head + [5 + (seed * 13 + j * 7) % 300 for j in range(5)]
@@ -443,8 +413,9 @@ def test_a_prefix_hit_on_blocks_filled_while_the_head_lagged_drafts_only_once_th
     llm = LLM(model=tiny_llama3_dir, max_model_len=256, block_size=4, speculative_config={
         "method": "eagle", "model": eagle_heads["eagle"], "num_speculative_tokens": 3})
     engine = llm.llm_engine
-    runner, speculation = engine.executor.driver, engine.scheduler.speculation
-    records, disabled = [], []
+    runner = engine.executor.driver
+    speculation = runner.speculator.policy
+    records = []
     propose = runner.proposer.propose
 
     def recording(requests, hidden, build_inputs):
@@ -455,20 +426,17 @@ def test_a_prefix_hit_on_blocks_filled_while_the_head_lagged_drafts_only_once_th
         return drafts
 
     runner.proposer.propose = recording
-    update = engine.scheduler.update_from_output
-    engine.scheduler.update_from_output = lambda out, runner_output: (
-        disabled.extend(runner_output.draft_disabled_request_ids) or update(out, runner_output))
     speculation.adaptive = False  # k = 3 at every step, but none for the first request
     num_drafts = speculation.num_drafts
     speculation.num_drafts = lambda *args, **kwargs: 0
     assert run(llm, params, [prompts["lagging"]]) == expected["lagging"]
     assert not records
     speculation.num_drafts = num_drafts
-    monkeypatch.setattr(model_runner, "MAX_DRAFT_LAG", 12)  # the hits below wait at most 12 tokens
+    monkeypatch.setattr(draft_kv, "MAX_DRAFT_LAG", 12)  # the hits below wait at most 12 tokens
     for name in ("hit", "hit-again"):  # hits on the lagging request's blocks: no guess, then disabled
         assert run(llm, params, [prompts[name]]) == expected[name]
         assert not records
-    assert len(disabled) == 2
+    assert runner.speculator.draft_kv.num_disabled == 2
     # 5 blocks of the shared 24 tokens each (EAGLE names a block with the token after it, which differs in the 6th).
     assert engine.scheduler.stats().prefix_cache_hits == 2 * 20
 
@@ -477,7 +445,7 @@ def test_a_prefix_hit_on_blocks_filled_while_the_head_lagged_drafts_only_once_th
     outputs = llm.generate([{"prompt_token_ids": p} for p in together], params, use_tqdm=False)
     assert [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outputs] == [
         run(plain_llm, params, [p])[0] for p in together]
-    assert len(disabled) == 2
+    assert runner.speculator.draft_kv.num_disabled == 2
     assert engine.scheduler.stats().prefix_cache_hits == 2 * 20 + 12  # the second's hit: the first's 3 blocks
     ids = [o.request_id for o in outputs]
     assert {request_id for request_id, _, _ in records} == set(ids)

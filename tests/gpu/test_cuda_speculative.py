@@ -48,7 +48,7 @@ def test_cuda_target_as_its_own_draft_has_every_guess_accepted(tiny_llama3_dir: 
     prompts = varied_prompts()
     llm = _llm(tiny_llama3_dir, speculative_config={"method": "draft_model", "model": tiny_llama3_dir,
                                                     "num_speculative_tokens": 4})
-    llm.llm_engine.scheduler.speculation.adaptive = False  # k = 4 at every step
+    llm.llm_engine.executor.driver.speculator.policy.adaptive = False  # k = 4 at every step
     assert run(llm, greedy_params(len(prompts)), prompts) == plain_cuda
     stats = llm.llm_engine.scheduler.stats()
     assert stats.num_draft_tokens > 50 and stats.num_accepted_tokens == stats.num_draft_tokens, stats

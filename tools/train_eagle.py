@@ -1,7 +1,7 @@
 """Train an EAGLE-1 head for a Llama target by self-distillation, on the CPU, within a time budget.
 
-    python -m kvloom.spec_decode.train_eagle                          # SmolLM2-135M-Instruct, ~30 min
-    python -m kvloom.spec_decode.train_eagle --minutes 8 --num-prompts 600 --out /tmp/eagle
+    python tools/train_eagle.py                       # SmolLM2-135M-Instruct, ~30 min
+    python tools/train_eagle.py --minutes 8 --num-prompts 600 --out /tmp/eagle
 
 Phases, each timed and printed:
 
@@ -711,7 +711,7 @@ def load_head(path: Path, target_config: ModelConfig, dtype: torch.dtype = torch
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m kvloom.spec_decode.train_eagle",
+        prog="python tools/train_eagle.py",
         description="Train an EAGLE-1 head for a Llama model on its own generations (CPU, time-budgeted) "
                     "and print its mean acceptance length.")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="target: the default model, a HF directory or "
