@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from kvloom.sampling_params import SamplingParams
 from kvloom.spec_decode.adaptive import DraftStats
@@ -87,6 +88,9 @@ class Request:
         self.draft_stats = DraftStats()
         self.num_lookahead_drafts = 0
         self.ngram_index: NgramIndex | None = None
+        # Structured outputs: its grammar and matcher (structured_output/manager.py's
+        # StructuredOutputRequest; not imported here, which must stay free of torch); None: unconstrained.
+        self.structured_output: Any = None
         # The text, logprobs and timings of the output live in the engine's OutputProcessor.
 
     @property
