@@ -147,8 +147,8 @@ class EngineConfig:
                                               "(kvloom's decode graphs cover every length)")
     structured_outputs_config: dict[str, Any] | str | None = knob(
         "backend", None, "structured outputs as vLLM's dict or JSON: {\"backend\": \"auto\" | \"xgrammar\", "
-        "\"compile_timeout\": seconds} (also --structured-outputs-config.backend NAME); see "
-        "docs/structured_outputs.md")
+        "\"compile_timeout\": seconds, \"disable_any_whitespace\": bool} (also "
+        "--structured-outputs-config.backend NAME); see docs/structured_outputs.md")
     override_backend_config: dict[str, Any] | str | None = knob(
         "backend", None, "backend knobs as JSON, e.g. '{\"attention_backend\": \"reference\"}' (the seeds' "
         "--override-neuron-config)")

@@ -17,6 +17,9 @@ DEFAULT_COMPILE_TIMEOUT = 30.0
 class StructuredOutputsConfig:
     backend: str = "auto"
     compile_timeout: float = DEFAULT_COMPILE_TIMEOUT
+    # vLLM's: JSON grammars allow no free whitespace between tokens, for every request (small models
+    # otherwise tend to spend their tokens on it).
+    disable_any_whitespace: bool = False
 
     @classmethod
     def from_value(cls, value: dict[str, Any] | str | None) -> StructuredOutputsConfig:
@@ -42,4 +45,7 @@ class StructuredOutputsConfig:
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise ValueError(f"structured_outputs_config.compile_timeout must be a positive number of "
                              f"seconds, got {timeout!r}")
+        if not isinstance(config.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs_config.disable_any_whitespace must be true or false, "
+                             f"got {config.disable_any_whitespace!r}")
         return config

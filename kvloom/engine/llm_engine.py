@@ -74,7 +74,8 @@ class LLMEngine:
             if speculative else None)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
-            config.structured_outputs.backend, config.structured_outputs.compile_timeout)
+            config.structured_outputs.backend, config.structured_outputs.compile_timeout,
+            config.structured_outputs.disable_any_whitespace)
         # Constrained requests whose grammar is still compiling: they join the scheduler once it is ready.
         self._awaiting_grammar: list[Request] = []
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,

@@ -12,6 +12,7 @@ but never change the tokens, leave it where it is.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -107,12 +108,15 @@ class StructuredOutputManager:
     """Grammars for one engine's tokenizer and vocabulary."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int],
-                 backend: str = "auto", compile_timeout: float = DEFAULT_COMPILE_TIMEOUT) -> None:
+                 backend: str = "auto", compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
+                 disable_any_whitespace: bool = False) -> None:
+        """``disable_any_whitespace``: the engine-wide option, for every request's JSON grammar."""
         self.backend_name = check_backend(backend)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.compile_timeout = compile_timeout
+        self.disable_any_whitespace = disable_any_whitespace
         self._backend: StructuredOutputBackend | None = None
         self._tokenizer_key: tuple[Any, ...] | None = None
 
@@ -142,11 +146,12 @@ class StructuredOutputManager:
 
     def validate(self, params: StructuredOutputsParams) -> None:
         """ValueError naming the problem when the constraint is malformed; then its compile starts."""
-        self.backend.validate(params)
+        self.backend.validate(self._effective(params))
         self.compile_async(params)
 
     def compile_async(self, params: StructuredOutputsParams) -> Future:
         """The compiled grammar, from the cache or compiling on the background thread."""
+        params = self._effective(params)
         key = (self.tokenizer_key, constraint_key(params))
         with _lock:
             future = _compiled.get(key)
@@ -167,6 +172,11 @@ class StructuredOutputManager:
         except TimeoutError:
             raise ValueError(f"the structured_outputs {params.kind} did not compile within {timeout:g} s; "
                              f"simplify it") from None
+
+    def _effective(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
+        if self.disable_any_whitespace and not params.disable_any_whitespace:
+            return dataclasses.replace(params, disable_any_whitespace=True)
+        return params
 
     # ---- per request -------------------------------------------------------------------------------
     def start(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
