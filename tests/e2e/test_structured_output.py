@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import pytest
@@ -130,3 +132,50 @@ def test_the_grammar_follows_requests_through_batching(llm: LLM, tiny_llama_dir:
         assert other.llm_engine.scheduler.num_preemptions > 0
     # Prefix-cache hits on the second run of the same prompts change nothing either.
     assert [o.outputs[0].token_ids for o in other.generate(prompts, params, use_tqdm=False)] == expected
+
+
+def test_a_request_waits_for_its_grammar_without_stalling_others(llm: LLM) -> None:
+    engine = llm.llm_engine
+    manager = engine.structured_output
+    backend = manager.backend
+    compile_grammar = backend.compile
+    release = threading.Event()
+
+    def slow_compile(params: StructuredOutputsParams) -> object:
+        release.wait(30)
+        return compile_grammar(params)
+
+    backend.compile = slow_compile
+    try:
+        slow = StructuredOutputsParams(regex=r"slow-[0-9]{2}")
+        engine.add_request("constrained", PROMPTS[0], SamplingParams(temperature=0, max_tokens=20,
+                                                                     structured_outputs=slow))
+        engine.add_request("plain", PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        finished: dict[str, str] = {}
+        while "plain" not in finished:
+            finished.update({o.request_id: o.outputs[0].text for o in engine.step() if o.finished})
+        assert "constrained" not in finished  # still compiling: the other request ran meanwhile
+        release.set()
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o.outputs[0].text for o in engine.step() if o.finished})
+        assert re.fullmatch(r"slow-[0-9]{2}", finished["constrained"])
+    finally:
+        backend.compile = compile_grammar
+        release.set()
+
+
+def test_a_grammar_compile_timeout_ends_only_its_request(tiny_llama_dir: str) -> None:
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256,
+              structured_outputs_config={"compile_timeout": 0.2})
+    backend = llm.llm_engine.structured_output.backend
+    compile_grammar = backend.compile
+    backend.compile = lambda params: (time.sleep(1.0), compile_grammar(params))[1]
+    try:
+        params = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(regex=r"timeout-[a-z]"))
+        with pytest.raises(ValueError, match="did not compile within 0.2 s"):
+            llm.generate(PROMPTS[0], params, use_tqdm=False)
+    finally:
+        backend.compile = compile_grammar
+    assert not llm.llm_engine.has_unfinished_requests()
+    output = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert len(output.outputs[0].token_ids) == 3
