@@ -20,7 +20,12 @@ from kvloom.config import EngineConfig
 from kvloom.loader.tokenizer import Tokenizer
 from kvloom.sampling_params import SamplingParams, StructuredOutputsParams
 from kvloom.structured_output import StructuredOutputManager
-from kvloom.structured_output.bitmask import apply_token_bitmask_torch, unpack_bitmask
+from kvloom.structured_output.bitmask import (
+    TokenBitmask,
+    apply_token_bitmask_,
+    apply_token_bitmask_torch,
+    unpack_bitmask,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A byte-level vocabulary small enough to check every token: digits, a few letters, JSON punctuation.
@@ -167,6 +172,18 @@ def test_bitmask_op_masks_only_the_constrained_rows() -> None:
             allowed = (int(bitmask[r, j // 32]) >> (j % 32)) & 1
             assert out[row, j] == (logits[row, j] if allowed else float("-inf"))
     assert torch.equal(out[[1, 3]], logits[[1, 3]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_matches_the_torch_op(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    for vocab, rows in ((70, [2, 0]), (1000, [0, 1, 2, 3]), (65, [3])):
+        logits = torch.randn(4, vocab).to(dtype)
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), (vocab + 31) // 32), dtype=torch.int32)
+        expected, got = logits.clone(), logits.clone()
+        apply_token_bitmask_torch(expected, bitmask, torch.tensor(rows))
+        apply_token_bitmask_(got, TokenBitmask(bitmask, torch.tensor(rows)))
+        assert torch.equal(expected, got), (vocab, rows)
 
 
 def test_triton_bitmask_kernel_matches_torch_under_the_interpreter() -> None:
