@@ -266,7 +266,8 @@ class LLMEngine:
         compile rather than spin."""
         if not self.scheduler.has_unfinished_requests():
             futures = [r.structured_output.future for r in self._awaiting_grammar]
-            concurrent.futures.wait(futures, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+            # Short: the async engine's thread also picks up new requests between steps.
+            concurrent.futures.wait(futures, timeout=0.01, return_when=concurrent.futures.FIRST_COMPLETED)
         failed = False
         for request in list(self._awaiting_grammar):
             try:
