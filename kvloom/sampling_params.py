@@ -14,6 +14,51 @@ MAX_LOGPROBS = 20
 _SAMPLING_EPS = 1e-5
 
 
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's names): exactly one of json (a JSON schema, as a dict or its
+    JSON text), regex, choice (the output is one of the strings), grammar (EBNF as xgrammar reads it),
+    json_object (any JSON object) or structural_tag (xgrammar's structural tag, as JSON text)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    # JSON output without the optional whitespace between tokens (vLLM's name).
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {list(STRUCTURED_OUTPUT_KINDS)}, "
+                             f"got {given or 'none'}")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or JSON text), "
+                             f"got {type(value).__name__}")
+        if kind in ("regex", "grammar", "structural_tag") and (not isinstance(value, str) or not value):
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {value!r}")
+        if kind == "choice" and (not isinstance(value, (list, tuple)) or not value
+                                 or not all(isinstance(c, str) for c in value)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {value!r}")
+        if kind == "json_object" and value is not True:
+            raise ValueError(f"structured_outputs.json_object must be True, got {value!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs.disable_any_whitespace must be True or False, "
+                             f"got {self.disable_any_whitespace!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of STRUCTURED_OUTPUT_KINDS."""
+        return next(name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False))
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
 class RequestOutputKind(enum.Enum):
     """What each RequestOutput of a request carries (vLLM's names)."""
 
@@ -49,6 +94,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     # stop_token_ids as a set, for the per-token stop check and the min_tokens mask.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
@@ -113,6 +159,10 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, "
+                             f"got {type(self.structured_outputs).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

@@ -10,7 +10,7 @@ seeded generator) it keeps by request id from ``NewRequestData``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvloom.sampling_params import SamplingParams
 
@@ -57,6 +57,9 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Structured outputs: the token bitmask of the constrained requests that sample this step, filled on the
+    # engine's side (kvloom.structured_output.GrammarBitmask; typed loosely, this module holds no torch).
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

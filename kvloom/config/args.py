@@ -8,6 +8,7 @@ import dataclasses
 from kvloom.config.compat import ARGUMENT_ALIASES
 from kvloom.config.engine import GROUPS, EngineConfig
 from kvloom.config.parsing import parse_bool
+from kvloom.config.structured_outputs import StructuredOutputsConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser, include_model: bool = True) -> None:
@@ -22,6 +23,10 @@ def add_engine_args(parser: argparse.ArgumentParser, include_model: bool = True)
             if not f.metadata["flag"] or (f.name == "model" and not include_model):
                 continue
             _add_flag(section, f, aliases.get(f.name, []))
+            if f.name == "structured_outputs_config":
+                # vLLM's dotted flag for the one key most set.
+                section.add_argument("--structured-outputs-config.backend", dest="structured_outputs_backend",
+                                     default=None, help="the structured outputs backend: auto or xgrammar")
 
 
 def _flag(name: str) -> str:
@@ -62,4 +67,9 @@ def _flag_type(declared: str) -> type:
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The config from parsed flags (every field the namespace holds; the server's own flags are skipped)."""
     values = {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
+    backend = getattr(args, "structured_outputs_backend", None)
+    if backend is not None:
+        merged = StructuredOutputsConfig.from_value(values.get("structured_outputs_config"))
+        merged.backend = backend
+        values["structured_outputs_config"] = dataclasses.asdict(merged)
     return EngineConfig.from_kwargs(**values)

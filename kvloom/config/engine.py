@@ -23,6 +23,7 @@ from kvloom.config.compat import (
 )
 from kvloom.config.parsing import check_int, parse_memory
 from kvloom.config.speculative import SpeculativeConfig
+from kvloom.config.structured_outputs import StructuredOutputsConfig
 from kvloom.sampling_params import MAX_LOGPROBS
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -144,6 +145,10 @@ class EngineConfig:
                                "(CUDA only; the CPU always runs eagerly)")
     max_seq_len_to_capture: int | None = knob("backend", None, "vLLM's CUDA-graph length limit: accepted, unused "
                                               "(kvloom's decode graphs cover every length)")
+    structured_outputs_config: dict[str, Any] | str | None = knob(
+        "backend", None, "structured outputs as vLLM's dict or JSON: {\"backend\": \"auto\" | \"xgrammar\", "
+        "\"compile_timeout\": seconds, \"disable_any_whitespace\": bool} (also "
+        "--structured-outputs-config.backend NAME); see docs/structured_outputs.md")
     override_backend_config: dict[str, Any] | str | None = knob(
         "backend", None, "backend knobs as JSON, e.g. '{\"attention_backend\": \"reference\"}' (the seeds' "
         "--override-neuron-config)")
@@ -151,6 +156,8 @@ class EngineConfig:
     # Settled by validate(): the backend knobs and the speculative settings as objects.
     backend: BackendConfig = field(init=False, repr=False, default_factory=BackendConfig)
     speculative: SpeculativeConfig | None = field(init=False, repr=False, default=None)
+    structured_outputs: StructuredOutputsConfig = field(init=False, repr=False,
+                                                        default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -193,6 +200,7 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self.backend = BackendConfig.from_overrides(self.override_backend_config)
+        self.structured_outputs = StructuredOutputsConfig.from_value(self.structured_outputs_config)
         if self.quantization is not None:
             self.quantization = canonical_quantization(self.quantization)
         else:

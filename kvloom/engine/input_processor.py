@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvloom.loader.tokenizer import Tokenizer
-from kvloom.sampling_params import SamplingParams
+from kvloom.sampling_params import SamplingParams, StructuredOutputsParams
 
 PromptInput = str | list[int] | dict[str, Any]
 
@@ -56,12 +56,16 @@ class InputProcessor:
     """Tokenizes and validates requests against one engine's tokenizer, vocabulary and limits."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int,
-                 check_fits: Callable[[int, int | None, bool], None]) -> None:
+                 check_fits: Callable[[int, int | None, bool], None],
+                 check_structured_outputs: Callable[[StructuredOutputsParams], None] | None = None) -> None:
         """``check_fits(num_prompt_tokens, max_tokens, max_tokens_must_fit)``: the scheduler's
-        refusal of a request that could never be scheduled (context length, whole KV cache)."""
+        refusal of a request that could never be scheduled (context length, whole KV cache).
+        ``check_structured_outputs``: the grammar backend's check of a constraint (it starts its compile
+        too); None: constraints are refused."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.check_fits = check_fits
+        self.check_structured_outputs = check_structured_outputs
 
     def tokenize(self, prompt: PromptInput | TokenizedPrompt, add_special_tokens: bool = True
                  ) -> TokenizedPrompt:
@@ -125,6 +129,10 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > vocab:
                 raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {value}")
+        if params.structured_outputs is not None:
+            if self.check_structured_outputs is None:
+                raise ValueError("structured_outputs are not available on this engine")
+            self.check_structured_outputs(params.structured_outputs)
         return EngineRequest(request_id, tokenized.text, tokenized.token_ids, params,
                              time.time() if arrival_time is None else arrival_time)
 

@@ -9,6 +9,7 @@ logprobs and vLLM's RequestOutputs (deltas, the final output, or the whole outpu
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -27,6 +28,7 @@ from kvloom.outputs import RequestOutput
 from kvloom.platform import configure_host
 from kvloom.sampling_params import SamplingParams
 from kvloom.step_io import ModelRunnerOutput, SchedulerOutput
+from kvloom.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("kvloom")
 
@@ -65,8 +67,14 @@ class LLMEngine:
             num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
             num_lookahead_tokens=speculative.num_speculative_tokens if speculative and speculative.uses_draft_model
             else 0, speculative_max_model_len=speculative.max_model_len if speculative else None)
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
+            config.structured_outputs.backend, config.structured_outputs.compile_timeout,
+            config.structured_outputs.disable_any_whitespace)
+        # Constrained requests whose grammar is still compiling: they join the scheduler once it is ready.
+        self._awaiting_grammar: list[Request] = []
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
-                                              self.scheduler.check_fits)
+                                              self.scheduler.check_fits, self.structured_output.validate)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.log_stats = log_stats
         self._iteration_stats = IterationStats()
@@ -119,7 +127,11 @@ class LLMEngine:
                                     self.max_model_len, request.arrival_time))
         self.output_processor.add_request(request, children)
         for child in children:
-            self.scheduler.add_request(child)
+            if params.structured_outputs is not None:
+                child.structured_output = self.structured_output.start(params.structured_outputs)
+                self._awaiting_grammar.append(child)
+            else:
+                self.scheduler.add_request(child)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests now and free their KV blocks; returns their last outputs (finish reason
@@ -132,6 +144,9 @@ class LLMEngine:
             if state is not None:
                 child_ids.extend(c.request.request_id for c in state.completions)
         finished = self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        for request in [r for r in self._awaiting_grammar if r.request_id in child_ids]:
+            self._awaiting_grammar.remove(request)
+            request.status = RequestStatus.FINISHED_ABORTED
         self.executor.release_requests([r.request_id for r in finished])
         return self.output_processor.abort_requests(request_ids, time.time(), self._stats())
 
@@ -160,11 +175,18 @@ class LLMEngine:
         stop strings, outputs) is done while the device computes, so outputs come one step later; a
         request a stop string ends then computes one token more, which is dropped.
         """
+        grammar_failed = self._admit_grammar_requests() if self._awaiting_grammar else False
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return self._postprocess_deferred()
+            outputs = self._postprocess_deferred()
+            if grammar_failed and not outputs:
+                outputs = self.output_processor.make_outputs(time.time(), self._stats())
+            return outputs
         # The scheduled requests, looked up before the scheduler lets go of those that finish.
         requests = [self.scheduler.requests[s.request_id] for s in scheduler_output.scheduled]
+        scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
+            [(item.request_id, request.structured_output) for item, request in zip(scheduler_output.scheduled, requests)
+             if request.structured_output is not None and item.samples])
         if self.overlap_postprocess:
             pending = self.executor.execute_async(scheduler_output)
             outputs = self._postprocess_deferred(in_flight=True)
@@ -190,6 +212,7 @@ class LLMEngine:
                 for s, r in zip(scheduler_output.scheduled, requests))
         failed = self.scheduler.finish_requests(runner_output.failed_request_ids, RequestStatus.FINISHED_ERROR)
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        finished += self._advance_grammars(requests, num_outputs_before)
         self.executor.release_requests([r.request_id for r in failed + finished])
         self._deferred = (scheduler_output, runner_output, requests, num_outputs_before)
 
@@ -227,3 +250,44 @@ class LLMEngine:
             else:
                 self.executor.release_requests(released)
         return output_processor.make_outputs(time.time(), self._stats())
+
+    # ---- structured outputs ----------------------------------------------------------------------
+    def _admit_grammar_requests(self) -> bool:
+        """Hand the requests whose grammar is compiled to the scheduler; end with an error those whose
+        grammar failed or timed out. True when one ended. With nothing else to run, wait a little for a
+        compile rather than spin."""
+        if not self.scheduler.has_unfinished_requests():
+            futures = [r.structured_output.future for r in self._awaiting_grammar]
+            # Short: the async engine's thread also picks up new requests between steps.
+            concurrent.futures.wait(futures, timeout=0.01, return_when=concurrent.futures.FIRST_COMPLETED)
+        failed = False
+        for request in list(self._awaiting_grammar):
+            try:
+                ready = self.structured_output.ready(request.structured_output)
+            except ValueError as error:
+                logger.warning("request %s: %s", request.request_id, error)
+                ready, failed = False, True
+                self._awaiting_grammar.remove(request)
+                request.status = RequestStatus.FINISHED_ERROR
+                request.stop_reason = str(error)
+                self.output_processor.finish_failed(request)
+            if ready:
+                self._awaiting_grammar.remove(request)
+                self.scheduler.add_request(request)
+        return failed
+
+    def _advance_grammars(self, requests: list[Request], num_outputs_before: list[int]) -> list[Request]:
+        """Move each constrained request's matcher over the tokens it kept this step; a request whose
+        grammar has ended stops (even when its stop token is not an EOS it stops on, e.g. ignore_eos), and
+        one that sampled a token its grammar refuses ends with an error. Returns the requests ended here."""
+        ended = []
+        for request, before in zip(requests, num_outputs_before):
+            state = request.structured_output
+            if state is None or state.matcher is None or request.num_output_tokens == before:
+                continue
+            if not state.matcher.accept_tokens(request.output_token_ids[before:]):
+                logger.warning("request %s sampled a token its grammar refuses; ending it", request.request_id)
+                ended += self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+            elif state.matcher.is_terminated() and not request.is_finished:
+                ended += self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        return ended

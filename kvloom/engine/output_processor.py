@@ -32,7 +32,12 @@ from kvloom.step_io import LogprobsRow
 
 def raise_if_failed(output: RequestOutput) -> None:
     """ValueError when the engine ended a completion of ``output`` with an error: its logits held NaN or
-    inf, so nothing it sampled could be trusted. ``LLM`` and ``AsyncLLM`` both raise it to their caller."""
+    inf, so nothing it sampled could be trusted, or its grammar did not compile. ``LLM`` and ``AsyncLLM``
+    both raise it to their caller."""
+    for completion in output.outputs:
+        # A grammar that failed to compile (or timed out) ends its request with the reason as stop_reason.
+        if completion.finish_reason == "error" and isinstance(completion.stop_reason, str):
+            raise ValueError(f"request {output.request_id}: {completion.stop_reason}")
     if any(completion.finish_reason == "error" for completion in output.outputs):
         raise ValueError(f"request {output.request_id}: the model produced NaN or infinite logits, so its "
                          f"output would be garbage; check the checkpoint's weights, or run it in float32 or "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from kvloom.sampling_params import SamplingParams
 
@@ -80,6 +81,9 @@ class Request:
         self.first_scheduled_time: float | None = None
         # Drafts the model runner proposed after the last step (any method), for the next one.
         self.spec_token_ids: list[int] = []
+        # Structured outputs: its grammar and matcher (structured_output/manager.py's
+        # StructuredOutputRequest; not imported here, which must stay free of torch); None: unconstrained.
+        self.structured_output: Any = None
         # The text, logprobs and timings of the output live in the engine's OutputProcessor.
 
     @property

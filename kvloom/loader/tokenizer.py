@@ -97,6 +97,20 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def vocabulary(self) -> list[str]:
+        """Every token as the vocabulary stores it (byte-level 'Ġ' for a space, sentencepiece '▁'), by
+        id; "" for an id no token has. Grammar backends build their token tables from this."""
+        encoded = [""] * self._vocab_size
+        for token, token_id in self.backend.get_vocab(with_added_tokens=True).items():
+            if 0 <= token_id < self._vocab_size:
+                encoded[token_id] = token
+        return encoded
+
+    def backend_json(self) -> str:
+        """The tokenizers library's JSON of the whole tokenizer (model, pre-tokenizer, decoder): how its
+        vocabulary is encoded, for grammar backends to detect."""
+        return self.backend.to_str()
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],

@@ -1,6 +1,7 @@
 """Batched sampling on the device.
 
-The steps, in order, for logits [B, V] (fp32):
+The steps, in order, for logits [B, V] (fp32), after the grammar masks of constrained rows (structured
+outputs) are applied in place:
   1. logprobs (if asked) from the raw logits, as vLLM returns them;
   2. min_tokens: EOS and stop tokens masked until a request has produced enough tokens;
   3. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from kvloom.structured_output.bitmask import TokenBitmask, apply_token_bitmask_
 
 
 @dataclass
@@ -38,6 +41,9 @@ class SamplingMetadata:
     # min_tokens: (row, token ids to mask) pairs
     min_tokens_masks: list[tuple[int, list[int]]] = field(default_factory=list)
     max_num_logprobs: int | None = None  # most top logprobs any row asked for; None: none asked
+    # Structured outputs: the rows' grammar masks, applied to the logits in place before anything else reads
+    # them (so logprobs, greedy and random rows all see only the allowed tokens).
+    token_bitmask: TokenBitmask | None = None
 
 
 # What a row whose logits are not all finite samples (read back with the tokens: no extra sync).
@@ -93,6 +99,8 @@ class Sampler:
         # accumulates in fp32; bf16 and fp32 have the range to hold the sum of any sane row (~1e33 per
         # logit to overflow), fp16 does not, so its sum is taken in fp32.
         finite = logits.sum(dim=-1, dtype=torch.float32 if logits.dtype == torch.float16 else None).isfinite()
+        if metadata.token_bitmask is not None:  # after the finite check: the masked logits are -inf on purpose
+            apply_token_bitmask_(logits, metadata.token_bitmask)
         if (metadata.all_greedy and metadata.max_num_logprobs is None and not metadata.min_tokens_masks
                 and metadata.repetition_penalty is None):
             return SamplerOutput(sampled_token_ids=_mark_nonfinite(self.argmax(logits), finite))

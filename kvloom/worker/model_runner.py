@@ -195,6 +195,8 @@ class ModelRunner:
         ids = [items[i].request_id for i in sampling_rows]
         states = [self.requests[request_id] for request_id in ids]
         sampling = sampling_metadata(states, self.vocab_size, self.device) if ids else None
+        if ids and scheduler_output.grammar_bitmask is not None:  # structured outputs: masked before sampling
+            sampling.token_bitmask = scheduler_output.grammar_bitmask.for_rows(ids, self.device)
         last_token_index = None
         if ids and len(sampling_rows) != query_start_loc[-1]:  # else: one token per request, each sampling
             last_token_index = torch.tensor([query_start_loc[i + 1] - 1 for i in sampling_rows], device=self.device)

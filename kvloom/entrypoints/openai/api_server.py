@@ -55,6 +55,7 @@ from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvloom.entrypoints.openai.serving_engine import APIError, error_response, max_chars_per_token_of
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from kvloom.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from kvloom.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger("kvloom")
@@ -88,7 +89,9 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     limits = dict(max_logprobs=getattr(args, "max_logprobs", MAX_LOGPROBS),
                   max_chars_per_token=max_chars_per_token_of(engine.tokenizer))
     completion = OpenAIServingCompletion(engine, names, chat_template, **limits)
-    chat = OpenAIServingChat(engine, names, chat_template, **limits)
+    chat = OpenAIServingChat(engine, names, chat_template, **limits,
+                             enable_auto_tools=getattr(args, "enable_auto_tool_choice", False),
+                             tool_parser=getattr(args, "tool_call_parser", None))
     tokenization = OpenAIServingTokenization(engine, names, chat_template, **limits)
 
     app = FastAPI(title="kvloom", version=__version__, docs_url=None, redoc_url=None, responses=ERRORS)
@@ -194,6 +197,9 @@ def run_server(args: argparse.Namespace) -> int:
     _setup_logging(level)
     config = config_from_args(args)
     load_chat_template(args.chat_template)  # a bad --chat-template fails before the model loads
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                         f"{sorted(TOOL_CALL_PARSERS)})")
     sock = bind_socket(args.host, args.port)
     try:
         names = served_model_names(args)

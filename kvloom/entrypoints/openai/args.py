@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvloom.config import add_engine_args
+from kvloom.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from kvloom.sampling_params import MAX_LOGPROBS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -36,6 +37,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "and metrics (default: the model argument)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one (default: the model's)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="let the model decide when to call tools (tool_choice 'auto'); needs "
+                        "--tool-call-parser")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                        help="how tool calls are read from the model's text: hermes (ChatML models such as "
+                        "SmolLM2, Qwen, Hermes), llama3_json, mistral, pythonic")
     parser.add_argument("--log-level", default=None, type=str.lower, choices=LOG_LEVELS,
                         help="uvicorn and kvloom log level (default: KVLOOM_LOGGING_LEVEL or info)")
     parser.add_argument("--stats-interval", type=float, default=10.0,

@@ -90,6 +90,10 @@ class SamplingFields(RequestModel):
     skip_special_tokens: bool = True
     # Accepted for vLLM clients and ignored: it changes only HF's slow tokenizers; kvloom decodes as the fast ones.
     spaces_between_special_tokens: bool = True
+    # Structured outputs: OpenAI's response_format ({"type": "text" | "json_object" | "json_schema"}), or
+    # vLLM's structured_outputs (one of json, regex, choice, grammar, structural_tag).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -115,9 +119,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     # vLLM's extras.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -177,14 +181,39 @@ class ChatCompletionLogProbs(ResponseModel):
     content: list[ChatCompletionLogProb] | None = None
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(ResponseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(ResponseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseChoice(ResponseModel):

@@ -1,5 +1,6 @@
 """/v1/chat/completions: a conversation rendered by the chat template -> n assistant replies,
-whole or streamed (a role chunk first, then content deltas)."""
+whole or streamed (a role chunk first, then content and tool-call deltas). Tools and tool_choice are
+handled by ``tool_calls.py``; response_format / structured_outputs by the shared base."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -22,6 +24,9 @@ from kvloom.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     TopLogprob,
 )
 from kvloom.entrypoints.openai.serving_engine import (
@@ -36,23 +41,54 @@ from kvloom.entrypoints.openai.serving_engine import (
     sse_event,
     usage_info,
 )
+from kvloom.entrypoints.openai.tool_calls import (
+    ParsedToolCall,
+    ToolCallStream,
+    ToolError,
+    check_tools,
+    forced_tool_calls,
+    forced_tool_constraint,
+    get_tool_parser,
+    resolve_tool_choice,
+)
 from kvloom.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args: Any, enable_auto_tools: bool = False, tool_parser: str | None = None,
+                 **kwargs: Any) -> None:
+        """``enable_auto_tools`` / ``tool_parser``: --enable-auto-tool-choice and --tool-call-parser."""
+        super().__init__(*args, **kwargs)
+        self.enable_auto_tools = enable_auto_tools
+        self.tool_parser = get_tool_parser(tool_parser) if tool_parser is not None else None
+
+    def _tool_choice(self, request: ChatCompletionRequest) -> tuple[str, dict[str, dict[str, Any]]]:
+        try:
+            functions = check_tools(request.tools)
+            choice = resolve_tool_choice(request.tool_choice, functions,
+                                         self.enable_auto_tools and self.tool_parser is not None)
+        except ToolError as e:
+            raise APIError(str(e), param=e.param) from None
+        return choice, functions
+
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
         self.check_engine()
-        if request.tools:
-            raise APIError("tools are not supported: kvloom does not parse tool calls", param="tools")
-        if request.response_format and request.response_format.get("type") not in (None, "text"):
-            raise APIError("response_format must be {'type': 'text'}; structured outputs are not "
-                           "supported", param="response_format")
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
         self.check_limits(request.n, request.top_logprobs, "top_logprobs")
+        tool_choice, functions = self._tool_choice(request)
+        constraint, constraint_param = self.structured_outputs_of(request)
+        forced = forced_tool_constraint(tool_choice, functions, request.parallel_tool_calls)
+        if forced is not None:
+            if constraint is not None:
+                raise APIError(f"tool_choice {request.tool_choice!r} forces a tool call; it cannot be combined "
+                               f"with {constraint_param}", param=constraint_param)
+            constraint, constraint_param = forced, "tool_choice"
+        if constraint is not None:
+            await self.check_structured_outputs(constraint, constraint_param)
         prompt_text = await self.render_chat_checked(request.messages, request.add_generation_prompt,
-                                                     request.chat_template_kwargs)
+                                                     request.chat_template_kwargs, request.tools or None)
         # The template already wrote any BOS it wants.
         prompt = await self.tokenize_prompt(prompt_text, add_special_tokens=False, prompt_name="messages")
         if request.max_completion_tokens is not None:
@@ -61,7 +97,8 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens, param = request.max_tokens, "max_tokens"
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, self.max_tokens(len(prompt.token_ids), max_tokens), logprobs,
-                                      names={"max_tokens": param, "logprobs": "top_logprobs"})
+                                      names={"max_tokens": param, "logprobs": "top_logprobs"},
+                                      structured_outputs=constraint)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         engine_request = self.engine_request(request_id, prompt, params, "messages",
                                              param if max_tokens is not None else None)
@@ -71,11 +108,12 @@ class OpenAIServingChat(OpenAIServing):
         generator = self.engine.generate(engine_request)
         if request.stream:
             return event_stream(self._stream(request, request_id, created, model,
-                                              len(prompt.token_ids), generator))
+                                              len(prompt.token_ids), generator, tool_choice))
 
         async def collect() -> Response:
             output = await last_output(generator)
-            return JSONResponse(self._response(request, request_id, created, model, output).model_dump())
+            return JSONResponse(self._response(request, request_id, created, model, output,
+                                               tool_choice).model_dump())
 
         return await run_until_disconnected(collect(), raw_request)
 
@@ -98,25 +136,46 @@ class OpenAIServingChat(OpenAIServing):
                 bytes=list(token.encode("utf-8")), top_logprobs=top_logprobs))
         return ChatCompletionLogProbs(content=content)
 
+    def _message(self, text: str, finish_reason: str | None, tool_choice: str) -> tuple[ChatMessage, str | None]:
+        """The assistant message of a whole completion, its tool calls read out, and its finish reason."""
+        calls: list[ParsedToolCall] = []
+        content: str | None = text
+        if tool_choice == "required" or tool_choice.startswith("function:"):
+            calls = forced_tool_calls(tool_choice, text)
+            content = None if calls else text
+        elif tool_choice == "auto":
+            content, calls = self.tool_parser.extract(text)
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        tool_calls = [ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                      for call in calls]
+        return ChatMessage(role="assistant", content=content, tool_calls=tool_calls), finish_reason
+
     def _response(self, request: ChatCompletionRequest, request_id: str, created: int, model: str,
-                  output: RequestOutput) -> ChatCompletionResponse:
+                  output: RequestOutput, tool_choice: str = "none") -> ChatCompletionResponse:
         choices = []
         for completion in output.outputs:
             logprobs = None
             if request.logprobs:
                 logprobs = self._logprobs(completion.token_ids, completion.logprobs or [],
                                           request.top_logprobs or 0)
+            message, finish_reason = self._message(completion.text, completion.finish_reason, tool_choice)
             choices.append(ChatCompletionResponseChoice(
-                index=completion.index, message=ChatMessage(role="assistant", content=completion.text),
-                logprobs=logprobs, finish_reason=completion.finish_reason,
+                index=completion.index, message=message,
+                logprobs=logprobs, finish_reason=finish_reason,
                 stop_reason=completion.stop_reason))
         num_generated = sum(len(c.token_ids) for c in output.outputs)
         return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                       usage=usage_info(len(output.prompt_token_ids), num_generated))
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model: str,
-                      num_prompt_tokens: int, generator: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+                      num_prompt_tokens: int, generator: AsyncIterator[RequestOutput],
+                      tool_choice: str = "none") -> AsyncIterator[str]:
         states = [ChoiceState() for _ in range(request.n)]
+        for state in states:
+            state.tools = None if tool_choice == "none" else ToolCallStream(
+                self.tool_parser if tool_choice == "auto" else None,
+                None if tool_choice == "auto" else tool_choice)
 
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
             return sse_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
@@ -157,11 +216,20 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = self._logprobs(completion.token_ids, completion.logprobs or [], request.top_logprobs or 0)
         finish_reason = completion.finish_reason
         state.finished = finish_reason is not None
-        if not text and logprobs is None and finish_reason is None:
+        tool_deltas = None
+        tools: ToolCallStream | None = state.tools
+        if tools is not None:
+            text, deltas = tools.feed(text, state.finished)
+            if deltas:
+                tool_deltas = [DeltaToolCall(**delta.to_dict()) for delta in deltas]
+            if tools.calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        if not text and logprobs is None and finish_reason is None and not tool_deltas:
             return None
+        delta = DeltaMessage(content=text) if text else DeltaMessage()
+        delta.tool_calls = tool_deltas
         choice = ChatCompletionResponseStreamChoice(
-            index=completion.index, delta=DeltaMessage(content=text) if text else DeltaMessage(),
-            logprobs=logprobs, finish_reason=finish_reason)
+            index=completion.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
         if finish_reason is not None:
             choice.stop_reason = completion.stop_reason
         return choice

@@ -48,6 +48,9 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(f"best_of must equal n ({request.n}) when given; kvloom does not rank "
                            f"extra completions", param="best_of")
         self.check_limits(request.n, request.logprobs, "logprobs")
+        constraint, constraint_param = self.structured_outputs_of(request)
+        if constraint is not None:
+            await self.check_structured_outputs(constraint, constraint_param)
         prompts = await self._prompts(request)
         logprobs = request.logprobs
         prompt_logprobs = logprobs if request.echo and logprobs is not None else None
@@ -56,7 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
         requests = []
         for i, prompt in enumerate(prompts):
             params = self.sampling_params(request, self.max_tokens(len(prompt.token_ids), request.max_tokens),
-                                          logprobs, prompt_logprobs)
+                                          logprobs, prompt_logprobs, structured_outputs=constraint)
             requests.append(self.engine_request(f"{request_id}-{i}", prompt, params, "prompt", max_tokens_param))
         echo_texts = None
         if request.echo:

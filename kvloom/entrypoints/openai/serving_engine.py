@@ -17,6 +17,7 @@ check, engine health, limits, prompt tokenization and ``engine_request`` are her
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 from collections.abc import AsyncIterator, Sequence
@@ -32,7 +33,7 @@ from kvloom.engine.input_processor import EngineRequest, TokenizedPrompt
 from kvloom.engine.request import ContextLengthError
 from kvloom.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields, UsageInfo
 from kvloom.outputs import Logprob, RequestOutput
-from kvloom.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from kvloom.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # What OpenAI's API returns for a -inf logprob (JSON has no infinity).
 MIN_LOGPROB = -9999.0
@@ -220,8 +221,10 @@ class OpenAIServing:
 
     def sampling_params(self, request: SamplingFields, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None,
-                        names: dict[str, str] | None = None) -> SamplingParams:
-        """OpenAI's defaults where the client sent nothing; a 400 naming the field otherwise."""
+                        names: dict[str, str] | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        """OpenAI's defaults where the client sent nothing; a 400 naming the field otherwise.
+        ``structured_outputs``: the request's constraint (``structured_outputs_of``, or a forced tool call)."""
         top_k = request.top_k
         if top_k is not None and top_k >= self.vocab_size:
             top_k = 0  # every token is in the top k: no filter
@@ -236,7 +239,7 @@ class OpenAIServing:
             max_tokens=max_tokens, min_tokens=request.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=request.include_stop_str_in_output,
-            skip_special_tokens=request.skip_special_tokens,
+            skip_special_tokens=request.skip_special_tokens, structured_outputs=structured_outputs,
             # A stream sends what each step adds; a whole response needs only the end.
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)
         if request.logit_bias:
@@ -247,6 +250,56 @@ class OpenAIServing:
             return SamplingParams(**kwargs)
         except ValueError as e:
             raise APIError(str(e), param=_param_of(str(e), kwargs, names)) from None
+
+    def structured_outputs_of(self, request: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The constraint ``response_format`` or vLLM's ``structured_outputs`` asks for, and the field it came
+        from; a 400 naming that field when it is malformed or both are given."""
+        response_format, extra = request.response_format, request.structured_outputs
+        kind = None if response_format is None else response_format.get("type")
+        if kind not in (None, "text") and extra is not None:
+            raise APIError("give response_format or structured_outputs, not both", param="structured_outputs")
+        if extra is not None:
+            allowed = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+            unknown = sorted(set(extra) - allowed)
+            if unknown:
+                raise APIError(f"structured_outputs got unknown field(s) {unknown}; allowed: {sorted(allowed)}",
+                               param="structured_outputs")
+            try:
+                return StructuredOutputsParams(**extra), "structured_outputs"
+            except (ValueError, TypeError) as e:
+                raise APIError(str(e), param="structured_outputs") from None
+        if kind in (None, "text"):
+            return None, None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError("response_format json_schema needs {'type': 'json_schema', 'json_schema': "
+                               "{'name': ..., 'schema': {...}, 'strict': ...}}", param="response_format")
+            return StructuredOutputsParams(json=schema), "response_format"
+        raise APIError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                       param="response_format")
+
+    async def check_structured_outputs(self, params: StructuredOutputsParams, param: str) -> None:
+        """Check the constraint and wait for its grammar (compiled off the event loop, cached for the engine);
+        a 400 naming ``param`` when it is malformed, does not compile or takes too long to."""
+        check = self.engine.input_processor.check_structured_outputs
+        if check is None:
+            raise APIError("structured outputs are not available on this server's engine", param=param)
+        try:
+            # The first constrained request builds the backend's token tables: not on the event loop.
+            await asyncio.to_thread(check, params)
+            manager = getattr(check, "__self__", None)
+            if manager is not None:
+                future = manager.compile_async(params)
+                await asyncio.wait_for(asyncio.wrap_future(future), timeout=manager.compile_timeout)
+        except TimeoutError:
+            raise APIError(f"the {param} grammar did not compile within {manager.compile_timeout:g} s; "
+                           f"simplify it", param=param) from None
+        except ValueError as e:
+            raise APIError(str(e), param=param) from None
 
     async def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool,
                               prompt_name: str) -> TokenizedPrompt:
@@ -276,7 +329,8 @@ class OpenAIServing:
             raise APIError(message, param=name) from None
 
     async def render_chat_checked(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                                  template_kwargs: dict[str, Any] | None = None) -> str:
+                                  template_kwargs: dict[str, Any] | None = None,
+                                  tools: list[dict[str, Any]] | None = None) -> str:
         """``render_chat`` behind the character cap: messages whose text alone is over it are
         refused before rendering (a template writes every message's text), and long ones are
         rendered in a worker thread so the event loop keeps serving."""
@@ -284,18 +338,18 @@ class OpenAIServing:
                         if isinstance(message, dict))
         self.check_prompt_chars(num_chars, "messages")
         if num_chars > INLINE_TOKENIZE_CHARS:
-            return await asyncio.to_thread(self.render_chat, messages, add_generation_prompt, template_kwargs)
-        return self.render_chat(messages, add_generation_prompt, template_kwargs)
+            return await asyncio.to_thread(self.render_chat, messages, add_generation_prompt, template_kwargs, tools)
+        return self.render_chat(messages, add_generation_prompt, template_kwargs, tools)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    template_kwargs: dict[str, Any] | None = None) -> str:
+                    template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text of a conversation, rendered as ``LLM.chat`` renders it."""
         kwargs = dict(template_kwargs or {})
         for reserved in ("messages", "add_generation_prompt", "chat_template", "tools"):
             kwargs.pop(reserved, None)
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      chat_template=self.chat_template, **kwargs)
+                                                      chat_template=self.chat_template, tools=tools, **kwargs)
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
         except (TypeError, KeyError, AttributeError, IndexError) as e:
@@ -353,9 +407,10 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
 class ChoiceState:
     """What one streamed choice has sent so far."""
 
-    __slots__ = ("offset", "finished", "started")
+    __slots__ = ("offset", "finished", "started", "tools")
 
     def __init__(self) -> None:
         self.offset = 0  # text offset of the next logprob token
         self.finished = False
         self.started = False
+        self.tools: Any = None  # chat with tools: its ToolCallStream (tool_calls.py)
