@@ -76,8 +76,10 @@ def gather_keys_values(key_cache: torch.Tensor, value_cache: torch.Tensor, block
 
 def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-    """query: [T, Hq, D]; key, value: [T, Hkv, D] (this step's); returns [T, Hq, D]."""
+                        metadata: AttentionMetadata, scale: float, logit_softcap: float | None = None
+                        ) -> torch.Tensor:
+    """query: [T, Hq, D]; key, value: [T, Hkv, D] (this step's); returns [T, Hq, D].
+    ``logit_softcap`` (Gemma 2): scores become cap * tanh(scores / cap) before the mask and softmax."""
     write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
     num_heads, head_dim = query.shape[1], query.shape[2]
     group = num_heads // key.shape[1]
@@ -90,6 +92,8 @@ def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         v = v.repeat_interleave(group, dim=1)
         q = query[start:end].float()  # [Q, Hq, D]
         scores = torch.einsum("qhd,shd->hqs", q, k) * scale
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
         mask = causal_mask(end - start, seq_len, metadata.sliding_window, query.device)
         scores = scores.masked_fill(~mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)

@@ -123,6 +123,18 @@ def select_ops(device: torch.device, dtype: torch.dtype, attention_backend: str 
     return platform
 
 
+def attention_for(ops: Ops, logit_softcap: float | None = None) -> AttentionFn:
+    """The attention op for a model whose attention needs ``logit_softcap`` (Gemma 2's soft-capped scores):
+    the table's own where it has the feature, else the plain-torch reference (ops/reference.py), which has
+    every feature and reads every cache layout. Sliding windows need nothing here: every kernel masks them."""
+    if logit_softcap is None:
+        return ops.attention
+    if ops.attention is not reference.attention_reference:
+        logger.info("Attention logit soft-capping (%s) is not in the %s attention kernel: this model's attention "
+                    "runs the plain-torch reference (ops/reference.py), which is slower", logit_softcap, ops.name)
+    return functools.partial(reference.attention_reference, logit_softcap=logit_softcap)
+
+
 def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False) -> Ops:
     from kvloom.ops import cpu
 

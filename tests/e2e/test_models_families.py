@@ -1,0 +1,71 @@
+"""Every model family against HF transformers (the oracle) on tiny random checkpoints that transformers'
+own config classes build (tests/tiny_models.py _FAMILIES): greedy tokens equal token for token in fp32
+through ``LLM.generate`` with the paged cache, batched prompts of different lengths, and prompt logprobs
+within 1e-4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvloom import LLM, SamplingParams
+
+from .test_correctness import assert_no_blocks_held, hf_greedy, kvloom_greedy, mixed_prompts
+
+FAMILIES = ["qwen2", "qwen2_tied", "qwen3"]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Built on first use, one per family, shared by this module's tests."""
+    return {}
+
+
+def family_dir(family: str, dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tiny_models import build_tiny_family_checkpoint
+
+    if family not in dirs:
+        dirs[family] = build_tiny_family_checkpoint(str(tmp_path_factory.mktemp(family)), family)
+    return dirs[family]
+
+
+def assert_prompt_logprobs_match(model_dir: str, prompt: list[int], **llm_kwargs: object) -> None:
+    """Logprobs at every prompt position and the first sampled one within 1e-4 of transformers' (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, **llm_kwargs)
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=10, logprobs=10),
+                       use_tqdm=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for position in range(1, len(prompt)):
+        entry = out.prompt_logprobs[position]
+        assert prompt[position] in entry
+        for token_id, logprob in entry.items():
+            assert abs(logprob.logprob - expected[position - 1, token_id].item()) < 1e-4, position
+    for token_id, logprob in out.outputs[0].logprobs[0].items():
+        assert abs(logprob.logprob - expected[-1, token_id].item()) < 1e-4
+    assert out.outputs[0].token_ids[0] == int(expected[-1].argmax())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_logprobs_match_transformers(family: str, family_dirs: dict[str, str],
+                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    model_dir = family_dir(family, family_dirs, tmp_path_factory)
+    assert_prompt_logprobs_match(model_dir, mixed_prompts(400, count=1, seed=5)[0])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_batch_equals_transformers_generate(family: str, family_dirs: dict[str, str],
+                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Prompts of 3..60 tokens in one batch (chunked by a small token budget, so prefill chunks and
+    decodes share steps), 12 greedy tokens each."""
+    model_dir = family_dir(family, family_dirs, tmp_path_factory)
+    prompts = mixed_prompts(400, count=6, seed=1)
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, max_num_batched_tokens=64)
+    assert kvloom_greedy(llm, prompts, MAX_TOKENS) == expected
+    assert_no_blocks_held(llm)
