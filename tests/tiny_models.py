@@ -435,7 +435,7 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"tie_word_embeddings": False, "num_key_value_heads": 4,
                                                "original_max_position_embeddings": 256}),
     "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", {
-        "tie_word_embeddings": False, "original_max_position_embeddings": 256,
+        "tie_word_embeddings": False, "original_max_position_embeddings": 48,
         "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
                          "long_factor": [2.0 + 0.5 * i for i in range(8)]}}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {

@@ -219,6 +219,7 @@ def _rope_scaling(scaling: dict[str, Any]) -> dict[str, Any] | None:
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = "longrope" if kind == "su" else kind  # Phi-3's early configs name LongRoPE "su"
     if kind == "default":
         return None
     return dict(scaling, rope_type=kind)

@@ -248,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         missing = []
         for name, module in self.named_modules():
-            if isinstance(module, Linear) and len(module.output_sizes) > 1 and f"{name}.weight" not in loaded:
+            if isinstance(module, Linear) and len(module.output_sizes) > 1:
                 for shard in range(len(module.output_sizes)):
                     if f"{name}.weight#{shard}" not in loaded:
                         missing.append(f"{name}.weight[{shard}]")

@@ -15,6 +15,7 @@ from kvloom.loader.model_config import ModelConfig
 from kvloom.loader.tokenizer import load_tokenizer
 from kvloom.loader.weights import iter_weights
 from kvloom.models.llama import LlamaForCausalLM, MistralForCausalLM
+from kvloom.models.phi3 import Phi3ForCausalLM
 from kvloom.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from kvloom.ops.table import Ops
 
@@ -26,6 +27,7 @@ logger = logging.getLogger("kvloom")
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }

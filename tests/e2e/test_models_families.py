@@ -12,7 +12,7 @@ from kvloom import LLM, SamplingParams
 
 from .test_correctness import assert_no_blocks_held, hf_greedy, kvloom_greedy, mixed_prompts
 
-FAMILIES = ["qwen2", "qwen2_tied", "qwen3"]
+FAMILIES = ["qwen2", "qwen2_tied", "qwen3", "phi3"]
 MAX_TOKENS = 12
 
 
@@ -69,3 +69,36 @@ def test_greedy_batch_equals_transformers_generate(family: str, family_dirs: dic
     llm = LLM(model=model_dir, dtype="float32", max_model_len=256, max_num_batched_tokens=64)
     assert kvloom_greedy(llm, prompts, MAX_TOKENS) == expected
     assert_no_blocks_held(llm)
+
+
+
+def hf_cached_greedy(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy tokens through its KV cache, one forward per token and nothing else: each key
+    keeps the rotation it was computed with (Phi-3's generate instead drops its cache and recomputes the
+    whole sequence with the long factors once it outgrows the original context)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cache = DynamicCache(config=model.config)
+    tokens, step = [], torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(step, past_key_values=cache, use_cache=True).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+            step = torch.tensor([[tokens[-1]]])
+    return tokens
+
+
+def test_phi3_longrope_equals_transformers_across_the_original_context(
+        family_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """LongRoPE with an original context of 48 positions (factor 512 / 48: attention factor ~1.2). Prompt
+    logprobs within it (short factors) as transformers'; then generation past it, where each position
+    takes the long factors, against transformers' cached forward (kvloom rotates each position once, as
+    vLLM does; transformers' Phi-3 generate re-rotates the whole sequence with the long factors instead)."""
+    model_dir = family_dir("phi3_longrope", family_dirs, tmp_path_factory)
+    prompts = [p for p in mixed_prompts(400, count=8, seed=3) if 20 <= len(p) <= 40][:3]
+    assert_prompt_logprobs_match(model_dir, prompts[0])
+    expected = [hf_cached_greedy(model_dir, prompt, 20) for prompt in prompts]
+    assert all(len(p) + 20 > 48 for p in prompts)
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=256)
+    assert kvloom_greedy(llm, prompts, 20) == expected
