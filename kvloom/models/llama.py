@@ -144,6 +144,59 @@ def build_layer_stack(ops: Ops, layers: Iterable[nn.Module], config: ModelConfig
     return ops.llama_layer_stack(weights, shape, config.hidden_size, attn.rotary.cos_cache, attn.rotary.sin_cache)
 
 
+def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                    fused: dict[str, tuple[str, int]]) -> None:
+    """Copy HF-named tensors into ``model``'s (fused) parameters; every parameter must be covered.
+    ``fused``: HF tensor name suffix -> (the model's parameter suffix, row block of the fused weight)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for hf_name, tensor in weights:
+        name = hf_name.removeprefix("model.")
+        if "rotary_emb.inv_freq" in name:
+            continue
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        shard_target = None
+        for hf_part, (our_part, shard) in fused.items():
+            if f".{hf_part}." in f".{name}":
+                shard_target = (name.replace(hf_part, our_part), shard)
+                break
+        if shard_target is not None:
+            target_name, shard = shard_target
+            module_name, _, kind = target_name.rpartition(".")
+            module = model.get_submodule(module_name)
+            module.load_shard(kind, shard, tensor)
+            loaded.add(f"{target_name}#{shard}")
+            continue
+        if isinstance(tensor, (Int8Rows, Int8Blocks)) and name in params:  # int8 as it was read
+            model.get_submodule(name.rpartition(".")[0]).load_shard("weight", 0, tensor)
+            loaded.add(name)
+            continue
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {model.config.architecture}")
+        param = params[name]
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(param.shape)}")
+        param.data.copy_(tensor)
+        loaded.add(name)
+    missing = []
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and len(module.output_sizes) > 1:
+            for shard in range(len(module.output_sizes)):
+                if f"{name}.weight#{shard}" not in loaded:
+                    missing.append(f"{name}.weight[{shard}]")
+    for name in params:
+        is_fused = any(our in name for our, _ in fused.values())
+        if not is_fused and name not in loaded and not (
+                name == "lm_head.weight" and model.config.tie_word_embeddings):
+            if name.endswith(".bias"):
+                continue
+            missing.append(name)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:4]}")
+
+
 class LlamaForCausalLM(nn.Module):
     # HF tensor name suffix -> (our parameter suffix, row block of the fused weight)
     FUSED = {
@@ -214,53 +267,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; every parameter must be covered."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            shard_target = None
-            for hf_part, (our_part, shard) in self.FUSED.items():
-                if f".{hf_part}." in f".{name}":
-                    shard_target = (name.replace(hf_part, our_part), shard)
-                    break
-            if shard_target is not None:
-                target_name, shard = shard_target
-                module_name, _, kind = target_name.rpartition(".")
-                module = self.get_submodule(module_name)
-                module.load_shard(kind, shard, tensor)
-                loaded.add(f"{target_name}#{shard}")
-                continue
-            if isinstance(tensor, (Int8Rows, Int8Blocks)) and name in params:  # int8 as it was read
-                self.get_submodule(name.rpartition(".")[0]).load_shard("weight", 0, tensor)
-                loaded.add(name)
-                continue
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}")
-            param = params[name]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            param.data.copy_(tensor)
-            loaded.add(name)
-        missing = []
-        for name, module in self.named_modules():
-            if isinstance(module, Linear) and len(module.output_sizes) > 1:
-                for shard in range(len(module.output_sizes)):
-                    if f"{name}.weight#{shard}" not in loaded:
-                        missing.append(f"{name}.weight[{shard}]")
-        for name in params:
-            is_fused = any(our in name for our, _ in self.FUSED.values())
-            if not is_fused and name not in loaded and not (
-                    name == "lm_head.weight" and self.config.tie_word_embeddings):
-                if name.endswith(".bias"):
-                    continue
-                missing.append(name)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:4]}")
+        load_hf_weights(self, weights, self.FUSED)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

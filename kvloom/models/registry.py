@@ -14,6 +14,7 @@ from kvloom.loader import quantized_checkpoint
 from kvloom.loader.model_config import ModelConfig
 from kvloom.loader.tokenizer import load_tokenizer
 from kvloom.loader.weights import iter_weights
+from kvloom.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvloom.models.llama import LlamaForCausalLM, MistralForCausalLM
 from kvloom.models.phi3 import Phi3ForCausalLM
 from kvloom.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -27,6 +28,8 @@ logger = logging.getLogger("kvloom")
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,

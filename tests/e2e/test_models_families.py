@@ -12,7 +12,7 @@ from kvloom import LLM, SamplingParams
 
 from .test_correctness import assert_no_blocks_held, hf_greedy, kvloom_greedy, mixed_prompts
 
-FAMILIES = ["qwen2", "qwen2_tied", "qwen3", "phi3"]
+FAMILIES = ["qwen2", "qwen2_tied", "qwen3", "phi3", "gemma2", "gemma3"]
 MAX_TOKENS = 12
 
 
@@ -102,3 +102,88 @@ def test_phi3_longrope_equals_transformers_across_the_original_context(
     assert all(len(p) + 20 > 48 for p in prompts)
     llm = LLM(model=model_dir, dtype="float32", max_model_len=256)
     assert kvloom_greedy(llm, prompts, 20) == expected
+
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_gemma3_windows_per_layer_under_every_attention_backend(
+        backend: str, family_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Sliding layers (window 8) beside a global one, prompts up to 60 tokens, prefills chunked by a budget of
+    7 tokens so chunks continue sequences past their window: the native backend's narrowed decode masks and the
+    reference's per-request masks give transformers' tokens too (the C++ kernel: the family tests above)."""
+    model_dir = family_dir("gemma3", family_dirs, tmp_path_factory)
+    prompts = mixed_prompts(400, count=4, seed=6)
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=128, max_num_batched_tokens=7,
+              override_backend_config={"attention_backend": backend})
+    assert kvloom_greedy(llm, prompts, MAX_TOKENS) == expected
+
+
+def test_gemma2_attention_runs_the_reference_with_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    """The C++ kernel has no soft-capping: the op table hands Gemma 2 the reference attention, and says so."""
+    import logging
+
+    from kvloom.ops import reference
+    from kvloom.ops.table import NATIVE_OPS, attention_for
+
+    assert attention_for(NATIVE_OPS, None) is NATIVE_OPS.attention
+    with caplog.at_level(logging.INFO, logger="kvloom"):
+        chosen = attention_for(NATIVE_OPS, 50.0)
+    assert chosen.func is reference.attention_reference and chosen.keywords == {"logit_softcap": 50.0}
+    assert "soft-capping" in caplog.text
+
+
+_GEMMA3_COMMON = {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 400, "hidden_size": 64,
+                  "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                  "hidden_activation": "gelu_pytorch_tanh"}
+
+
+def test_gemma3_config_reads_the_same_in_the_hub_and_transformers5_layouts() -> None:
+    from kvloom.loader.model_config import ModelConfig
+
+    hub = ModelConfig.from_hf_dict(dict(_GEMMA3_COMMON, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                                        sliding_window_pattern=6,
+                                        rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    tf5 = ModelConfig.from_hf_dict(dict(_GEMMA3_COMMON, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                                        rope_parameters={
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                               "rope_theta": 1000000.0}}))
+    for config in (hub, tf5):
+        assert config.layer_sliding_windows == [8] * 5 + [None]
+        assert config.sliding_window is None  # the runner's metadata stays global; layers narrow it
+        assert (config.rope_theta, config.local_rope_theta) == (1000000.0, 10000.0)
+        assert config.rope_scaling["rope_type"] == "linear" and config.rope_scaling["factor"] == 8.0
+        assert config.local_rope_scaling is None and config.qk_norm
+
+
+def test_qwen2_hub_config_without_use_sliding_window_has_no_window() -> None:
+    from kvloom.loader.model_config import ModelConfig
+
+    config = ModelConfig.from_hf_dict({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 400, "hidden_size": 64,
+                                       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                       "sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 28})
+    assert config.sliding_window is None and config.layer_sliding_windows is None and config.qkv_bias
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn' is not supported"),
+    ({"architectures": ["GPTNeoXForCausalLM"]}, "is not supported; supported:"),
+    ({"hidden_activation": "relu"}, "hidden activation 'relu' is not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+])
+def test_unsupported_config_options_are_clear_errors(change: dict, message: str, tmp_path) -> None:
+    import json
+
+    from tiny_models import build_tiny_family_checkpoint
+
+    model_dir = build_tiny_family_checkpoint(str(tmp_path / "phi3"), "phi3")
+    path = f"{model_dir}/config.json"
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config.pop("rope_parameters", None)
+    config.update(change)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=model_dir, dtype="float32", max_model_len=64)
