@@ -79,9 +79,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, intermediate_size: int | None = None) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=config.mlp_bias)
         self.down_proj = Linear(size, [config.hidden_size], bias=config.mlp_bias)
         self.act = SiluAndMul(ops)
@@ -181,14 +181,18 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         param.data.copy_(tensor)
         loaded.add(name)
     missing = []
+    checked_by_module: set[str] = set()  # parameters of modules that say themselves what they lack (experts)
     for name, module in model.named_modules():
+        if hasattr(module, "missing"):
+            missing += [f"{name}.{entry}" for entry in module.missing()]
+            checked_by_module.update(f"{name}.{param}" for param, _ in module.named_parameters(recurse=False))
         if isinstance(module, Linear) and len(module.output_sizes) > 1:
             for shard in range(len(module.output_sizes)):
                 if f"{name}.weight#{shard}" not in loaded:
                     missing.append(f"{name}.weight[{shard}]")
     for name in params:
         is_fused = any(our in name for our, _ in fused.values())
-        if not is_fused and name not in loaded and not (
+        if not is_fused and name not in loaded and name not in checked_by_module and not (
                 name == "lm_head.weight" and model.config.tie_word_embeddings):
             if name.endswith(".bias"):
                 continue

@@ -16,8 +16,10 @@ from kvloom.loader.tokenizer import load_tokenizer
 from kvloom.loader.weights import iter_weights
 from kvloom.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvloom.models.llama import LlamaForCausalLM, MistralForCausalLM
+from kvloom.models.mixtral import MixtralForCausalLM
 from kvloom.models.phi3 import Phi3ForCausalLM
 from kvloom.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from kvloom.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from kvloom.ops.table import Ops
 
 if TYPE_CHECKING:
@@ -30,9 +32,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -124,3 +124,33 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2 * I] laid out as [gate | up] -> [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# ---- mixture of experts ----------------------------------------------------------------------------
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The T * k (token, expert) assignments grouped by expert: (order [T * k], the flat assignment index of
+    each grouped row; token_index [T * k], its token; counts [E], rows per expert). Stable, so within an
+    expert tokens keep their batch order."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order, order // topk_ids.shape[1], torch.bincount(flat, minlength=num_experts)
+
+
+def fused_experts_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over their routed tokens, summed with the routing weights.
+
+    hidden [T, H]; w13 [E, 2I, H] (each expert's gate rows, then up rows); w2 [E, H, I]; topk_weights [T, k];
+    topk_ids [T, k] int64 -> [T, H]. The tokens are grouped by expert once and each expert with tokens runs
+    its two GEMMs once over all of them (a loop over experts, never over tokens)."""
+    order, token_index, counts = sort_by_expert(topk_ids, w13.shape[0])
+    rows = hidden.index_select(0, token_index)  # [T * k, H], grouped by expert
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts.tolist()):  # one host sync per call, for the group sizes
+        if count:
+            group = rows[start:start + count]
+            out[start:start + count] = F.linear(silu_and_mul(F.linear(group, w13[expert])), w2[expert])
+            start += count
+    out *= topk_weights.reshape(-1)[order, None].to(out.dtype)
+    return torch.zeros_like(hidden).index_add_(0, token_index, out)

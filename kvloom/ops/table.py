@@ -50,6 +50,11 @@ PackLinearFn = Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Ten
 PackInt8Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
 
 
+# (hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k]) -> [T, H]: a mixture of
+# experts' SwiGLU MLPs, tokens grouped by expert (ops/reference.py fused_experts_reference).
+FusedExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 # (per-layer weights, shape, hidden size, rotary cos table, sin table) -> a function (embeddings [T, H],
 # positions, kv_caches, metadata) -> (last layer's output, residual stream) running every decoder layer at
 # once, or None where these layers do not qualify.
@@ -82,6 +87,8 @@ class Ops:
     pairs_layout: Callable[[int, int, torch.dtype], bool] | None = None
     # Every Llama decoder layer in one native call (the CPU's csrc/decoder.cpp); None: module by module.
     llama_layer_stack: LayerStackFn | None = None
+    # A mixture of experts' MLPs (layers/moe.py).
+    fused_experts: FusedExpertsFn = reference.fused_experts_reference
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                           dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from kvloom import LLM, SamplingParams
 
 from .test_correctness import assert_no_blocks_held, hf_greedy, kvloom_greedy, mixed_prompts
 
-FAMILIES = ["qwen2", "qwen2_tied", "qwen3", "phi3", "gemma2", "gemma3"]
+FAMILIES = ["qwen2", "qwen2_tied", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"]
 MAX_TOKENS = 12
 
 
