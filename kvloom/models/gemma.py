@@ -76,6 +76,9 @@ class GemmaDecoderLayer(nn.Module):
 
 class Gemma2ForCausalLM(nn.Module):
     FUSED = LlamaForCausalLM.FUSED
+    # SmoothQuant folds into Llama's norms (post_attention_layernorm feeding the MLP); Gemma's MLP reads
+    # pre_feedforward_layernorm, and its norms hold 1 + w: int8 weights here are not smoothed.
+    smoothable = False
 
     def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()

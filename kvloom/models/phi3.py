@@ -32,9 +32,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     uses_layer_stack = False
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
-        super().load_weights(self._split_fused(weights))
+        super().load_weights(self.llama_names(weights))
 
-    def _split_fused(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+    def llama_names(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+        """The checkpoint's tensors with each fused one split into Llama's names (others, and tensors already
+        split, as they come)."""
         config = self.config
         q_size = config.num_attention_heads * config.head_dim
         kv_size = config.num_key_value_heads * config.head_dim

@@ -46,6 +46,7 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
              "shared_expert.up_proj": ("shared_expert.gate_up_proj", 1)}
     # csrc/decoder.cpp's layer stack is Llama's alone: the layers run module by module.
     uses_layer_stack = False
+    supports_int8 = False  # the experts' weights have no int8 path
 
     def make_layer(self, config: ModelConfig, ops: Ops, rotary: RotaryEmbedding, index: int) -> nn.Module:
         sparse = (index not in config.mlp_only_layers and config.num_experts > 0
