@@ -17,6 +17,10 @@ CPU (cpu.PackedInt8BlocksWeight) and torch ops (int8.NativeInt8BlocksLinear) und
 backend; CUDA has no block-scaled kernel, so there they are re-quantized per row once, as they are packed,
 for the Triton weight-only GEMM (the same int8 weights as a per-row load of the same file).
 
+A mixture of experts (``fused_experts``) runs the Triton grouped GEMM on CUDA (triton/moe.py) and the
+plain-torch grouped reference elsewhere. A model whose attention needs a feature the kernels lack (Gemma 2's
+logit soft-cap) gets the reference attention from ``attention_for``, with a log line.
+
 A platform whose kernels cannot be built (no compiler, no Triton) falls back to the native ops, with
 one warning that says why.
 """
@@ -166,12 +170,14 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
 def _cuda_ops() -> Ops:
     try:
         from kvloom.ops import cuda
+        from kvloom.ops.triton import moe as triton_moe
     except ImportError as e:  # no Triton in this environment
         logger.warning("The Triton kernels are not available, so CUDA runs torch's native ops (%s)", e)
         return NATIVE_OPS
     return Ops(name="triton", attention=cuda.attention, rms_norm=cuda.rms_norm, add_rms_norm=cuda.add_rms_norm,
                rotary_embedding=cuda.rotary_embedding, silu_and_mul=cuda.silu_and_mul, argmax=native.argmax,
-               pack_linear_int8=cuda.Int8Linear, pack_linear_int8_blocks=_blocks_as_rows(cuda.Int8Linear))
+               pack_linear_int8=cuda.Int8Linear, pack_linear_int8_blocks=_blocks_as_rows(cuda.Int8Linear),
+               fused_experts=triton_moe.fused_experts)
 
 
 def _blocks_as_rows(pack_rows: PackInt8Fn) -> PackInt8Fn:
