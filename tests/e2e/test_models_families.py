@@ -207,3 +207,38 @@ def test_int8_mixture_of_experts_is_a_clear_error(family_dirs: dict[str, str],
     model_dir = family_dir("mixtral", family_dirs, tmp_path_factory)
     with pytest.raises(ValueError, match="not supported for MixtralForCausalLM"):
         LLM(model=model_dir, dtype="float32", max_model_len=64, quantization="int8")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+def test_prefix_cache_hits_give_the_same_tokens(family: str, family_dirs: dict[str, str],
+                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same prompts twice: the second pass starts from cached blocks (past Gemma 3's window of 8)."""
+    model_dir = family_dir(family, family_dirs, tmp_path_factory)
+    prompts = mixed_prompts(400, count=4, seed=8)
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=128, block_size=16)
+    first = kvloom_greedy(llm, prompts, MAX_TOKENS)
+    hits = llm.llm_engine.kv_cache_manager.prefix_hits
+    assert kvloom_greedy(llm, prompts, MAX_TOKENS) == first == hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert llm.llm_engine.kv_cache_manager.prefix_hits > hits
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe"])
+def test_bf16_fast_path_is_as_close_to_fp32_as_the_reference_path(family: str, family_dirs: dict[str, str],
+                                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    """bf16 on the CPU: the C++ kernels and packed GEMMs (module by module), and plain torch everywhere, each
+    against fp32 through the logprob of every prompt token. Both paths round differently (and a router may
+    flip a near-tie between experts), but a path that dropped a bias or a norm would be off by far more.
+    (Greedy tokens are no measure here: the tiny models' next-token distributions are nearly flat.)"""
+    model_dir = family_dir(family, family_dirs, tmp_path_factory)
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(400, count=6, seed=4)]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    logprobs = {}
+    for dtype, backend in (("float32", "reference"), ("bfloat16", "auto"), ("bfloat16", "reference")):
+        llm = LLM(model=model_dir, dtype=dtype, max_model_len=128,
+                  override_backend_config={"attention_backend": backend})
+        logprobs[dtype, backend] = torch.tensor([next(iter(entry.values())).logprob for out in llm.generate(
+            prompts, params, use_tqdm=False) for entry in out.prompt_logprobs[1:]])
+    exact = logprobs["float32", "reference"]
+    fast = (logprobs["bfloat16", "auto"] - exact).abs().max().item()
+    reference = (logprobs["bfloat16", "reference"] - exact).abs().max().item()
+    assert fast < 0.15 and reference < 0.15, (fast, reference)
