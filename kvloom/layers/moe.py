@@ -1,5 +1,5 @@
 """A mixture of experts: a router picks each token's top-k experts and the experts' SwiGLU MLPs run as one
-fused computation over the tokens grouped by expert (the op table's ``fused_experts``).
+fused computation over the tokens grouped by expert (the op table's ``pack_experts``).
 
 Every expert's weights live in two 3-D tensors, loaded expert by expert from the checkpoint's per-expert
 tensors (the Hub's layout) or whole (transformers 5's in-memory layout):
@@ -11,13 +11,14 @@ tensors (the Hub's layout) or whole (transformers 5's in-memory layout):
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from kvloom.layers.linear import Linear
 from kvloom.ops.int8 import Int8Blocks, Int8Rows
+from kvloom.ops.reference import fused_experts_reference
 from kvloom.ops.table import Ops
 
 # Checkpoint names of an expert's three projections -> (w13 or w2, row block): Mixtral's w1/w3/w2 and
@@ -46,7 +47,8 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
-        self.fused_experts = ops.fused_experts
+        # The op table's prepared experts (process_weights_after_loading); until then the reference runs.
+        self.packed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.loaded: set[tuple[str, int, int]] = set()  # (w13 or w2, expert, row block) filled so far
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor | Int8Rows | Int8Blocks) -> None:
@@ -82,9 +84,20 @@ class FusedMoE(nn.Module):
         wanted += [("w2", e, 0) for e in range(self.num_experts)]
         return [f"{name}[{e}][{b}]" for name, e, b in wanted if (name, e, b) not in self.loaded]
 
+    def process_weights_after_loading(self, ops: Ops) -> None:
+        """Hand the final stacks to the op table's ``pack_experts`` once; the stacks are then released here
+        (the prepared experts hold what they need)."""
+        if self.packed is not None:
+            return
+        self.packed = ops.pack_experts(self.w13.data, self.w2.data)
+        self.w13.data = self.w13.data.new_empty(0, *self.w13.shape[1:])
+        self.w2.data = self.w2.data.new_empty(0, *self.w2.shape[1:])
+
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.renormalize)
-        return self.fused_experts(hidden, self.w13, self.w2, weights, ids)
+        if self.packed is None:
+            return fused_experts_reference(hidden, self.w13, self.w2, weights, ids)
+        return self.packed(hidden, weights, ids)
 
 
 class SparseMoeBlock(nn.Module):

@@ -80,3 +80,24 @@ def test_int8_expert_weights_are_a_clear_error() -> None:
     experts = FusedMoE(2, 1, 32, 24, True, NATIVE_OPS)
     with pytest.raises(ValueError, match="int8 expert weights are not supported"):
         experts.load_expert(0, "w1", Int8Rows.quantize(torch.randn(24, 32)))
+
+
+def test_cpu_bf16_experts_run_packed_and_equal_the_reference() -> None:
+    """On the CPU in bf16 the op table packs each expert for the linears' GEMM (native.PackedExperts); fp32 and
+    the reference backend keep the stacks (ReferenceExperts)."""
+    from kvloom.ops import native, reference
+    from kvloom.ops.table import select_ops
+
+    cpu_bf16 = select_ops(torch.device("cpu"), torch.bfloat16)
+    if cpu_bf16.pack_linear is None:
+        pytest.skip("no packed bf16 GEMM on this CPU")
+    assert select_ops(torch.device("cpu"), torch.float32).pack_experts is reference.ReferenceExperts
+    hidden, w13, w2, logits = random_moe(21, 8, 2)
+    hidden, w13, w2 = hidden.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    experts = FusedMoE(8, 2, 32, 24, True, cpu_bf16)
+    experts.w13.data, experts.w2.data = w13.clone(), w2.clone()
+    expected = experts(hidden, logits)  # not prepared yet: the reference on the stacks
+    experts.process_weights_after_loading(cpu_bf16)
+    assert isinstance(experts.packed, native.PackedExperts)
+    assert experts.w13.numel() == 0  # the stacks are released once packed
+    torch.testing.assert_close(experts(hidden, logits).float(), expected.float(), rtol=2e-2, atol=2e-2)

@@ -59,4 +59,4 @@ def test_triton_fused_experts_equal_the_reference(tokens: int, experts: int, top
 def test_select_ops_on_cuda_runs_experts_in_triton() -> None:
     from kvloom.ops.table import _cuda_ops
 
-    assert _cuda_ops().fused_experts is moe.fused_experts
+    assert _cuda_ops().pack_experts is moe.TritonExperts

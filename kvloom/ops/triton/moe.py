@@ -116,3 +116,14 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     out = torch.empty(assignments, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(out, act, w2, sorted_ids, block_expert, weights, top_k, False, True)
     return out.view(tokens, top_k, -1).sum(dim=1)
+
+
+class TritonExperts:
+    """The experts' stacked weights (made contiguous once) for fused_experts: (hidden, topk_weights, topk_ids)
+    -> [T, H]."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.w13, self.w2 = w13.contiguous(), w2.contiguous()
+
+    def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids)
