@@ -101,3 +101,16 @@ def test_cpu_bf16_experts_run_packed_and_equal_the_reference() -> None:
     assert isinstance(experts.packed, native.PackedExperts)
     assert experts.w13.numel() == 0  # the stacks are released once packed
     torch.testing.assert_close(experts(hidden, logits).float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_tensor_parallel_experts_are_a_clear_error() -> None:
+    from kvloom.layers.moe import SparseMoeBlock
+    from kvloom.layers.tensor_parallel import shard_model_for_tensor_parallel
+
+    layer = torch.nn.Module()
+    layer.self_attn = torch.nn.Module()
+    layer.mlp = SparseMoeBlock(4, 2, 32, 24, True, NATIVE_OPS)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([layer])
+    with pytest.raises(ValueError, match="does not shard SparseMoeBlock"):
+        shard_model_for_tensor_parallel(model, rank=0, world_size=2)
