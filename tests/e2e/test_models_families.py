@@ -242,3 +242,15 @@ def test_bf16_fast_path_is_as_close_to_fp32_as_the_reference_path(family: str, f
     fast = (logprobs["bfloat16", "auto"] - exact).abs().max().item()
     reference = (logprobs["bfloat16", "reference"] - exact).abs().max().item()
     assert fast < 0.15 and reference < 0.15, (fast, reference)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "mixtral"])
+def test_the_llama_layer_stack_is_not_picked_for_other_families(family: str, family_dirs: dict[str, str],
+                                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+    """csrc/decoder.cpp runs Llama's layers only: the other families run module by module even where the op
+    table has the stack (bf16 on the CPU)."""
+    model_dir = family_dir(family, family_dirs, tmp_path_factory)
+    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=64)
+    model = llm.llm_engine.executor.driver.model
+    assert model.ops.llama_layer_stack is not None or model.ops.name != "cpu"
+    assert model.layer_stack is None
