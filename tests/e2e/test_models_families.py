@@ -254,3 +254,15 @@ def test_the_llama_layer_stack_is_not_picked_for_other_families(family: str, fam
     model = llm.llm_engine.executor.driver.model
     assert model.ops.llama_layer_stack is not None or model.ops.name != "cpu"
     assert model.layer_stack is None
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+def test_speculative_decoding_with_a_draft_of_the_same_family(family: str, family_dirs: dict[str, str],
+                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A draft model of the family (here the target itself) proposes 2 tokens a step: greedy output stays
+    transformers'."""
+    model_dir = family_dir(family, family_dirs, tmp_path_factory)
+    prompts = mixed_prompts(400, count=3, seed=9)
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=128,
+              speculative_config={"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2})
+    assert kvloom_greedy(llm, prompts, MAX_TOKENS) == hf_greedy(model_dir, prompts, MAX_TOKENS)
