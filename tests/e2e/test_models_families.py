@@ -266,3 +266,15 @@ def test_speculative_decoding_with_a_draft_of_the_same_family(family: str, famil
     llm = LLM(model=model_dir, dtype="float32", max_model_len=128,
               speculative_config={"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2})
     assert kvloom_greedy(llm, prompts, MAX_TOKENS) == hf_greedy(model_dir, prompts, MAX_TOKENS)
+
+
+def test_qwen2_sliding_window_from_max_window_layers_equals_transformers(tmp_path) -> None:
+    """use_sliding_window with max_window_layers=1: layer 0 global, layer 1 within 8 positions."""
+    from tiny_models import build_tiny_family_checkpoint
+
+    model_dir = build_tiny_family_checkpoint(str(tmp_path / "qwen2-sw"), "qwen2", use_sliding_window=True,
+                                             sliding_window=8, max_window_layers=1)
+    prompts = mixed_prompts(400, count=4, seed=2)
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=128)
+    assert llm.llm_engine.executor.driver.model.config.layer_sliding_windows == [None, 8]
+    assert kvloom_greedy(llm, prompts, MAX_TOKENS) == hf_greedy(model_dir, prompts, MAX_TOKENS)
