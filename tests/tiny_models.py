@@ -422,3 +422,70 @@ def build_tiny_eagle(path: str, target_dir: str, method: str = "eagle", *, seed:
     save_file({name: t.contiguous() for name, t in tensors.items()}, os.path.join(path, "model.safetensors"))
     _write_json(os.path.join(path, "config.json"), config)
     return path
+
+
+# Families beyond Llama: (transformers config class, model class, config defaults). Every distinctive
+# feature is on and binds in a tiny model: windows shorter than the test prompts, soft-caps that the
+# widened weights reach, more experts than top-k, a shared expert.
+_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_theta": 1000000.0, "tie_word_embeddings": False}),
+    "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_theta": 1000000.0, "tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "rope_theta": 1000000.0,
+                                                  "tie_word_embeddings": True}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"tie_word_embeddings": False, "num_key_value_heads": 4,
+                                               "original_max_position_embeddings": 256}),
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", {
+        "tie_word_embeddings": False, "original_max_position_embeddings": 48,
+        "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                         "long_factor": [2.0 + 0.5 * i for i in range(8)]}}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 3.0, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8, "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False, "sliding_window": None}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 96, "norm_topk_prob": False, "tie_word_embeddings": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "tie_word_embeddings": False}),
+}
+
+
+def build_tiny_family_checkpoint(path: str, family: str, *, seed: int = 0, **config_overrides: Any) -> str:
+    """A tiny random checkpoint of another family (_FAMILIES: qwen2, qwen3, phi3, gemma2, gemma3, mixtral,
+    qwen2_moe, qwen3_moe, ...) saved by transformers itself, with the test tokenizer; returns path.
+
+    Norm weights are perturbed too (around 1, or around 0 for Gemma's (1 + w) norms), so a norm loaded into
+    the wrong place, or not at all, changes the tokens."""
+    import torch
+    import transformers
+
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown tiny family {family!r}; choose from {sorted(_FAMILIES)}")
+    config_name, model_name, defaults = _FAMILIES[family]
+    vocab_size = save_tokenizer(path)
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID, dtype="float32",
+    )
+    kwargs.update(copy.deepcopy(defaults))
+    kwargs.update(copy.deepcopy(config_overrides))
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+            else:
+                param.normal_(0.0, 0.3 if "embed" in name else 0.1)
+    model.save_pretrained(path)
+    return path

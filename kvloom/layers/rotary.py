@@ -1,4 +1,4 @@
-"""Rotary position embeddings (HF's rotate-half layout), with Llama-3 frequency scaling."""
+"""Rotary position embeddings (HF's rotate-half layout), with Llama-3, linear and LongRoPE (Phi-3) scaling."""
 
 from __future__ import annotations
 
@@ -32,18 +32,53 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any
         return torch.where(medium, smoothed, scaled).float()
     if kind == "linear":
         return (inv_freq / float(scaling["factor"])).float()
-    raise ValueError(f"rope scaling type {kind!r} is not supported; supported: llama3, linear")
+    raise ValueError(f"rope scaling type {kind!r} is not supported; supported: {', '.join(SUPPORTED_SCALING)}")
+
+
+SUPPORTED_SCALING = ("llama3", "linear", "longrope")
+
+
+def longrope_tables(head_dim: int, max_position: int, theta: float, scaling: dict[str, Any]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """LongRoPE (Phi-3): (cos, sin) [max_position, head_dim / 2], each frequency divided by its factor:
+    ``short_factor`` at positions below ``original_max_position_embeddings``, ``long_factor`` from there on;
+    both tables multiplied by the attention factor (sqrt(1 + ln(s) / ln(original)), s = max / original,
+    unless the config gives ``attention_factor``), as transformers scales its cos and sin.
+
+    Per position, as vLLM does: transformers switches a whole sequence to the long factors once it is
+    longer than the original context, so the two agree on every sequence within it."""
+    original = int(scaling["original_max_position_embeddings"])
+    inv_freq = rope_inverse_frequencies(head_dim, theta, None)
+    tables = []
+    for key in ("short_factor", "long_factor"):
+        factors = torch.tensor(scaling[key], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"longrope {key} must have head_dim / 2 = {inv_freq.numel()} entries, "
+                             f"got {factors.numel()}")
+        tables.append(inv_freq / factors)
+    positions = torch.arange(max_position, dtype=torch.float32)
+    angles = torch.where((positions < original)[:, None], torch.outer(positions, tables[0]),
+                         torch.outer(positions, tables[1]))
+    factor = scaling.get("factor") or max_position / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None = None, ops: Ops = NATIVE_OPS) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        if scaling is not None and scaling.get("rope_type") == "longrope":
+            cos, sin = longrope_tables(head_dim, max_position, theta, scaling)
+        else:
+            inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
+            angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+            cos, sin = angles.cos(), angles.sin()
         # [max_position, head_dim // 2] each; kept fp32 for accuracy at long positions.
-        self.register_buffer("cos_cache", angles.cos(), persistent=False)
-        self.register_buffer("sin_cache", angles.sin(), persistent=False)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
         self.ops = ops
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

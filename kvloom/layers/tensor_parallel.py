@@ -93,6 +93,9 @@ def shard_model_for_tensor_parallel(model: nn.Module, rank: int, world_size: int
         return model
     for layer in model.layers:
         attention = layer.self_attn
+        if not hasattr(layer.mlp, "gate_up_proj"):  # a mixture of experts: its stacks are not sharded yet
+            raise ValueError(f"tensor parallelism does not shard {type(layer.mlp).__name__} (a mixture of experts) "
+                             f"of {type(model).__name__}; use tensor_parallel_size=1")
         for linear in (attention.qkv_proj, attention.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             if type(linear) is not Linear:
                 raise ValueError(f"tensor parallelism supports kvloom's Linear layers, not "

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -14,7 +15,12 @@ from kvloom.loader import quantized_checkpoint
 from kvloom.loader.model_config import ModelConfig
 from kvloom.loader.tokenizer import load_tokenizer
 from kvloom.loader.weights import iter_weights
+from kvloom.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvloom.models.llama import LlamaForCausalLM, MistralForCausalLM
+from kvloom.models.mixtral import MixtralForCausalLM
+from kvloom.models.phi3 import Phi3ForCausalLM
+from kvloom.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from kvloom.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from kvloom.ops.table import Ops
 
 if TYPE_CHECKING:
@@ -25,6 +31,14 @@ logger = logging.getLogger("kvloom")
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
@@ -46,6 +60,13 @@ def process_weights_after_loading(model: nn.Module, ops: Ops) -> None:
         model.prepare_layer_stack()
 
 
+def _llama_names(model: nn.Module, weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """A checkpoint's tensors under Llama's per-projection names where the family fuses them on disk (Phi-3),
+    so that smoothing and int8 quantization as read see the names they know."""
+    split = getattr(model, "llama_names", None)
+    return weights if split is None else split(weights)
+
+
 def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
     """The checkpoint's weights into ``model``; with ``quantization``, as int8 (from the quantized
     checkpoint when one matches, else quantized as read and, with a path, written there)."""
@@ -53,8 +74,18 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
     if engine.quantization is None:
         model.load_weights(iter_weights(config.source))
         return
+    architecture = config.model.architecture
+    if not getattr(model, "supports_int8", True):
+        dense = sorted(name for name, cls in MODEL_REGISTRY.items() if getattr(cls, "supports_int8", True))
+        raise ValueError(f"quantization={engine.quantization!r} is not supported for {architecture} (its expert "
+                         f"weights stay float); int8 runs the dense families: {dense}")
     lm_head = engine.backend.quantize_lm_head
     alpha = smoothing_alpha(engine.backend, config.device)
+    if alpha is not None and not getattr(model, "smoothable", True):
+        # Smoothing folds its factors into Llama's norm layout (layers/smoothing.py); Gemma's norms sit elsewhere.
+        logger.warning("%s's layers are not laid out as SmoothQuant smoothing expects: its int8 weights are "
+                       "quantized without smoothing (int8_smoothing_alpha is not applied)", architecture)
+        alpha = None
     keep_q8_0 = keeps_q8_0_blocks(config.source, engine.backend)
     if keep_q8_0 and alpha is not None:
         chosen = alpha != type(engine.backend).int8_smoothing_alpha  # set by hand: WARNING; the default: INFO
@@ -75,7 +106,7 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
         if state is not None:
             load_int8_state(model, state, lm_head)
             return
-    weights = iter_weights(config.source, keep_q8_0=keep_q8_0)
+    weights = _llama_names(model, iter_weights(config.source, keep_q8_0=keep_q8_0))
     if alpha is not None:
         # Smoothing calibrates on the float model, then folds its factors into the tensors read again.
         model.load_weights(iter_weights(config.source))

@@ -11,7 +11,8 @@ Unused block-table entries point at block 0, the null block, whose keys and valu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,10 +33,35 @@ class AttentionMetadata:
     # query_start_loc as a [B + 1] int64 tensor on the device (kernels that take the whole batch)
     query_start_loc_tensor: torch.Tensor | None = None
     max_query_len: int = 1  # the longest request's new tokens (a kernel's grid size)
+    # with_sliding_window's copies of this step's metadata by window, built once per step and shared by
+    # every layer with that window (models whose layers differ: Gemma 2/3).
+    windowed: dict[int | None, AttentionMetadata] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_requests(self) -> int:
         return len(self.seq_lens_host)
+
+
+def with_sliding_window(metadata: AttentionMetadata, sliding_window: int | None) -> AttentionMetadata:
+    """This step's metadata for a layer that attends within ``sliding_window`` (None: the whole context),
+    where a model's layers differ from the window the metadata was built with. The tensors are shared;
+    only the decode mask (where the step has one) is narrowed: [num_decodes, 1, 1, L], True = attend."""
+    if sliding_window == metadata.sliding_window:
+        return metadata
+    narrowed = metadata.windowed.get(sliding_window)
+    if narrowed is not None:
+        return narrowed
+    decode_mask = metadata.decode_mask
+    if decode_mask is not None:
+        key_pos = torch.arange(decode_mask.shape[-1], device=decode_mask.device)
+        lens = metadata.seq_lens[:decode_mask.shape[0], None]
+        decode_mask = key_pos < lens
+        if sliding_window is not None:
+            decode_mask &= key_pos > lens - 1 - sliding_window
+        decode_mask = decode_mask[:, None, None, :]
+    narrowed = dataclasses.replace(metadata, sliding_window=sliding_window, decode_mask=decode_mask, windowed={})
+    metadata.windowed[sliding_window] = narrowed
+    return narrowed
 
 
 def whole_prefill(lengths: list[int], block_size: int, sliding_window: int | None,

@@ -9,11 +9,13 @@ new keys directly (no cache read); a chunk that continues a sequence gathers its
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from kvloom.ops.metadata import AttentionMetadata
-from kvloom.ops.reference import apply_rotary_reference, causal_mask, gather_sequence, write_kv_cache
+from kvloom.ops.reference import apply_rotary_reference, causal_mask, gather_sequence, grouped_experts, write_kv_cache
 from kvloom.ops.reference import silu_and_mul as silu_and_mul
 
 
@@ -98,3 +100,20 @@ def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     scores = scores.masked_fill(~metadata.decode_mask.view(batch, 1, 1, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(query.dtype)
     return torch.matmul(probs, v.to(query.dtype)).view(batch, num_heads, head_dim)
+
+
+class PackedExperts:
+    """A mixture of experts whose every expert's two weights are packed for the platform's GEMM (``pack_linear``:
+    the CPU's bf16 GEMM), run grouped by expert (reference.grouped_experts): each expert's packed products run
+    once over its tokens. The stacked weights are not kept. (hidden, topk_weights, topk_ids) -> [T, H]."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor,
+                 pack_linear: Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
+                 ) -> None:
+        self.num_experts = w13.shape[0]
+        self.gate_up = [pack_linear(w13[e].contiguous(), None) for e in range(self.num_experts)]
+        self.down = [pack_linear(w2[e].contiguous(), None) for e in range(self.num_experts)]
+
+    def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return grouped_experts(hidden, lambda e, x: self.gate_up[e](x), lambda e, x: self.down[e](x),
+                               self.num_experts, topk_weights, topk_ids)

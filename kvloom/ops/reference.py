@@ -5,6 +5,8 @@ Attention goes one request at a time, in fp32, every key gathered by its slot: s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -76,8 +78,10 @@ def gather_keys_values(key_cache: torch.Tensor, value_cache: torch.Tensor, block
 
 def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-    """query: [T, Hq, D]; key, value: [T, Hkv, D] (this step's); returns [T, Hq, D]."""
+                        metadata: AttentionMetadata, scale: float, logit_softcap: float | None = None
+                        ) -> torch.Tensor:
+    """query: [T, Hq, D]; key, value: [T, Hkv, D] (this step's); returns [T, Hq, D].
+    ``logit_softcap`` (Gemma 2): scores become cap * tanh(scores / cap) before the mask and softmax."""
     write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
     num_heads, head_dim = query.shape[1], query.shape[2]
     group = num_heads // key.shape[1]
@@ -90,6 +94,8 @@ def attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         v = v.repeat_interleave(group, dim=1)
         q = query[start:end].float()  # [Q, Hq, D]
         scores = torch.einsum("qhd,shd->hqs", q, k) * scale
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
         mask = causal_mask(end - start, seq_len, metadata.sliding_window, query.device)
         scores = scores.masked_fill(~mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
@@ -120,3 +126,53 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2 * I] laid out as [gate | up] -> [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# ---- mixture of experts ----------------------------------------------------------------------------
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The T * k (token, expert) assignments grouped by expert: (order [T * k], the flat assignment index of
+    each grouped row; token_index [T * k], its token; counts [E], rows per expert). Stable, so within an
+    expert tokens keep their batch order."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order, order // topk_ids.shape[1], torch.bincount(flat, minlength=num_experts)
+
+
+# One expert's product: (expert, rows [n, K]) -> [n, N].
+ExpertProduct = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def grouped_experts(hidden: torch.Tensor, gate_up: ExpertProduct, down: ExpertProduct, num_experts: int,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over their routed tokens, summed with the routing weights: hidden [T, H], topk_weights
+    [T, k], topk_ids [T, k] int64 -> [T, H]. The tokens are grouped by expert once and each expert with tokens
+    runs its two products once over all of them (a loop over experts, never over tokens)."""
+    order, token_index, counts = sort_by_expert(topk_ids, num_experts)
+    rows = hidden.index_select(0, token_index)  # [T * k, H], grouped by expert
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts.tolist()):  # one host sync per call, for the group sizes
+        if count:
+            group = rows[start:start + count]
+            out[start:start + count] = down(expert, silu_and_mul(gate_up(expert, group)))
+            start += count
+    out *= topk_weights.reshape(-1)[order, None].to(out.dtype)
+    return torch.zeros_like(hidden).index_add_(0, token_index, out)
+
+
+def fused_experts_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor) -> torch.Tensor:
+    """grouped_experts with F.linear on the stacked weights: w13 [E, 2I, H] (each expert's gate rows, then up
+    rows), w2 [E, H, I]."""
+    return grouped_experts(hidden, lambda e, x: F.linear(x, w13[e]), lambda e, x: F.linear(x, w2[e]),
+                           w13.shape[0], topk_weights, topk_ids)
+
+
+class ReferenceExperts:
+    """The experts' stacked weights, run by fused_experts_reference: (hidden, topk_weights, topk_ids) -> [T, H]."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.w13, self.w2 = w13, w2
+
+    def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts_reference(hidden, self.w13, self.w2, topk_weights, topk_ids)

@@ -17,6 +17,11 @@ CPU (cpu.PackedInt8BlocksWeight) and torch ops (int8.NativeInt8BlocksLinear) und
 backend; CUDA has no block-scaled kernel, so there they are re-quantized per row once, as they are packed,
 for the Triton weight-only GEMM (the same int8 weights as a per-row load of the same file).
 
+A mixture of experts (``pack_experts``) runs the Triton grouped GEMM on CUDA (triton/moe.py TritonExperts), each
+expert's products through the packed bf16 GEMM on the CPU (native.PackedExperts), and the plain-torch grouped
+reference elsewhere (fp32 on the CPU, the reference backend). A model whose attention needs a feature the
+kernels lack (Gemma 2's logit soft-cap) gets the reference attention from ``attention_for``, with a log line.
+
 A platform whose kernels cannot be built (no compiler, no Triton) falls back to the native ops, with
 one warning that says why.
 """
@@ -48,6 +53,12 @@ PackLinearFn = Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Ten
 # (qweight int8 [N, K], scale fp32 [N] (or [N, K / 32] for the blocks' op), bias [N] or None) -> a function
 # x [..., K] -> [..., N] (ops/int8.py).
 PackInt8Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
+
+
+# (w13 [E, 2I, H], w2 [E, H, I]) -> a function (hidden [T, H], topk_weights [T, k], topk_ids [T, k]) -> [T, H]:
+# a mixture of experts' SwiGLU MLPs, tokens grouped by expert (ops/reference.py grouped_experts).
+PackExpertsFn = Callable[[torch.Tensor, torch.Tensor], Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                                                  torch.Tensor]]
 
 
 # (per-layer weights, shape, hidden size, rotary cos table, sin table) -> a function (embeddings [T, H],
@@ -82,6 +93,8 @@ class Ops:
     pairs_layout: Callable[[int, int, torch.dtype], bool] | None = None
     # Every Llama decoder layer in one native call (the CPU's csrc/decoder.cpp); None: module by module.
     llama_layer_stack: LayerStackFn | None = None
+    # A mixture of experts' MLPs (layers/moe.py), prepared once from the stacked weights.
+    pack_experts: PackExpertsFn = reference.ReferenceExperts
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                           dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,13 +136,28 @@ def select_ops(device: torch.device, dtype: torch.dtype, attention_backend: str 
     return platform
 
 
+def attention_for(ops: Ops, logit_softcap: float | None = None) -> AttentionFn:
+    """The attention op for a model whose attention needs ``logit_softcap`` (Gemma 2's soft-capped scores):
+    the table's own where it has the feature, else the plain-torch reference (ops/reference.py), which has
+    every feature and reads every cache layout. Sliding windows need nothing here: every kernel masks them."""
+    if logit_softcap is None:
+        return ops.attention
+    if ops.attention is not reference.attention_reference:
+        logger.info("Attention logit soft-capping (%s) is not in the %s attention kernel: this model's attention "
+                    "runs the plain-torch reference (ops/reference.py), which is slower", logit_softcap, ops.name)
+    return functools.partial(reference.attention_reference, logit_softcap=logit_softcap)
+
+
 def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False) -> Ops:
     from kvloom.ops import cpu
 
     fmt = cpu.linear_format(dtype)  # oneDNN's packed GEMM even where our library is not built
     pack = None if fmt is None else (lambda weight, bias: cpu.PackedWeight(weight, bias, fmt, batch_hint))
+    # Experts packed one by one for the same GEMM as the linears (bf16); else the reference's F.linear.
+    pack_experts = reference.ReferenceExperts if pack is None else functools.partial(native.PackedExperts,
+                                                                                     pack_linear=pack)
     if not cpu.cpu_kernel_available():
-        return dataclasses.replace(NATIVE_OPS, pack_linear=pack)
+        return dataclasses.replace(NATIVE_OPS, pack_linear=pack, pack_experts=pack_experts)
     # csrc/gemm_int8.cpp for float32 and bfloat16 activations alike, where its AVX-512 or AVX2 kernels are built.
     pack_int8, pack_int8_blocks = int8.NativeInt8Linear, int8.NativeInt8BlocksLinear
     if cpu.int8_kernels_available():
@@ -141,18 +169,20 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
     return Ops(name="cpu", attention=cpu.attention, rms_norm=cpu.rms_norm, add_rms_norm=cpu.add_rms_norm,
                rotary_embedding=cpu.rotary_embedding, silu_and_mul=cpu.silu_and_mul, argmax=cpu.argmax,
                pack_linear=pack, pack_linear_int8=pack_int8, pack_linear_int8_blocks=pack_int8_blocks,
-               pairs_layout=cpu.pairs_layout, llama_layer_stack=cpu.llama_layer_stack)
+               pairs_layout=cpu.pairs_layout, llama_layer_stack=cpu.llama_layer_stack, pack_experts=pack_experts)
 
 
 def _cuda_ops() -> Ops:
     try:
         from kvloom.ops import cuda
+        from kvloom.ops.triton import moe as triton_moe
     except ImportError as e:  # no Triton in this environment
         logger.warning("The Triton kernels are not available, so CUDA runs torch's native ops (%s)", e)
         return NATIVE_OPS
     return Ops(name="triton", attention=cuda.attention, rms_norm=cuda.rms_norm, add_rms_norm=cuda.add_rms_norm,
                rotary_embedding=cuda.rotary_embedding, silu_and_mul=cuda.silu_and_mul, argmax=native.argmax,
-               pack_linear_int8=cuda.Int8Linear, pack_linear_int8_blocks=_blocks_as_rows(cuda.Int8Linear))
+               pack_linear_int8=cuda.Int8Linear, pack_linear_int8_blocks=_blocks_as_rows(cuda.Int8Linear),
+               pack_experts=triton_moe.TritonExperts)
 
 
 def _blocks_as_rows(pack_rows: PackInt8Fn) -> PackInt8Fn:
