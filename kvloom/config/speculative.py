@@ -13,8 +13,8 @@ from kvloom.config.compat import speculative_values
 class SpeculativeConfig:
     """Speculative decoding (vLLM's ``speculative_config``): which proposer, and how many tokens it drafts.
 
-    ``ngram`` looks drafts up in the request's own tokens (the scheduler proposes them); ``draft_model``,
-    ``eagle`` and ``eagle3`` run a second model (``model``) in the model runner after each step.
+    Every proposer runs in the model runner after each step: ``ngram`` looks drafts up in the request's own
+    tokens; ``draft_model``, ``eagle`` and ``eagle3`` run a second model (``model``).
     """
 
     method: str
@@ -23,8 +23,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     model: str | None = None  # the draft model or EAGLE head (a HF directory or .gguf file)
     max_model_len: int | None = None  # no drafts proposed at or past this position (the draft's own limit)
-    # No drafts in a step while this many requests (or more) are running (vLLM's key). Without it the
-    # measured cost of a verified token decides (spec_decode/adaptive.py), which at large batches is the same.
+    # No drafts in a step while this many requests (or more) are running (vLLM's key). Without it the policy's
+    # cost model decides (spec_decode/policy.py), which at large batches comes to the same.
     disable_by_batch_size: int | None = None
     # "int8": the draft model's or EAGLE head's projections (and a head's own LM head) stored as int8 per row,
     # quantized as loaded: a guess at batch 1 reads half the bytes.
@@ -36,7 +36,7 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        """True when the runner proposes the drafts (with a second model), not the scheduler."""
+        """True when the drafts come from a second model (whose own KV needs lookahead slots), not n-gram lookup."""
         return self.method in self.MODEL_METHODS
 
     @classmethod
