@@ -133,14 +133,8 @@ def cmd_latency(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"throughput": cmd_throughput, "latency": cmd_latency}
-    if not argv or argv[0] not in commands:
-        print(__doc__, file=sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    try:
-        return commands[argv[0]](argv[1:])
-    except ValueError as e:
-        raise SystemExit(f"hf_bench.py {argv[0]}: error: {e}") from None
+    return common.run_subcommand("hf_bench.py", __doc__, {"throughput": cmd_throughput, "latency": cmd_latency},
+                                 argv)
 
 
 if __name__ == "__main__":

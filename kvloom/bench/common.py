@@ -20,7 +20,7 @@ import platform
 import resource
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -357,3 +357,16 @@ def parse_engine_args(items: Sequence[str] | None) -> dict[str, Any]:
         except json.JSONDecodeError:
             kwargs[key.strip().replace("-", "_")] = raw
     return kwargs
+
+
+def run_subcommand(prog: str, doc: str | None, commands: dict[str, Callable[[list[str]], int]],
+                   argv: list[str]) -> int:
+    """A script's ``throughput`` / ``latency`` subcommands: the doc (exit 0 for -h, 2 otherwise) without one,
+    and a ValueError as a one-line ``prog sub: error: ...`` exit."""
+    if not argv or argv[0] not in commands:
+        print(doc, file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    try:
+        return commands[argv[0]](argv[1:])
+    except ValueError as e:
+        raise SystemExit(f"{prog} {argv[0]}: error: {e}") from None
