@@ -60,8 +60,9 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name
                      for name in ("fused_ops.cpp", "gemm.cpp", "gemm_int8.cpp", "gemm_q4.cpp", "parallel.cpp",
                                   "decoder.cpp")))
-# Included by them: the ISA flags (all) and the thread pool's loops.
-HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_capability.h", "kernels.h", "parallel.h"))
+# Included by them: the ISA flags (all), the thread pool's loops and the int8/4-bit GEMMs' AVX2 columns.
+HEADERS = tuple(Path(__file__).parent / "csrc" / name
+                for name in ("cpu_capability.h", "kernels.h", "parallel.h", "avx2_columns.h"))
 # Tried in order: built for the ISA level in force (kvloom.cpu_capability: this CPU's own -march=native, or
 # the capped level's baseline), then portable (for compilers that reject those flags).
 PORTABLE = ("portable", [])

@@ -34,6 +34,7 @@
 // layout is read by plain loops; `portable=True` runs those anywhere, so tests pin both against the references. All three
 // products walk the panels with one loop (for_each_panel) and differ only in their micro-kernels.
 
+#include "avx2_columns.h"
 #include "cpu_capability.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -134,6 +135,20 @@ Shapes check_arguments(const char* name, const at::Tensor& y, const at::Tensor& 
 }
 
 // ---- activations ----------------------------------------------------------------------------------
+// x[begin, K) to q + shift by scalar steps (a true fp32 division, rounding to even, the clamp), zeros (q =
+// shift) over [K, Kp); returns the sum of those q.
+template <typename T>
+int32_t quantize_codes(const T* x, int64_t begin, int64_t K, int64_t Kp, float scale, int32_t shift, uint8_t* q) {
+  int32_t sum = 0;
+  for (int64_t k = begin; k < K; ++k) {
+    const float r = std::min(kQmax, std::max(-kQmax, std::nearbyint(static_cast<float>(x[k]) / scale)));
+    sum += static_cast<int32_t>(r);
+    q[k] = static_cast<uint8_t>(static_cast<int32_t>(r) + shift);
+  }
+  for (int64_t k = K; k < Kp; ++k) q[k] = static_cast<uint8_t>(shift);
+  return sum;
+}
+
 // One row of x to q + shift (u8 q + 128, or the s8 q itself with shift 0) and its scale, as
 // quantize_per_token: scale = amax / 127 (1 for a zero row), q = round_half_even(x / scale) clamped to
 // +-127. Columns K..Kp-1 get q = 0. The division is a true fp32 division (not a product with 1 / scale),
@@ -205,14 +220,8 @@ float quantize_row_avx2(const T* x, int64_t K, int64_t Kp, int32_t shift, uint8_
   }
   alignas(32) int32_t parts[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(parts), sums);
-  int32_t sum = 0;
+  int32_t sum = quantize_codes(x, K8, K, Kp, scale, shift, q);
   for (int32_t v : parts) sum += v;
-  for (int64_t k = K8; k < K; ++k) {
-    const float r = std::min(kQmax, std::max(-kQmax, std::nearbyint(static_cast<float>(x[k]) / scale)));
-    sum += static_cast<int32_t>(r);
-    q[k] = static_cast<uint8_t>(static_cast<int32_t>(r) + shift);
-  }
-  for (int64_t k = K; k < Kp; ++k) q[k] = static_cast<uint8_t>(shift);
   if (code_sum) *code_sum = sum;
   return scale;
 }
@@ -223,13 +232,7 @@ float quantize_row_portable(const T* x, int64_t K, int64_t Kp, int32_t shift, ui
   float amax = 0.0f;
   for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[k])));
   const float scale = amax > 0.0f ? amax / kQmax : 1.0f;
-  int32_t sum = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    const float r = std::min(kQmax, std::max(-kQmax, std::nearbyint(static_cast<float>(x[k]) / scale)));
-    sum += static_cast<int32_t>(r);
-    q[k] = static_cast<uint8_t>(static_cast<int32_t>(r) + shift);
-  }
-  for (int64_t k = K; k < Kp; ++k) q[k] = static_cast<uint8_t>(shift);
+  const int32_t sum = quantize_codes(x, 0, K, Kp, scale, shift, q);
   if (code_sum) *code_sum = sum;
   return scale;
 }
@@ -349,33 +352,8 @@ inline __m256i dot_groups(__m256i acc, __m256i w_abs, __m256i w, __m256i x, __m2
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)), ones));
 }
 
-inline __m256i broadcast_word(const int8_t* p) {
-  int32_t word;
-  std::memcpy(&word, p, sizeof(word));
-  return _mm256_set1_epi32(word);
-}
-
-// Columns [0, count) of a panel's scales or bias (zeros past them: nothing is read past N).
-inline __m256 load_columns(const float* p, int64_t count) {
-  if (count == 8) return _mm256_loadu_ps(p);
-  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(count)),
-                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  return _mm256_maskload_ps(p, mask);
-}
-
-// Columns [0, count) of an 8-column vector of results into y, rounded once to T.
-template <typename T>
-inline void store_avx2(T* y, __m256 v, int64_t count) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (count == 8) {
-      _mm256_storeu_ps(y, v);
-      return;
-    }
-  }
-  alignas(32) float out[8];
-  _mm256_store_ps(out, v);
-  for (int64_t c = 0; c < count; ++c) y[c] = static_cast<T>(out[c]);
-}
+using kvloom::avx2::broadcast_word;
+using kvloom::avx2::load_columns;
 
 // R rows of y for one panel, 16 columns at a time. xq: s8 rows of Kp = 4 * groups codes; the epilogue is
 // w8a8_portable_panel's (the same int32 sums, the same fp32 operations).
@@ -408,7 +386,8 @@ inline void w8a8_avx2_kernel(const int8_t* xq, int64_t ldq, const float* x_scale
       KVLOOM_UNROLL
       for (int r = 0; r < R; ++r) {
         const __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(x_scale[r]));
-        store_avx2(y + r * ldy + c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), s, b), count);
+        const __m256 sums = _mm256_cvtepi32_ps(acc[r][h]);
+        kvloom::avx2::store_columns(y + r * ldy + c, _mm256_fmadd_ps(sums, s, b), count);
       }
     }
   }
@@ -851,7 +830,8 @@ inline void w8a8_blocks_avx2_kernel(const int8_t* xq, int64_t ldq, const float* 
       if (count <= 0) break;
       const __m256 bv = bias ? load_columns(bias + c, count) : _mm256_setzero_ps();
       KVLOOM_UNROLL
-      for (int r = 0; r < R; ++r) store_avx2(y + r * ldy + c, _mm256_add_ps(acc[r][h], bv), count);
+      for (int r = 0; r < R; ++r)
+        kvloom::avx2::store_columns(y + r * ldy + c, _mm256_add_ps(acc[r][h], bv), count);
     }
   }
 }

@@ -18,6 +18,7 @@
 // scales[panel][block][2][8] fp32 (d, then m, per column; zero past N). Without AVX2 the same layout is read
 // by plain loops (`portable=True` runs those anywhere): the same integers and fp32 steps, bit for bit.
 
+#include "avx2_columns.h"
 #include "cpu_capability.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -52,31 +53,9 @@ constexpr int64_t kRowChunk = 256;         // rows whose codes stay in L2 while 
 // One panel's block of y for rows [0, R): xq s8 codes (stride ldq), dx scales and sx = dx * code sum per
 // (row, block) (stride lds); panel: the panel's packed bytes; scales: its [blocks][2][8].
 #if defined(KVLOOM_Q4_AVX2)
-template <typename T>
-inline void store_columns(T* y, __m256 v, int64_t count) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (count == kPanel) {
-      _mm256_storeu_ps(y, v);
-      return;
-    }
-  }
-  alignas(32) float out[8];
-  _mm256_store_ps(out, v);
-  for (int64_t c = 0; c < count; ++c) y[c] = static_cast<T>(out[c]);
-}
-
-inline __m256 load_columns(const float* p, int64_t count) {
-  if (count == kPanel) return _mm256_loadu_ps(p);
-  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(count)),
-                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  return _mm256_maskload_ps(p, mask);
-}
-
-inline __m256i broadcast_word(const int8_t* p) {
-  int32_t word;
-  std::memcpy(&word, p, sizeof(word));
-  return _mm256_set1_epi32(word);
-}
+using kvloom::avx2::broadcast_word;
+using kvloom::avx2::load_columns;
+using kvloom::avx2::store_columns;
 
 template <int R, typename T>
 inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, int64_t lds,
