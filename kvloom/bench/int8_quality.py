@@ -134,7 +134,7 @@ _RSS_CHILD = """
 import json, sys
 from kvloom import LLM
 quantization, backend = sys.argv[2] or None, json.loads(sys.argv[3])
-llm = LLM(model=sys.argv[1], dtype="bfloat16", quantization=quantization, max_model_len=256,
+llm = LLM(model=sys.argv[1], dtype="bfloat16", quantization=quantization or "none", max_model_len=256,
           kv_cache_memory="64MiB", override_backend_config=backend if quantization else None)
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 print(json.dumps({key: int(status[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}))
@@ -171,8 +171,9 @@ def measure(model: str, quantization: str | None, max_tokens: int, ppl_tokens: i
 
     overrides = int8_backend(lm_head, activations, smoothing_alpha, gguf_blocks) if quantization else None
     start = time.perf_counter()
-    llm = LLM(model=model, dtype="bfloat16", quantization=quantization, max_model_len=max(window + 1, 256),
-              override_backend_config=overrides)
+    # The baseline is bf16: a 4-bit GGUF dequantized ("none"), not kept 4-bit as by default.
+    llm = LLM(model=model, dtype="bfloat16", quantization=quantization or "none",
+              max_model_len=max(window + 1, 256), override_backend_config=overrides)
     load_s = time.perf_counter() - start
     text_ids = llm.get_tokenizer().encode(reference_text())[:ppl_tokens]
     backend = llm.llm_engine.config.backend

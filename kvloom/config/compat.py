@@ -23,6 +23,10 @@ ARGUMENT_ALIASES: dict[str, str] = {"override_neuron_config": "override_backend_
 
 # Weight quantization names: vLLM's "int8" and the seeds' "s8" (NEURON_QUANT_DTYPE) mean the same.
 QUANTIZATION_ALIASES: dict[str, str] = {"int8": "int8", "s8": "int8"}
+# How a checkpoint that is quantized already is held (vLLM's quantization="gguf"): "gguf" keeps a GGUF's 4-bit
+# and Q8_0 blocks as stored (the default for a GGUF that has 4-bit projections); "none" dequantizes every
+# weight at load.
+CHECKPOINT_QUANTIZATIONS = ("gguf", "none")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -53,11 +57,14 @@ def canonical_dtype(dtype: Any) -> str:
     return name
 
 
-def canonical_quantization(name: Any, where: str = "quantization") -> str:
-    """'int8' from 'int8' or the seeds' 's8'."""
-    quantization = QUANTIZATION_ALIASES.get(str(name).lower())
+def canonical_quantization(name: Any, where: str = "quantization", checkpoint_formats: bool = False) -> str:
+    """'int8' from 'int8' or the seeds' 's8'; with ``checkpoint_formats`` also 'gguf' and 'none'."""
+    allowed = dict(QUANTIZATION_ALIASES)
+    if checkpoint_formats:
+        allowed.update({name: name for name in CHECKPOINT_QUANTIZATIONS})
+    quantization = allowed.get(str(name).lower())
     if quantization is None:
-        raise ValueError(f"{where} must be one of {sorted(QUANTIZATION_ALIASES)}, got {name!r}")
+        raise ValueError(f"{where} must be one of {sorted(allowed)}, got {name!r}")
     return quantization
 
 

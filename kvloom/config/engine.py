@@ -64,7 +64,9 @@ class EngineConfig:
                                      "length)")
     quantization: str | None = knob("model", None,
                                     "weight quantization: 'int8' (per-channel int8 weights, quantized at load; "
-                                    "'s8' is the seeds' name)")
+                                    "'s8' is the seeds' name), 'gguf' (a GGUF's 4-bit and Q8_0 blocks kept as "
+                                    "stored: the default for a GGUF with 4-bit projections) or 'none' (every "
+                                    "weight dequantized at load)")
     quantized_checkpoint_path: str | None = knob(
         "model", None, "with quantization: a safetensors file of the quantized weights, written at the first load "
         "and read (without quantizing again) at later ones")
@@ -202,11 +204,11 @@ class EngineConfig:
         self.backend = BackendConfig.from_overrides(self.override_backend_config)
         self.structured_outputs = StructuredOutputsConfig.from_value(self.structured_outputs_config)
         if self.quantization is not None:
-            self.quantization = canonical_quantization(self.quantization)
+            self.quantization = canonical_quantization(self.quantization, checkpoint_formats=True)
         else:
             self.quantization = quantization_from_backend(self.backend.quantized,
                                                                  self.backend.quantization_dtype)
-        if self.quantized_checkpoint_path is not None and self.quantization is None:
+        if self.quantized_checkpoint_path is not None and self.quantization != "int8":
             raise ValueError("quantized_checkpoint_path needs quantization='int8' (or override_backend_config "
                              "{\"quantized\": true})")
         self.speculative = SpeculativeConfig.from_engine_args(self.speculative_config, self.speculative_model,

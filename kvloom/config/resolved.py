@@ -54,6 +54,7 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         raise ValueError(f"max_model_len={max_model_len} is longer than the model's context "
                          f"length ({model_max} tokens); use max_model_len <= {model_max}")
     settle_buckets(config, device.type)
+    settle_quantization(config, source)
     return ResolvedConfig(
         engine=config, model=model_config, source=source, device=device,
         dtype=resolve_dtype(config.dtype, model_config.torch_dtype, device),
@@ -75,3 +76,19 @@ def settle_buckets(config: EngineConfig, device_type: str) -> None:
     logger.warning("%s: bucketing applies to CUDA (decode batches replayed from CUDA graphs); the CPU runs every "
                    "shape as it comes, so they are ignored here", ", ".join(named))
     config.backend = dataclasses.replace(backend, enable_bucketing=False)
+
+
+def settle_quantization(config: EngineConfig, source: ModelSource) -> None:
+    """``quantization`` against the checkpoint: None becomes 'gguf' for a GGUF whose projections are 4-bit (kept
+    4-bit, as vLLM does for GGUF), 'none' becomes None (everything dequantized at load); 'gguf' needs a GGUF."""
+    from kvloom.loader import gguf
+
+    if config.quantization == "none":
+        config.quantization = None
+    elif config.quantization == "gguf" and source.kind != "gguf":
+        raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized blocks, but {source.path} is a "
+                         f"{source.kind} checkpoint; use quantization=None or 'int8'")
+    elif config.quantization is None and source.kind == "gguf" and gguf.has_4bit_projections(source.path):
+        logger.info("Keeping the GGUF's 4-bit weights 4-bit (quantization='gguf'); quantization='none' "
+                    "dequantizes them at load instead")
+        config.quantization = "gguf"

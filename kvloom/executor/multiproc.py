@@ -55,7 +55,7 @@ from kvloom import cpu_affinity
 from kvloom.config import ResolvedConfig
 from kvloom.executor.base import LockstepExecutor
 from kvloom.executor.spawn import main_module_hidden
-from kvloom.layers.quantization import keeps_q8_0_blocks
+from kvloom.layers.quantization import holds_blocks
 from kvloom.layers.tensor_parallel import ProcessGroupLike, validate_tensor_parallel
 from kvloom.worker.model_runner import ModelInputs, ModelRunner
 
@@ -335,8 +335,8 @@ class MultiprocExecutor(LockstepExecutor):
     def __init__(self, config: ResolvedConfig) -> None:
         world_size = config.engine.tensor_parallel_size
         device = config.device
-        validate_tensor_parallel(config.model, world_size, device, int8_blocks=config.engine.quantization is not None
-                                 and keeps_q8_0_blocks(config.source, config.engine.backend))
+        blocks = holds_blocks(config.engine.quantization, config.source, config.engine.backend)
+        validate_tensor_parallel(config.model, world_size, device, int8_blocks=blocks)
         self.world_size = world_size
         backend = "nccl" if device.type == "cuda" else "gloo"
         # On the CPU: rank r's cores (None: unpinned) and torch threads. CUDA ranks are not pinned.

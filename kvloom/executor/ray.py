@@ -51,7 +51,7 @@ from kvloom.executor.multiproc import (
     new_process_group,
     threads_per_rank,
 )
-from kvloom.layers.quantization import keeps_q8_0_blocks
+from kvloom.layers.quantization import holds_blocks
 from kvloom.layers.tensor_parallel import ProcessGroupLike, validate_tensor_parallel
 from kvloom.worker.model_runner import ModelInputs, ModelRunner
 
@@ -211,8 +211,8 @@ class RayExecutor(LockstepExecutor):
     def __init__(self, config: ResolvedConfig) -> None:
         world_size = config.engine.tensor_parallel_size
         device = config.device
-        validate_tensor_parallel(config.model, world_size, device, int8_blocks=config.engine.quantization is not None
-                                 and keeps_q8_0_blocks(config.source, config.engine.backend))
+        blocks = holds_blocks(config.engine.quantization, config.source, config.engine.backend)
+        validate_tensor_parallel(config.model, world_size, device, int8_blocks=blocks)
         ray_cluster.connect("distributed_executor_backend='ray'")
         self.world_size = world_size
         backend = "nccl" if device.type == "cuda" else "gloo"

@@ -10,6 +10,10 @@ op table's ``pack_linear_int8`` then prepares them for the platform's int8 produ
 GGUF Q8_0 blocks (``Int8Blocks``) keeps a scale per row and block of 32 inputs, ``weight_scale`` [out, in / 32],
 and is prepared by ``pack_linear_int8_blocks``; a fused layer with some shards in blocks and some in rows
 holds all of them as blocks (a row's scale repeated over its blocks, exactly).
+
+A GGUF's 4-bit weights (``quantization="gguf"``) arrive as ``Q4Blocks`` and stay 4-bit in ``q4``; the op
+table's ``pack_linear_q4`` prepares them. A fused layer whose shards are not all 4-bit (a Q4_K_M file's Q6_K
+v next to Q4_K q and k) is dequantized whole to float at packing: one product per layer.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvloom.ops import int8
+from kvloom.ops.q4 import Q4Blocks, q4_linear_reference
 from kvloom.ops.table import Ops
 
 
@@ -38,6 +43,10 @@ class Linear(nn.Module):
         self.qweight: torch.Tensor | None = None
         self.weight_scale: torch.Tensor | None = None
         self.packed: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # 4-bit storage (a GGUF's Q4 blocks kept): codes uint8 [out, in], d and m fp32 [out, in / 32]; the shards
+        # (indices into output_sizes) that arrived 4-bit.
+        self.q4: Q4Blocks | None = None
+        self.q4_shards: set[int] = set()
 
     @property
     def quantized(self) -> bool:
@@ -48,12 +57,16 @@ class Linear(nn.Module):
         """Whether the int8 weight has a scale per block of 32 inputs (GGUF Q8_0) rather than per row."""
         return self.weight_scale is not None and self.weight_scale.dim() == 2
 
-    def load_shard(self, name: str, shard: int, tensor: torch.Tensor | int8.Int8Rows | int8.Int8Blocks) -> None:
+    def load_shard(self, name: str, shard: int,
+                   tensor: torch.Tensor | int8.Int8Rows | int8.Int8Blocks | Q4Blocks) -> None:
         """Copy one HF tensor into row block ``shard`` of the fused weight (or bias); int8 rows or blocks (a
         weight quantized as it was read, or a GGUF Q8_0 kept) go to the int8 storage, which the first of
-        them creates."""
+        them creates, and 4-bit blocks to the 4-bit storage."""
         start = sum(self.output_sizes[:shard])
         size = self.output_sizes[shard]
+        if isinstance(tensor, Q4Blocks):
+            self._load_q4_shard(name, shard, start, size, tensor)
+            return
         if isinstance(tensor, (int8.Int8Rows, int8.Int8Blocks)):
             if name != "weight":
                 raise ValueError(f"int8 weights can only fill a weight, not a {name}")
@@ -81,6 +94,34 @@ class Linear(nn.Module):
             raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected {expected}")
         target.data[start:start + size].copy_(tensor)
 
+    def _load_q4_shard(self, name: str, shard: int, start: int, size: int, tensor: Q4Blocks) -> None:
+        if name != "weight":
+            raise ValueError(f"4-bit blocks can only fill a weight, not a {name}")
+        if tuple(tensor.shape) != (size, self.in_features):
+            raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected {(size, self.in_features)}")
+        if self.q4 is None:
+            out_features, blocks = sum(self.output_sizes), self.in_features // int8.BLOCK
+            self.q4 = Q4Blocks(torch.zeros(out_features, self.in_features, dtype=torch.uint8),
+                               torch.zeros(out_features, blocks), torch.zeros(out_features, blocks))
+        for target, part in zip(self.q4, tensor):
+            target[start:start + size].copy_(part)
+        self.q4_shards.add(shard)
+
+    def _q4_to_float(self) -> None:
+        """A layer only partly 4-bit: every shard in float (its 4-bit rows dequantized, int8 ones too)."""
+        weight = self.weight.data
+        if self.qweight is not None:  # int8 shards beside the 4-bit ones
+            scales = self.weight_scale
+            values = (int8.Int8Blocks(self.qweight, scales).dequantize() if self.blocks
+                      else self.qweight.float() * scales[:, None])
+            weight, self.qweight, self.weight_scale = values.to(weight.dtype), None, None
+        values = self.q4.dequantize()
+        for shard in self.q4_shards:
+            start, size = sum(self.output_sizes[:shard]), self.output_sizes[shard]
+            weight[start:start + size] = values[start:start + size].to(weight.dtype)
+        self.weight.data = weight
+        self.q4, self.q4_shards = None, set()
+
     def quantize(self) -> None:
         """Store the weight as int8 with a scale per output row; the float weight is released."""
         qweight, scale = int8.quantize_per_channel(self.weight.data)
@@ -107,6 +148,14 @@ class Linear(nn.Module):
         if self.packed is not None:
             return
         bias = None if self.bias is None else self.bias.data
+        if self.q4 is not None and len(self.q4_shards) < len(self.output_sizes):
+            self._q4_to_float()
+        if self.q4 is not None:
+            device = self.weight.device  # the 4-bit storage is no parameter: it follows the model's device here
+            self.packed = ops.pack_linear_q4(Q4Blocks(*(t.to(device) for t in self.q4)), bias)
+            self.q4 = None
+            self.weight.data = self.weight.data.new_empty(0, self.in_features)
+            return
         if self.qweight is not None:
             pack = ops.pack_linear_int8_blocks if self.blocks else ops.pack_linear_int8
             self.packed = pack(self.qweight, self.weight_scale, bias)
@@ -120,6 +169,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(x)
+        if self.q4 is not None:
+            return q4_linear_reference(x, self.q4, self.bias)
         if self.qweight is not None:
             product = int8.w8a8_blocks_linear_reference if self.blocks else int8.int8_linear_reference
             return product(x, self.qweight, self.weight_scale, self.bias)

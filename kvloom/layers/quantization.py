@@ -25,6 +25,7 @@ from kvloom.layers.embedding import LMHead, VocabEmbedding
 from kvloom.layers.linear import Linear
 from kvloom.loader import gguf
 from kvloom.ops.int8 import Int8Blocks, Int8Rows
+from kvloom.ops.q4 import Q4Blocks
 
 if TYPE_CHECKING:
     from kvloom.config import BackendConfig
@@ -54,6 +55,25 @@ def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks]], l
             yield name, Int8Rows.quantize(tensor)
         else:
             yield name, tensor
+
+
+def kept_as_stored(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks]]
+                   ) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks]]:
+    """``quantization="gguf"``: the projections' 4-bit and Q8_0 blocks as the file stores them; any other tensor
+    kept in blocks (a 4-bit embedding or head) dequantized, since only the projections have block products."""
+    for name, tensor in weights:
+        if isinstance(tensor, (Int8Blocks, Q4Blocks)) and not name.endswith(LINEAR_WEIGHTS):
+            yield name, tensor.dequantize()
+        else:
+            yield name, tensor
+
+
+def holds_blocks(quantization: str | None, source: ModelSource, backend: BackendConfig) -> bool:
+    """Whether the projections hold blocks of 32 inputs (GGUF 4-bit or Q8_0 kept), which a row-parallel split
+    must keep whole."""
+    if quantization == "gguf":
+        return True
+    return quantization == "int8" and keeps_q8_0_blocks(source, backend)
 
 
 def finish_int8(model: nn.Module, lm_head: bool) -> None:

@@ -32,6 +32,7 @@ from torch import nn
 from kvloom.layers.linear import Linear
 from kvloom.loader.model_config import ModelConfig
 from kvloom.ops.int8 import BLOCK
+from kvloom.ops.q4 import Q4Blocks
 
 # A torch.distributed process group, or a c10d backend object such as dist.ProcessGroupGloo(...)
 # (anything dist.all_reduce accepts as its group).
@@ -124,8 +125,10 @@ def _shard_columns_out(linear: Linear, rank: int, world_size: int) -> None:
 
     if linear.quantized:  # int8 rows and their scales are cut like float rows
         linear.qweight, linear.weight_scale = keep(linear.qweight).data, keep(linear.weight_scale).data
-    else:
+    elif linear.weight.numel():
         linear.weight = keep(linear.weight.data)
+    if linear.q4 is not None:  # 4-bit rows too, with their scales and offsets
+        linear.q4 = Q4Blocks(*(keep(t).data for t in linear.q4))
     if linear.bias is not None:
         linear.bias = keep(linear.bias.data)
     linear.output_sizes = sizes
@@ -142,6 +145,14 @@ def _shard_rows_in(linear: Linear, rank: int, world_size: int, group: ProcessGro
             raise ValueError(_cuts_blocks("layer's inputs", linear.in_features, world_size))
         blocks = size // BLOCK
         linear.weight_scale = linear.weight_scale[:, rank * blocks:(rank + 1) * blocks].contiguous()
+    if linear.q4 is not None:  # a rank keeps its inputs' codes and their blocks' scales and offsets
+        if size % BLOCK:
+            raise ValueError(_cuts_blocks("layer's inputs", linear.in_features, world_size))
+        blocks = size // BLOCK
+        codes, d, m = linear.q4
+        linear.q4 = Q4Blocks(codes[:, rank * size:(rank + 1) * size].contiguous(),
+                             d[:, rank * blocks:(rank + 1) * blocks].contiguous(),
+                             m[:, rank * blocks:(rank + 1) * blocks].contiguous())
     if linear.quantized:  # per-row scales apply to every rank's partial sum: every rank keeps all of them
         linear.qweight = linear.qweight[:, rank * size:(rank + 1) * size].contiguous()
         linear.weight.data = linear.weight.data.new_empty(0, size)
@@ -161,5 +172,6 @@ def _shard_rows_in(linear: Linear, rank: int, world_size: int, group: ProcessGro
 
 def _cuts_blocks(name: str, count: int, world_size: int) -> str:
     return (f"tensor_parallel_size={world_size} gives each rank {count // world_size} of the {name} ({count}), "
-            f"which cuts the GGUF's Q8_0 blocks of {BLOCK} kept as int8: use a tensor_parallel_size that leaves each "
-            f"rank a multiple of {BLOCK}, or override_backend_config {{\"int8_gguf_blocks\": false}} (per-row int8)")
+            f"which cuts the GGUF's blocks of {BLOCK} kept as stored (4-bit, or Q8_0 as int8): use a "
+            f"tensor_parallel_size that leaves each rank a multiple of {BLOCK}, quantization='none' (dequantized), "
+            f"or for Q8_0 override_backend_config {{\"int8_gguf_blocks\": false}} (per-row int8)")

@@ -1,5 +1,6 @@
-"""GGUF files: a fast metadata reader, float32 dequantization (or Q8_0 kept as its int8 codes and block
-scales, ``Int8Blocks``), and llama.cpp's names turned into HF's.
+"""GGUF files: a fast metadata reader, float32 dequantization (or the blocks kept: Q8_0 as its int8 codes and
+block scales, ``Int8Blocks``; Q4_0, Q4_1 and Q4_K as 4-bit codes with a scale and offset per block of 32,
+``Q4Blocks``), and llama.cpp's names turned into HF's.
 
 The metadata reader is ours rather than `gguf.GGUFReader` because that one builds numpy views for
 every one of the ~100k vocabulary strings and takes ~3 s on the default model; this one reads the
@@ -24,12 +25,17 @@ import numpy as np
 import torch
 
 from kvloom.ops.int8 import BLOCK, Int8Blocks
+from kvloom.ops.q4 import Q4Blocks
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
 # ggml type ids (gguf.GGMLQuantizationType), for the types dequantized here without the gguf package.
 GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0, GGML_BF16 = 0, 1, 2, 3, 6, 7, 8, 30
+GGML_Q4_K = 12
+# The 4-bit types kept 4-bit (``keep_q4``): each is exactly a Q4Blocks (Q4_K's 6-bit sub-block scales times its
+# fp16 super-block scales are exact in fp32).
+Q4_TYPES = (GGML_Q4_0, GGML_Q4_1, GGML_Q4_K)
 
 # Metadata value types of the GGUF spec.
 _STRING, _ARRAY = 8, 9
@@ -303,9 +309,51 @@ def q8_0_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> Int8Blocks:
 
 def q8_0_weight_names(path: str) -> set[str]:
     """HF names of the file's 2-D Q8_0 tensors (what ``keep_q8_0`` hands over as int8 blocks)."""
+    return weight_names_of_types(path, (GGML_Q8_0,))
+
+
+def weight_names_of_types(path: str, ggml_types: tuple[int, ...]) -> set[str]:
+    """HF names of the file's 2-D tensors stored in one of ``ggml_types``."""
     gguf = read_gguf(path)
     return {hf_tensor_name(info.name) for info in gguf.tensors.values()
-            if info.ggml_type == GGML_Q8_0 and len(info.shape) == 2 and hf_tensor_name(info.name)}
+            if info.ggml_type in ggml_types and len(info.shape) == 2 and hf_tensor_name(info.name)}
+
+
+def has_4bit_projections(path: str) -> bool:
+    """Whether any of the file's projection weights (q/k/v/o, gate/up/down) is Q4_0, Q4_1 or Q4_K."""
+    return any(name.endswith("_proj.weight") for name in weight_names_of_types(path, Q4_TYPES))
+
+
+def q4_blocks(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> Q4Blocks:
+    """A 2-D Q4_0, Q4_1 or Q4_K tensor as 4-bit codes with a scale and offset per block of 32, exactly the
+    values the file's dequantization gives (no rounding: each scale and offset is exact in fp32)."""
+    if ggml_type in (GGML_Q4_0, GGML_Q4_1):
+        return Q4Blocks.from_gguf(raw, tuple(shape), with_offset=ggml_type == GGML_Q4_1)
+    if ggml_type != GGML_Q4_K:
+        raise ValueError(f"ggml type {ggml_type} is not a 4-bit block type kept 4-bit; those are {Q4_TYPES}")
+    return _q4_k_blocks(raw, tuple(shape))
+
+
+def _q4_k_blocks(raw: torch.Tensor, shape: tuple[int, int]) -> Q4Blocks:
+    """Q4_K: super-blocks of 256 = d (f16) | dmin (f16) | 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks
+    of 32 | 128 bytes of nibbles; sub-block s takes the low (s even) or high (s odd) nibbles of bytes
+    32 (s // 2) .. +32, and x = q * (d * scale_s) - dmin * min_s (ggml's dequantize_row_q4_K)."""
+    n, k = shape
+    if k % 256:
+        raise ValueError(f"a Q4_K weight needs in_features a multiple of 256, got {k}")
+    blocks = raw.view(-1, 144)
+    if blocks.shape[0] != n * k // 256:
+        raise ValueError(f"{raw.numel()} bytes do not hold a Q4_K weight of shape {shape}")
+    d, dmin = _half(blocks, 0), _half(blocks, 2)  # [S, 1]
+    packed = blocks[:, 4:16].to(torch.int32)  # [S, 12]
+    low, high = packed[:, 0:4], packed[:, 4:8]  # get_scale_min_k4: j < 4 reads q[j], q[j + 4]
+    top = packed[:, 8:12]
+    scale = torch.cat((low & 63, (top & 0x0F) | ((low >> 6) << 4)), dim=1)  # [S, 8]
+    minimum = torch.cat((high & 63, (top >> 4) | ((high >> 6) << 4)), dim=1)
+    qs = blocks[:, 16:].reshape(-1, 4, 32)  # [S, chunk, 32]: chunk j holds sub-blocks 2j (low) and 2j+1 (high)
+    codes = torch.stack((qs & 0x0F, qs >> 4), dim=2).reshape(n, k)
+    return Q4Blocks(codes.contiguous(), (d * scale.float()).reshape(n, k // BLOCK),
+                    (-(dmin * minimum.float())).reshape(n, k // BLOCK))
 
 
 def _dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -345,11 +393,12 @@ def reverse_rotary_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor
             .transpose(1, 2).reshape(weight.shape))
 
 
-def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: bool = False
-                      ) -> Iterator[tuple[str, torch.Tensor | Int8Blocks]]:
+def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: bool = False,
+                      keep_q4: bool = False) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks]]:
     """Every weight of a llama-architecture GGUF as (HF name, float32 tensor in HF layout); with
-    ``keep_q8_0`` a 2-D Q8_0 weight comes as ``Int8Blocks`` instead, its codes and scales as stored (q/k rows
-    reordered like the floats: a row keeps its blocks)."""
+    ``keep_q8_0`` a 2-D Q8_0 weight comes as ``Int8Blocks`` instead, its codes and scales as stored, and with
+    ``keep_q4`` a 2-D Q4_0 / Q4_1 / Q4_K weight as ``Q4Blocks`` (q/k rows reordered like the floats: a row
+    keeps its blocks)."""
     for info in read_gguf(path).tensors.values():
         name = hf_tensor_name(info.name)
         if name is None:
@@ -359,12 +408,16 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
                              "only llama-architecture GGUF files are supported")
         raw = read_tensor_bytes(path, info)
         with _single_thread():
+            kept: Int8Blocks | Q4Blocks | None = None
             if keep_q8_0 and info.ggml_type == GGML_Q8_0 and len(info.shape) == 2:
-                blocks = q8_0_blocks(raw, info.shape)
+                kept = q8_0_blocks(raw, info.shape)
+            elif keep_q4 and info.ggml_type in Q4_TYPES and len(info.shape) == 2:
+                kept = q4_blocks(raw, info.ggml_type, info.shape)
+            if kept is not None:
                 if ".attn_q." in info.name or ".attn_k." in info.name:
                     heads = num_heads if ".attn_q." in info.name else num_kv_heads
-                    blocks = Int8Blocks(*(reverse_rotary_permute(t, heads).contiguous() for t in blocks))
-                yield name, blocks
+                    kept = type(kept)(*(reverse_rotary_permute(t, heads).contiguous() for t in kept))
+                yield name, kept
                 continue
             weight = dequantize(raw, info.ggml_type, info.shape)
             if ".attn_q." in info.name:

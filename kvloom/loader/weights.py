@@ -19,6 +19,7 @@ import torch
 from kvloom.loader import gguf, safetensors
 from kvloom.loader.model_config import ModelConfig
 from kvloom.ops.int8 import Int8Blocks
+from kvloom.ops.q4 import Q4Blocks
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = (DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2")
@@ -76,12 +77,14 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     raise ValueError(f"unknown model source kind {source.kind!r}; expected 'hf_dir' or 'gguf'")
 
 
-def iter_weights(source: ModelSource, keep_q8_0: bool = False) -> Iterator[tuple[str, torch.Tensor | Int8Blocks]]:
+def iter_weights(source: ModelSource, keep_q8_0: bool = False, keep_q4: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks]]:
     """Every weight as (HF name, tensor in HF layout).
 
     Safetensors: the stored dtype. GGUF: dequantized to float32, q/k rows back in HF's rotary order.
     lm_head.weight comes only when the model's embeddings are untied. ``keep_q8_0``: a GGUF's Q8_0 weights
-    come as their int8 codes and block scales (``Int8Blocks``), never as floats.
+    come as their int8 codes and block scales (``Int8Blocks``), never as floats; ``keep_q4``: its Q4_0, Q4_1
+    and Q4_K weights as 4-bit codes with block scales and offsets (``Q4Blocks``).
     """
     config = load_model_config(source)
     if source.kind == "hf_dir":
@@ -89,6 +92,6 @@ def iter_weights(source: ModelSource, keep_q8_0: bool = False) -> Iterator[tuple
         yield from safetensors.iter_safetensors_weights(source.path, skip=skip)
     elif source.kind == "gguf":
         yield from gguf.iter_gguf_weights(source.path, config.num_attention_heads, config.num_key_value_heads,
-                                          keep_q8_0)
+                                          keep_q8_0, keep_q4)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}; expected 'hf_dir' or 'gguf'")

@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from kvloom.layers.quantization import finish_int8, int8_state, keeps_q8_0_blocks, load_int8_state, quantize_as_read
+from kvloom.layers.quantization import (
+    finish_int8,
+    int8_state,
+    keeps_q8_0_blocks,
+    kept_as_stored,
+    load_int8_state,
+    quantize_as_read,
+)
 from kvloom.layers.smoothing import CALIBRATION_ID, calibrate, calibration_text, smooth_as_read, smoothing_alpha
 from kvloom.loader import quantized_checkpoint
 from kvloom.loader.model_config import ModelConfig
@@ -68,11 +75,16 @@ def _llama_names(model: nn.Module, weights: Iterator[tuple[str, Any]]) -> Iterat
 
 
 def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
-    """The checkpoint's weights into ``model``; with ``quantization``, as int8 (from the quantized
-    checkpoint when one matches, else quantized as read and, with a path, written there)."""
+    """The checkpoint's weights into ``model``; with ``quantization="int8"``, as int8 (from the quantized
+    checkpoint when one matches, else quantized as read and, with a path, written there); with "gguf", a GGUF's
+    4-bit and Q8_0 projections as stored."""
     engine = config.engine
     if engine.quantization is None:
         model.load_weights(iter_weights(config.source))
+        return
+    if engine.quantization == "gguf":
+        keep_q8_0 = keeps_q8_0_blocks(config.source, engine.backend)
+        model.load_weights(kept_as_stored(iter_weights(config.source, keep_q8_0=keep_q8_0, keep_q4=True)))
         return
     architecture = config.model.architecture
     if not getattr(model, "supports_int8", True):

@@ -26,6 +26,7 @@ from kvloom.ops.int8 import quantize_per_block
 
 BLOCK = 32
 PANEL = 8  # output columns per packed panel (csrc/gemm_q4.cpp's kPanel)
+STACK_Q4 = 3  # this product's kind in csrc/decoder.cpp's plan (its Projection::kQ4)
 
 
 class Q4Blocks(NamedTuple):
@@ -152,6 +153,10 @@ class PackedQ4Weight:
         self.portable = portable
         self._product = torch.ops.kvloom.gemm_q4.default
 
+    def stack_args(self) -> tuple[int, list[torch.Tensor | None], int]:
+        """(kind, tensors, W8A8 rows) for csrc/decoder.cpp's plan (cpu.py llama_layer_stack)."""
+        return STACK_Q4, [self.data, self.scales, self.bias], 0
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the Q4 CPU linear takes float32 or bfloat16 activations, got {x.dtype}")
@@ -161,3 +166,17 @@ class PackedQ4Weight:
         out = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype)
         self._product(out, rows, self.data, self.scales, self.bias, self.portable)
         return out.view(*x.shape[:-1], self.out_features)
+
+
+class DequantizedQ4Linear:
+    """A platform without a 4-bit kernel (CUDA today): the weight dequantized once, on the weight's device, and
+    multiplied by torch (no activation quantization: the float values of the file's blocks)."""
+
+    def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None) -> None:
+        self.weight = weight.dequantize()
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype != x.dtype:
+            self.weight = self.weight.to(x.dtype)  # once: the model's dtype
+        return torch.nn.functional.linear(x, self.weight, None if self.bias is None else self.bias.to(x.dtype))

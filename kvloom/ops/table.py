@@ -15,7 +15,10 @@ and for int8 weights (``pack_linear_int8``): the C++ W8A8 / weight-only GEMMs on
 weights (``pack_linear_int8_blocks``: a GGUF Q8_0 kept as stored) take the C++ W8A8-on-blocks GEMM on the
 CPU (cpu.PackedInt8BlocksWeight) and torch ops (int8.NativeInt8BlocksLinear) under the reference
 backend; CUDA has no block-scaled kernel, so there they are re-quantized per row once, as they are packed,
-for the Triton weight-only GEMM (the same int8 weights as a per-row load of the same file).
+for the Triton weight-only GEMM (the same int8 weights as a per-row load of the same file). 4-bit weights
+(``pack_linear_q4``: a GGUF's Q4 blocks kept) take the C++ Q4 GEMM on the CPU (q4.PackedQ4Weight, llama.cpp's
+product), torch ops (q4.NativeQ4Linear) under the reference backend, and on CUDA, which has no 4-bit kernel yet,
+a float weight dequantized once as it is packed (q4.DequantizedQ4Linear).
 
 A mixture of experts (``pack_experts``) runs the Triton grouped GEMM on CUDA (triton/moe.py TritonExperts), each
 expert's products through the packed bf16 GEMM on the CPU (native.PackedExperts), and the plain-torch grouped
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.ops import ATTENTION_BACKENDS, int8, native, reference
+from kvloom.ops import ATTENTION_BACKENDS, int8, native, q4, reference
 from kvloom.ops.layer_stack import LayerShape, LayerWeights
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.reference import allocate_kv_cache
@@ -53,6 +56,7 @@ PackLinearFn = Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Ten
 # (qweight int8 [N, K], scale fp32 [N] (or [N, K / 32] for the blocks' op), bias [N] or None) -> a function
 # x [..., K] -> [..., N] (ops/int8.py).
 PackInt8Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
+PackQ4Fn = Callable[[q4.Q4Blocks, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
 
 
 # (w13 [E, 2I, H], w2 [E, H, I]) -> a function (hidden [T, H], topk_weights [T, k], topk_ids [T, k]) -> [T, H]:
@@ -86,6 +90,8 @@ class Ops:
     pack_linear_int8: PackInt8Fn = int8.NativeInt8Linear
     # Block-scaled int8 weights (int8.Int8Blocks): the product with activations quantized per block.
     pack_linear_int8_blocks: PackInt8Fn = int8.NativeInt8BlocksLinear
+    # 4-bit weights kept 4-bit (a GGUF's Q4_0 / Q4_1 / Q4_K, quantization="gguf"): the platform's Q4 product.
+    pack_linear_q4: PackQ4Fn = q4.NativeQ4Linear
     # The native attention's batched decode reads a block table padded to a bucketed width and a mask.
     needs_decode_mask: bool = False
     # (head_dim, block_size, dtype) -> whether attention reads the caches in the pairs layout (ops/reference.py
@@ -158,6 +164,9 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
                                                                                      pack_linear=pack)
     if not cpu.cpu_kernel_available():
         return dataclasses.replace(NATIVE_OPS, pack_linear=pack, pack_experts=pack_experts)
+    # csrc/gemm_q4.cpp: its AVX2 kernel where built, else the same product on plain loops (still faster than
+    # torch ops, which dequantize the whole weight every call).
+    pack_q4 = q4.PackedQ4Weight
     # csrc/gemm_int8.cpp for float32 and bfloat16 activations alike, where its AVX-512 or AVX2 kernels are built.
     pack_int8, pack_int8_blocks = int8.NativeInt8Linear, int8.NativeInt8BlocksLinear
     if cpu.int8_kernels_available():
@@ -169,7 +178,8 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
     return Ops(name="cpu", attention=cpu.attention, rms_norm=cpu.rms_norm, add_rms_norm=cpu.add_rms_norm,
                rotary_embedding=cpu.rotary_embedding, silu_and_mul=cpu.silu_and_mul, argmax=cpu.argmax,
                pack_linear=pack, pack_linear_int8=pack_int8, pack_linear_int8_blocks=pack_int8_blocks,
-               pairs_layout=cpu.pairs_layout, llama_layer_stack=cpu.llama_layer_stack, pack_experts=pack_experts)
+               pack_linear_q4=pack_q4, pairs_layout=cpu.pairs_layout, llama_layer_stack=cpu.llama_layer_stack,
+               pack_experts=pack_experts)
 
 
 def _cuda_ops() -> Ops:
@@ -182,6 +192,7 @@ def _cuda_ops() -> Ops:
     return Ops(name="triton", attention=cuda.attention, rms_norm=cuda.rms_norm, add_rms_norm=cuda.add_rms_norm,
                rotary_embedding=cuda.rotary_embedding, silu_and_mul=cuda.silu_and_mul, argmax=native.argmax,
                pack_linear_int8=cuda.Int8Linear, pack_linear_int8_blocks=_blocks_as_rows(cuda.Int8Linear),
+               pack_linear_q4=q4.DequantizedQ4Linear,
                pack_experts=triton_moe.TritonExperts)
 
 

@@ -143,7 +143,7 @@ TEXT_PROMPTS = ["The capital of France is", "Once upon a time, there was a", "de
                 "The quick brown fox jumps over the", "In 1492, Columbus", "Water boils at a temperature of"]
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "smollm2"])
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "smollm2", "smollm2-4bit"])
 def test_bf16_fast_path_greedy_equals_the_reference_path(model: str, request: pytest.FixtureRequest) -> None:
     """bf16 on the CPU: the C++ kernels and packed linears against plain torch everywhere.
 
@@ -152,14 +152,18 @@ def test_bf16_fast_path_greedy_equals_the_reference_path(model: str, request: py
     near-tie, so a SmolLM2 prompt may part ways where both paths see the two candidates within
     two bf16 steps of each other (0.25 at its logit scale), and only there; most must not part.
     """
-    if model == "smollm2":
+    quantization = None
+    if model.startswith("smollm2"):
+        # "smollm2": the file's 4-bit weights dequantized (the bf16 GEMM); "smollm2-4bit": kept 4-bit (the Q4 GEMM
+        # against torch's Q4 product).
         request.getfixturevalue("smollm2_gguf_path")
         model_dir, prompts, near_tie = "SmolLM2-135M-Instruct", TEXT_PROMPTS, 0.25
+        quantization = "gguf" if model == "smollm2-4bit" else "none"
     else:
         model_dir, prompts, near_tie = request.getfixturevalue(model), mixed_prompts(400, count=16, seed=4), 0.0
     results = []
     for backend in ("auto", "reference"):
-        llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=128,
+        llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=128, quantization=quantization,
                   override_backend_config={"attention_backend": backend})
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
         outputs = llm.generate([p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts], params,
@@ -175,4 +179,7 @@ def test_bf16_fast_path_greedy_equals_the_reference_path(model: str, request: py
             chosen, other = ours.token_ids[step], theirs.token_ids[step]
             gap = ours.logprobs[step][chosen].logprob - ours.logprobs[step].get(other, _UNRANKED).logprob
             assert gap <= near_tie, f"the paths part at step {step} where one path's margin is {gap:.3f}"
-    assert parted <= len(prompts) // 4
+    # 4-bit: both paths quantize each activation block to int8 codes, and a bf16 rounding difference that moves a
+    # value across a code's rounding edge moves the product by a whole code step, so near ties tip more often
+    # (each parting is still checked above to be a near tie).
+    assert parted <= len(prompts) // (2 if quantization == "gguf" else 4)

@@ -544,7 +544,7 @@ def test_row_parallel_split_must_keep_whole_blocks() -> None:
     linear = Linear(64, [8])
     linear.load_shard("weight", 0, int8.Int8Blocks(*int8.quantize_per_block(torch.randn(8, 64))))
     with pytest.raises(ValueError, match=r"gives each rank 16 of the layer's inputs \(64\), which cuts the GGUF's "
-                                         r"Q8_0 blocks of 32"):
+                                         r"blocks of 32"):
         _shard_rows_in(linear, 0, 4, None)
 
 

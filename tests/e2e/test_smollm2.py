@@ -26,7 +26,10 @@ def hf_model(smollm2_gguf_path: str):
 
 @pytest.fixture(scope="module")
 def llm(smollm2_gguf_path: str) -> LLM:
-    return LLM(model="SmolLM2-135M-Instruct", dtype="float32", max_model_len=256, max_num_seqs=16)
+    # quantization="none": the file's 4-bit weights dequantized, as transformers loads them (the default keeps them
+    # 4-bit: tests/e2e/test_gguf_4bit.py).
+    return LLM(model="SmolLM2-135M-Instruct", dtype="float32", max_model_len=256, max_num_seqs=16,
+               quantization="none")
 
 
 def test_smollm2_logprobs_match_transformers(llm: LLM, hf_model) -> None:
@@ -65,7 +68,7 @@ def test_smollm2_as_its_own_draft_model_gives_the_same_tokens(llm: LLM) -> None:
     offline): the greedy tokens of the plain engine, and (fp32, the same weights) the guesses accepted."""
     prompts = [p[:24] for p in mixed_prompts(49152, count=4, seed=5)]
     speculative = LLM(model="SmolLM2-135M-Instruct", dtype="float32", max_model_len=256, max_num_seqs=16,
-                      speculative_model="SmolLM2-135M-Instruct", num_speculative_tokens=3)
+                      quantization="none", speculative_model="SmolLM2-135M-Instruct", num_speculative_tokens=3)
     assert kvloom_greedy(speculative, prompts, MAX_TOKENS) == kvloom_greedy(llm, prompts, MAX_TOKENS)
     stats = speculative.llm_engine.scheduler.stats()
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens, stats

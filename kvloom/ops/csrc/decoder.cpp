@@ -5,8 +5,8 @@
 // which at a few sequences is a tenth or more of the step.
 //
 // Per layer (kvloom/ops/cpu.py LlamaLayerStack says when a model qualifies and builds the plan), each
-// projection the product its Linear would call: kvloom's bf16 GEMM, or an int8 one (W8A8 from a number
-// of rows on, else weight-only; or W8A8 on Q8_0 blocks):
+// projection the product its Linear would call: kvloom's bf16 GEMM, an int8 one (W8A8 from a number
+// of rows on, else weight-only; or W8A8 on Q8_0 blocks) or the 4-bit one (a GGUF's Q4 blocks):
 //
 //     layer 0:  residual = hidden; hidden = rms_norm(hidden) (without an input norm, EAGLE-1's first
 //               layer: hidden as it is)
@@ -48,7 +48,7 @@ namespace k = kvloom::kernels;
 
 // One projection: which product, and its tensors as the Python objects hold them (cpu.py stack_args).
 struct Projection {
-  enum Kind : int64_t { kBf16 = 0, kInt8Rows = 1, kInt8Blocks = 2 };
+  enum Kind : int64_t { kBf16 = 0, kInt8Rows = 1, kInt8Blocks = 2, kQ4 = 3 };
   int64_t kind = kBf16;
   at::Tensor packed, compensation, scale;
   c10::optional<at::Tensor> bias;
@@ -71,6 +71,7 @@ struct Projection {
       case kInt8Blocks:
         KVLOOM_PROFILED("kvloom::gemm_w8a8_blocks", k::gemm_w8a8_blocks(y, x, packed, scale, bias, false));
         break;
+      case kQ4: KVLOOM_PROFILED("kvloom::gemm_q4", k::gemm_q4(y, x, packed, scale, bias, false)); break;
       default: TORCH_CHECK(false, "LlamaLayerStack: unknown projection kind ", kind);
     }
     return y;
@@ -94,8 +95,8 @@ struct LlamaLayerStack : torch::CustomClassHolder {
   double eps, scale;
 
   // norms: 2 per layer (input, post-attention); projections: kSlots per projection, kProjections per layer
-  // (bf16: packed, bias; int8 rows: packed, compensation, scale, bias; int8 blocks: packed, scale, bias; the
-  // rest None); kinds, min_rows: one per projection; dims: num_heads, num_kv_heads, head_dim,
+  // (bf16: packed, bias; int8 rows: packed, compensation, scale, bias; int8 blocks and 4-bit: packed, scales,
+  // bias; the rest None); kinds, min_rows: one per projection; dims: num_heads, num_kv_heads, head_dim,
   // intermediate_size, hidden_size.
   LlamaLayerStack(std::vector<at::Tensor> norms, c10::List<c10::optional<at::Tensor>> projections,
                   std::vector<int64_t> kinds, std::vector<int64_t> min_rows, at::Tensor cos_table,
@@ -138,6 +139,7 @@ struct LlamaLayerStack : torch::CustomClassHolder {
             p.compensation = *slot(1), p.scale = *slot(2), p.bias = slot(3);
             break;
           case Projection::kInt8Blocks:
+          case Projection::kQ4:
             TORCH_CHECK(slot(1).has_value(), "LlamaLayerStack: a block-scaled projection needs its scales");
             p.scale = *slot(1), p.bias = slot(2);
             break;
