@@ -2,7 +2,9 @@
 
 With int8 weights and ``quantize_lm_head``, the embedding table is stored as int8 rows with one scale
 per token (a lookup dequantizes the rows it reads) and the LM head multiplies by the same int8 table,
-so a tied model keeps one int8 copy.
+so a tied model keeps one int8 copy. A GGUF's Q8_0 table kept as stored (``quantization="gguf"``) holds a scale
+per token and block of 32 instead (``weight_scale`` [vocab, hidden / 32]); the head then multiplies by the blocks
+with activations quantized per block, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.qweight: torch.Tensor | None = None  # int8 [vocab, hidden] after quantize
-        self.weight_scale: torch.Tensor | None = None  # fp32 [vocab]
+        self.weight_scale: torch.Tensor | None = None  # fp32 [vocab], or [vocab, hidden / 32] for Q8_0 blocks
         self.dtype = self.weight.dtype
 
     def quantize(self) -> None:
@@ -31,21 +33,26 @@ class VocabEmbedding(nn.Module):
 
     def set_int8(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         expected = tuple(self.weight.shape)
-        if qweight.dtype != torch.int8 or tuple(qweight.shape) != expected or tuple(scale.shape) != expected[:1]:
-            raise ValueError(f"int8 embedding must be int8 {expected} with scales {expected[:1]}, got "
-                             f"{qweight.dtype} {tuple(qweight.shape)} and {tuple(scale.shape)}")
+        scales = (expected[:1], (expected[0], expected[1] // int8.BLOCK))
+        if qweight.dtype != torch.int8 or tuple(qweight.shape) != expected or tuple(scale.shape) not in scales:
+            raise ValueError(f"int8 embedding must be int8 {expected} with scales {scales[0]} (per token) or "
+                             f"{scales[1]} (per block), got {qweight.dtype} {tuple(qweight.shape)} and "
+                             f"{tuple(scale.shape)}")
         self.dtype = self.weight.dtype
         self.qweight, self.weight_scale = qweight, scale.float()
         self.weight.data = self.weight.data.new_empty(0, expected[1])
 
-    def load_shard(self, name: str, shard: int, tensor: int8.Int8Rows) -> None:
-        """int8 rows read from a checkpoint (the only thing the loader hands this way)."""
+    def load_shard(self, name: str, shard: int, tensor: int8.Int8Rows | int8.Int8Blocks) -> None:
+        """int8 rows or Q8_0 blocks read from a checkpoint (the only things the loader hands this way)."""
         self.set_int8(tensor.qweight, tensor.scale)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             rows = F.embedding(input_ids, self.qweight).to(self.dtype)
-            return rows * self.weight_scale[input_ids].to(self.dtype)[:, None]
+            scale = self.weight_scale[input_ids].to(self.dtype)
+            if scale.dim() == 1:
+                return rows * scale[:, None]
+            return (rows.view(*scale.shape, int8.BLOCK) * scale[..., None]).view(rows.shape)
         return F.embedding(input_ids, self.weight)
 
 
@@ -67,8 +74,8 @@ class LMHead(nn.Module):
             self.qweight, self.weight_scale = int8.quantize_per_channel(self.weight.data)
             self.weight.data = self.weight.data.new_empty(0, self.weight.shape[1])
 
-    def load_shard(self, name: str, shard: int, tensor: int8.Int8Rows) -> None:
-        """int8 rows of an untied head read from a checkpoint."""
+    def load_shard(self, name: str, shard: int, tensor: int8.Int8Rows | int8.Int8Blocks) -> None:
+        """int8 rows (or Q8_0 blocks) of an untied head read from a checkpoint."""
         expected = tuple(self.weight.shape)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"lm_head int8 weight has shape {tuple(tensor.shape)}, expected {expected}")
@@ -80,7 +87,8 @@ class LMHead(nn.Module):
         if self.packed is not None:
             return
         if self.qweight is not None:
-            self.packed = ops.pack_linear_int8(self.qweight, self.weight_scale, None)
+            pack = ops.pack_linear_int8_blocks if self.weight_scale.dim() == 2 else ops.pack_linear_int8
+            self.packed = pack(self.qweight, self.weight_scale, None)
         elif ops.pack_linear is not None:
             self.packed = ops.pack_linear(self.weight.data, None)
 
@@ -89,5 +97,7 @@ class LMHead(nn.Module):
         if self.packed is not None:
             return self.packed(hidden)
         if self.qweight is not None:
+            if self.weight_scale.dim() == 2:
+                return int8.w8a8_blocks_linear_reference(hidden, self.qweight, self.weight_scale, None)
             return int8.int8_linear_reference(hidden, self.qweight, self.weight_scale)
         return F.linear(hidden, self.weight)

@@ -59,13 +59,23 @@ def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks]], l
 
 def kept_as_stored(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks]]
                    ) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks]]:
-    """``quantization="gguf"``: the projections' 4-bit and Q8_0 blocks as the file stores them; any other tensor
-    kept in blocks (a 4-bit embedding or head) dequantized, since only the projections have block products."""
+    """``quantization="gguf"``: the projections' 4-bit and Q8_0 blocks, and a Q8_0 embedding and head, as the file
+    stores them; a 4-bit embedding or head dequantized (a lookup and the head take int8 blocks, not 4-bit ones)."""
     for name, tensor in weights:
-        if isinstance(tensor, (Int8Blocks, Q4Blocks)) and not name.endswith(LINEAR_WEIGHTS):
+        keep = LINEAR_WEIGHTS if isinstance(tensor, Q4Blocks) else LINEAR_WEIGHTS + HEAD_WEIGHTS
+        if isinstance(tensor, (Int8Blocks, Q4Blocks)) and not name.endswith(keep):
             yield name, tensor.dequantize()
         else:
             yield name, tensor
+
+
+def finish_gguf(model: nn.Module) -> None:
+    """After a ``quantization="gguf"`` load: a head tied to a Q8_0 embedding multiplies by its blocks."""
+    head = getattr(model, "lm_head", None)
+    embedding = getattr(model, "embed_tokens", None)
+    if (isinstance(head, LMHead) and head.qweight is None and isinstance(embedding, VocabEmbedding)
+            and embedding.qweight is not None and head.weight is embedding.weight):
+        head.quantize(tied_to=embedding)
 
 
 def holds_blocks(quantization: str | None, source: ModelSource, backend: BackendConfig) -> bool:

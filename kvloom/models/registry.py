@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from kvloom.layers.quantization import (
+    finish_gguf,
     finish_int8,
     int8_state,
     keeps_q8_0_blocks,
@@ -83,8 +84,10 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
         model.load_weights(iter_weights(config.source))
         return
     if engine.quantization == "gguf":
-        keep_q8_0 = keeps_q8_0_blocks(config.source, engine.backend)
+        # Q8_0 projections, embedding and head as int8 blocks, unless the backend turns their products off.
+        keep_q8_0 = engine.backend.int8_activations and engine.backend.int8_gguf_blocks
         model.load_weights(kept_as_stored(iter_weights(config.source, keep_q8_0=keep_q8_0, keep_q4=True)))
+        finish_gguf(model)
         return
     architecture = config.model.architecture
     if not getattr(model, "supports_int8", True):

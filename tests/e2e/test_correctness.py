@@ -159,6 +159,11 @@ def test_bf16_fast_path_greedy_equals_the_reference_path(model: str, request: py
         request.getfixturevalue("smollm2_gguf_path")
         model_dir, prompts, near_tie = "SmolLM2-135M-Instruct", TEXT_PROMPTS, 0.25
         quantization = "gguf" if model == "smollm2-4bit" else "none"
+        if quantization == "gguf":
+            # The head multiplies the Q8_0 table by the final hidden state quantized per block of 32: one code
+            # apart (the two paths' bf16 roundings on either side of a code's edge) moves a logit by a few bf16
+            # steps more.
+            near_tie = 0.5
     else:
         model_dir, prompts, near_tie = request.getfixturevalue(model), mixed_prompts(400, count=16, seed=4), 0.0
     results = []

@@ -156,8 +156,23 @@ def test_the_default_model_keeps_its_4bit_weights(smollm2_gguf_path: str) -> Non
     q4_bytes = sum(p.data.numel() + p.scales.numel() * p.scales.element_size() for p in products)
     bf16_bytes = sum(2 * p.in_features * p.out_features for p in products)
     assert q4_bytes <= 0.4 * bf16_bytes, (q4_bytes, bf16_bytes)
+    # The Q8_0 embedding stays int8 blocks and the tied head multiplies by them.
+    model = llm.llm_engine.executor.driver.model
+    assert model.embed_tokens.qweight is not None and model.embed_tokens.weight_scale.dim() == 2
+    assert type(model.lm_head.packed).__name__ == "PackedInt8BlocksWeight"
     # (Asked only "What is the capital of France?", the 4-bit model answers "L'Étoile, la Marseillaise, ..." greedily,
     # as llama.cpp does from the same file: its first token is a near tie that 4 bits tip.)
     out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
                    SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
+
+
+def test_an_embedding_of_q8_0_blocks_looks_up_their_exact_values() -> None:
+    from kvloom.layers.embedding import VocabEmbedding
+    from kvloom.ops.int8 import Int8Blocks, quantize_per_block
+
+    table = Int8Blocks(*quantize_per_block(torch.randn(10, 64)))
+    embedding = VocabEmbedding(10, 64)
+    embedding.load_shard("weight", 0, table)
+    ids = torch.tensor([3, 0, 9, 3])
+    assert torch.equal(embedding(ids), table.dequantize()[ids])
