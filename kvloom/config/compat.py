@@ -23,10 +23,10 @@ ARGUMENT_ALIASES: dict[str, str] = {"override_neuron_config": "override_backend_
 
 # Weight quantization names: vLLM's "int8" and the seeds' "s8" (NEURON_QUANT_DTYPE) mean the same.
 QUANTIZATION_ALIASES: dict[str, str] = {"int8": "int8", "s8": "int8"}
-# How a checkpoint that is quantized already is held (vLLM's quantization="gguf"): "gguf" keeps a GGUF's 4-bit
-# and Q8_0 blocks as stored (the default for a GGUF that has 4-bit projections); "none" dequantizes every
-# weight at load.
-CHECKPOINT_QUANTIZATIONS = ("gguf", "none")
+# How a checkpoint that is quantized already is held (vLLM's names): "gguf" keeps a GGUF's 4-bit and Q8_0
+# blocks as stored (the default for a GGUF that has 4-bit projections), "gptq" / "awq" a safetensors
+# checkpoint's 4-bit weights (the default for one); "none" dequantizes every weight at load.
+CHECKPOINT_QUANTIZATIONS = ("gguf", "gptq", "awq", "none")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -58,7 +58,7 @@ def canonical_dtype(dtype: Any) -> str:
 
 
 def canonical_quantization(name: Any, where: str = "quantization", checkpoint_formats: bool = False) -> str:
-    """'int8' from 'int8' or the seeds' 's8'; with ``checkpoint_formats`` also 'gguf' and 'none'."""
+    """'int8' from 'int8' or the seeds' 's8'; with ``checkpoint_formats`` also CHECKPOINT_QUANTIZATIONS."""
     allowed = dict(QUANTIZATION_ALIASES)
     if checkpoint_formats:
         allowed.update({name: name for name in CHECKPOINT_QUANTIZATIONS})

@@ -79,16 +79,23 @@ def settle_buckets(config: EngineConfig, device_type: str) -> None:
 
 
 def settle_quantization(config: EngineConfig, source: ModelSource) -> None:
-    """``quantization`` against the checkpoint: None becomes 'gguf' for a GGUF whose projections are 4-bit (kept
-    4-bit, as vLLM does for GGUF), 'none' becomes None (everything dequantized at load); 'gguf' needs a GGUF."""
+    """``quantization`` against the checkpoint. None becomes the checkpoint's own 4-bit format, kept 4-bit as vLLM
+    does: 'gguf' for a GGUF whose projections are 4-bit, 'gptq' / 'awq' for such a safetensors checkpoint. 'none'
+    becomes None (everything dequantized at load). A format the checkpoint is not in is a ValueError."""
     from kvloom.loader import gguf
+    from kvloom.loader.weights import int4_format
 
+    fmt = int4_format(source)
+    stored = "gguf" if source.kind == "gguf" else None if fmt is None else fmt.method
     if config.quantization == "none":
         config.quantization = None
-    elif config.quantization == "gguf" and source.kind != "gguf":
-        raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized blocks, but {source.path} is a "
-                         f"{source.kind} checkpoint; use quantization=None or 'int8'")
-    elif config.quantization is None and source.kind == "gguf" and gguf.has_4bit_projections(source.path):
+    elif config.quantization in ("gguf", "gptq", "awq") and config.quantization != stored:
+        raise ValueError(f"quantization={config.quantization!r} keeps a {config.quantization.upper()} checkpoint's "
+                         f"4-bit weights, but {source.path} is {'a ' + stored.upper() if stored else 'not quantized'}"
+                         f"; use quantization=None (the checkpoint's own format), 'none' or 'int8'")
+    elif config.quantization is None and stored in ("gptq", "awq"):
+        config.quantization = stored
+    elif config.quantization is None and stored == "gguf" and gguf.has_4bit_projections(source.path):
         logger.info("Keeping the GGUF's 4-bit weights 4-bit (quantization='gguf'); quantization='none' "
                     "dequantizes them at load instead")
         config.quantization = "gguf"

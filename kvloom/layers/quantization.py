@@ -79,9 +79,9 @@ def finish_gguf(model: nn.Module) -> None:
 
 
 def holds_blocks(quantization: str | None, source: ModelSource, backend: BackendConfig) -> bool:
-    """Whether the projections hold blocks of 32 inputs (GGUF 4-bit or Q8_0 kept), which a row-parallel split
+    """Whether the projections hold blocks of 32 inputs (4-bit kept, or GGUF Q8_0), which a row-parallel split
     must keep whole."""
-    if quantization == "gguf":
+    if quantization in ("gguf", "gptq", "awq"):
         return True
     return quantization == "int8" and keeps_q8_0_blocks(source, backend)
 

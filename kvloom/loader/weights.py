@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.loader import gguf, safetensors
+from kvloom.loader import gguf, int4_checkpoint, safetensors
 from kvloom.loader.model_config import ModelConfig
 from kvloom.ops.int8 import Int8Blocks
 from kvloom.ops.q4 import Q4Blocks
@@ -84,14 +84,28 @@ def iter_weights(source: ModelSource, keep_q8_0: bool = False, keep_q4: bool = F
     Safetensors: the stored dtype. GGUF: dequantized to float32, q/k rows back in HF's rotary order.
     lm_head.weight comes only when the model's embeddings are untied. ``keep_q8_0``: a GGUF's Q8_0 weights
     come as their int8 codes and block scales (``Int8Blocks``), never as floats; ``keep_q4``: its Q4_0, Q4_1
-    and Q4_K weights as 4-bit codes with block scales and offsets (``Q4Blocks``).
+    and Q4_K weights as 4-bit codes with block scales and offsets (``Q4Blocks``), and so a GPTQ / AWQ
+    checkpoint's linears (without it, their float32 values).
     """
     config = load_model_config(source)
     if source.kind == "hf_dir":
         skip = frozenset({"lm_head.weight"}) if config.tie_word_embeddings else frozenset()
-        yield from safetensors.iter_safetensors_weights(source.path, skip=skip)
+        weights = safetensors.iter_safetensors_weights(source.path, skip=skip)
+        fmt = int4_format(source)
+        yield from weights if fmt is None else int4_checkpoint.iter_int4_weights(weights, fmt, keep_q4)
     elif source.kind == "gguf":
         yield from gguf.iter_gguf_weights(source.path, config.num_attention_heads, config.num_key_value_heads,
                                           keep_q8_0, keep_q4)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}; expected 'hf_dir' or 'gguf'")
+
+
+def int4_format(source: ModelSource) -> int4_checkpoint.Int4Format | None:
+    """A safetensors checkpoint's 4-bit format (GPTQ or AWQ) from its config's ``quantization_config``; None for
+    an unquantized checkpoint or a GGUF; ValueError for a quantization kvloom cannot read."""
+    if source.kind != "hf_dir":
+        return None
+    config = safetensors.read_config_json(source.path).get("quantization_config")
+    if not config:
+        return None
+    return int4_checkpoint.Int4Format.from_config(config, os.path.join(source.path, "config.json"))
