@@ -112,12 +112,16 @@ def pack_q4_weight(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_q4_scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """fp32 [N, blocks] scales and offsets -> [ceil(N / 8), blocks, 2, 8] (d, then m, per column; zero past N)."""
+    """fp32 [N, blocks] scales and offsets -> [ceil(N / 8), blocks, 2, 8] (d, then m, per column; zero past N), in
+    fp16 where every value is exactly one (GGUF Q4_0 / Q4_1, GPTQ, AWQ: half the scale bytes to stream), else fp32
+    (Q4_K's products of two scales)."""
     n, blocks = d.shape
     panels = -(-n // PANEL)
     both = d.new_zeros(2, panels * PANEL, blocks)
     both[0, :n], both[1, :n] = d, m
-    return both.view(2, panels, PANEL, blocks).permute(1, 3, 0, 2).contiguous()
+    packed = both.view(2, panels, PANEL, blocks).permute(1, 3, 0, 2).contiguous()
+    half = packed.half()
+    return half if torch.equal(half.float(), packed) else packed
 
 
 class NativeQ4Linear:

@@ -146,8 +146,8 @@ def test_quantization_values_are_checked(tiny_llama_dir: str) -> None:
 
 
 def test_the_default_model_keeps_its_4bit_weights(smollm2_gguf_path: str) -> None:
-    """SmolLM2's Q4_1 projections stay 4-bit, at most 40% of the bytes bf16 would hold (the codes are a quarter,
-    the block scales and offsets the rest), and it still answers."""
+    """SmolLM2's Q4_1 projections stay 4-bit, 5/16 of the bytes bf16 would hold (the codes are a quarter, the fp16
+    block scales and offsets a sixteenth), and it still answers."""
     if not cpu.cpu_kernel_available():
         pytest.skip("the CPU kernels could not be built here")
     llm = LLM(model="SmolLM2-135M-Instruct", max_model_len=256)
@@ -155,7 +155,7 @@ def test_the_default_model_keeps_its_4bit_weights(smollm2_gguf_path: str) -> Non
     assert products and all(isinstance(p, PackedQ4Weight) for p in products)
     q4_bytes = sum(p.data.numel() + p.scales.numel() * p.scales.element_size() for p in products)
     bf16_bytes = sum(2 * p.in_features * p.out_features for p in products)
-    assert q4_bytes <= 0.4 * bf16_bytes, (q4_bytes, bf16_bytes)
+    assert q4_bytes <= 0.32 * bf16_bytes, (q4_bytes, bf16_bytes)
     # The Q8_0 embedding stays int8 blocks and the tied head multiplies by them.
     model = llm.llm_engine.executor.driver.model
     assert model.embed_tokens.qweight is not None and model.embed_tokens.weight_scale.dim() == 2

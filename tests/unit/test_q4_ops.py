@@ -101,6 +101,21 @@ def test_cpu_q4_product_matches_its_reference(kernels: None, dtype: torch.dtype,
         assert_within(NativeQ4Linear(weight, bias)(x), expected, ulps=1, slack=q4_slack(x, weight, bias) * 64)
 
 
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 576, 961), (5, 576, 97), (17, 1536, 49)])
+def test_scales_packed_in_fp16_where_exact_and_fp32_where_not(kernels: None, m: int, k: int, n: int) -> None:
+    """GGUF Q4_0 / Q4_1 (fp16 d and m) pack their scales in fp16; Q4_K's d * 6-bit scale in fp32; both products
+    equal the reference, and the fast and plain-loop versions agree bit for bit."""
+    exact = random_q4(n, k, seed=k + n)
+    q4_k = Q4Blocks(exact.codes, exact.d * 61, exact.m * 37)  # d * sc, dmin * min: not fp16 values in general
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    for weight, dtype in ((exact, torch.float16), (q4_k, torch.float32)):
+        packed = PackedQ4Weight(weight, None)
+        assert packed.scales.dtype == dtype
+        fast = packed(x)
+        assert_within(fast, q4_linear_reference(x, weight), ulps=1, slack=q4_slack(x, weight, None))
+        assert torch.equal(PackedQ4Weight(weight, None, portable=True)(x), fast)
+
+
 def test_q4_product_is_close_to_the_float_product(kernels: None) -> None:
     """What the 4-bit product computes is the dequantized weight's product, up to the activations' 8-bit
     rounding per block: close to x @ W^T (about 1% of its scale)."""

@@ -15,7 +15,9 @@
 // packed[panel][block][pair][8][4] bytes, where byte (c, i) of pair j holds q[n0 + c, 32 b + 8 j + i] in its
 // low nibble and q[n0 + c, 32 b + 8 j + 4 + i] in its high one; so one 32-byte load gives two groups of 4 k
 // of 8 columns, vpdpbusd's layout once the nibbles are split. The block scales are packed beside it as
-// scales[panel][block][2][8] fp32 (d, then m, per column; zero past N). Without AVX2 the same layout is read
+// scales[panel][block][2][8] (d, then m, per column; zero past N), in fp16 where every value is one (GGUF Q4_0 /
+// Q4_1, GPTQ and AWQ store fp16: 2 bytes a block less to stream, widened by vcvtph2ps) and fp32 otherwise (Q4_K's
+// products of two scales). Without AVX2 the same layout is read
 // by plain loops (`portable=True` runs those anywhere): the same integers and fp32 steps, bit for bit.
 
 #include "avx2_columns.h"
@@ -25,6 +27,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -34,7 +37,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVLOOM_Q4_AVX2
 #endif
@@ -51,15 +54,21 @@ constexpr int64_t kRows = 4;               // rows per micro-kernel: 4 x (16-bit
 constexpr int64_t kRowChunk = 256;         // rows whose codes stay in L2 while panels stream
 
 // One panel's block of y for rows [0, R): xq s8 codes (stride ldq), dx scales and sx = dx * code sum per
-// (row, block) (stride lds); panel: the panel's packed bytes; scales: its [blocks][2][8].
+// (row, block) (stride lds); panel: the panel's packed bytes; scales: its [blocks][2][8] (S: float or c10::Half).
 #if defined(KVLOOM_Q4_AVX2)
 using kvloom::avx2::broadcast_word;
 using kvloom::avx2::load_columns;
 using kvloom::avx2::store_columns;
 
-template <int R, typename T>
+// 8 scales as fp32: as stored, or widened from fp16 (exactly).
+inline __m256 load_scales(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scales(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int R, typename T, typename S>
 inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, int64_t lds,
-                      const uint8_t* panel, const float* scales, int64_t blocks, const float* bias, T* y, int64_t ldy,
+                      const uint8_t* panel, const S* scales, int64_t blocks, const float* bias, T* y, int64_t ldy,
                       int64_t columns) {
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[R];
@@ -84,7 +93,7 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
         sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, broadcast_word(xr + 4)));
       }
     }
-    const __m256 d = _mm256_loadu_ps(scales + b * 2 * kPanel), m = _mm256_loadu_ps(scales + b * 2 * kPanel + kPanel);
+    const __m256 d = load_scales(scales + b * 2 * kPanel), m = load_scales(scales + b * 2 * kPanel + kPanel);
     KVLOOM_UNROLL
     for (int r = 0; r < R; ++r) {
       const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
@@ -97,19 +106,19 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
   for (int r = 0; r < R; ++r) store_columns(y + r * ldy, _mm256_add_ps(acc[r], bv), columns);
 }
 
-template <typename T>
-using Q4Kernel = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, const float*,
+template <typename T, typename S>
+using Q4Kernel = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, const S*,
                           int64_t, const float*, T*, int64_t, int64_t);
 
-template <typename T>
-constexpr Q4Kernel<T> kQ4Kernels[kRows + 1] = {nullptr, &q4_kernel<1, T>, &q4_kernel<2, T>, &q4_kernel<3, T>,
-                                               &q4_kernel<4, T>};
+template <typename T, typename S>
+constexpr Q4Kernel<T, S> kQ4Kernels[kRows + 1] = {nullptr, &q4_kernel<1, T, S>, &q4_kernel<2, T, S>,
+                                                  &q4_kernel<3, T, S>, &q4_kernel<4, T, S>};
 #endif
 
 // The same integers and fp32 operations in the same order, by plain loops.
-template <typename T>
+template <typename T, typename S>
 void q4_portable_panel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, int64_t lds,
-                       const uint8_t* panel, const float* scales, int64_t blocks, const float* bias, T* y,
+                       const uint8_t* panel, const S* scales, int64_t blocks, const float* bias, T* y,
                        int64_t ldy, int64_t rows, int64_t columns) {
   for (int64_t r = 0; r < rows; ++r) {
     float acc[kPanel] = {};
@@ -122,19 +131,19 @@ void q4_portable_panel(const int8_t* xq, int64_t ldq, const float* dx, const flo
           for (int64_t i = 0; i < 4; ++i)
             sums[c] += int32_t(w[4 * c + i] & 0x0F) * xr[i] + int32_t(w[4 * c + i] >> 4) * xr[4 + i];
       }
-      const float* d = scales + b * 2 * kPanel;
-      const float* m = d + kPanel;
+      const S* d = scales + b * 2 * kPanel;
+      const S* m = d + kPanel;
       for (int64_t c = 0; c < kPanel; ++c) {
-        acc[c] = std::fma(static_cast<float>(sums[c]), d[c] * dx[r * lds + b], acc[c]);
-        acc[c] = std::fma(m[c], sx[r * lds + b], acc[c]);
+        acc[c] = std::fma(static_cast<float>(sums[c]), static_cast<float>(d[c]) * dx[r * lds + b], acc[c]);
+        acc[c] = std::fma(static_cast<float>(m[c]), sx[r * lds + b], acc[c]);
       }
     }
     for (int64_t c = 0; c < columns; ++c) y[r * ldy + c] = static_cast<T>(acc[c] + (bias ? bias[c] : 0.0f));
   }
 }
 
-template <typename T>
-void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const float* scales, const float* bias,
+template <typename T, typename S>
+void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const S* scales, const float* bias,
               int64_t M, int64_t K, int64_t N, bool portable) {
   const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
   std::vector<int8_t> xq(M * K);
@@ -155,13 +164,13 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const f
       for (int64_t panel = begin; panel < end; ++panel) {
         const int64_t n0 = panel * kPanel, columns = std::min(kPanel, N - n0);
         const uint8_t* wp = packed + panel * blocks * kBlockBytes;
-        const float* sp = scales + panel * blocks * 2 * kPanel;
+        const S* sp = scales + panel * blocks * 2 * kPanel;
         const float* bp = bias ? bias + n0 : nullptr;
         for (int64_t m = m0; m < m1; m += step) {
           const int64_t rows = std::min(step, m1 - m);
 #if defined(KVLOOM_Q4_AVX2)
           if (fast) {
-            kQ4Kernels<T>[rows](xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * blocks, blocks, wp, sp,
+            kQ4Kernels<T, S>[rows](xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * blocks, blocks, wp, sp,
                                 blocks, bp, ys + m * N + n0, N, columns);
             continue;
           }
@@ -175,7 +184,7 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const f
 }
 
 // y = the Q4 product (+ bias). x: [M, K] float32 or bfloat16 (K a multiple of 32), rows contiguous; packed:
-// pack_q4_weight's uint8 [panels, K / 32, 128]; scales: float32 [panels, K / 32, 2, 8]; bias: float32 [N];
+// pack_q4_weight's uint8 [panels, K / 32, 128]; scales: float32 or float16 [panels, K / 32, 2, 8]; bias: float32 [N];
 // y: [M, N] in x's dtype.
 void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> bias,
              bool portable) {
@@ -189,9 +198,9 @@ void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c
   const int64_t panels = (N + kPanel - 1) / kPanel, blocks = K / kBlock;
   TORCH_CHECK(y.size(0) == M && packed.scalar_type() == at::kByte && packed.numel() == panels * blocks * kBlockBytes,
               "gemm_q4: the packed weight does not match x [", M, ", ", K, "] and y [", y.size(0), ", ", N, "]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
                   scales.numel() == panels * blocks * 2 * kPanel,
-              "gemm_q4: scales must be the contiguous float32 block scales packed [panels, K / 32, 2, 8]");
+              "gemm_q4: scales must be the contiguous float32 or float16 block scales packed [panels, K / 32, 2, 8]");
   const float* bs = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
@@ -200,11 +209,18 @@ void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c
   }
   if (M == 0 || N == 0) return;
   const auto* wp = packed.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  if (x.scalar_type() == at::kFloat) {
-    q4_typed<float>(y, x, wp, sp, bs, M, K, N, portable);
+  auto run = [&](const auto* sp) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(sp)>>;
+    if (x.scalar_type() == at::kFloat) {
+      q4_typed<float, S>(y, x, wp, sp, bs, M, K, N, portable);
+    } else {
+      q4_typed<c10::BFloat16, S>(y, x, wp, sp, bs, M, K, N, portable);
+    }
+  };
+  if (scales.scalar_type() == at::kHalf) {
+    run(scales.data_ptr<c10::Half>());
   } else {
-    q4_typed<c10::BFloat16>(y, x, wp, sp, bs, M, K, N, portable);
+    run(scales.data_ptr<float>());
   }
 }
 
