@@ -164,12 +164,14 @@ def build_tiny_checkpoint(
     return path
 
 
-def write_tiny_gguf(path: str, checkpoint_dir: str, *, types: dict[str, int] | None = None) -> str:
+def write_tiny_gguf(path: str, checkpoint_dir: str, *, types: dict[str, int] | None = None, arch: str = "llama"
+                    ) -> str:
     """The checkpoint's weights and tokenizer as a llama GGUF, written the way llama.cpp's converter does.
 
     Q/K rows are permuted to llama.cpp's rotary order, and each weight is quantized to a ggml type
     chosen by tensor kind (types overrides: "embed", "attn", "ffn", "output", "norm" -> ggml type id),
-    so one file exercises Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and F16.
+    so one file exercises Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and F16. ``arch`` "qwen2" / "qwen3": llama.cpp's Qwen
+    files, which keep HF's q/k row order and carry the q/k/v biases (Qwen2) or q/k norms (Qwen3).
     """
     import gguf
     import numpy as np
@@ -187,15 +189,19 @@ def write_tiny_gguf(path: str, checkpoint_dir: str, *, types: dict[str, int] | N
             weights.update(load_file(os.path.join(checkpoint_dir, name)))
 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name("tiny-llama")
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"tiny-{arch}")
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config["hidden_size"] // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"]))
     writer.add_file_type(q.Q4_1)
@@ -212,17 +218,19 @@ def write_tiny_gguf(path: str, checkpoint_dir: str, *, types: dict[str, int] | N
              "self_attn.q_proj": ("attn_q", "attn"), "self_attn.k_proj": ("attn_k", "attn"),
              "self_attn.v_proj": ("attn_v", "attn"), "self_attn.o_proj": ("attn_output", "attn_o"),
              "mlp.gate_proj": ("ffn_gate", "ffn"), "mlp.up_proj": ("ffn_up", "ffn"),
-             "mlp.down_proj": ("ffn_down", "ffn_down")}
+             "mlp.down_proj": ("ffn_down", "ffn_down"), "self_attn.q_norm": ("attn_q_norm", "norm"),
+             "self_attn.k_norm": ("attn_k_norm", "norm")}
     for i in range(config["num_hidden_layers"]):
         for hf_part, (gguf_part, kind) in parts.items():
             gguf_names[f"model.layers.{i}.{hf_part}.weight"] = (f"blk.{i}.{gguf_part}.weight", kind)
+            gguf_names[f"model.layers.{i}.{hf_part}.bias"] = (f"blk.{i}.{gguf_part}.bias", "norm")
     for hf_name, (gguf_name, kind) in gguf_names.items():
         if hf_name not in weights:
             continue
         w = weights[hf_name].astype(np.float32)
-        if hf_name.endswith("q_proj.weight"):
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
             w = permute(w, heads)
-        elif hf_name.endswith("k_proj.weight"):
+        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
             w = permute(w, kv_heads)
         ggml_type = chosen[kind]
         writer.add_tensor(gguf_name, gguf.quants.quantize(w, ggml_type), raw_dtype=ggml_type)

@@ -64,8 +64,8 @@ class EngineConfig:
                                      "length)")
     quantization: str | None = knob("model", None,
                                     "weight quantization: 'int8' (per-channel int8 weights, quantized at load; "
-                                    "'s8' is the seeds' name), 'gguf' (a GGUF's 4-bit and Q8_0 blocks kept as "
-                                    "stored: the default for a GGUF with 4-bit projections) or 'none' (every "
+                                    "'s8' is the seeds' name), 'gguf' / 'gptq' / 'awq' (a checkpoint's 4-bit "
+                                    "weights kept 4-bit: the default for such a checkpoint) or 'none' (every "
                                     "weight dequantized at load)")
     quantized_checkpoint_path: str | None = knob(
         "model", None, "with quantization: a safetensors file of the quantized weights, written at the first load "

@@ -60,7 +60,14 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
+# GGUF architectures read here -> (HF architecture, model_type). llama.cpp's converter permutes Llama's q/k rows
+# to its rotary order (undone at load: reverse_rotary_permute); Qwen's it stores as HF has them.
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+                 "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+PERMUTED_ROTARY = frozenset({"llama"})
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama-3.1-style checkpoints carry their rope scaling as this tensor of per-frequency divisors;
 # gguf_config_dict turns it back into HF's rope_scaling, so it is not a weight.
@@ -395,17 +402,19 @@ def reverse_rotary_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor
 
 def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: bool = False,
                       keep_q4: bool = False) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks]]:
-    """Every weight of a llama-architecture GGUF as (HF name, float32 tensor in HF layout); with
+    """Every weight of a GGUF (ARCHITECTURES) as (HF name, float32 tensor in HF layout); with
     ``keep_q8_0`` a 2-D Q8_0 weight comes as ``Int8Blocks`` instead, its codes and scales as stored, and with
     ``keep_q4`` a 2-D Q4_0 / Q4_1 / Q4_K weight as ``Q4Blocks`` (q/k rows reordered like the floats: a row
     keeps its blocks)."""
-    for info in read_gguf(path).tensors.values():
+    gguf = read_gguf(path)
+    permuted = gguf.metadata.get("general.architecture") in PERMUTED_ROTARY
+    for info in gguf.tensors.values():
         name = hf_tensor_name(info.name)
         if name is None:
             if info.name == ROPE_FREQS:
                 continue
-            raise ValueError(f"{path}: GGUF tensor {info.name!r} has no counterpart in a Llama model; "
-                             "only llama-architecture GGUF files are supported")
+            arch = gguf.metadata.get("general.architecture")
+            raise ValueError(f"{path}: GGUF tensor {info.name!r} has no counterpart in kvloom's {arch} model")
         raw = read_tensor_bytes(path, info)
         with _single_thread():
             kept: Int8Blocks | Q4Blocks | None = None
@@ -414,15 +423,15 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
             elif keep_q4 and info.ggml_type in Q4_TYPES and len(info.shape) == 2:
                 kept = q4_blocks(raw, info.ggml_type, info.shape)
             if kept is not None:
-                if ".attn_q." in info.name or ".attn_k." in info.name:
+                if permuted and (".attn_q." in info.name or ".attn_k." in info.name):
                     heads = num_heads if ".attn_q." in info.name else num_kv_heads
                     kept = type(kept)(*(reverse_rotary_permute(t, heads).contiguous() for t in kept))
                 yield name, kept
                 continue
             weight = dequantize(raw, info.ggml_type, info.shape)
-            if ".attn_q." in info.name:
+            if permuted and ".attn_q." in info.name:
                 weight = reverse_rotary_permute(weight, num_heads)
-            elif ".attn_k." in info.name:
+            elif permuted and ".attn_k." in info.name:
                 weight = reverse_rotary_permute(weight, num_kv_heads)
         yield name, weight
 
@@ -440,20 +449,22 @@ def _single_thread() -> Iterator[None]:
 
 
 def gguf_config_dict(path: str) -> dict[str, Any]:
-    """An HF-style config.json dict for a llama-architecture GGUF, from its metadata and tensor list."""
+    """An HF-style config.json dict for a GGUF of a supported architecture (llama: Llama, Mistral, SmolLM and the
+    rest of llama.cpp's llama family; qwen2: Qwen2 / Qwen2.5; qwen3), from its metadata and tensor list."""
     gguf = read_gguf(path)
     meta = gguf.metadata
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: ['llama'] "
-                         "(Llama, Mistral, SmolLM and other llama-architecture models)")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {sorted(ARCHITECTURES)} "
+                         "(Llama, Mistral, SmolLM and other llama-architecture models; Qwen2 / Qwen2.5; Qwen3)")
+    architecture, model_type = ARCHITECTURES[arch]
 
     def key(name: str, default: Any = None) -> Any:
-        return meta.get(f"llama.{name}", default)
+        return meta.get(f"{arch}.{name}", default)
 
     for required in ("embedding_length", "block_count", "feed_forward_length", "attention.head_count"):
         if key(required) is None:
-            raise ValueError(f"{path}: GGUF metadata lacks llama.{required}")
+            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{required}")
     embedding = gguf.tensors.get("token_embd.weight")
     if embedding is None:
         raise ValueError(f"{path}: GGUF file has no token_embd.weight tensor")
@@ -465,8 +476,8 @@ def gguf_config_dict(path: str) -> dict[str, Any]:
     if types <= {GGML_F32, GGML_F16, GGML_BF16}:
         dtype = "bfloat16" if GGML_BF16 in types else "float16" if GGML_F16 in types else "float32"
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         # The embedding's row count is what the weights need; llama.vocab_size and the token list agree
         # with it in well-formed files.
         "vocab_size": embedding.shape[0],

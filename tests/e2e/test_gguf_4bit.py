@@ -176,3 +176,27 @@ def test_an_embedding_of_q8_0_blocks_looks_up_their_exact_values() -> None:
     embedding.load_shard("weight", 0, table)
     ids = torch.tensor([3, 0, 9, 3])
     assert torch.equal(embedding(ids), table.dequantize()[ids])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_gguf_files_load_like_their_checkpoints(family: str, tmp_path) -> None:
+    """llama.cpp's qwen2 / qwen3 GGUFs (HF's q/k row order, q/k/v biases or q/k norms): F32 tensors give
+    transformers' greedy tokens; 4-bit ones stay 4-bit."""
+    from e2e.test_correctness import hf_greedy
+
+    checkpoint = tiny_models.build_tiny_family_checkpoint(str(tmp_path / "hf"), family)
+    kinds = ("embed", "attn", "attn_o", "ffn", "ffn_down", "output", "norm")
+    f32 = tiny_models.write_tiny_gguf(str(tmp_path / "f32.gguf"), checkpoint, arch=family,
+                                      types=dict.fromkeys(kinds, 0))
+    prompts = mixed_prompts(400, count=3, seed=5)
+    llm = LLM(model=f32, dtype="float32", max_model_len=128)
+    assert llm.llm_engine.model_config.architecture == tiny_models._FAMILIES[family][1]
+    assert kvloom_greedy(llm, prompts, 6) == hf_greedy(checkpoint, prompts, 6)
+    if not cpu.cpu_kernel_available():
+        return
+    q4 = tiny_models.write_tiny_gguf(str(tmp_path / "q4.gguf"), checkpoint, arch=family,
+                                     types={"attn": GGML_Q4_0, "attn_o": GGML_Q4_0, "ffn": GGML_Q4_1,
+                                            "ffn_down": GGML_Q4_1})
+    kept = LLM(model=q4, dtype="float32", max_model_len=128)
+    assert {type(m.packed).__name__ for m in _projections(kept)} == {"PackedQ4Weight"}
+    assert len(kvloom_greedy(kept, prompts, 6)[0]) == 6
