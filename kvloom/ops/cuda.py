@@ -9,9 +9,11 @@ from __future__ import annotations
 import torch
 
 from kvloom.ops.metadata import AttentionMetadata
+from kvloom.ops.q4 import Q4Blocks
 from kvloom.ops.triton import attention as kernels
 from kvloom.ops.triton import fused
 from kvloom.ops.triton import int8 as int8_kernels
+from kvloom.ops.triton import q4 as q4_kernels
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -69,4 +71,25 @@ class Int8Linear:
         rows = x.reshape(-1, self.in_features)
         out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
         int8_kernels.int8_linear(out.view(-1, self.out_features), rows, self.weight_t, self.scale, self.bias)
+        return out
+
+
+class Q4Linear:
+    """A 4-bit weight (``Q4Blocks``, optional bias) for the Triton Q4 GEMM: nibbles packed once [K / 2, N]
+    (triton/q4.py pack_q4_columns), d and m transposed [K / 32, N]; calling it gives x @ W^T (+ b) with W
+    dequantized in registers."""
+
+    def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = weight.codes.shape
+        self.packed = q4_kernels.pack_q4_columns(weight.codes)
+        self.d = weight.d.float().t().contiguous()
+        self.m = weight.m.float().t().contiguous()
+        self.bias = None if bias is None else bias.float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
+        q4_kernels.q4_linear(out.view(-1, self.out_features), rows, self.packed, self.d, self.m, self.bias)
         return out

@@ -171,16 +171,3 @@ class PackedQ4Weight:
         self._product(out, rows, self.data, self.scales, self.bias, self.portable)
         return out.view(*x.shape[:-1], self.out_features)
 
-
-class DequantizedQ4Linear:
-    """A platform without a 4-bit kernel (CUDA today): the weight dequantized once, on the weight's device, and
-    multiplied by torch (no activation quantization: the float values of the file's blocks)."""
-
-    def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None) -> None:
-        self.weight = weight.dequantize()
-        self.bias = bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype != x.dtype:
-            self.weight = self.weight.to(x.dtype)  # once: the model's dtype
-        return torch.nn.functional.linear(x, self.weight, None if self.bias is None else self.bias.to(x.dtype))

@@ -17,8 +17,8 @@ CPU (cpu.PackedInt8BlocksWeight) and torch ops (int8.NativeInt8BlocksLinear) und
 backend; CUDA has no block-scaled kernel, so there they are re-quantized per row once, as they are packed,
 for the Triton weight-only GEMM (the same int8 weights as a per-row load of the same file). 4-bit weights
 (``pack_linear_q4``: a GGUF's Q4 blocks kept) take the C++ Q4 GEMM on the CPU (q4.PackedQ4Weight, llama.cpp's
-product), torch ops (q4.NativeQ4Linear) under the reference backend, and on CUDA, which has no 4-bit kernel yet,
-a float weight dequantized once as it is packed (q4.DequantizedQ4Linear).
+product), torch ops (q4.NativeQ4Linear) under the reference backend, and on CUDA the Triton Q4 GEMM
+(cuda.Q4Linear: the weight dequantized in registers, activations as they are).
 
 A mixture of experts (``pack_experts``) runs the Triton grouped GEMM on CUDA (triton/moe.py TritonExperts), each
 expert's products through the packed bf16 GEMM on the CPU (native.PackedExperts), and the plain-torch grouped
@@ -192,7 +192,7 @@ def _cuda_ops() -> Ops:
     return Ops(name="triton", attention=cuda.attention, rms_norm=cuda.rms_norm, add_rms_norm=cuda.add_rms_norm,
                rotary_embedding=cuda.rotary_embedding, silu_and_mul=cuda.silu_and_mul, argmax=native.argmax,
                pack_linear_int8=cuda.Int8Linear, pack_linear_int8_blocks=_blocks_as_rows(cuda.Int8Linear),
-               pack_linear_q4=q4.DequantizedQ4Linear,
+               pack_linear_q4=cuda.Q4Linear,
                pack_experts=triton_moe.TritonExperts)
 
 
