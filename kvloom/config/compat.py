@@ -143,8 +143,9 @@ VLLM_ARGUMENT_LIMITS: dict[str, ArgumentLimit] = {
     "download_dir": ArgumentLimit(
         _is_none, "None", "kvloom never downloads weights; give model a local path"),
     "kv_cache_dtype": ArgumentLimit(
-        lambda value: value == "auto", "'auto'",
-        "the KV cache is stored in the model's dtype; kvloom has no fp8 KV cache kernels"),
+        lambda value: value in ("auto", "int8"), "'auto' or 'int8'",
+        "the KV cache is stored in the model's dtype ('auto') or as int8 with a scale per token and head "
+        "('int8', on the CPU); kvloom has no fp8 KV cache kernels yet"),
     "pipeline_parallel_size": ArgumentLimit(
         lambda value: value == 1, "1",
         "kvloom has no pipeline parallelism; split a model with tensor_parallel_size, or add replicas with "

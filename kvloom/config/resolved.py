@@ -55,6 +55,10 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
                          f"length ({model_max} tokens); use max_model_len <= {model_max}")
     settle_buckets(config, device.type)
     settle_quantization(config, source)
+    if config.kv_cache_dtype == "int8" and (device.type != "cpu" or config.backend.attention_backend == "native"):
+        raise ValueError(f"kv_cache_dtype='int8' runs on the CPU's attention kernels ('auto'/'cpu' or 'reference'); "
+                         f"this engine uses device {device.type!r} with attention_backend "
+                         f"{config.backend.attention_backend!r}: use kv_cache_dtype='auto'")
     return ResolvedConfig(
         engine=config, model=model_config, source=source, device=device,
         dtype=resolve_dtype(config.dtype, model_config.torch_dtype, device),

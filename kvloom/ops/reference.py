@@ -23,6 +23,9 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
            pairs of keys with the dimensions side by side, as the CPU kernel's bf16 dot products read them
            (csrc/paged_attention.cpp).
     """
+    if dtype == torch.int8:  # kv_cache_dtype="int8": a row's codes, then its fp16 scale (quantize_kv_rows)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim + INT8_KV_SCALE_BYTES)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
     if not pairs:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
@@ -30,9 +33,35 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
             torch.zeros(num_blocks, num_kv_heads, block_size // 2, head_dim, 2, dtype=dtype, device=device))
 
 
+INT8_KV_SCALE_BYTES = 2  # an int8 KV row ends in its scale, one fp16
+
+
+def quantize_kv_rows(rows: torch.Tensor) -> torch.Tensor:
+    """[..., D] keys or values -> int8 [..., D + 2]: per row the codes round(x / s) (half to even, clamped to
+    +-127) and then s = fp16(max|x| / 127) in its 2 bytes; a row of zeros has s = 0 and codes 0. The C++
+    kernels write (csrc/fused_ops.cpp write_int8_row) and read exactly this."""
+    x = rows.float()
+    scale = (x.abs().amax(dim=-1, keepdim=True) / 127).clamp(max=65504.0).half()
+    scale_f = scale.float()
+    codes = torch.where(scale_f > 0, torch.round(x / torch.where(scale_f > 0, scale_f, 1.0)), 0.0)
+    codes = codes.clamp(-127, 127).to(torch.int8)
+    return torch.cat((codes, scale.view(torch.int8).view(*scale.shape[:-1], INT8_KV_SCALE_BYTES)), dim=-1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor) -> torch.Tensor:
+    """int8 [..., D + 2] rows (quantize_kv_rows) -> fp32 [..., D]: codes times the row's scale."""
+    scale = rows[..., -INT8_KV_SCALE_BYTES:].contiguous().view(torch.float16).float()
+    return rows[..., :-INT8_KV_SCALE_BYTES].float() * scale
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """key, value: [T, Hkv, D]; caches as allocate_kv_cache makes them (rows or pairs)."""
+    """key, value: [T, Hkv, D]; caches as allocate_kv_cache makes them (rows or pairs, or int8 rows)."""
+    if key_cache.dtype == torch.int8:
+        key, value = quantize_kv_rows(key), quantize_kv_rows(value)
+        key_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key)
+        value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
+        return
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     if key_cache.dim() == 4:
@@ -67,6 +96,9 @@ def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) 
 def gather_keys_values(key_cache: torch.Tensor, value_cache: torch.Tensor, block_row: torch.Tensor,
                        seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first seq_len positions of one request's K and V, from caches in either layout: [seq_len, Hkv, D] each."""
+    if key_cache.dtype == torch.int8:
+        return (dequantize_kv_rows(gather_sequence(key_cache, block_row, seq_len)),
+                dequantize_kv_rows(gather_sequence(value_cache, block_row, seq_len)))
     if key_cache.dim() == 4:
         return (gather_sequence(key_cache, block_row, seq_len), gather_sequence(value_cache, block_row, seq_len))
     block_size = key_cache.shape[3]

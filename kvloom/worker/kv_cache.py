@@ -14,6 +14,7 @@ from torch import nn
 from kvloom.config import ResolvedConfig
 from kvloom.loader.model_config import ModelConfig
 from kvloom.ops.metadata import AttentionMetadata
+from kvloom.ops.reference import INT8_KV_SCALE_BYTES
 
 logger = logging.getLogger("kvloom")
 
@@ -22,10 +23,11 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of a model's keys and values, every layer."""
+    """Bytes of one block of a model's keys and values, every layer (int8: each row's codes and its scale)."""
     mc = model_config
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * mc.head_dim * element
+    row = mc.head_dim + INT8_KV_SCALE_BYTES if dtype == torch.int8 else mc.head_dim
+    return 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * row * element
 
 
 def num_kv_blocks(config: ResolvedConfig, per_block: int, budget: int, device: torch.device) -> int:

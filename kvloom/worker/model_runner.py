@@ -102,8 +102,13 @@ class ModelRunner:
                                          self.generator, self.proposer)
         self.load_seconds = time.perf_counter() - start
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The target's KV cache dtype: the model's, or int8 codes with a scale per row (kv_cache_dtype="int8")."""
+        return torch.int8 if self.config.engine.kv_cache_dtype == "int8" else self.dtype
+
     def kv_bytes_per_block(self) -> int:
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.kv_cache_dtype)
         # A block holds the draft's keys and values for its positions too (same block tables).
         if self.proposer is not None:
             per_block += kv_bytes_per_block(self.proposer.config, self.block_size, self.dtype)
@@ -124,7 +129,7 @@ class ModelRunner:
         (ops/reference.py allocate_kv_cache)."""
         mc = self.model_config
         self.kv_caches = [self.ops.allocate_kv_cache(num_blocks, self.block_size, mc.num_key_value_heads,
-                                                     mc.head_dim, self.dtype, self.device)
+                                                     mc.head_dim, self.kv_cache_dtype, self.device)
                           for _ in range(mc.num_hidden_layers)]
         if self.speculator is not None:
             self.speculator.init_kv_cache(num_blocks, self.block_size)

@@ -243,3 +243,22 @@ def test_failed_build_warns_once_and_falls_back_to_native(monkeypatch: pytest.Mo
         cpu.load_cpu_kernel.cache_clear()
     monkeypatch.undo()
     assert cpu.load_cpu_kernel() is None  # the real kernel, already loaded, comes back
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [None, 6])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_int8_cache_matches_reference(dtype: torch.dtype, sliding_window: int | None, head_dim: int) -> None:
+    """kv_cache_dtype="int8": rows of codes and an fp16 scale, written by the kernel exactly as the reference
+    quantizes them (assert_matches_reference compares the caches bit for bit) and read with each row's scale."""
+    from kvloom.ops.reference import dequantize_kv_rows, quantize_kv_rows
+
+    metadata, qkv, key_cache, value_cache = random_step(MIXED_BATCH, 16, sliding_window, 8, 2, head_dim, dtype)
+    key_cache, value_cache = quantize_kv_rows(key_cache), quantize_kv_rows(value_cache)
+    assert key_cache.dtype == torch.int8 and key_cache.shape[-1] == head_dim + 2
+    assert_matches_reference(metadata, qkv, key_cache, value_cache, **tolerance(dtype))
+    # The codes hold each value to half a step of its row's scale.
+    rows = torch.randn(5, 3, head_dim) * 4
+    stored = dequantize_kv_rows(quantize_kv_rows(rows))
+    step = rows.abs().amax(dim=-1, keepdim=True) / 127
+    assert ((stored - rows).abs() <= step * 0.51 + 1e-6).all()

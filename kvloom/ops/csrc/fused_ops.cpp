@@ -348,8 +348,59 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
 // or in the pairs layout of paged_attention.cpp: keys [num_blocks, Hkv, D / 2, block_size, 2] (a key's
 // pairs (K[2p], K[2p+1]) one 32-bit word each, block_size words apart) and values [num_blocks, Hkv,
 // block_size / 2, D, 2] (V[d] at word d of its pair of slots, in the half of its slot's parity).
+// An int8 cache row (kv_cache_dtype="int8"): head_dim codes round(x / s), then s = fp16(max|x| / 127) in 2
+// bytes; the same arithmetic as kvloom/ops/reference.py quantize_kv_rows (division, round half to even).
+template <typename T>
+void write_int8_row(const T* x, int64_t dim, int8_t* row) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::abs(static_cast<float>(x[d])));
+  const c10::Half half_scale(std::min(amax / 127.0f, 65504.0f));
+  const float scale = static_cast<float>(half_scale);
+  for (int64_t d = 0; d < dim; ++d) {
+    const float q = scale > 0.0f ? std::nearbyint(static_cast<float>(x[d]) / scale) : 0.0f;
+    row[d] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+  }
+  std::memcpy(row + dim, &half_scale.x, sizeof(half_scale.x));
+}
+
+void write_int8_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                         at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(3) == dim + 2 && key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.is_contiguous() && value_cache.is_contiguous() && key.stride(2) == 1 &&
+                  value.stride(2) == 1 && value.scalar_type() == key.scalar_type(),
+              "write_kv_cache: int8 caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim + 2]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  int8_t* kc = key_cache.data_ptr<int8_t>();
+  int8_t* vc = value_cache.data_ptr<int8_t>();
+  const int64_t row = dim + 2;
+  const auto write = [&](auto zero) {
+    using T = decltype(zero);
+    const T* ks = key.data_ptr<T>();
+    const T* vs = value.data_ptr<T>();
+    parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t at_row = (slots[t] * heads + h) * row;
+          write_int8_row(ks + t * key.stride(0) + h * key.stride(1), dim, kc + at_row);
+          write_int8_row(vs + t * value.stride(0) + h * value.stride(1), dim, vc + at_row);
+        }
+    });
+  };
+  switch (key.scalar_type()) {
+    case at::kFloat: write(float()); break;
+    case at::kBFloat16: write(c10::BFloat16()); break;
+    case at::kHalf: write(c10::Half()); break;
+    default: TORCH_CHECK(false, "write_kv_cache: keys and values must be float32, bfloat16 or float16 for an int8 cache");
+  }
+}
+
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                     at::Tensor slot_mapping) {
+  if (key_cache.scalar_type() == at::kChar) {
+    write_int8_kv_cache(key, value, key_cache, value_cache, slot_mapping);
+    return;
+  }
   const bool paired = key_cache.dim() == 5;
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && value_cache.dim() == key_cache.dim() &&

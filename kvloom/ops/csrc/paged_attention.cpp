@@ -33,6 +33,7 @@
 #include "parallel.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
@@ -72,6 +73,29 @@ inline Vec load_float(const T* p) {
 template <>
 inline Vec load_float<float>(const float* p) {
   return Vec::loadu(p);
+}
+
+// int8 KV codes (kv_cache_dtype="int8"), widened exactly; the row's scale is applied to the scores and the
+// probabilities instead (see run_item).
+template <>
+inline Vec load_float<int8_t>(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  alignas(64) float values[kVecSize];
+  for (int i = 0; i < kVecSize; ++i) values[i] = static_cast<float>(p[i]);
+  return Vec::loadu(values);
+#endif
+}
+
+// An int8 KV row is head_dim codes and then its scale as fp16 (2 bytes, unaligned): kvloom/ops/reference.py
+// quantize_kv_rows says how it is made.
+inline float int8_row_scale(const int8_t* row, int head_dim) {
+  uint16_t bits;
+  std::memcpy(&bits, row + head_dim, sizeof(bits));
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
 // Calls fn(std::integral_constant<int, R>()) for R = rows, 1 <= rows <= kRowBlock.
@@ -597,9 +621,12 @@ inline void softmax_tile(float* scores, int rows, float scale, int64_t k0, Visib
   }
 }
 
-template <typename T, typename Keys>
-void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* key_cache, const T* value_cache,
+// T: the query's and out's dtype; C: the caches' (T itself, or int8_t: codes with a scale per row, which
+// multiplies the row's scores after S = Q K^T and its probabilities before O += P V).
+template <typename T, typename C, typename Keys>
+void run_item(const Problem& pb, const WorkItem& item, const T* query, const C* key_cache, const C* value_cache,
               T* out, Scratch& scratch) {
+  constexpr bool kInt8 = std::is_same_v<C, int8_t>;
   const int head_dim = static_cast<int>(pb.head_dim);
   const int group = static_cast<int>(pb.group);
   const int words = Keys::words(head_dim);
@@ -618,8 +645,9 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* 
   scratch.value_rows.resize(kKeyTile);
   if (pb.paired) scratch.probs_bf16.resize(static_cast<size_t>(head_rows) * kKeyTile / 2);
   float* s_tile = scratch.scores.data();
-  auto key_rows = reinterpret_cast<const T**>(scratch.key_rows.data());
-  auto value_rows = reinterpret_cast<const T**>(scratch.value_rows.data());
+  auto key_rows = reinterpret_cast<const C**>(scratch.key_rows.data());
+  auto value_rows = reinterpret_cast<const C**>(scratch.value_rows.data());
+  alignas(64) float key_scales[kKeyTile], value_scales[kKeyTile];
   auto value_pairs = reinterpret_cast<const float**>(scratch.value_rows.data());  // the pairs layout's rows
 
   const int64_t i = item.request;
@@ -668,7 +696,7 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* 
   };
   // Blocks lie scattered over the cache, too far apart for the hardware prefetcher: ask for the
   // next tile's keys and values (the item's kv heads) while this tile is computed.
-  const auto prefetch = [](const T* start, int64_t length) {
+  const auto prefetch = [](const C* start, int64_t length) {
     const auto first = reinterpret_cast<uintptr_t>(start) & ~uintptr_t{63};
     const auto last = reinterpret_cast<uintptr_t>(start + length) - 1;
     for (uintptr_t line = first; line <= last; line += 64) __builtin_prefetch(reinterpret_cast<const void*>(line));
@@ -678,12 +706,12 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* 
   const auto prefetch_tile = [&](const int64_t* offsets, int64_t k0, int n) {
     if (!pb.paired) {
       for (int j = 0; j < n; ++j)
-        for (const T* cache : {key_cache, value_cache}) prefetch(cache + offsets[j] + heads_offset, heads_length);
+        for (const C* cache : {key_cache, value_cache}) prefetch(cache + offsets[j] + heads_offset, heads_length);
       return;
     }
     for (int j = 0; j < n; j += kVecSize)
       for (int64_t h = item.first_kv_head; h < item.first_kv_head + item.num_kv_heads; ++h) {
-        const T* run = key_run(k0 + j, h);
+        const C* run = key_run(k0 + j, h);
         for (int p = 0; p < head_dim / 2; ++p) __builtin_prefetch(run + p * pb.block_size * 2);
         prefetch(value_pair(k0 + j, h), static_cast<int64_t>(kVecSize) * head_dim);
       }
@@ -720,7 +748,14 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* 
           key_rows[j] = key_cache + slots[j] + head_offset;
           value_rows[j] = value_cache + slots[j] + head_offset;
         }
-        for (int j = n; j < kKeyTile; ++j) key_rows[j] = zero_row<T>();
+        for (int j = n; j < kKeyTile; ++j) key_rows[j] = zero_row<C>();
+        if constexpr (kInt8) {
+          for (int j = 0; j < n; ++j) {
+            key_scales[j] = int8_row_scale(key_rows[j], head_dim);
+            value_scales[j] = int8_row_scale(value_rows[j], head_dim);
+          }
+          std::fill(key_scales + n, key_scales + kKeyTile, 0.0f);
+        }
         Keys::pack_keys(key_rows, head_dim, scratch.key_t.data());
         for (int v = 0; v < kKeyVecs; ++v) key_vectors[v] = scratch.key_t.data() + v * kVecSize;
       }
@@ -731,6 +766,12 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* 
           Keys::template score<decltype(r)::value>(q_head + r0 * words, key_vectors, key_stride, head_dim,
                                                    s_tile + r0 * kKeyTile);
         });
+      }
+      if constexpr (kInt8) {  // S[r][j] *= the scale of key j
+        for (int r = 0; r < head_rows; ++r)
+          for (int v = 0; v < kKeyVecs; ++v)
+            (Vec::loadu(s_tile + r * kKeyTile + v * kVecSize) * Vec::loadu(key_scales + v * kVecSize))
+                .store(s_tile + r * kKeyTile + v * kVecSize);
       }
       float* o_head = scratch.out.data() + static_cast<size_t>(h) * head_rows * out_stride;
       softmax_tile(s_tile, head_rows, pb.scale, k0, visible, scratch.row_max.data() + h * head_rows,
@@ -743,6 +784,10 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* 
         continue;
       }
 #endif
+      if constexpr (kInt8) {  // P[r][j] *= the scale of value j (the row sums are taken already)
+        for (int r = 0; r < head_rows; ++r)
+          for (int j = 0; j < n; ++j) s_tile[r * kKeyTile + j] *= value_scales[j];
+      }
       add_probs_times_values(s_tile, head_rows, value_rows, n, head_dim, o_head, out_stride);
     }
   }
@@ -756,12 +801,12 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const T* 
 }
 
 // The items on kvloom's thread pool (parallel.h), longest first, handed out one at a time.
-template <typename T, typename Keys>
-void run_items(const Problem& pb, const std::vector<WorkItem>& items, const T* query, const T* key_cache,
-               const T* value_cache, T* out) {
+template <typename T, typename C, typename Keys>
+void run_items(const Problem& pb, const std::vector<WorkItem>& items, const T* query, const C* key_cache,
+               const C* value_cache, T* out) {
   parallel_chunks(static_cast<int64_t>(items.size()), [&](int64_t n) {
     static thread_local Scratch scratch;
-    run_item<T, Keys>(pb, items[n], query, key_cache, value_cache, out, scratch);
+    run_item<T, C, Keys>(pb, items[n], query, key_cache, value_cache, out, scratch);
   });
 }
 
@@ -816,12 +861,15 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                     key_cache.strides() == value_cache.strides(),
                 "paged_attention: key_cache and value_cache must be [num_blocks, block_size, num_kv_heads, "
                 "head_dim] of one shape and layout, got ", key_cache.sizes(), " and ", value_cache.sizes());
-    TORCH_CHECK(key_cache.size(3) == head_dim, "paged_attention: head_dim must match the cache, got ", head_dim,
-                " and ", key_cache.size(3));
+    const bool int8 = key_cache.scalar_type() == at::kChar;
+    TORCH_CHECK(key_cache.size(3) == head_dim + (int8 ? 2 : 0), "paged_attention: head_dim must match the cache ",
+                "(int8 rows: head_dim codes and a 2-byte scale), got ", head_dim, " and ", key_cache.size(3));
   }
   const auto dtype = query.scalar_type();
-  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
-              "paged_attention: query, out and the caches must share one dtype");
+  const bool int8 = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(out.scalar_type() == dtype && (key_cache.scalar_type() == dtype || int8) &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "paged_attention: query and out must share one dtype, and the caches it or int8");
   check_rows(out, "out");
   check_rows(query, "query");
   check_rows(key_cache, "key_cache");
@@ -904,14 +952,20 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 
   const auto run = [&](auto zero, auto keys) {
     using T = decltype(zero);
-    run_items<T, decltype(keys)>(pb, items, query.data_ptr<T>(), key_cache.data_ptr<T>(),
-                                 value_cache.data_ptr<T>(), out.data_ptr<T>());
+    if (int8) {
+      run_items<T, int8_t, FloatKeys>(pb, items, query.data_ptr<T>(), key_cache.data_ptr<int8_t>(),
+                                      value_cache.data_ptr<int8_t>(), out.data_ptr<T>());
+      return;
+    }
+    run_items<T, T, decltype(keys)>(pb, items, query.data_ptr<T>(), key_cache.data_ptr<T>(),
+                                    value_cache.data_ptr<T>(), out.data_ptr<T>());
   };
+  if (int8) TORCH_CHECK(!paired, "paged_attention: int8 caches are in the rows layout");
   switch (dtype) {
     case at::kFloat: run(float(), FloatKeys()); break;
     case at::kBFloat16:
 #if defined(KVLOOM_BF16_DOT) || defined(CPU_CAPABILITY_AVX2)
-      if (head_dim % 32 == 0) {
+      if (head_dim % 32 == 0 && !int8) {
         run(c10::BFloat16(), PairKeys());
         break;
       }
