@@ -16,6 +16,7 @@ from kvloom.loader.model_config import ModelConfig
 from kvloom.loader.tokenizer import load_tokenizer
 from kvloom.loader.weights import iter_weights
 from kvloom.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from kvloom.models.idefics3 import Idefics3ForConditionalGeneration
 from kvloom.models.llama import LlamaForCausalLM, MistralForCausalLM
 from kvloom.models.mixtral import MixtralForCausalLM
 from kvloom.models.phi3 import Phi3ForCausalLM
@@ -39,6 +40,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
 }
 
 
