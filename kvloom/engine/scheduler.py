@@ -203,7 +203,7 @@ class Scheduler:
         params = request.sampling_params
         stop_ids = frozenset() if params.min_tokens == 0 else frozenset(
             (request.eos_token_ids | params.all_stop_token_ids) - {None})
-        return NewRequestData(request.request_id, request.prompt_token_ids, params, stop_ids)
+        return NewRequestData(request.request_id, request.prompt_token_ids, params, stop_ids, request.mm_features)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
