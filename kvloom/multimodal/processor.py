@@ -17,11 +17,11 @@ from typing import Any
 
 from kvloom.multimodal.idefics3 import IMAGE_TOKEN, Idefics3ImageProcessing, PreprocessedImage
 from kvloom.multimodal.inputs import ImageFeature
+from kvloom.multimodal.media import MAX_IMAGE_PIXELS, MediaConnector
 
 # Images preprocessed at once; resizing a large image is a few hundred ms of mostly GIL-free Pillow work.
 PREPROCESS_THREADS = max(1, min(4, os.cpu_count() or 1))
 DEFAULT_IMAGE_LIMIT = 1  # vLLM's default limit_mm_per_prompt for an image model
-MAX_IMAGE_PIXELS = 8192 * 8192  # a decoded image larger than this is refused before any resize
 
 
 def image_content_hash(image: Any) -> str:
@@ -57,6 +57,8 @@ class MultiModalProcessor:
         self.image_token_id = image_token_id
         self.tokenizer = tokenizer
         self.limit_per_prompt = limit_per_prompt
+        # Where chat image_url parts may be loaded from (set by the engine from its config).
+        self.media = MediaConnector()
         self._pool: ThreadPoolExecutor | None = None
 
     @property
@@ -168,4 +170,8 @@ def multimodal_processor(resolved: Any, tokenizer: Any) -> MultiModalProcessor |
                              f"got {engine.tensor_parallel_size}")
         if engine.speculative is not None:
             raise ValueError(f"speculative decoding is not supported for {resolved.model.architecture}")
-    return build_multimodal_processor(resolved.model, resolved.source.path, tokenizer, engine.limit_mm_per_prompt)
+    processor = build_multimodal_processor(resolved.model, resolved.source.path, tokenizer,
+                                           engine.limit_mm_per_prompt)
+    if processor is not None:
+        processor.media = MediaConnector(engine.allowed_local_media_path, engine.allowed_media_domains)
+    return processor
