@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tests.tiny_models import EOS_ID, _write_json, save_tokenizer
+from tiny_models import EOS_ID, _write_json, save_tokenizer
 
 IMAGE_SPECIAL_TOKENS = (["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
                         + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)])
@@ -77,7 +77,7 @@ def build_tiny_idefics3(path: str, *, seed: int = 0, longest_edge: int = 2 * TIL
 
 def _restore_tokenizer_config(path: str) -> None:
     """The processor's save rewrote tokenizer_config.json; keep tests/tiny_models.py's (its chat template)."""
-    from tests.tiny_models import CHATML_TEMPLATE, SPECIAL_TOKENS, UNK_ID
+    from tiny_models import CHATML_TEMPLATE, SPECIAL_TOKENS, UNK_ID
 
     special = {"bos_token": SPECIAL_TOKENS[1], "eos_token": SPECIAL_TOKENS[EOS_ID], "pad_token": SPECIAL_TOKENS[EOS_ID],
                "unk_token": SPECIAL_TOKENS[UNK_ID]}

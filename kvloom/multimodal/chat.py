@@ -15,7 +15,7 @@ from typing import Any
 
 IMAGE_PART_TYPES = ("image_url", "image_pil")
 # A template that iterates a message's content (``for part in message['content']``) renders parts itself.
-_ITERATES_CONTENT = re.compile(r"for\s+\w+\s+in\s+message(\[\s*['\"]content['\"]\s*\]|\.content)\b")
+_ITERATES_CONTENT = re.compile(r"for\s+\w+\s+in\s+message(\[\s*['\"]content['\"]\s*\]|\.content(?!\w))")
 
 
 def has_image_parts(messages: Any) -> bool:
