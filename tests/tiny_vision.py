@@ -21,11 +21,14 @@ TILE = 32  # pixels a side of one tile (the vision tower's image_size)
 
 
 def build_tiny_idefics3(path: str, *, seed: int = 0, longest_edge: int = 2 * TILE, do_image_splitting: bool = True,
-                        **vision_overrides: Any) -> str:
+                        scale_factor: int = 2, text_overrides: dict[str, Any] | None = None,
+                        wide_init: bool = True, **vision_overrides: Any) -> str:
     """Weights (fp32 safetensors), config, tokenizer and processor of a tiny Idefics3; returns path.
 
     ``longest_edge``: the image processor's resize target (2 tiles a side by default, so a wide image is split
-    into 1 x 2 tiles + the global view, a large one into 2 x 2)."""
+    into 1 x 2 tiles + the global view, a large one into 2 x 2). ``text_overrides`` / ``vision_overrides``:
+    the text and vision configs' sizes (benchmarks/vision_ttft.py builds a SmolVLM-256M-shaped model);
+    ``wide_init``: weights wider than transformers' init, so greedy tests notice mistakes."""
     import torch
     from tokenizers import AddedToken, Tokenizer
     from transformers import (
@@ -49,25 +52,26 @@ def build_tiny_idefics3(path: str, *, seed: int = 0, longest_edge: int = 2 * TIL
                   image_size=TILE, patch_size=8)
     vision.update(vision_overrides)
     config = Idefics3Config(
-        text_config=dict(model_type="llama", vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=EOS_ID,
-                         pad_token_id=EOS_ID, tie_word_embeddings=False),
-        vision_config=vision, scale_factor=2, image_token_id=image_token_id, tie_word_embeddings=False)
+        text_config={**dict(model_type="llama", vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=EOS_ID,
+                            pad_token_id=EOS_ID, tie_word_embeddings=False), **(text_overrides or {})},
+        vision_config=vision, scale_factor=scale_factor, image_token_id=image_token_id, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).eval()
     with torch.no_grad():  # wider than the default init: peaked logits, so greedy tests notice mistakes
-        for name, param in model.named_parameters():
+        for name, param in model.named_parameters() if wide_init else ():
             if not name.endswith("norm.weight") and "layer_norm" not in name and "layernorm" not in name:
                 param.normal_(0.0, 0.3 if "embed" in name else 0.1)
     model.save_pretrained(path)
 
+    tile = vision["image_size"]
     image_processor = Idefics3ImageProcessorPil(size={"longest_edge": longest_edge},
-                                                max_image_size={"longest_edge": TILE},
+                                                max_image_size={"longest_edge": tile},
                                                 do_image_splitting=do_image_splitting)
     hf_tokenizer = PreTrainedTokenizerFast(tokenizer_file=tokenizer_file, bos_token="<|im_start|>",
                                            eos_token="<|im_end|>", unk_token="<|endoftext|>")
-    image_seq_len = (TILE // vision["patch_size"]) ** 2 // 4
+    image_seq_len = (tile // vision["patch_size"]) ** 2 // scale_factor ** 2
     processor = Idefics3Processor(image_processor=image_processor, tokenizer=hf_tokenizer,
                                   image_seq_len=image_seq_len)
     processor.save_pretrained(path)
