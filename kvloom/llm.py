@@ -97,6 +97,8 @@ class LLM:
                 final_params[id(params)] = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         # Process everything before queueing anything, so a bad prompt leaves no half-done batch.
         processor = engine.input_processor
+        if processor.multimodal is not None:  # every prompt's images preprocessed on the pool at once
+            prompts = processor.multimodal.prefetch(prompts)
         requests: list[EngineRequest] = [
             processor.process(engine.next_request_id(), prompt, final_params.get(id(params), params),
                               add_special_tokens=add_special_tokens)
