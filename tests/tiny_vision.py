@@ -100,3 +100,59 @@ def load_hf_processor(path: str) -> Any:
     with open(os.path.join(path, "processor_config.json")) as f:
         image_seq_len = json.load(f).get("image_seq_len")
     return Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=image_seq_len)
+
+
+def build_tiny_llava(path: str, *, seed: int = 0, strategy: str = "default") -> str:
+    """A tiny random LLaVA (CLIP tower: 28 px images of 7 px patches, 3 layers, features of layer -2; a Llama
+    text model) with its tokenizer and saved processor (CLIP's PIL image processor: shortest edge 32, center
+    crop 28); returns path."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import (
+        CLIPImageProcessorPil,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
+
+    os.makedirs(path, exist_ok=True)
+    save_tokenizer(path)
+    tokenizer_file = os.path.join(path, "tokenizer.json")
+    tokenizer = Tokenizer.from_file(tokenizer_file)
+    tokenizer.add_special_tokens([AddedToken("<image>", normalized=False, special=True)])
+    tokenizer.save(tokenizer_file)
+    config = LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+                         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1,
+                         eos_token_id=EOS_ID, pad_token_id=EOS_ID, tie_word_embeddings=False),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                           num_attention_heads=2, image_size=28, patch_size=7, projection_dim=16),
+        image_token_index=tokenizer.token_to_id("<image>"), vision_feature_select_strategy=strategy,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.endswith("norm.weight") and "layer_norm" not in name and "layrnorm" not in name:
+                param.normal_(0.0, 0.3 if "embed" in name else 0.1)
+    model.save_pretrained(path)
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 28, "width": 28})
+    hf_tokenizer = PreTrainedTokenizerFast(tokenizer_file=tokenizer_file, bos_token="<|im_start|>",
+                                           eos_token="<|im_end|>", unk_token="<|endoftext|>")
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=hf_tokenizer, patch_size=7,
+                               vision_feature_select_strategy=strategy, num_additional_image_tokens=1,
+                               image_token="<image>")
+    processor.save_pretrained(path)
+    _restore_tokenizer_config(path)
+    return path
+
+
+def load_hf_llava_processor(path: str, strategy: str = "default") -> Any:
+    from transformers import CLIPImageProcessorPil, LlavaProcessor, PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json"))
+    return LlavaProcessor(image_processor=CLIPImageProcessorPil.from_pretrained(path), tokenizer=tokenizer,
+                          patch_size=7, vision_feature_select_strategy=strategy, num_additional_image_tokens=1,
+                          image_token="<image>")

@@ -8,16 +8,18 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-    "Idefics3ForConditionalGeneration",
+    "Idefics3ForConditionalGeneration", "LlavaForConditionalGeneration",
 )
 # Vision-language architectures: a vision encoder before a text model of a supported family (its text_config).
-_VISION_TEXT_ARCHITECTURES = {"Idefics3ForConditionalGeneration": "LlamaForCausalLM"}
+_VISION_TEXT_ARCHITECTURES = {"Idefics3ForConditionalGeneration": "LlamaForCausalLM",
+                              "LlavaForConditionalGeneration": "LlamaForCausalLM"}
 # config.json's model_type -> architecture, for a config without an ``architectures`` list.
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM", "idefics3": "Idefics3ForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -160,8 +162,14 @@ def _vision_language_config(cls: type[ModelConfig], d: dict[str, Any], text_arch
     vision = d.get("vision_config")
     if not isinstance(text, dict) or not isinstance(vision, dict):
         raise ValueError(f"{source}: a {architecture} config needs text_config and vision_config dicts")
-    if "image_token_id" not in d:
+    image_token_id = d.get("image_token_id", d.get("image_token_index"))
+    if image_token_id is None:
         raise ValueError(f"{source}: a {architecture} config needs image_token_id")
+    if text.get("model_type") == "mistral":  # LLaVA's text model may be Mistral
+        text_architecture = "MistralForCausalLM"
+    elif text.get("model_type", "llama") != "llama":
+        raise ValueError(f"{source}: {architecture}'s text model {text.get('model_type')!r} is not supported; "
+                         f"supported: llama, mistral")
     text = dict(text, architectures=[text_architecture])
     if not (text.get("torch_dtype") or text.get("dtype")):
         text["dtype"] = d.get("torch_dtype") or d.get("dtype")
@@ -169,8 +177,14 @@ def _vision_language_config(cls: type[ModelConfig], d: dict[str, Any], text_arch
         text["tie_word_embeddings"] = d["tie_word_embeddings"]
     config = cls.from_hf_dict(text, f"{source} (text_config)")
     config.architecture = architecture
-    config.multimodal = {"vision_config": dict(vision), "scale_factor": int(d.get("scale_factor", 2)),
-                         "image_token_id": int(d["image_token_id"])}
+    config.multimodal = {"vision_config": dict(vision), "image_token_id": int(image_token_id),
+                         "text_architecture": text_architecture,
+                         # Idefics3: the pixel shuffle's factor. LLaVA: which layer's patches, CLS or not, the MLP.
+                         "scale_factor": int(d.get("scale_factor", 2)),
+                         "vision_feature_layer": d.get("vision_feature_layer", -2),
+                         "vision_feature_select_strategy": d.get("vision_feature_select_strategy", "default"),
+                         "projector_hidden_act": d.get("projector_hidden_act", "gelu"),
+                         "multimodal_projector_bias": bool(d.get("multimodal_projector_bias", True))}
     return config
 
 

@@ -41,9 +41,9 @@ class VisionConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> VisionConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         config = cls(**{k: v for k, v in d.items() if k in names})
-        if config.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
+        if config.hidden_act not in ("gelu_pytorch_tanh", "gelu", "quick_gelu"):
             raise ValueError(f"vision_config.hidden_act {config.hidden_act!r} is not supported; "
-                             f"supported: gelu_pytorch_tanh, gelu")
+                             f"supported: gelu_pytorch_tanh, gelu, quick_gelu")
         if config.image_size % config.patch_size or config.hidden_size % config.num_attention_heads:
             raise ValueError("vision_config: image_size must be a multiple of patch_size and hidden_size of "
                              "num_attention_heads")
@@ -117,10 +117,15 @@ class VisionMLP(nn.Module):
         super().__init__()
         self.fc1 = Linear(config.hidden_size, [config.intermediate_size], bias=True)
         self.fc2 = Linear(config.intermediate_size, [config.hidden_size], bias=True)
-        self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
+        self.act = config.hidden_act
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(hidden), approximate=self.approximate))
+        hidden = self.fc1(hidden)
+        if self.act == "quick_gelu":  # CLIP's: x * sigmoid(1.702 x)
+            hidden = hidden * torch.sigmoid(1.702 * hidden)
+        else:
+            hidden = F.gelu(hidden, approximate="tanh" if self.act == "gelu_pytorch_tanh" else "none")
+        return self.fc2(hidden)
 
 
 class VisionEncoderLayer(nn.Module):
@@ -184,7 +189,7 @@ class Idefics3ForConditionalGeneration(nn.Module):
         self.vision_model = VisionTransformer(self.vision_config)
         self.modality_projection = Linear(self.vision_config.hidden_size * self.scale_factor ** 2,
                                           [config.hidden_size], bias=False)
-        text_config = dataclasses.replace(config, architecture="LlamaForCausalLM", multimodal=None)
+        text_config = dataclasses.replace(config, architecture=config.multimodal["text_architecture"], multimodal=None)
         self.language_model = LlamaForCausalLM(text_config, ops)
 
     @property

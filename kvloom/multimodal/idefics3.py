@@ -129,7 +129,7 @@ class Idefics3ImageProcessing:
         """A PIL image -> its tiles and grid."""
         from PIL import Image
 
-        image = _to_rgb(image) if self.do_convert_rgb else image
+        image = to_rgb(image) if self.do_convert_rgb else image
         resample = Image.Resampling(self.resample)
         width, height = image.size
         if self.do_resize:
@@ -158,15 +158,7 @@ class Idefics3ImageProcessing:
                 tiles = [image]
         else:
             tiles = [image.resize((tile, tile), resample=resample)]
-        pixels = np.stack([np.asarray(t, dtype=np.uint8) for t in tiles])  # [tiles, size, size, 3]
-        pixels = pixels.transpose(0, 3, 1, 2)
-        if self.do_rescale:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        else:
-            pixels = pixels.astype(np.float32)
-        if self.do_normalize:
-            pixels = (pixels - self.image_mean[:, None, None]) / self.image_std[:, None, None]
-        return PreprocessedImage(np.ascontiguousarray(pixels, dtype=np.float32), rows, cols)
+        return PreprocessedImage(to_pixels(tiles, self), rows, cols)
 
     @staticmethod
     def prompt_replacement(image: PreprocessedImage, image_seq_len: int) -> str:
@@ -183,7 +175,20 @@ class Idefics3ImageProcessing:
         return text + "\n" + global_view
 
 
-def _to_rgb(image: Any) -> Any:
+def to_pixels(tiles: list[Any], options: Any) -> np.ndarray:
+    """PIL tiles -> float32 [tiles, 3, size, size]: rescaled (in float64, then float32, as transformers does) and
+    normalized as ``options`` (do_rescale, rescale_factor, do_normalize, image_mean, image_std) say."""
+    pixels = np.stack([np.asarray(t, dtype=np.uint8) for t in tiles]).transpose(0, 3, 1, 2)
+    if options.do_rescale:
+        pixels = (pixels.astype(np.float64) * options.rescale_factor).astype(np.float32)
+    else:
+        pixels = pixels.astype(np.float32)
+    if options.do_normalize:
+        pixels = (pixels - options.image_mean[:, None, None]) / options.image_std[:, None, None]
+    return np.ascontiguousarray(pixels, dtype=np.float32)
+
+
+def to_rgb(image: Any) -> Any:
     """RGB, with any transparency composited onto white (transformers' convert_to_rgb)."""
     from PIL import Image
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from kvloom.multimodal.clip import ClipImageProcessing
 from kvloom.multimodal.idefics3 import IMAGE_TOKEN, Idefics3ImageProcessing, PreprocessedImage
 from kvloom.multimodal.inputs import ImageFeature
 from kvloom.multimodal.media import MAX_IMAGE_PIXELS, MediaConnector
@@ -47,7 +48,8 @@ class MultiModalProcessor:
 
     placeholder = IMAGE_TOKEN
 
-    def __init__(self, image_processing: Idefics3ImageProcessing, image_seq_len: int, image_token_id: int,
+    def __init__(self, image_processing: Idefics3ImageProcessing | ClipImageProcessing, image_seq_len: int,
+                 image_token_id: int,
                  tile_size: int, tokenizer: Any, limit_per_prompt: int = DEFAULT_IMAGE_LIMIT) -> None:
         if image_processing.tile_size != tile_size:
             raise ValueError(f"the image processor cuts {image_processing.tile_size}-pixel tiles but the vision "
@@ -169,10 +171,15 @@ def build_multimodal_processor(model_config: Any, model_path: str, tokenizer: An
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
         raise ValueError(f"limit_mm_per_prompt['image'] must be an integer >= 0, got {limit!r}")
     vision = mm["vision_config"]
-    scale = mm["scale_factor"]
-    image_seq_len = (vision["image_size"] // vision["patch_size"]) ** 2 // scale ** 2
-    return MultiModalProcessor(Idefics3ImageProcessing.from_pretrained(model_path), image_seq_len,
-                               mm["image_token_id"], vision["image_size"], tokenizer, limit)
+    patches = (vision["image_size"] // vision["patch_size"]) ** 2
+    if model_config.architecture == "LlavaForConditionalGeneration":
+        image_seq_len = patches + (1 if mm["vision_feature_select_strategy"] == "full" else 0)
+        image_processing: Any = ClipImageProcessing.from_pretrained(model_path)
+    else:
+        image_seq_len = patches // mm["scale_factor"] ** 2
+        image_processing = Idefics3ImageProcessing.from_pretrained(model_path)
+    return MultiModalProcessor(image_processing, image_seq_len, mm["image_token_id"], vision["image_size"], tokenizer,
+                               limit)
 
 
 def multimodal_processor(resolved: Any, tokenizer: Any) -> MultiModalProcessor | None:

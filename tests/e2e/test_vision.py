@@ -197,3 +197,31 @@ def test_server_takes_images_through_the_openai_client(model_dir: str, server_fa
             assert error["type"] == "invalid_request_error" and error["param"] == "messages", (name, error)
         # The server still answers after the refusals.
         assert client.chat.completions.create(model=server.model, messages=messages, max_tokens=2).choices
+
+
+@pytest.mark.parametrize("strategy", ["default", "full"])
+def test_llava_preprocessing_and_greedy_equal_transformers(tmp_path, strategy: str) -> None:
+    """LLaVA: CLIP's preprocessing equal to transformers' pixels; greedy tokens equal with one and two images
+    batched with text, in chunks of 16 tokens (an image is 16 or 17 rows), features of layer -2 with or without
+    the class token."""
+    import torch
+    from tiny_vision import build_tiny_llava, load_hf_llava_processor
+    from transformers import LlavaForConditionalGeneration
+
+    from kvloom.multimodal.clip import ClipImageProcessing
+
+    model_dir = build_tiny_llava(str(tmp_path / "llava"), strategy=strategy)
+    processor = load_hf_llava_processor(model_dir, strategy)
+    ours = ClipImageProcessing.from_pretrained(model_dir)
+    for image in IMAGES + [random_image(13, 50, 9)]:
+        expected_pixels = processor.image_processor(image, return_tensors="np")["pixel_values"][0]
+        np.testing.assert_allclose(ours.preprocess(image).pixel_values[0], expected_pixels, rtol=0, atol=1e-6)
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = []
+    for text, images in CASES:
+        inputs = processor(text=text, images=images or None, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+        expected.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+    llm = LLM(model_dir, dtype="float32", limit_mm_per_prompt={"image": 2}, max_num_batched_tokens=16)
+    assert generated(llm, CASES) == expected
