@@ -225,3 +225,14 @@ def test_llava_preprocessing_and_greedy_equal_transformers(tmp_path, strategy: s
         expected.append(out[0, inputs["input_ids"].shape[1]:].tolist())
     llm = LLM(model_dir, dtype="float32", limit_mm_per_prompt={"image": 2}, max_num_batched_tokens=16)
     assert generated(llm, CASES) == expected
+
+
+def test_the_vision_example_runs(model_dir: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """examples/vision_chat.py, the one README and docs/vision.md point to, on the tiny checkpoint."""
+    import runpy
+    from pathlib import Path
+
+    monkeypatch.setenv("KVLOOM_EXAMPLE_MODEL", model_dir)
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "vision_chat.py"), run_name="__main__")
+    printed = capsys.readouterr().out
+    assert "generate:" in printed and "chat:" in printed
