@@ -11,6 +11,7 @@ from kvloom.engine.input_processor import EngineRequest, PromptInput
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.output_processor import raise_if_failed
 from kvloom.loader.tokenizer import Tokenizer
+from kvloom.multimodal.chat import chat_prompt
 from kvloom.outputs import RequestOutput
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
 
@@ -60,9 +61,12 @@ class LLM:
                              "(or a list of such lists)")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
+        # Text conversations render to text; ones with image parts to a prompt dict with their images.
+        multimodal = self.llm_engine.input_processor.multimodal
+        load_url = None if multimodal is None else multimodal.media.load_image
         prompts: list[PromptInput] = [
-            tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template)
+            chat_prompt(tokenizer, conversation, multimodal, load_url, add_generation_prompt=add_generation_prompt,
+                        chat_template=chat_template)
             for conversation in conversations]
         # The template already wrote any BOS it wants.
         return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
@@ -93,6 +97,8 @@ class LLM:
                 final_params[id(params)] = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         # Process everything before queueing anything, so a bad prompt leaves no half-done batch.
         processor = engine.input_processor
+        if processor.multimodal is not None:  # every prompt's images preprocessed on the pool at once
+            prompts = processor.multimodal.prefetch(prompts)
         requests: list[EngineRequest] = [
             processor.process(engine.next_request_id(), prompt, final_params.get(id(params), params),
                               add_special_tokens=add_special_tokens)

@@ -89,6 +89,9 @@ class _EngineStatsCollector(Collector):
                       "tokens.", scheduler.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                       scheduler.prefix_cache_hits)
+        yield counter("encoder_cache_hits", "Images whose encoder output was found in the encoder cache "
+                      "(by content hash) when a step needed it.", scheduler.encoder_cache_hits)
+        yield counter("encoder_cache_misses", "Images the vision encoder ran for.", scheduler.encoder_cache_misses)
         yield counter("spec_decode_num_drafts", "Speculative steps of a request (drafts verified at once).",
                       scheduler.num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Speculative draft tokens proposed.",

@@ -24,6 +24,8 @@ class SchedulerStats:
     num_draft_tokens: int = 0  # speculative tokens proposed
     num_accepted_tokens: int = 0  # of those, accepted by the target model
     num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at draft position i
+    encoder_cache_hits: int = 0  # images a step needed that the runner's encoder cache held
+    encoder_cache_misses: int = 0  # images the vision encoder ran for
 
 
 @dataclass

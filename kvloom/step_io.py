@@ -27,6 +27,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     # Masked out of the logits while fewer than min_tokens were generated: EOS and the stop ids.
     min_tokens_stop_ids: frozenset[int] = frozenset()
+    # A vision-language prompt's images (kvloom.multimodal.inputs.ImageFeature): where each one's rows go and
+    # its preprocessed tiles; the runner encodes them (or finds them in its encoder cache) as chunks reach them.
+    mm_features: tuple[Any, ...] = ()
 
 
 class ScheduledRequest(NamedTuple):
@@ -80,3 +83,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[LogprobsRow]] = field(default_factory=dict)
     failed_request_ids: list[str] = field(default_factory=list)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Images this step needed: found in the runner's encoder cache (by content hash), or encoded.
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0

@@ -8,6 +8,7 @@ in its metadata: model, cache, scheduler, parallel, speculative, backend. ``GROU
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -70,6 +71,14 @@ class EngineConfig:
     quantized_checkpoint_path: str | None = knob(
         "model", None, "with quantization: a safetensors file of the quantized weights, written at the first load "
         "and read (without quantizing again) at later ones")
+    limit_mm_per_prompt: dict[str, int] | str | None = knob(
+        "model", None, "most images a prompt of a vision-language model may hold, {\"image\": N} (JSON on the "
+        "command line; default 1)")
+    allowed_local_media_path: str | None = knob(
+        "model", None, "a directory whose files chat image_url parts may name (file:// URLs); none: no local files")
+    allowed_media_domains: list[str] | str | None = knob(
+        "model", None, "hosts whose http(s) image URLs may be fetched (comma-separated on the command line); none: "
+        "no remote fetches")
     max_logprobs: int = knob("model", MAX_LOGPROBS, "most logprobs / prompt_logprobs per position a request may "
                              "ask for (vLLM's; the server's flag is --max-logprobs)", flag=False)
     trust_remote_code: bool = knob("model", False,
@@ -202,6 +211,7 @@ class EngineConfig:
                      "disable_custom_all_reduce", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self._settle_media_knobs()
         self.backend = BackendConfig.from_overrides(self.override_backend_config)
         self.structured_outputs = StructuredOutputsConfig.from_value(self.structured_outputs_config)
         if self.quantization is not None:
@@ -216,6 +226,31 @@ class EngineConfig:
                                                               self.num_speculative_tokens,
                                                               self.speculative_max_model_len,
                                                               self.speculative_disable_by_batch_size)
+
+    def _settle_media_knobs(self) -> None:
+        """limit_mm_per_prompt from JSON, allowed_media_domains from a comma-separated string."""
+        limit = self.limit_mm_per_prompt
+        if isinstance(limit, str):
+            try:
+                limit = json.loads(limit)
+            except json.JSONDecodeError:
+                raise ValueError(f"limit_mm_per_prompt must be JSON such as '{{\"image\": 2}}', "
+                                 f"got {limit!r}") from None
+        if limit is not None:
+            if not isinstance(limit, dict) or set(limit) - {"image"} or not all(
+                    isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limit.values()):
+                raise ValueError(f"limit_mm_per_prompt must map 'image' to an integer >= 0, got {limit!r}")
+        self.limit_mm_per_prompt = limit
+        domains = self.allowed_media_domains
+        if isinstance(domains, str):
+            domains = [d.strip() for d in domains.split(",") if d.strip()]
+        if domains is not None and (not isinstance(domains, (list, tuple))
+                                    or not all(isinstance(d, str) and d for d in domains)):
+            raise ValueError(f"allowed_media_domains must be a list of host names, got {domains!r}")
+        self.allowed_media_domains = None if domains is None else [d.lower() for d in domains]
+        if self.allowed_local_media_path is not None and not isinstance(self.allowed_local_media_path, str):
+            raise ValueError(f"allowed_local_media_path must be a directory path, "
+                             f"got {self.allowed_local_media_path!r}")
 
     def _settle_cpu_omp_threads_bind(self) -> None:
         """The argument, else KVLOOM_CPU_OMP_THREADS_BIND, else "auto"; its syntax checked (whether its

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvloom.loader.tokenizer import Tokenizer
+from kvloom.multimodal.processor import MultiModalProcessor
 from kvloom.sampling_params import SamplingParams, StructuredOutputsParams
 
 PromptInput = str | list[int] | dict[str, Any]
@@ -36,6 +37,8 @@ class TokenizedPrompt:
 
     text: str | None
     token_ids: tuple[int, ...]
+    # A vision-language prompt's images (kvloom.multimodal.inputs.ImageFeature), in prompt order.
+    mm_features: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class EngineRequest:
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
     arrival_time: float
+    mm_features: tuple[Any, ...] = ()
 
 
 class InputProcessor:
@@ -57,7 +61,8 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int,
                  check_fits: Callable[[int, int | None, bool], None],
-                 check_structured_outputs: Callable[[StructuredOutputsParams], None] | None = None) -> None:
+                 check_structured_outputs: Callable[[StructuredOutputsParams], None] | None = None,
+                 multimodal: MultiModalProcessor | None = None) -> None:
         """``check_fits(num_prompt_tokens, max_tokens, max_tokens_must_fit)``: the scheduler's
         refusal of a request that could never be scheduled (context length, whole KV cache).
         ``check_structured_outputs``: the grammar backend's check of a constraint (it starts its compile
@@ -66,6 +71,8 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.check_fits = check_fits
         self.check_structured_outputs = check_structured_outputs
+        # A vision-language model's image processing (None: a text model, whose prompts take no images).
+        self.multimodal = multimodal
 
     def tokenize(self, prompt: PromptInput | TokenizedPrompt, add_special_tokens: bool = True
                  ) -> TokenizedPrompt:
@@ -78,7 +85,7 @@ class InputProcessor:
                 raise ValueError(f"a prompt dict needs exactly one of 'prompt' (text) or "
                                  f"'prompt_token_ids' (list of ints), got keys {sorted(prompt)}")
             if prompt.get("multi_modal_data"):
-                raise ValueError("multi_modal_data is not supported: kvloom serves text models")
+                return self._tokenize_multimodal(prompt, add_special_tokens)
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -107,6 +114,23 @@ class InputProcessor:
             raise ValueError("the prompt is empty; give at least one character or token")
         return TokenizedPrompt(text, tuple(token_ids))
 
+    def _tokenize_multimodal(self, prompt: dict[str, Any], add_special_tokens: bool) -> TokenizedPrompt:
+        """``{"prompt": text with one <image> per image, "multi_modal_data": {"image": image or [images]}}``."""
+        if self.multimodal is None:
+            raise ValueError("multi_modal_data was given but this model is text-only; images need a "
+                             "vision-language model (Idefics3ForConditionalGeneration)")
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data must be a dict with the key 'image', got "
+                             f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        if not isinstance(prompt.get("prompt"), str) or not prompt["prompt"]:
+            raise ValueError("a prompt with multi_modal_data needs its text as 'prompt' (with one "
+                             f"'{self.multimodal.placeholder}' per image); prompt_token_ids are not supported")
+        images = data.get("image")
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        token_ids, features = self.multimodal.process(prompt["prompt"], images, add_special_tokens)
+        return TokenizedPrompt(prompt["prompt"], tuple(token_ids), features)
+
     def process(self, request_id: str, prompt: PromptInput | TokenizedPrompt,
                 params: SamplingParams | None = None, *, arrival_time: float | None = None,
                 add_special_tokens: bool = True, max_tokens_must_fit: bool = False) -> EngineRequest:
@@ -134,7 +158,7 @@ class InputProcessor:
                 raise ValueError("structured_outputs are not available on this engine")
             self.check_structured_outputs(params.structured_outputs)
         return EngineRequest(request_id, tokenized.text, tokenized.token_ids, params,
-                             time.time() if arrival_time is None else arrival_time)
+                             time.time() if arrival_time is None else arrival_time, tokenized.mm_features)
 
     def engine_request(self, prompt: PromptInput | TokenizedPrompt | EngineRequest, params: SamplingParams | None,
                        request_id: str | None, *, arrival_time: float | None = None) -> EngineRequest:

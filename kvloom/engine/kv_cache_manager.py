@@ -19,7 +19,7 @@ from kvloom.engine.request import Request
 NULL_BLOCK_ID = 0
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int | tuple[str, int]]) -> int:
     return hash((parent_hash, tuple(token_ids)))
 
 
@@ -31,7 +31,7 @@ class KVCacheBlock:
         self.ref_count = 0
         self.block_hash: int | None = None
         # The tokens of a hashed block, checked on a hit so a hash collision cannot alias blocks.
-        self.token_ids: tuple[int, ...] | None = None
+        self.token_ids: tuple[int | tuple[str, int], ...] | None = None
 
 
 class KVCacheManager:
@@ -83,10 +83,17 @@ class KVCacheManager:
             parent = request.block_hashes[-1] if i else None
             request.block_hashes.append(hash_block_tokens(parent, self._named_tokens(request, i)))
 
-    def _named_tokens(self, request: Request, i: int) -> tuple[int, ...]:
-        """What names block i of the request: its tokens (and the one after them)."""
+    def _named_tokens(self, request: Request, i: int) -> tuple[int | tuple[str, int], ...]:
+        """What names block i of the request: its tokens (and the one after them), and for each image whose
+        rows reach into the block, its content hash and where it starts relative to the block: every image's
+        tokens are the same ids, so without them two prompts with different images would share blocks."""
         size = self.block_size
-        return tuple(request.all_token_ids[i * size:(i + 1) * size + (1 if self.name_with_next_token else 0)])
+        end = (i + 1) * size + (1 if self.name_with_next_token else 0)
+        named = tuple(request.all_token_ids[i * size:end])
+        if request.mm_features:
+            named += tuple((f.content_hash, f.offset - i * size) for f in request.mm_features
+                           if f.offset < end and f.end > i * size)
+        return named
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks that prefixes the request, and its token count.

@@ -24,6 +24,7 @@ from kvloom.engine.scheduler import Scheduler
 from kvloom.executor import build_executor
 from kvloom.loader.tokenizer import Tokenizer, load_tokenizer
 from kvloom.loader.weights import resolve_model
+from kvloom.multimodal.processor import multimodal_processor
 from kvloom.outputs import RequestOutput
 from kvloom.platform import configure_host
 from kvloom.sampling_params import SamplingParams
@@ -74,7 +75,8 @@ class LLMEngine:
         # Constrained requests whose grammar is still compiling: they join the scheduler once it is ready.
         self._awaiting_grammar: list[Request] = []
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
-                                              self.scheduler.check_fits, self.structured_output.validate)
+                                              self.scheduler.check_fits, self.structured_output.validate,
+                                              multimodal_processor(resolved, self.tokenizer))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.log_stats = log_stats
         self._iteration_stats = IterationStats()
@@ -124,7 +126,7 @@ class LLMEngine:
                 if params.seed is not None:
                     child_params.seed = params.seed + index
             children.append(Request(child_id, request.prompt_token_ids, child_params, self.eos_token_ids,
-                                    self.max_model_len, request.arrival_time))
+                                    self.max_model_len, request.arrival_time, request.mm_features))
         self.output_processor.add_request(request, children)
         for child in children:
             if params.structured_outputs is not None:

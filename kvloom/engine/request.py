@@ -58,6 +58,7 @@ class Request:
         eos_token_ids: set[int] | None = None,
         max_model_len: int | None = None,
         arrival_time: float | None = None,
+        mm_features: tuple[Any, ...] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -66,6 +67,9 @@ class Request:
         self.max_model_len = max_model_len
         self.arrival_time = time.time() if arrival_time is None else arrival_time
 
+        # A vision-language prompt's images (kvloom.multimodal.inputs.ImageFeature); the prefix cache names
+        # the blocks they cover by their content hashes.
+        self.mm_features = mm_features
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -68,6 +68,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Images the runner found in its encoder cache, and the ones it encoded (vision-language models).
+        self.num_encoder_cache_hits = 0
+        self.num_encoder_cache_misses = 0
 
     # ---- admission -------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None,
@@ -203,7 +206,7 @@ class Scheduler:
         params = request.sampling_params
         stop_ids = frozenset() if params.min_tokens == 0 else frozenset(
             (request.eos_token_ids | params.all_stop_token_ids) - {None})
-        return NewRequestData(request.request_id, request.prompt_token_ids, params, stop_ids)
+        return NewRequestData(request.request_id, request.prompt_token_ids, params, stop_ids, request.mm_features)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -219,6 +222,8 @@ class Scheduler:
         """Append each request's new tokens, applying the token-level stop checks after each (tokens
         past a stop are dropped). Returns the requests that finished."""
         finished = []
+        self.num_encoder_cache_hits += runner_output.encoder_cache_hits
+        self.num_encoder_cache_misses += runner_output.encoder_cache_misses
         for item in scheduler_output.scheduled:
             request = self.requests.get(item.request_id)
             token_ids = runner_output.sampled_token_ids.get(item.request_id)
@@ -258,4 +263,5 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
             num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
-            num_accepted_tokens_per_pos=tuple(self.num_accepted_tokens_per_pos))
+            num_accepted_tokens_per_pos=tuple(self.num_accepted_tokens_per_pos),
+            encoder_cache_hits=self.num_encoder_cache_hits, encoder_cache_misses=self.num_encoder_cache_misses)

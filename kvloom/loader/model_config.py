@@ -8,13 +8,18 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+    "Idefics3ForConditionalGeneration", "LlavaForConditionalGeneration",
 )
+# Vision-language architectures: a vision encoder before a text model of a supported family (its text_config).
+_VISION_TEXT_ARCHITECTURES = {"Idefics3ForConditionalGeneration": "LlamaForCausalLM",
+                              "LlavaForConditionalGeneration": "LlamaForCausalLM"}
 # config.json's model_type -> architecture, for a config without an ``architectures`` list.
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "idefics3": "Idefics3ForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -67,11 +72,18 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # A vision-language model (Idefics3): the HF config's vision_config, scale_factor and image_token_id; the
+    # fields above then describe its text model (text_config). None: a text-only model.
+    multimodal: dict[str, Any] | None = None
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "the model config") -> ModelConfig:
         """The facts of a HF config.json's dict; a ValueError naming ``source`` (its file) when a
         required key is missing or a value has the wrong type."""
+        vision_text = _VISION_TEXT_ARCHITECTURES.get((d.get("architectures") or [""])[0]) or \
+            _VISION_TEXT_ARCHITECTURES.get(_MODEL_TYPES.get(d.get("model_type", ""), ""))
+        if vision_text is not None:
+            return _vision_language_config(cls, d, vision_text, source)
         missing = [key for key in _REQUIRED_KEYS if key not in d]
         if missing:
             raise ValueError(f"{source} lacks the required key(s) {missing}; a Llama or Mistral config "
@@ -139,6 +151,41 @@ class ModelConfig:
             raise ValueError(f"{source} has a value of the wrong type ({e})") from None
         _check_supported(config, d, source)
         return config
+
+
+def _vision_language_config(cls: type[ModelConfig], d: dict[str, Any], text_architecture: str,
+                            source: str) -> ModelConfig:
+    """A vision-language config: its text model's facts (text_config, as that family's own config) and, in
+    ``multimodal``, what the vision side needs."""
+    architecture = (d.get("architectures") or [None])[0] or _MODEL_TYPES[d["model_type"]]
+    text = d.get("text_config")
+    vision = d.get("vision_config")
+    if not isinstance(text, dict) or not isinstance(vision, dict):
+        raise ValueError(f"{source}: a {architecture} config needs text_config and vision_config dicts")
+    image_token_id = d.get("image_token_id", d.get("image_token_index"))
+    if image_token_id is None:
+        raise ValueError(f"{source}: a {architecture} config needs image_token_id")
+    if text.get("model_type") == "mistral":  # LLaVA's text model may be Mistral
+        text_architecture = "MistralForCausalLM"
+    elif text.get("model_type", "llama") != "llama":
+        raise ValueError(f"{source}: {architecture}'s text model {text.get('model_type')!r} is not supported; "
+                         f"supported: llama, mistral")
+    text = dict(text, architectures=[text_architecture])
+    if not (text.get("torch_dtype") or text.get("dtype")):
+        text["dtype"] = d.get("torch_dtype") or d.get("dtype")
+    if "tie_word_embeddings" in d:  # the top level's word is the one transformers' model follows
+        text["tie_word_embeddings"] = d["tie_word_embeddings"]
+    config = cls.from_hf_dict(text, f"{source} (text_config)")
+    config.architecture = architecture
+    config.multimodal = {"vision_config": dict(vision), "image_token_id": int(image_token_id),
+                         "text_architecture": text_architecture,
+                         # Idefics3: the pixel shuffle's factor. LLaVA: which layer's patches, CLS or not, the MLP.
+                         "scale_factor": int(d.get("scale_factor", 2)),
+                         "vision_feature_layer": d.get("vision_feature_layer", -2),
+                         "vision_feature_select_strategy": d.get("vision_feature_select_strategy", "default"),
+                         "projector_hidden_act": d.get("projector_hidden_act", "gelu"),
+                         "multimodal_projector_bias": bool(d.get("multimodal_projector_bias", True))}
+    return config
 
 
 def _optional_float(value: Any) -> float | None:

@@ -152,7 +152,9 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
         message = {key: value for key, value in message.items() if value is not None}
         content = message.get("content")
         if isinstance(content, list):
-            message["content"] = _join_text_parts(content, index)
+            # Image parts ({"type": "image"}, from kvloom.multimodal.chat) stay parts: the template places them.
+            message["content"] = content if any(isinstance(p, dict) and p.get("type") == "image" for p in content) \
+                else _join_text_parts(content, index)
         elif content is None:
             if not (role == "assistant" and message.get("tool_calls")):
                 raise ValueError(f"messages[{index}] ({role}) has no 'content'")

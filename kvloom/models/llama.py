@@ -246,11 +246,13 @@ class LlamaForCausalLM(nn.Module):
             self.layer_stack = build_layer_stack(self.ops, self.layers, self.config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions: [T] -> final hidden states [T, H]; with aux_hidden_state_layers, also the
-        residual stream entering each of those layers, side by side: ([T, H], [T, len(layers) * H])."""
-        hidden = self.embed_tokens(input_ids)
+        residual stream entering each of those layers, side by side: ([T, H], [T, len(layers) * H]).
+        ``inputs_embeds`` [T, H]: the input rows in place of the token embeddings (a vision-language model's,
+        image embeddings among them)."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.layer_stack is not None and not self.aux_hidden_state_layers:
             hidden, residual = self.layer_stack(hidden, positions, kv_caches, metadata)
             return self.norm(hidden, residual)[0]

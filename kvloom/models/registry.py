@@ -24,7 +24,9 @@ from kvloom.loader.model_config import ModelConfig
 from kvloom.loader.tokenizer import load_tokenizer
 from kvloom.loader.weights import iter_weights
 from kvloom.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from kvloom.models.idefics3 import Idefics3ForConditionalGeneration
 from kvloom.models.llama import LlamaForCausalLM, MistralForCausalLM
+from kvloom.models.llava import LlavaForConditionalGeneration
 from kvloom.models.mixtral import MixtralForCausalLM
 from kvloom.models.phi3 import Phi3ForCausalLM
 from kvloom.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -47,6 +49,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 

@@ -9,6 +9,7 @@ rows that sample into the sampler's tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -51,6 +52,8 @@ class RequestState:
     draft_resumes: bool = True  # new or preempted: its next step starts from a prefix-cache hit
     # Its prefix-cache hit held no draft KV where EAGLE cannot compute it: it drafts no more.
     draft_disabled: bool = False
+    # A vision-language prompt's images (kvloom.multimodal.inputs.ImageFeature), from its NewRequestData.
+    mm_features: tuple[Any, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,7 @@ from kvloom.spec_decode import build_model_proposer
 from kvloom.spec_decode.draft_model import DraftModelProposer
 from kvloom.step_io import LogprobsRow, ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from kvloom.worker.compiled_artifacts import ArtifactStore
+from kvloom.worker.encoder_cache import BUDGET_ROWS_PER_BATCHED_TOKEN, EncoderCache, multimodal_embeddings
 from kvloom.worker.graphs import DecodeGraphs, default_token_gen_buckets
 from kvloom.worker.input_batch import InputBatch, ModelInputs, RequestState, sampling_metadata
 from kvloom.worker.kv_cache import DEFAULT_CPU_KV_CACHE_BYTES, kv_bytes_per_block, num_kv_blocks, profile_cuda_budget
@@ -67,6 +68,8 @@ class ModelRunner:
         # features while the target generates): called with the step's items, their rows' starts in the
         # hidden states (query_start_loc) and the hidden states [T, H].
         self.hidden_state_sink: Callable[[list[ScheduledRequest], list[int], torch.Tensor], None] | None = None
+        # A vision-language model's image rows by content hash (worker/encoder_cache.py); None: a text model.
+        self.encoder_cache: EncoderCache | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self, rank: int = 0, world_size: int = 1, group: ProcessGroupLike | None = None) -> None:
@@ -88,6 +91,8 @@ class ModelRunner:
         process_weights_after_loading(model, self.ops)
         self.sampler = Sampler(self.generator, argmax=self.ops.argmax)
         self.model = model.eval()
+        if hasattr(model, "embed_images"):
+            self.encoder_cache = EncoderCache(BUDGET_ROWS_PER_BATCHED_TOKEN * self.config.max_num_batched_tokens)
         self.input_batch = InputBatch(self.block_size, self.config.max_blocks_per_seq, self.device,
                                       self.ops.needs_decode_mask)
         speculative = engine.speculative
@@ -186,7 +191,8 @@ class ModelRunner:
             if state is not None:
                 state.draft_resumes = True
         scheduled = scheduler_output.scheduled
-        use_graph = (self.graphs is not None and self.graphs.can_run(len(scheduled))
+        # A vision-language model's steps run eagerly: a one-token chunk may be an image row.
+        use_graph = (self.graphs is not None and self.graphs.can_run(len(scheduled)) and self.encoder_cache is None
                      and all(item.num_new_tokens == 1 for item in scheduled))
         if use_graph:
             items, inputs = scheduled, None
@@ -207,12 +213,18 @@ class ModelRunner:
             last_token_index = torch.tensor([query_start_loc[i + 1] - 1 for i in sampling_rows], device=self.device)
 
         aux_hidden = None
+        images = None
         if use_graph:
             hidden = self._decode_with_graph(scheduled)
         else:
             if self.broadcast_inputs is not None:
                 self.broadcast_inputs(inputs)
-            hidden, aux_hidden = self._split(self.forward(inputs))
+            images = None
+            if self.encoder_cache is not None:
+                images, image_hits, image_misses = multimodal_embeddings(
+                    items, query_start_loc, lambda request_id: self.requests[request_id].mm_features,
+                    self.encoder_cache, self.model.embed_images, self.device)
+            hidden, aux_hidden = self._split(self.forward(inputs, images))
         if self.hidden_state_sink is not None:
             self.hidden_state_sink(items, query_start_loc, hidden)
         sampler_output = None
@@ -224,6 +236,8 @@ class ModelRunner:
         @torch.inference_mode()
         def finish() -> ModelRunnerOutput:
             output = ModelRunnerOutput()
+            if images is not None:
+                output.encoder_cache_hits, output.encoder_cache_misses = image_hits, image_misses
             if sampler_output is not None:
                 sampled = sampler_output.sampled_token_ids.tolist()  # waits for the device
                 for request_id, state, token_id in zip(ids, states, sampled):
@@ -265,9 +279,14 @@ class ModelRunner:
         return finish
 
     @torch.inference_mode()
-    def forward(self, inputs: ModelInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, inputs: ModelInputs, multimodal_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Final hidden states [T, H] (and, for EAGLE-3, the auxiliary ones [T, A * H]); every
-        tensor-parallel rank runs this on the same inputs."""
+        tensor-parallel rank runs this on the same inputs. ``multimodal_embeddings``: a vision-language model's
+        image rows for this step, (flat token indices [M], rows [M, H])."""
+        if multimodal_embeddings is not None:
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata,
+                              multimodal_embeddings=multimodal_embeddings)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
 
     @staticmethod
@@ -291,7 +310,7 @@ class ModelRunner:
 
     def _request_state(self, new: NewRequestData) -> RequestState:
         stop_ids = sorted(t for t in new.min_tokens_stop_ids if 0 <= t < self.vocab_size)
-        return RequestState(new.prompt_token_ids, new.sampling_params, stop_ids)
+        return RequestState(new.prompt_token_ids, new.sampling_params, stop_ids, mm_features=new.mm_features)
 
     def _prompt_logprobs(self, item: ScheduledRequest, state: RequestState, hidden: torch.Tensor, offset: int
                          ) -> list[LogprobsRow]:

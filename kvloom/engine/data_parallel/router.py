@@ -46,6 +46,7 @@ from kvloom.engine.input_processor import EngineRequest, InputProcessor
 from kvloom.engine.scheduler import check_request_fits
 from kvloom.loader.tokenizer import load_tokenizer
 from kvloom.loader.weights import resolve_model
+from kvloom.multimodal.processor import multimodal_processor
 from kvloom.outputs import RequestOutput
 from kvloom.sampling_params import RequestOutputKind
 from kvloom.stats import EngineStats, SchedulerStats
@@ -155,7 +156,8 @@ class ReplicaRouter(EngineClient):
             check_request_fits(self.max_model_len, self.block_size, num_usable_blocks, num_prompt_tokens,
                                max_tokens, max_tokens_must_fit)
 
-        self.input_processor = InputProcessor(self.tokenizer, resolved.model.vocab_size, check_fits)
+        self.input_processor = InputProcessor(self.tokenizer, resolved.model.vocab_size, check_fits,
+                                              multimodal=multimodal_processor(resolved, self.tokenizer))
         self.metrics = RouterMetrics(self.replicas, self.model_name, self.refresh_metrics)
         for replica in self.replicas:
             threading.Thread(target=self._read, args=(replica,), name=f"kvloom-router-{replica.index}",

@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kvloom.engine.engine_client import EngineDeadError
+from kvloom.entrypoints.openai.chat_media import multimodal_chat_prompt
 from kvloom.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -51,6 +52,7 @@ from kvloom.entrypoints.openai.tool_calls import (
     get_tool_parser,
     resolve_tool_choice,
 )
+from kvloom.multimodal.chat import has_image_parts
 from kvloom.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -87,10 +89,14 @@ class OpenAIServingChat(OpenAIServing):
             constraint, constraint_param = forced, "tool_choice"
         if constraint is not None:
             await self.check_structured_outputs(constraint, constraint_param)
-        prompt_text = await self.render_chat_checked(request.messages, request.add_generation_prompt,
-                                                     request.chat_template_kwargs, request.tools or None)
-        # The template already wrote any BOS it wants.
-        prompt = await self.tokenize_prompt(prompt_text, add_special_tokens=False, prompt_name="messages")
+        if has_image_parts(request.messages):  # images: loaded and preprocessed off the event loop
+            prompt = await multimodal_chat_prompt(self, request.messages, request.add_generation_prompt,
+                                                  request.chat_template_kwargs, request.tools or None)
+        else:
+            prompt_text = await self.render_chat_checked(request.messages, request.add_generation_prompt,
+                                                         request.chat_template_kwargs, request.tools or None)
+            # The template already wrote any BOS it wants.
+            prompt = await self.tokenize_prompt(prompt_text, add_special_tokens=False, prompt_name="messages")
         if request.max_completion_tokens is not None:
             max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
         else:

@@ -1,0 +1,238 @@
+"""Idefics3 (SmolVLM) end to end on a tiny random checkpoint: greedy tokens for image + text prompts equal
+transformers' in fp32 (one and two images, batched with a text-only prompt, whole or chunked prefill, after
+preemption), the prefix cache and the encoder cache keyed by image content, chat image parts offline and
+through the server, and bad image input refused with a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import types
+
+import httpx
+import numpy as np
+import pytest
+
+pytest.importorskip("PIL")
+import openai  # noqa: E402
+from PIL import Image  # noqa: E402
+from tiny_vision import build_tiny_idefics3, load_hf_processor  # noqa: E402
+
+from kvloom import LLM, SamplingParams  # noqa: E402
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def random_image(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+IMAGES = [random_image(40, 20, 1), random_image(64, 64, 2), random_image(20, 30, 3)]
+# (text, images): one image, two images, and text only, in one batch.
+CASES = [("Describe<image> the fox", [IMAGES[0]]), ("<image>and<image>compare them", [IMAGES[1], IMAGES[2]]),
+         ("The quick brown fox", [])]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_idefics3(str(tmp_path_factory.mktemp("tiny_idefics3")))
+
+
+def hf_greedy(model_dir: str, cases: list[tuple[str, list[Image.Image]]]) -> list[list[int]]:
+    import torch
+    from transformers import Idefics3ForConditionalGeneration
+
+    processor = load_hf_processor(model_dir)
+    model = Idefics3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = []
+    for text, images in cases:
+        inputs = processor(text=text, images=images or None, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+        expected.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+    return expected
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir: str) -> list[list[int]]:
+    return hf_greedy(model_dir, CASES)
+
+
+def prompts(cases: list[tuple[str, list[Image.Image]]]) -> list:
+    return [{"prompt": text, "multi_modal_data": {"image": images}} if images else text for text, images in cases]
+
+
+def generated(llm: LLM, cases: list[tuple[str, list[Image.Image]]]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts(cases), GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [None, 16])
+def test_greedy_equals_transformers(model_dir: str, expected: list[list[int]],
+                                    max_num_batched_tokens: int | None) -> None:
+    """Whole prefill, and chunks of 16 tokens that end inside images (a 1 x 2 image spans 3 tiles' rows)."""
+    llm = LLM(model_dir, dtype="float32", limit_mm_per_prompt={"image": 2},
+              max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
+    assert generated(llm, CASES) == expected
+    stats = llm.llm_engine.scheduler.stats()
+    assert stats.encoder_cache_misses == 3  # each image encoded once, chunked or not
+    if max_num_batched_tokens:
+        assert stats.encoder_cache_hits > 0  # later chunks of an image read its cached rows
+
+
+def test_prefix_cache_and_encoder_cache_follow_image_content(model_dir: str, expected: list[list[int]]) -> None:
+    llm = LLM(model_dir, dtype="float32", limit_mm_per_prompt={"image": 2})
+    kv = llm.llm_engine.scheduler.kv
+    assert generated(llm, CASES[:1]) == expected[:1]
+    first_hits = kv.prefix_hits
+    # The same image and text: the prompt's full blocks come from the cache, the image from the encoder cache.
+    assert generated(llm, CASES[:1]) == expected[:1]
+    assert kv.prefix_hits - first_hits >= 16
+    stats = llm.llm_engine.scheduler.stats()
+    assert (stats.encoder_cache_misses, stats.encoder_cache_hits) == (1, 1)
+    # The same text with another image (same size, so the same tokens): nothing past the text is reused.
+    other = [("Describe<image> the fox", [random_image(40, 20, 7)])]
+    before = kv.prefix_hits
+    assert generated(llm, other) == hf_greedy(model_dir, other)
+    image_start = llm.llm_engine.input_processor.tokenize(prompts(other)[0]).mm_features[0].offset
+    assert kv.prefix_hits - before <= image_start
+    assert llm.llm_engine.scheduler.stats().encoder_cache_misses == 2
+
+
+def test_preemption_recomputes_images(model_dir: str, expected: list[list[int]]) -> None:
+    """A KV cache of 8 blocks for three prompts needing 10 in all: requests are preempted and recomputed."""
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # layers x (k, v) x block x kv heads x head dim x fp32
+    llm = LLM(model_dir, dtype="float32", limit_mm_per_prompt={"image": 2}, kv_cache_memory=8 * per_block,
+              enable_prefix_caching=False, max_num_batched_tokens=32)
+    assert generated(llm, CASES) == expected
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def png_data_url(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_chat_image_parts_offline(model_dir: str) -> None:
+    llm = LLM(model_dir, dtype="float32", limit_mm_per_prompt={"image": 2})
+    by_url = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(
+        IMAGES[0])}}, {"type": "text", "text": "What is it?"}]}], GREEDY, use_tqdm=False)
+    by_pil = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": IMAGES[0]},
+                                                    {"type": "text", "text": "What is it?"}]}], GREEDY, use_tqdm=False)
+    rendered = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "<image>\nWhat is it?"}], add_generation_prompt=True)
+    direct = llm.generate({"prompt": rendered, "multi_modal_data": {"image": IMAGES[0]}}, GREEDY, use_tqdm=False)
+    assert by_url[0].outputs[0].token_ids == by_pil[0].outputs[0].token_ids == direct[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="at most 2 are allowed"):
+        llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": IMAGES[0]}] * 3}], GREEDY)
+    with pytest.raises(ValueError, match="could not be decoded"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(b"garbage").decode()}}]}], GREEDY)
+    # Nothing was left half-queued by the refused requests.
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_text_only_model_refuses_images(tiny_llama_dir: str) -> None:
+    llm = LLM(tiny_llama_dir)
+    with pytest.raises(ValueError, match="text-only"):
+        llm.generate({"prompt": "<image> hi", "multi_modal_data": {"image": IMAGES[0]}}, GREEDY)
+    with pytest.raises(ValueError, match="text-only"):
+        llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": IMAGES[0]}]}], GREEDY)
+    with pytest.raises(ValueError, match="text-only"):
+        LLM(tiny_llama_dir, limit_mm_per_prompt={"image": 1})
+    # The server's path: a 400 naming messages, before any image is loaded.
+    from kvloom.entrypoints.openai.chat_media import multimodal_chat_prompt
+    from kvloom.entrypoints.openai.serving_engine import APIError
+
+    serving = types.SimpleNamespace(engine=llm.llm_engine, model_name="tiny-llama")
+    with pytest.raises(APIError, match="text-only") as error:
+        asyncio.run(multimodal_chat_prompt(serving, [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://169.254.169.254/"}}]}], True, None, None))
+    assert error.value.status_code == 400 and error.value.param == "messages"
+
+
+def test_server_takes_images_through_the_openai_client(model_dir: str, server_factory, tmp_path) -> None:
+    media_dir = tmp_path / "media"
+    media_dir.mkdir()
+    IMAGES[0].save(media_dir / "fox.png")
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                             {"type": "image_url", "image_url": {"url": png_data_url(IMAGES[0])}}]}]
+    offline = LLM(model_dir, dtype="float32", limit_mm_per_prompt={"image": 2}).chat(messages, GREEDY, use_tqdm=False)
+    with server_factory(model_dir, "--dtype", "float32", "--limit-mm-per-prompt", '{"image": 2}',
+                        "--allowed-local-media-path", str(media_dir)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model=server.model, messages=messages, max_tokens=MAX_TOKENS,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        assert reply.choices[0].message.content == offline[0].outputs[0].text
+        # The same image from an allowed local file: the same pixels, so the same reply, and the encoder is
+        # skipped (its rows come from the encoder cache by content hash).
+        before = server.metrics()
+        local = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, {
+            "type": "image_url", "image_url": {"url": f"file://{media_dir}/fox.png"}}]}]
+        again = client.chat.completions.create(model=server.model, messages=local, max_tokens=MAX_TOKENS,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        assert again.choices[0].message.content == reply.choices[0].message.content
+        after = server.metrics()
+        assert after["kvloom:encoder_cache_hits_total"] > before["kvloom:encoder_cache_hits_total"]
+        assert after["kvloom:encoder_cache_misses_total"] == before["kvloom:encoder_cache_misses_total"]
+
+        image_part = {"type": "image_url", "image_url": {"url": png_data_url(IMAGES[2])}}
+        bad = {
+            "undecodable": [{"type": "image_url", "image_url": {
+                "url": "data:image/png;base64," + base64.b64encode(b"garbage").decode()}}],
+            "too many": [image_part] * 3,
+            "remote host": [{"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest"}}],
+            "outside local path": [{"type": "image_url", "image_url": {"url": f"file://{tmp_path}/../etc.png"}}],
+        }
+        for name, content in bad.items():
+            response = httpx.post(server.url + "/v1/chat/completions", timeout=30, headers={
+                "Content-Type": "application/json"}, content=json.dumps(
+                {"model": server.model, "messages": [{"role": "user", "content": content}], "max_tokens": 2}))
+            assert response.status_code == 400, (name, response.text)
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["param"] == "messages", (name, error)
+        # The server still answers after the refusals.
+        assert client.chat.completions.create(model=server.model, messages=messages, max_tokens=2).choices
+
+
+@pytest.mark.parametrize("strategy", ["default", "full"])
+def test_llava_preprocessing_and_greedy_equal_transformers(tmp_path, strategy: str) -> None:
+    """LLaVA: CLIP's preprocessing equal to transformers' pixels; greedy tokens equal with one and two images
+    batched with text, in chunks of 16 tokens (an image is 16 or 17 rows), features of layer -2 with or without
+    the class token."""
+    import torch
+    from tiny_vision import build_tiny_llava, load_hf_llava_processor
+    from transformers import LlavaForConditionalGeneration
+
+    from kvloom.multimodal.clip import ClipImageProcessing
+
+    model_dir = build_tiny_llava(str(tmp_path / "llava"), strategy=strategy)
+    processor = load_hf_llava_processor(model_dir, strategy)
+    ours = ClipImageProcessing.from_pretrained(model_dir)
+    for image in IMAGES + [random_image(13, 50, 9)]:
+        expected_pixels = processor.image_processor(image, return_tensors="np")["pixel_values"][0]
+        np.testing.assert_allclose(ours.preprocess(image).pixel_values[0], expected_pixels, rtol=0, atol=1e-6)
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = []
+    for text, images in CASES:
+        inputs = processor(text=text, images=images or None, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+        expected.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+    llm = LLM(model_dir, dtype="float32", limit_mm_per_prompt={"image": 2}, max_num_batched_tokens=16)
+    assert generated(llm, CASES) == expected
+
+
+def test_the_vision_example_runs(model_dir: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """examples/vision_chat.py, the one README and docs/vision.md point to, on the tiny checkpoint."""
+    import runpy
+    from pathlib import Path
+
+    monkeypatch.setenv("KVLOOM_EXAMPLE_MODEL", model_dir)
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "vision_chat.py"), run_name="__main__")
+    printed = capsys.readouterr().out
+    assert "generate:" in printed and "chat:" in printed
