@@ -7,6 +7,8 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvloom.pooling_params import PoolingParams
+
 # vLLM's max_logprobs default: the most logprobs / prompt_logprobs a request may ask for, offline (LLM)
 # and served (the default of the server's --max-logprobs).
 MAX_LOGPROBS = 20
@@ -105,6 +107,9 @@ class SamplingParams:
     # bad_words tokenized (InputProcessor.process fills it: the tokenizer lives there): each a token id
     # sequence whose last token is banned after its prefix.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
+    # An embedding request (LLM.embed, /v1/embeddings) is a one-token greedy request whose prompt's hidden
+    # states the runner pools: its resolved PoolingParams (kvloom/pooling_params.py); None for generation.
+    pooling: PoolingParams | None = field(default=None, init=False, repr=False)
     # stop_token_ids as a set, for the per-token stop check and the min_tokens mask.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
 
@@ -204,6 +209,13 @@ class SamplingParams:
         if words is not None and (not isinstance(words, (list, tuple))
                                   or not all(isinstance(w, str) and w.strip() for w in words)):
             raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r}")
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt position must be computed (no prefix-cache hit): prompt logprobs, and MEAN /
+        CLS pooling (LAST reads the last position, which a prefix-cache hit always recomputes)."""
+        return self.prompt_logprobs is not None or (self.pooling is not None
+                                                    and self.pooling.pooling_type != "LAST")
 
     @property
     def has_logits_processors(self) -> bool:

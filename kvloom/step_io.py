@@ -80,3 +80,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[LogprobsRow]] = field(default_factory=dict)
     failed_request_ids: list[str] = field(default_factory=list)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Embedding requests whose prompt this step finished: the pooled vector (kvloom/pooling.py) as floats.
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)

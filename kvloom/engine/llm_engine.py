@@ -230,6 +230,10 @@ class LLMEngine:
             rows = runner_output.prompt_logprobs.get(request.request_id)
             if rows:
                 output_processor.add_prompt_logprobs(request, item.num_computed_tokens, rows)
+            if runner_output.pooler_output:
+                pooled = runner_output.pooler_output.get(request.request_id)
+                if pooled is not None:
+                    output_processor.add_pooler_output(request, pooled)
             if request.status == RequestStatus.FINISHED_ERROR:
                 output_processor.finish_failed(request)
                 continue

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvloom.ops.metadata import AttentionMetadata
+from kvloom.pooling import PoolingState
 from kvloom.sample.sampler import SamplingMetadata
 from kvloom.sampling_params import SamplingParams
 from kvloom.spec_decode.ngram import NgramIndex
@@ -54,6 +55,8 @@ class RequestState:
     # logit_bias's token ids and values, and allowed_token_ids, as device tensors (made at first use).
     logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
     allowed_tensor: torch.Tensor | None = None
+    # An embedding request: its prompt's hidden states pooled as its chunks run (kvloom/pooling.py).
+    pooling: PoolingState | None = None
 
     @property
     def num_tokens(self) -> int:

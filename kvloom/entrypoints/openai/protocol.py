@@ -268,6 +268,41 @@ class ChatCompletionStreamResponse(ResponseModel):
     usage: UsageInfo | None = None
 
 
+# ---- embeddings -----------------------------------------------------------------------------
+
+class EmbeddingRequest(RequestModel):
+    """OpenAI's /v1/embeddings body (vLLM's extras: add_special_tokens, normalize / use_activation)."""
+
+    model: str | None = None
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+    use_activation: bool | None = None
+
+
+class EmbeddingData(ResponseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32
+
+
+class EmbeddingUsage(ResponseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(ResponseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
 # ---- models, tokenizer ----------------------------------------------------------------------
 
 class ModelCard(ResponseModel):
