@@ -37,12 +37,15 @@ from kvloom.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingPara
 
 # vLLM request fields kvloom does not implement: a request that sets one (to anything but null / false) is
 # refused with a 400 naming it, rather than served as if it had not asked (docs/serving.md).
-REFUSED_FIELDS = ("use_beam_search", "length_penalty", "truncate_prompt_tokens", "truncation_side",
-                  "prompt_logprob_token_ids", "prompt_logprob_start", "logprob_token_ids", "thinking_token_budget",
-                  "repetition_detection", "trace_decode_token_ids", "watermarking", "vllm_xargs", "extra_args",
-                  "return_tokens_as_token_ids", "return_token_ids", "guided_json", "guided_regex", "guided_choice",
-                  "guided_grammar", "guided_decoding_backend", "logits_processors", "continue_final_message",
-                  "stream_interval")
+REFUSED_FIELDS = ("use_beam_search", "length_penalty", "early_stopping", "truncate_prompt_tokens", "truncation_side",
+                  "prompt_logprob_token_ids", "prompt_logprob_start", "logprob_token_ids", "flat_logprobs",
+                  "thinking_token_budget", "repetition_detection", "trace_decode_token_ids", "watermarking",
+                  "vllm_xargs", "extra_args", "return_tokens_as_token_ids", "return_token_ids", "guided_json",
+                  "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_decoding",
+                  "logits_processors", "continue_final_message", "stream_interval", "skip_reading_prefix_cache",
+                  "routed_experts_prompt_start", "detokenize", "output_kind", "skip_clone")
+# The values of a refused field that ask for nothing kvloom lacks (default: null and false).
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {"detokenize": (None, True), "routed_experts_prompt_start": (None, 0)}
 
 # What OpenAI's API returns for a -inf logprob (JSON has no infinity).
 MIN_LOGPROB = -9999.0
@@ -283,7 +286,7 @@ class OpenAIServing:
     def check_refused_fields(request: RequestModel) -> None:
         """A 400 for a vLLM field kvloom does not implement (REFUSED_FIELDS), set to something."""
         for name, value in (request.model_extra or {}).items():
-            if name in REFUSED_FIELDS and value not in (None, False):
+            if name in REFUSED_FIELDS and value not in _NEUTRAL_VALUES.get(name, (None, False)):
                 raise APIError(f"{name} is not supported by kvloom; leave it out (docs/serving.md lists every "
                                f"request field and whether it is honoured)", param=name)
 
