@@ -276,3 +276,29 @@ def test_the_default_runner_generates_and_embeds_and_generate_refuses_embed(tiny
     with pytest.raises(ValueError, match="task must be one of"):
         LLM(tiny_llama_dir, task="classify")
     assert os.path.isdir(tiny_llama_dir)
+
+
+def test_n_completions_fork_after_the_prompts_prefill(llm: LLM) -> None:
+    """n=4: the prompt is computed once (the others compute only its last partial block), and each completion
+    is the one its own seed gives alone."""
+    prompt = {"prompt_token_ids": list(range(3, 200))}  # 197 tokens: 12 full blocks of 16 and 5 more
+    engine = llm.llm_engine
+    schedule = engine.scheduler.schedule
+    batched: list[int] = []
+
+    def counting_schedule():
+        out = schedule()
+        batched.append(out.num_batched_tokens)
+        return out
+
+    engine.scheduler.schedule = counting_schedule
+    try:
+        [out] = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=6), use_tqdm=False)
+    finally:
+        engine.scheduler.schedule = schedule
+    # One prefill, three partial last blocks (5 tokens each), then 5 decode tokens per completion (without the
+    # fork: 4 * 197 + 20).
+    assert sum(batched) == 197 + 3 * 5 + 4 * 5
+    alone = [llm.generate([prompt], SamplingParams(temperature=1.0, seed=5 + i, max_tokens=6),
+                          use_tqdm=False)[0].outputs[0].token_ids for i in range(4)]
+    assert [c.token_ids for c in out.outputs] == alone

@@ -54,7 +54,7 @@ from kvloom.entrypoints.openai.request_body import (
 )
 from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from kvloom.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, embedding_pooler_config
+from kvloom.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, embedding_pooler_config, runner_of
 from kvloom.entrypoints.openai.serving_engine import APIError, error_response, max_chars_per_token_of
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvloom.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
@@ -96,7 +96,8 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
                              tool_parser=getattr(args, "tool_call_parser", None))
     tokenization = OpenAIServingTokenization(engine, names, chat_template, **limits)
     embedding = OpenAIServingEmbedding(engine, names, chat_template, **limits,
-                                       pooler=embedding_pooler_config(args), runner=getattr(args, "runner", "auto"))
+                                       pooler=embedding_pooler_config(args), runner=runner_of(args))
+    completion.runner = chat.runner = runner_of(args)
 
     app = FastAPI(title="kvloom", version=__version__, docs_url=None, redoc_url=None, responses=ERRORS)
     app.state.engine = engine

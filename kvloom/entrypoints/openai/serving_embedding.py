@@ -98,6 +98,16 @@ class OpenAIServingEmbedding(OpenAIServing):
         return [await self.tokenize_prompt(item, request.add_special_tokens, "input") for item in items]
 
 
+def runner_of(args: Any) -> str:
+    """The engine's runner from the server's flags (vLLM's older --task spelling included)."""
+    task = getattr(args, "task", None)
+    if task in ("embed", "embedding"):
+        return "pooling"
+    if task == "generate":
+        return "generate"
+    return getattr(args, "runner", None) or "auto"
+
+
 def embedding_pooler_config(args: Any) -> Callable[[], PoolerConfig]:
     """What reads the served model's pooling, from the server's arguments (its directory's sentence-transformers
     files, ``--pooling-type``), on the server's side: the engine may run in another process."""

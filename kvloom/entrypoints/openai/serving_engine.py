@@ -44,9 +44,13 @@ REFUSED_FIELDS = ("use_beam_search", "length_penalty", "early_stopping", "trunca
                   "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_decoding",
                   "logits_processors", "continue_final_message", "stream_interval", "skip_reading_prefix_cache",
                   "routed_experts_prompt_start", "detokenize", "output_kind", "skip_clone",
-                  "output_text_buffer_length")
+                  "output_text_buffer_length",
+                  # OpenAI's fields for what a text model served here cannot do.
+                  "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+                  "web_search_options")
 # The values of a refused field that ask for nothing kvloom lacks (default: null and false).
-_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {"detokenize": (None, True), "routed_experts_prompt_start": (None, 0)}
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {"detokenize": (None, True), "routed_experts_prompt_start": (None, 0),
+                                               "modalities": (None, ["text"])}
 
 # What OpenAI's API returns for a -inf logprob (JSON has no infinity).
 MIN_LOGPROB = -9999.0
@@ -176,6 +180,9 @@ async def run_until_disconnected(coro: Any, raw_request: Request) -> Response:
 class OpenAIServing:
     """Shared by the endpoints: the model names, prompt building, sampling parameters, limits."""
 
+    # The engine's runner (--runner): 'pooling' serves embeddings only, so generation requests are refused.
+    runner = "auto"
+
     def __init__(self, engine: EngineClient, served_model_names: list[str], chat_template: str | None = None,
                  *, max_logprobs: int = MAX_LOGPROBS, max_chars_per_token: int | None = None) -> None:
         """``max_logprobs``: the most logprobs per position a request may ask for.
@@ -256,6 +263,9 @@ class OpenAIServing:
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """OpenAI's defaults where the client sent nothing; a 400 naming the field otherwise.
         ``structured_outputs``: the request's constraint (``structured_outputs_of``, or a forced tool call)."""
+        if self.runner == "pooling":
+            raise APIError("this server runs with --runner pooling (embeddings only): use /v1/embeddings, or serve "
+                           "with --runner auto to generate too", param="model")
         self.check_refused_fields(request)
         top_k = request.top_k
         if top_k is not None and top_k >= self.vocab_size:
