@@ -3,6 +3,8 @@
     kvloom bench throughput                           # N=64 prompts, 128 output tokens each
     kvloom bench throughput --num-prompts 8 --json bench_results/n8.json
     kvloom bench throughput --input-len 512 --output-len 64 --dtype float32
+    kvloom bench throughput -n 1 --sampling-arg n=4    # 4 completions of one prompt (they share its prefill)
+    kvloom bench throughput --sampling-arg 'logit_bias={"100": 1.5, "107": -1.5}'   # on every request
 
 Prompts are token ids (``{"prompt_token_ids": [...]}``): by default the standard workload
 (``make_workload(N)``), ``--output-len`` tokens each, temperature 0, ignore_eos. Start-up is counted from

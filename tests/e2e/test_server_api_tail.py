@@ -139,7 +139,7 @@ def test_lm_eval_local_completions_matches_its_hf_model(server, tiny_llama_dir: 
         "task: kvloom_tiny_mc\ndataset_path: json\n"
         f"dataset_kwargs:\n  data_files:\n    test: {DATA}\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
-        "doc_to_choice: '{{choices}}'\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n")
+        "doc_to_choice: choices\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n")
     tasks = TaskManager(include_path=str(tmp_path))
     results = {}
     for name, args in (("local-completions", f"model=tiny,base_url={server.url}/v1/completions,"
@@ -148,10 +148,13 @@ def test_lm_eval_local_completions_matches_its_hf_model(server, tiny_llama_dir: 
                        ("hf", f"pretrained={tiny_llama_dir},dtype=float32")):
         results[name] = lm_eval.simple_evaluate(model=name, model_args=args, tasks=["kvloom_tiny_mc"],
                                                 task_manager=tasks, log_samples=True)
-    samples = {name: [[r[0] for r in s["filtered_resps"]] for s in result["samples"]["kvloom_tiny_mc"]]
+    # Per question, each choice's (log-likelihood, is_greedy) after lm-eval's filters.
+    samples = {name: [[float(r[0]) for r in s["filtered_resps"]]
+                      for s in sorted(result["samples"]["kvloom_tiny_mc"], key=lambda s: s["doc_id"])]
                for name, result in results.items()}
+    assert len(samples["local-completions"]) == len(samples["hf"]) == len(DATA.read_text().splitlines())
     for ours, theirs in zip(samples["local-completions"], samples["hf"]):
-        assert max(abs(a[0] - b[0]) for a, b in zip(ours, theirs)) < 1e-3
+        assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-3
     accuracy = {name: r["results"]["kvloom_tiny_mc"]["acc,none"] for name, r in results.items()}
     assert accuracy["local-completions"] == accuracy["hf"]
 
