@@ -194,8 +194,9 @@ class Sampler:
 
 
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """allowed_token_ids, bad_words and logit_bias over the whole batch: one masked fill or indexed add per
-    field, whatever the number of rows (no loop over requests). logits: [B, V] fp32 -> a new [B, V]."""
+    """allowed_token_ids, bad_words and logit_bias over the whole batch: one masked fill or indexed write per
+    field, whatever the number of rows (no loop over requests). logits: [B, V] fp32, changed in place (the
+    sampler owns them: the runner's fresh logits, or their fp32 copy) and returned."""
     if not metadata.has_logits_processors:
         return logits
     if metadata.allowed is not None:
@@ -203,13 +204,13 @@ def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) ->
         local_rows, token_ids = metadata.allowed
         blocked = torch.ones(rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
         blocked[local_rows, token_ids] = False
-        logits = logits.index_put((rows,), logits.index_select(0, rows).masked_fill(blocked, float("-inf")))
+        logits.index_put_((rows,), logits.index_select(0, rows).masked_fill_(blocked, float("-inf")))
     if metadata.banned is not None:
         rows, token_ids = metadata.banned
-        logits = logits.index_put((rows, token_ids), logits.new_full(rows.shape, float("-inf")))
+        logits.index_put_((rows, token_ids), logits.new_full(rows.shape, float("-inf")))
     if metadata.logit_bias is not None:
         rows, token_ids, bias = metadata.logit_bias
-        logits = logits.index_put((rows, token_ids), bias, accumulate=True)
+        logits.index_put_((rows, token_ids), bias, accumulate=True)
     return logits
 
 
