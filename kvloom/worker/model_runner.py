@@ -64,10 +64,10 @@ class ModelRunner:
         # ``proposer`` is its draft model / EAGLE head, when it has one (rank 0 only).
         self.speculator: Speculator | None = None
         self.proposer: DraftModelProposer | None = None
+        self.num_pooling_requests = 0  # embedding requests held: the step pools only while there are some
         # Set by a caller that records every step's final hidden states (tools/train_eagle.py, its training
         # features while the target generates): called with the step's items, their rows' starts in the
         # hidden states (query_start_loc) and the hidden states [T, H].
-        self.num_pooling_requests = 0  # embedding requests held: the step pools only while there are some
         self.hidden_state_sink: Callable[[list[ScheduledRequest], list[int], torch.Tensor], None] | None = None
 
     # ---- set-up ----------------------------------------------------------------------------

@@ -225,7 +225,6 @@ class OpenAIServingCompletion(OpenAIServing):
         return choice
 
 
-
 def _echo_only(request: CompletionRequest) -> bool:
     """echo with max_tokens=0: the prompt (and its logprobs) is the whole answer."""
     return request.echo and request.max_tokens == 0
