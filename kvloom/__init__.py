@@ -30,6 +30,9 @@ _EXPORTS = {
     "CompletionOutput": "kvloom.outputs",
     "Logprob": "kvloom.outputs",
     "EngineConfig": "kvloom.config",
+    "PoolingParams": "kvloom.pooling_params",
+    "EmbeddingRequestOutput": "kvloom.outputs",
+    "EmbeddingOutput": "kvloom.outputs",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -37,7 +40,8 @@ __all__ = [*_EXPORTS, "__version__"]
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig  # noqa: F401
     from kvloom.llm import LLM  # noqa: F401
-    from kvloom.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: F401
+    from kvloom.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput  # noqa: F401  # noqa: F401
+    from kvloom.pooling_params import PoolingParams  # noqa: F401
     from kvloom.sampling_params import SamplingParams  # noqa: F401
 
 

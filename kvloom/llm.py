@@ -12,7 +12,9 @@ from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.output_processor import raise_if_failed
 from kvloom.loader.tokenizer import Tokenizer
 from kvloom.multimodal.chat import chat_prompt
-from kvloom.outputs import RequestOutput
+from kvloom.outputs import EmbeddingRequestOutput, RequestOutput
+from kvloom.pooling import embedding_sampling_params
+from kvloom.pooling_params import PoolerConfig, PoolingParams, load_pooler_config
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
 
 # vLLM generate() keywords that kvloom accepts when they ask for nothing it lacks.
@@ -49,6 +51,9 @@ class LLM:
             raise ValueError(f"prompts must be a prompt (a string, a list of token ids or a prompt dict) "
                              f"or a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
+        if self.llm_engine.config.runner == "pooling":
+            raise ValueError("this LLM was built with runner='pooling' (embeddings only): call LLM.embed, or "
+                             "build it with runner='auto' to generate too")
         return self._run(prompts, sampling_params, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]],
@@ -150,3 +155,48 @@ class LLM:
             if progress is not None:
                 progress.close()
         return [finished[r] for r in request_ids]
+
+    # ---- embeddings ------------------------------------------------------------------------------
+    def embed(self, prompts: PromptInput | Sequence[PromptInput],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's ``LLM.embed``): the prompt's final hidden states pooled (LAST,
+        MEAN or CLS: ``pooling_type``, or the model's sentence-transformers config), normalized by default."""
+        engine = self.llm_engine
+        if engine.config.runner == "generate":
+            raise ValueError("this LLM was built with runner='generate': build it with runner='pooling' "
+                             "(or 'auto') to embed")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} pooling_params for {len(prompts)} prompts; "
+                                 f"give one PoolingParams or one per prompt")
+        pooler = self.pooler_config()
+        requests = []
+        for prompt, params in zip(prompts, params_list):
+            sampling = embedding_sampling_params(pooler.resolve(params))
+            requests.append(engine.input_processor.process(engine.next_request_id(), prompt, sampling))
+        request_ids = []
+        try:
+            for request in requests:
+                engine.add_request(request.request_id, request)
+                request_ids.append(request.request_id)
+            outputs = self._run_engine(request_ids, use_tqdm)
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+        return [EmbeddingRequestOutput.from_request_output(output) for output in outputs]
+
+    def pooler_config(self) -> PoolerConfig:
+        """The model's pooling (its directory's sentence-transformers config, the pooling_type knob)."""
+        engine = self.llm_engine
+        if getattr(self, "_pooler_config", None) is None:
+            self._pooler_config = load_pooler_config(engine.source.path, engine.model_config.hidden_size,
+                                                     engine.config.pooling_type)
+        return self._pooler_config
+

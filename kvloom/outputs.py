@@ -80,3 +80,34 @@ class RequestOutput:
                 break
             else:
                 self.outputs.append(next_completion)
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's name): a list of floats, hidden_size long (or ``dimensions``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (vLLM's fields): ``outputs.embedding`` is the vector."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+    @staticmethod
+    def from_request_output(output: RequestOutput) -> EmbeddingRequestOutput:
+        """The embedding a finished RequestOutput of an embedding request carries (extra["pooler_output"])."""
+        vector = output.extra.get("pooler_output")
+        if vector is None:
+            raise ValueError(f"request {output.request_id} finished without an embedding")
+        return EmbeddingRequestOutput(output.request_id, EmbeddingOutput(list(vector)),
+                                      list(output.prompt_token_ids), output.num_cached_tokens, output.finished)

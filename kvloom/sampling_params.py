@@ -7,6 +7,8 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvloom.pooling_params import PoolingParams
+
 # vLLM's max_logprobs default: the most logprobs / prompt_logprobs a request may ask for, offline (LLM)
 # and served (the default of the server's --max-logprobs).
 MAX_LOGPROBS = 20
@@ -95,7 +97,19 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # Logits processors (vLLM's fields): token id -> bias added to its logit (OpenAI's -100..100); the only
+    # token ids a completion may take; words whose last token is banned where the output ends with the
+    # rest of the word's tokens (with and without a leading space).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
+    # bad_words tokenized (InputProcessor.process fills it: the tokenizer lives there): each a token id
+    # sequence whose last token is banned after its prefix.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
+    # An embedding request (LLM.embed, /v1/embeddings) is a one-token greedy request whose prompt's hidden
+    # states the runner pools: its resolved PoolingParams (kvloom/pooling_params.py); None for generation.
+    pooling: PoolingParams | None = field(default=None, init=False, repr=False)
     # stop_token_ids as a set, for the per-token stop check and the min_tokens mask.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
 
@@ -123,6 +137,12 @@ class SamplingParams:
             # Greedy: the other knobs would not change the argmax.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self.all_stop_token_ids = set(self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
 
     @property
     def greedy(self) -> bool:
@@ -163,8 +183,44 @@ class SamplingParams:
                                                                   StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, "
                              f"got {type(self.structured_outputs).__name__}")
+        self._verify_logits_processors()
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+
+    def _verify_logits_processors(self) -> None:
+        """logit_bias, allowed_token_ids and bad_words (their vocabulary bounds: InputProcessor.process)."""
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias in [-100, 100], got {bias!r}")
+            for token, value in bias.items():
+                if not _is_token_id(token):
+                    raise ValueError(f"logit_bias keys must be non-negative integer token ids, got {token!r}")
+                if (not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
+                        or not -100 <= value <= 100):
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} "
+                                     f"for token {token}")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, (list, tuple)) or not allowed
+                                    or not all(_is_token_id(t) for t in allowed)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of non-negative integer token ids, "
+                             f"got {allowed!r}")
+        words = self.bad_words
+        if words is not None and (not isinstance(words, (list, tuple))
+                                  or not all(isinstance(w, str) and w.strip() for w in words)):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r}")
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt position must be computed (no prefix-cache hit): prompt logprobs, and MEAN /
+        CLS pooling (LAST reads the last position, which a prefix-cache hit always recomputes)."""
+        return self.prompt_logprobs is not None or (self.pooling is not None
+                                                    and self.pooling.pooling_type != "LAST")
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Whether logit_bias, allowed_token_ids or bad_words change this request's logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
@@ -182,6 +238,10 @@ def _str_list(name: str, value: Any) -> list[str]:
     if items is None or not all(isinstance(item, str) and item for item in items):
         raise ValueError(f"{name} must be a non-empty string or a list of non-empty strings, got {value!r}")
     return items
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _int(name: str, value: Any, minimum: int | None) -> None:

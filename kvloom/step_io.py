@@ -86,3 +86,5 @@ class ModelRunnerOutput:
     # Images this step needed: found in the runner's encoder cache (by content hash), or encoded.
     encoder_cache_hits: int = 0
     encoder_cache_misses: int = 0
+    # Embedding requests whose prompt this step finished: the pooled vector (kvloom/pooling.py) as floats.
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)

@@ -3,6 +3,8 @@
     kvloom bench throughput                           # N=64 prompts, 128 output tokens each
     kvloom bench throughput --num-prompts 8 --json bench_results/n8.json
     kvloom bench throughput --input-len 512 --output-len 64 --dtype float32
+    kvloom bench throughput -n 1 --sampling-arg n=4    # 4 completions of one prompt (they share its prefill)
+    kvloom bench throughput --sampling-arg 'logit_bias={"100": 1.5, "107": -1.5}'   # on every request
 
 Prompts are token ids (``{"prompt_token_ids": [...]}``): by default the standard workload
 (``make_workload(N)``), ``--output-len`` tokens each, temperature 0, ignore_eos. Start-up is counted from
@@ -34,6 +36,9 @@ def build_parser(prog: str = "kvloom bench throughput") -> argparse.ArgumentPars
                         help="requests (default 64: the standard workload's 9,202 prompt tokens)")
     add_dataset_args(parser)
     parser.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--sampling-arg", action="append", metavar="KEY=VALUE",
+                        help="extra SamplingParams(...) keyword argument (JSON value; logit_bias keys are token "
+                             "ids), repeatable: e.g. n=4, 'logit_bias={\"100\": 1.5}', 'allowed_token_ids=[...]'")
     parser.add_argument("--no-first-token", dest="first_token", action="store_false",
                         help="skip the 1-token request that measures process start -> first token")
     add_json_option(parser)
@@ -80,15 +85,18 @@ class KvloomEngine:
         self.version = kvloom.__version__
         self.engine_kwargs = kwargs
         self._sampling_params = SamplingParams
+        self.sampling_kwargs: dict[str, Any] = {}
         self.llm = LLM(**kwargs)
 
     def params(self, max_tokens: int) -> Any:
-        return self._sampling_params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return self._sampling_params(**{"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True,
+                                        **self.sampling_kwargs})
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
+        """Tokens generated per prompt (all its completions, with n > 1)."""
         inputs = [{"prompt_token_ids": ids} for ids in prompts]
         outputs = self.llm.generate(inputs, self.params(max_tokens), use_tqdm=False)
-        return [len(o.outputs[0].token_ids) for o in outputs]
+        return [sum(len(c.token_ids) for c in o.outputs) for o in outputs]
 
     def shutdown(self) -> None:
         self.llm.llm_engine.shutdown()
@@ -120,7 +128,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     machine = common.machine_info()
     prompts = load_prompts(args, args.num_prompts, seed=args.seed)
 
-    engine = KvloomEngine(llm_kwargs(args, args.max_num_seqs or args.num_prompts))
+    sampling_kwargs = sampling_args(getattr(args, "sampling_arg", None))
+    num_sequences = args.num_prompts * sampling_kwargs.get("n", 1)
+    engine = KvloomEngine(llm_kwargs(args, args.max_num_seqs or num_sequences))
+    engine.sampling_kwargs = sampling_kwargs
     ready = time.time()
     first_token = None
     if args.first_token:
@@ -135,12 +146,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tree_rss = common.process_tree_peak_rss_mib()
     peak_rss = common.peak_rss_mib()
     engine.shutdown()
-    return throughput_result(
+    result = throughput_result(
         engine=engine.name, version=engine.version, engine_kwargs=engine.engine_kwargs, model=args.model,
         prompt_lens=[len(p) for p in prompts], generated=generated, output_len=args.output_len,
         elapsed=elapsed, startup_s=ready - start,
         startup_to_first_token_s=(first_token - start) if first_token else None,
         peak_rss_mib=peak_rss, peak_rss_tree_mib=tree_rss, machine=machine)
+    if sampling_kwargs:
+        result["sampling_kwargs"] = sampling_kwargs
+    return result
+
+
+def sampling_args(items: list[str] | None) -> dict[str, Any]:
+    """--sampling-arg KEY=VALUE pairs as SamplingParams keywords (logit_bias's JSON keys made token ids)."""
+    kwargs = common.parse_engine_args(items)
+    if isinstance(kwargs.get("logit_bias"), dict):
+        kwargs["logit_bias"] = {int(token): bias for token, bias in kwargs["logit_bias"].items()}
+    return kwargs
 
 
 def report(result: dict[str, Any]) -> None:

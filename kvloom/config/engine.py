@@ -81,6 +81,13 @@ class EngineConfig:
         "no remote fetches")
     max_logprobs: int = knob("model", MAX_LOGPROBS, "most logprobs / prompt_logprobs per position a request may "
                              "ask for (vLLM's; the server's flag is --max-logprobs)", flag=False)
+    runner: str = knob("model", "auto", "vLLM's runner: 'auto' (generation and embeddings from one engine), "
+                       "'generate' (no embeddings) or 'pooling' (embeddings only: LLM.embed, /v1/embeddings)")
+    task: str | None = knob("model", None, "vLLM's older spelling of runner: 'embed' / 'embedding' mean "
+                            "runner='pooling', 'generate' means runner='generate'")
+    pooling_type: str | None = knob("model", None, "how embeddings pool the prompt's hidden states: 'LAST', "
+                                    "'MEAN' or 'CLS' (default: the model directory's sentence-transformers "
+                                    "pooling config, else LAST, vLLM's default for decoder models)")
     trust_remote_code: bool = knob("model", False,
                                    "accepted for vLLM compatibility; kvloom never runs model code from a checkpoint")
     revision: str | None = knob("model", None, "vLLM's hub revision: only None (kvloom loads local checkpoints)")
@@ -174,6 +181,21 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    def _settle_runner(self) -> None:
+        """runner from vLLM's older task where that is given; pooling_type checked."""
+        tasks = {"embed": "pooling", "embedding": "pooling", "generate": "generate", "auto": "auto"}
+        if self.task is not None:
+            if self.task not in tasks:
+                raise ValueError(f"task must be one of {sorted(tasks)}, got {self.task!r}")
+            if self.runner not in ("auto", tasks[self.task]):
+                raise ValueError(f"task={self.task!r} asks for runner={tasks[self.task]!r}, but runner="
+                                 f"{self.runner!r} was given; give one of them")
+            self.runner = tasks[self.task]
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
+        if self.pooling_type is not None and str(self.pooling_type).upper() not in ("LAST", "MEAN", "CLS"):
+            raise ValueError(f"pooling_type must be 'LAST', 'MEAN' or 'CLS', got {self.pooling_type!r}")
+
     def validate(self) -> None:
         """Check every knob (ValueError naming it and what is allowed) and settle the derived ones."""
         if not isinstance(self.model, str) or not self.model:
@@ -192,6 +214,7 @@ class EngineConfig:
         check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
         check_int("data_parallel_size", self.data_parallel_size, minimum=1)
         check_vllm_arguments(self.to_dict())
+        self._settle_runner()
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}")

@@ -153,12 +153,40 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > vocab:
                 raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {value}")
+        if params.has_logits_processors:
+            params = self._logits_processor_params(params)
         if params.structured_outputs is not None:
             if self.check_structured_outputs is None:
                 raise ValueError("structured_outputs are not available on this engine")
             self.check_structured_outputs(params.structured_outputs)
         return EngineRequest(request_id, tokenized.text, tokenized.token_ids, params,
                              time.time() if arrival_time is None else arrival_time, tokenized.mm_features)
+
+    def _logits_processor_params(self, params: SamplingParams) -> SamplingParams:
+        """logit_bias / allowed_token_ids checked against the vocabulary; bad_words tokenized, each word both
+        without and with a leading space (vLLM keeps the spaced form only when it has as many tokens as the
+        other; kvloom keeps it whenever it differs, so " Paris" is banned even where "Paris" takes two
+        tokens), into a copy of ``params`` (the caller's object is never written to)."""
+        vocab = self.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = sorted({t for t in ids if t >= vocab})
+            if bad:
+                raise ValueError(f"{name} holds token id(s) {bad[:8]} outside the vocabulary [0, {vocab})")
+        if not params.bad_words:
+            return params
+        token_ids: list[list[int]] = []
+        for word in params.bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"bad_words entry {word!r} tokenizes to no tokens")
+            token_ids.append(list(plain))
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced != plain:
+                token_ids.append(list(spaced))
+        copied = params.clone()
+        copied.bad_words_token_ids = token_ids
+        return copied
 
     def engine_request(self, prompt: PromptInput | TokenizedPrompt | EngineRequest, params: SamplingParams | None,
                        request_id: str | None, *, arrival_time: float | None = None) -> EngineRequest:

@@ -74,6 +74,8 @@ class LLMEngine:
             config.structured_outputs.disable_any_whitespace)
         # Constrained requests whose grammar is still compiling: they join the scheduler once it is ready.
         self._awaiting_grammar: list[Request] = []
+        # n > 1: each first completion and its siblings, held until the first's prompt is computed.
+        self._awaiting_fork: list[tuple[Request, list[Request]]] = []
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.scheduler.check_fits, self.structured_output.validate,
                                               multimodal_processor(resolved, self.tokenizer))
@@ -128,6 +130,13 @@ class LLMEngine:
             children.append(Request(child_id, request.prompt_token_ids, child_params, self.eos_token_ids,
                                     self.max_model_len, request.arrival_time, request.mm_features))
         self.output_processor.add_request(request, children)
+        if (len(children) > 1 and params.structured_outputs is None and self.kv_cache_manager.enable_prefix_caching
+                and not params.computes_whole_prompt):
+            # Fork after prefill: the first completion computes the prompt; the others join once its KV blocks
+            # are in the prefix cache, so they compute only the prompt's last partial block, not all of it.
+            self.scheduler.add_request(children[0])
+            self._awaiting_fork.append((children[0], children[1:]))
+            return
         for child in children:
             if params.structured_outputs is not None:
                 child.structured_output = self.structured_output.start(params.structured_outputs)
@@ -146,6 +155,10 @@ class LLMEngine:
             if state is not None:
                 child_ids.extend(c.request.request_id for c in state.completions)
         finished = self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        for _, siblings in self._awaiting_fork:
+            for request in [r for r in siblings if r.request_id in child_ids]:
+                siblings.remove(request)
+                request.status = RequestStatus.FINISHED_ABORTED
         for request in [r for r in self._awaiting_grammar if r.request_id in child_ids]:
             self._awaiting_grammar.remove(request)
             request.status = RequestStatus.FINISHED_ABORTED
@@ -178,6 +191,8 @@ class LLMEngine:
         request a stop string ends then computes one token more, which is dropped.
         """
         grammar_failed = self._admit_grammar_requests() if self._awaiting_grammar else False
+        if self._awaiting_fork:
+            self._admit_forks()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             outputs = self._postprocess_deferred()
@@ -232,6 +247,10 @@ class LLMEngine:
             rows = runner_output.prompt_logprobs.get(request.request_id)
             if rows:
                 output_processor.add_prompt_logprobs(request, item.num_computed_tokens, rows)
+            if runner_output.pooler_output:
+                pooled = runner_output.pooler_output.get(request.request_id)
+                if pooled is not None:
+                    output_processor.add_pooler_output(request, pooled)
             if request.status == RequestStatus.FINISHED_ERROR:
                 output_processor.finish_failed(request)
                 continue
@@ -252,6 +271,17 @@ class LLMEngine:
             else:
                 self.executor.release_requests(released)
         return output_processor.make_outputs(time.time(), self._stats())
+
+    def _admit_forks(self) -> None:
+        """Hand n > 1's held completions to the scheduler once the first has computed its prompt (or ended)."""
+        waiting = []
+        for first, siblings in self._awaiting_fork:
+            if first.num_computed_tokens >= first.num_prompt_tokens or first.is_finished:
+                for sibling in siblings:
+                    self.scheduler.add_request(sibling)
+            elif siblings:
+                waiting.append((first, siblings))
+        self._awaiting_fork = waiting
 
     # ---- structured outputs ----------------------------------------------------------------------
     def _admit_grammar_requests(self) -> bool:

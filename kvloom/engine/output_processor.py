@@ -110,6 +110,7 @@ class RequestOutputState:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.sent_prompt_logprobs = False
+        self.pooler_output: list[float] | None = None  # an embedding request's vector, once its prompt ran
 
     @property
     def finished(self) -> bool:
@@ -143,6 +144,12 @@ class OutputProcessor:
         rows = rows[have - start:] if have >= start else []
         completion.prompt_logprobs.extend(
             self._logprob_dicts(rows, request.sampling_params.prompt_logprobs or 0))
+
+    def add_pooler_output(self, request: Request, vector: list[float]) -> None:
+        """An embedding request's pooled vector; its RequestOutput carries it as extra["pooler_output"]."""
+        completion = self._completions.get(request.request_id)
+        if completion is not None:
+            completion.parent.pooler_output = vector
 
     def process_tokens(self, request: Request, new_token_ids: list[int],
                        new_logprobs: list[LogprobsRow] | None = None) -> bool:
@@ -295,7 +302,8 @@ class OutputProcessor:
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, prompt_logprobs=prompt_logprobs,
                              outputs=completions, finished=finished, metrics=metrics,
-                             num_cached_tokens=max(first.request.num_cached_tokens, 0))
+                             num_cached_tokens=max(first.request.num_cached_tokens, 0),
+                             extra={} if state.pooler_output is None else {"pooler_output": state.pooler_output})
 
     def _prompt_logprobs(self, state: RequestOutputState) -> list[dict[int, Logprob] | None] | None:
         """The prompt's logprobs, from the first completion that has them all (each computes them; one

@@ -145,9 +145,9 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             computed_blocks, num_hit_tokens = [], 0
-            # Prompt logprobs need every prompt position computed, so such requests skip the cache.
+            # Prompt logprobs (and MEAN / CLS pooling) need every prompt position computed: no cache lookup.
             looks_up = (self.kv.enable_prefix_caching and request.num_computed_tokens == 0
-                        and request.sampling_params.prompt_logprobs is None)
+                        and not request.sampling_params.computes_whole_prompt)
             if looks_up:
                 computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)

@@ -3,7 +3,9 @@
 The steps, in order, for logits [B, V] (fp32), after the grammar masks of constrained rows (structured
 outputs) are applied in place:
   1. logprobs (if asked) from the raw logits, as vLLM returns them;
-  2. min_tokens: EOS and stop tokens masked until a request has produced enough tokens;
+  2. min_tokens: EOS and stop tokens masked until a request has produced enough tokens; then the logits
+     processors of vLLM's fields, each one batched op over every row that has it: allowed_token_ids
+     (the rest masked), bad_words (banned tokens masked), logit_bias (added);
   3. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
   4. greedy rows take the argmax here;
   5. temperature, then top-k, top-p and min-p filtering;
@@ -44,6 +46,17 @@ class SamplingMetadata:
     # Structured outputs: the rows' grammar masks, applied to the logits in place before anything else reads
     # them (so logprobs, greedy and random rows all see only the allowed tokens).
     token_bitmask: TokenBitmask | None = None
+    # Logits processors (None when no row has one). allowed_token_ids: the rows that have them [R] and the
+    # (index into those rows, token id) pairs they allow [A]; bad_words: the (row, token id) pairs banned this
+    # step [W]; logit_bias: (row, token id, bias) triples [N].
+    allowed_rows: torch.Tensor | None = None
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def has_logits_processors(self) -> bool:
+        return self.allowed is not None or self.banned is not None or self.logit_bias is not None
 
 
 # What a row whose logits are not all finite samples (read back with the tokens: no extra sync).
@@ -102,13 +115,14 @@ class Sampler:
         if metadata.token_bitmask is not None:  # after the finite check: the masked logits are -inf on purpose
             apply_token_bitmask_(logits, metadata.token_bitmask)
         if (metadata.all_greedy and metadata.max_num_logprobs is None and not metadata.min_tokens_masks
-                and metadata.repetition_penalty is None):
+                and metadata.repetition_penalty is None and not metadata.has_logits_processors):
             return SamplerOutput(sampled_token_ids=_mark_nonfinite(self.argmax(logits), finite))
         logits = logits.float()
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self.apply_min_tokens(logits, metadata)
+        logits = apply_logits_processors(logits, metadata)
         logits = self.apply_penalties(logits, metadata)
         greedy = logits.argmax(dim=-1)
         if metadata.all_greedy:
@@ -177,6 +191,43 @@ class Sampler:
         for row, row_generator in metadata.generators.items():
             q[row].exponential_(generator=row_generator)
         return probs.div(q).argmax(dim=-1)
+
+
+def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """allowed_token_ids, bad_words and logit_bias over the whole batch: one masked fill or indexed write per
+    field, whatever the number of rows (no loop over requests). logits: [B, V] fp32, changed in place (the
+    sampler owns them: the runner's fresh logits, or their fp32 copy) and returned."""
+    if not metadata.has_logits_processors:
+        return logits
+    if metadata.allowed is not None:
+        rows = metadata.allowed_rows
+        local_rows, token_ids = metadata.allowed
+        blocked = torch.ones(rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
+        blocked[local_rows, token_ids] = False
+        logits.index_put_((rows,), logits.index_select(0, rows).masked_fill_(blocked, float("-inf")))
+    if metadata.banned is not None:
+        rows, token_ids = metadata.banned
+        logits.index_put_((rows, token_ids), logits.new_full(rows.shape, float("-inf")))
+    if metadata.logit_bias is not None:
+        rows, token_ids, bias = metadata.logit_bias
+        logits.index_put_((rows, token_ids), bias, accumulate=True)
+    return logits
+
+
+def apply_logits_processors_reference(logits: torch.Tensor, allowed: list[list[int] | None],
+                                      banned: list[list[int]], bias: list[dict[int, float]]) -> torch.Tensor:
+    """The plain per-row definition ``apply_logits_processors`` is tested against. logits: [B, V]."""
+    out = logits.clone()
+    for row in range(out.shape[0]):
+        if allowed[row] is not None:
+            keep = out[row, allowed[row]].clone()
+            out[row] = float("-inf")
+            out[row, allowed[row]] = keep
+        for token_id in banned[row]:
+            out[row, token_id] = float("-inf")
+        for token_id, value in bias[row].items():
+            out[row, token_id] += value
+    return out
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None

@@ -30,11 +30,13 @@ if TYPE_CHECKING:
 
 def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a request takes drafts: not when its sampling needs every position's logits in order
-    (logprobs, penalties, min_tokens still to reach, a grammar). One rule for the scheduler and the runner."""
+    (logprobs, penalties, min_tokens still to reach, a grammar, logit_bias / allowed_token_ids / bad_words).
+    One rule for the scheduler and the runner."""
     return not (params.logprobs is not None or params.prompt_logprobs is not None or params.presence_penalty
                 or params.frequency_penalty or params.repetition_penalty != 1.0
                 or num_output_tokens < params.min_tokens
-                or params.structured_outputs is not None)  # constrained: no drafts (docs/structured_outputs.md)
+                # constrained: no drafts (docs/structured_outputs.md)
+                or params.structured_outputs is not None or params.has_logits_processors)
 
 
 def build_model_proposer(speculative: SpeculativeConfig, target_config: ModelConfig, target: nn.Module, ops: Ops,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kvloom.ops.metadata import AttentionMetadata
+from kvloom.pooling import PoolingState
 from kvloom.sample.sampler import SamplingMetadata
 from kvloom.sampling_params import SamplingParams
 from kvloom.spec_decode.ngram import NgramIndex
@@ -52,6 +53,11 @@ class RequestState:
     draft_resumes: bool = True  # new or preempted: its next step starts from a prefix-cache hit
     # Its prefix-cache hit held no draft KV where EAGLE cannot compute it: it drafts no more.
     draft_disabled: bool = False
+    # logit_bias's token ids and values, and allowed_token_ids, as device tensors (made at first use).
+    logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+    allowed_tensor: torch.Tensor | None = None
+    # An embedding request: its prompt's hidden states pooled as its chunks run (kvloom/pooling.py).
+    pooling: PoolingState | None = None
     # A vision-language prompt's images (kvloom.multimodal.inputs.ImageFeature), from its NewRequestData.
     mm_features: tuple[Any, ...] = ()
 
@@ -188,7 +194,7 @@ def sampling_metadata(states: list[RequestState], vocab_size: int, device: torch
     """The sampler's view of the rows that sample (one per state, in order)."""
     params = [state.sampling_params for state in states]
     if all(p.greedy and p.logprobs is None and not p.presence_penalty and not p.frequency_penalty
-           and p.repetition_penalty == 1.0 for p in params) and not any(
+           and p.repetition_penalty == 1.0 and not p.has_logits_processors for p in params) and not any(
             s.min_tokens_stop_ids and len(s.output_token_ids) < s.sampling_params.min_tokens for s in states):
         # Plain greedy rows: the sampler takes the argmax and reads nothing else (no device copies).
         return SamplingMetadata(temperature=None, all_greedy=True, all_random=False, top_k=None, top_p=None,
@@ -223,9 +229,62 @@ def sampling_metadata(states: list[RequestState], vocab_size: int, device: torch
     for row, state in enumerate(states):
         if state.min_tokens_stop_ids and len(state.output_token_ids) < state.sampling_params.min_tokens:
             metadata.min_tokens_masks.append((row, state.min_tokens_stop_ids))
+    if any(p.has_logits_processors for p in params):
+        _add_logits_processors(metadata, states, device)
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     metadata.max_num_logprobs = max(wanted) if wanted else None
     return metadata
+
+
+def _add_logits_processors(metadata: SamplingMetadata, states: list[RequestState], device: torch.device) -> None:
+    """The batch's allowed_token_ids, bad_words bans and logit_bias as index tensors for one op each
+    (sample/sampler.py apply_logits_processors); each request's own tensors are made once and reused."""
+    bias_rows, bias_ids, bias_values = [], [], []
+    allowed_rows: list[int] = []
+    allowed_local, allowed_ids = [], []
+    banned_rows: list[int] = []
+    banned_ids: list[int] = []
+    for row, state in enumerate(states):
+        params = state.sampling_params
+        if params.logit_bias:
+            if state.logit_bias_tensors is None:
+                state.logit_bias_tensors = (
+                    torch.tensor(list(params.logit_bias), dtype=torch.long, device=device),
+                    torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device))
+            ids, values = state.logit_bias_tensors
+            bias_rows.append(torch.full_like(ids, row))
+            bias_ids.append(ids)
+            bias_values.append(values)
+        if params.allowed_token_ids is not None:
+            if state.allowed_tensor is None:
+                state.allowed_tensor = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=device)
+            allowed_local.append(torch.full_like(state.allowed_tensor, len(allowed_rows)))
+            allowed_ids.append(state.allowed_tensor)
+            allowed_rows.append(row)
+        for token_id in banned_tokens(params.bad_words_token_ids, state.output_token_ids):
+            banned_rows.append(row)
+            banned_ids.append(token_id)
+    if bias_rows:
+        metadata.logit_bias = (torch.cat(bias_rows), torch.cat(bias_ids), torch.cat(bias_values))
+    if allowed_rows:
+        metadata.allowed_rows = torch.tensor(allowed_rows, dtype=torch.long, device=device)
+        metadata.allowed = (torch.cat(allowed_local), torch.cat(allowed_ids))
+    if banned_rows:
+        metadata.banned = (torch.tensor(banned_rows, dtype=torch.long, device=device),
+                           torch.tensor(banned_ids, dtype=torch.long, device=device))
+
+
+def banned_tokens(bad_words_token_ids: list[list[int]], output_token_ids: list[int]) -> list[int]:
+    """vLLM's bad_words rule: a word's last token is banned where the output ends with the word's other
+    tokens (a one-token word is always banned)."""
+    banned = []
+    for word in bad_words_token_ids:
+        prefix = len(word) - 1
+        if prefix > len(output_token_ids):
+            continue
+        if prefix == 0 or output_token_ids[-prefix:] == word[:-1]:
+            banned.append(word[-1])
+    return banned
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

@@ -22,6 +22,7 @@ from kvloom.models.registry import build_model, load_model_weights, process_weig
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops, select_ops
 from kvloom.platform import default_dtype
+from kvloom.pooling import PoolingState
 from kvloom.sample.sampler import NONFINITE_TOKEN_ID, Sampler, compute_logprobs_top
 from kvloom.spec_decode import build_model_proposer
 from kvloom.spec_decode.draft_model import DraftModelProposer
@@ -64,6 +65,7 @@ class ModelRunner:
         # ``proposer`` is its draft model / EAGLE head, when it has one (rank 0 only).
         self.speculator: Speculator | None = None
         self.proposer: DraftModelProposer | None = None
+        self.num_pooling_requests = 0  # embedding requests held: the step pools only while there are some
         # Set by a caller that records every step's final hidden states (tools/train_eagle.py, its training
         # features while the target generates): called with the step's items, their rows' starts in the
         # hidden states (query_start_loc) and the hidden states [T, H].
@@ -171,7 +173,9 @@ class ModelRunner:
 
     def release_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self.requests.pop(request_id, None)
+            state = self.requests.pop(request_id, None)
+            if state is not None and state.pooling is not None:
+                self.num_pooling_requests -= 1
 
     # ---- the step --------------------------------------------------------------------------
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -227,6 +231,7 @@ class ModelRunner:
             hidden, aux_hidden = self._split(self.forward(inputs, images))
         if self.hidden_state_sink is not None:
             self.hidden_state_sink(items, query_start_loc, hidden)
+        pooled = self._pool(items, query_start_loc, hidden) if self.num_pooling_requests else []
         sampler_output = None
         if ids:
             last_hidden = hidden if last_token_index is None else hidden.index_select(0, last_token_index)
@@ -255,6 +260,8 @@ class ModelRunner:
                         if num is not None and request_id in output.sampled_token_ids:
                             output.logprobs[request_id] = [(top_ids[row][:num + 1], values[row][:num + 1],
                                                             ranks[row])]
+            for request_id, vector in pooled:
+                output.pooler_output[request_id] = vector.tolist()
             if verified is not None:
                 emitted, counts = verified.output_token_ids.tolist(), verified.num_emitted.tolist()
                 finite = speculative.finite.tolist()
@@ -310,7 +317,26 @@ class ModelRunner:
 
     def _request_state(self, new: NewRequestData) -> RequestState:
         stop_ids = sorted(t for t in new.min_tokens_stop_ids if 0 <= t < self.vocab_size)
-        return RequestState(new.prompt_token_ids, new.sampling_params, stop_ids, mm_features=new.mm_features)
+        state = RequestState(new.prompt_token_ids, new.sampling_params, stop_ids, mm_features=new.mm_features)
+        if new.sampling_params.pooling is not None:
+            state.pooling = PoolingState(new.sampling_params.pooling)
+            self.num_pooling_requests += 1
+        return state
+
+    def _pool(self, items: list[ScheduledRequest], query_start_loc: list[int], hidden: torch.Tensor
+              ) -> list[tuple[str, torch.Tensor]]:
+        """Embedding requests: each one's rows of this step's hidden states [T, H] added to its pool; the
+        embeddings of those whose prompt is now complete (on the device: read back in ``finish``)."""
+        done = []
+        for i, item in enumerate(items):
+            state = self.requests[item.request_id]
+            if state.pooling is None:
+                continue
+            start = query_start_loc[i]
+            state.pooling.add(hidden[start:start + item.num_new_tokens], item.num_computed_tokens)
+            if item.num_computed_tokens + item.num_new_tokens >= len(state.prompt_token_ids):
+                done.append((item.request_id, state.pooling.result()))
+        return done
 
     def _prompt_logprobs(self, item: ScheduledRequest, state: RequestState, hidden: torch.Tensor, offset: int
                          ) -> list[LogprobsRow]:

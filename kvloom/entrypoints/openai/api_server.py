@@ -38,6 +38,7 @@ from kvloom.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -53,6 +54,7 @@ from kvloom.entrypoints.openai.request_body import (
 )
 from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvloom.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, embedding_pooler_config, runner_of
 from kvloom.entrypoints.openai.serving_engine import APIError, error_response, max_chars_per_token_of
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvloom.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
@@ -93,6 +95,9 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
                              enable_auto_tools=getattr(args, "enable_auto_tool_choice", False),
                              tool_parser=getattr(args, "tool_call_parser", None))
     tokenization = OpenAIServingTokenization(engine, names, chat_template, **limits)
+    embedding = OpenAIServingEmbedding(engine, names, chat_template, **limits,
+                                       pooler=embedding_pooler_config(args), runner=runner_of(args))
+    completion.runner = chat.runner = runner_of(args)
 
     app = FastAPI(title="kvloom", version=__version__, docs_url=None, redoc_url=None, responses=ERRORS)
     app.state.engine = engine
@@ -144,6 +149,11 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         request = await parse_body(raw_request, ChatCompletionRequest)
         return await chat.create_chat_completion(request, raw_request)
 
+    @v1.post("/embeddings", openapi_extra=json_body(EmbeddingRequest), responses=BODY_ERRORS)
+    async def create_embedding(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, EmbeddingRequest)
+        return await embedding.create_embedding(request, raw_request)
+
     app.include_router(v1)
 
     @app.get("/health")
@@ -161,7 +171,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(engine.metrics.render() + embedding.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest), responses=BODY_ERRORS)
     async def tokenize(raw_request: Request) -> TokenizeResponse:

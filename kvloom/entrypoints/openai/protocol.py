@@ -94,6 +94,10 @@ class SamplingFields(RequestModel):
     # vLLM's structured_outputs (one of json, regex, choice, grammar, structural_tag).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's logits processors and prompt logprobs (logit_bias above is OpenAI's: token id -> -100..100).
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)
 
 
 class CompletionRequest(SamplingFields):
@@ -136,12 +140,25 @@ class CompletionLogProbs(ResponseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(ResponseModel):
+    """One token's entry in vLLM's prompt_logprobs (keyed by its token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt position, token id -> its logprob (None at the first position).
+PromptLogprobsField = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionResponseChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsField | None = None  # vLLM's extra, when the request asked
 
 
 class CompletionResponse(ResponseModel):
@@ -231,6 +248,7 @@ class ChatCompletionResponse(ResponseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsField | None = None  # vLLM's extra, when the request asked
 
 
 class ChatCompletionResponseStreamChoice(ResponseModel):
@@ -248,6 +266,41 @@ class ChatCompletionStreamResponse(ResponseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+
+
+# ---- embeddings -----------------------------------------------------------------------------
+
+class EmbeddingRequest(RequestModel):
+    """OpenAI's /v1/embeddings body (vLLM's extras: add_special_tokens, normalize / use_activation)."""
+
+    model: str | None = None
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+    use_activation: bool | None = None
+
+
+class EmbeddingData(ResponseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32
+
+
+class EmbeddingUsage(ResponseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(ResponseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
 
 
 # ---- models, tokenizer ----------------------------------------------------------------------

@@ -23,6 +23,7 @@ from kvloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ErrorResponse,
     RequestModel,
     TokenizeRequest,
@@ -124,7 +125,7 @@ def describe_validation_error(errors: list[Any]) -> tuple[str, int, str | None]:
 # ---- the OpenAPI document ----------------------------------------------------------------
 
 REQUEST_MODELS: tuple[type[RequestModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                                                  DetokenizeRequest)
+                                                  DetokenizeRequest, EmbeddingRequest)
 _SCHEMA_REF = "#/components/schemas/{model}"
 
 

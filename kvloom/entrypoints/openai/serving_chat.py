@@ -79,6 +79,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
         self.check_limits(request.n, request.top_logprobs, "top_logprobs")
+        self.check_prompt_logprobs(request)
         tool_choice, functions = self._tool_choice(request)
         constraint, constraint_param = self.structured_outputs_of(request)
         forced = forced_tool_constraint(tool_choice, functions, request.parallel_tool_calls)
@@ -103,6 +104,7 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens, param = request.max_tokens, "max_tokens"
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, self.max_tokens(len(prompt.token_ids), max_tokens), logprobs,
+                                      request.prompt_logprobs,
                                       names={"max_tokens": param, "logprobs": "top_logprobs"},
                                       structured_outputs=constraint)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -172,7 +174,8 @@ class OpenAIServingChat(OpenAIServing):
                 stop_reason=completion.stop_reason))
         num_generated = sum(len(c.token_ids) for c in output.outputs)
         return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                      usage=usage_info(len(output.prompt_token_ids), num_generated))
+                                      usage=usage_info(len(output.prompt_token_ids), num_generated),
+                                      prompt_logprobs=self.prompt_logprobs_field(output))
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model: str,
                       num_prompt_tokens: int, generator: AsyncIterator[RequestOutput],

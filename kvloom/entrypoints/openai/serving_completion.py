@@ -1,5 +1,7 @@
 """/v1/completions: one or several prompts (text or token ids) -> n completions each, whole or
-streamed; ``echo`` prepends the prompt (with its logprobs when asked)."""
+streamed; ``echo`` prepends the prompt (with its logprobs when asked). ``echo`` with ``max_tokens=0`` returns
+only the prompt and its logprobs (what lm-evaluation-harness sends for log-likelihoods): as vLLM, one token
+is generated and dropped. vLLM's ``prompt_logprobs`` come back on each choice."""
 
 from __future__ import annotations
 
@@ -48,18 +50,25 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(f"best_of must equal n ({request.n}) when given; kvloom does not rank "
                            f"extra completions", param="best_of")
         self.check_limits(request.n, request.logprobs, "logprobs")
+        self.check_prompt_logprobs(request)
+        if request.max_tokens == 0 and not request.echo:
+            raise APIError("max_tokens must be at least 1 (0 only with echo, to score the prompt)",
+                           param="max_tokens")
         constraint, constraint_param = self.structured_outputs_of(request)
         if constraint is not None:
             await self.check_structured_outputs(constraint, constraint_param)
         prompts = await self._prompts(request)
         logprobs = request.logprobs
-        prompt_logprobs = logprobs if request.echo and logprobs is not None else None
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None and request.echo and logprobs is not None:
+            prompt_logprobs = logprobs
         request_id = f"cmpl-{uuid.uuid4().hex}"
         max_tokens_param = "max_tokens" if request.max_tokens is not None else None
         requests = []
         for i, prompt in enumerate(prompts):
-            params = self.sampling_params(request, self.max_tokens(len(prompt.token_ids), request.max_tokens),
-                                          logprobs, prompt_logprobs, structured_outputs=constraint)
+            max_tokens = 1 if _echo_only(request) else self.max_tokens(len(prompt.token_ids), request.max_tokens)
+            params = self.sampling_params(request, max_tokens, logprobs, prompt_logprobs,
+                                          structured_outputs=constraint)
             requests.append(self.engine_request(f"{request_id}-{i}", prompt, params, "prompt", max_tokens_param))
         echo_texts = None
         if request.echo:
@@ -117,6 +126,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.logprobs is None:
             return None
         token_ids, entries = list(completion.token_ids), list(completion.logprobs or [])
+        if _echo_only(request):
+            token_ids, entries = [], []
         if request.echo:
             token_ids = list(output.prompt_token_ids) + token_ids
             prompt_entries = list(output.prompt_logprobs or [])
@@ -130,13 +141,17 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = []
         num_generated = 0
         for prompt_index, output in enumerate(outputs):
+            prompt_logprobs = self.prompt_logprobs_field(output) if request.prompt_logprobs is not None else None
             for completion in output.outputs:
-                text = echo_texts[prompt_index] + completion.text if echo_texts else completion.text
+                generated = "" if _echo_only(request) else completion.text
+                text = echo_texts[prompt_index] + generated if echo_texts else generated
                 choices.append(CompletionResponseChoice(
                     index=prompt_index * request.n + completion.index, text=text,
                     logprobs=self._choice_logprobs(request, output, completion),
-                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
-                num_generated += len(completion.token_ids)
+                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                    prompt_logprobs=prompt_logprobs))
+                if not _echo_only(request):
+                    num_generated += len(completion.token_ids)
         num_prompt = sum(len(p.token_ids) for p in prompts)
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                   usage=usage_info(num_prompt, num_generated))
@@ -159,7 +174,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         state = states[index]
                         if state.finished:
                             continue
-                        num_generated += len(completion.token_ids)
+                        if not _echo_only(request):
+                            num_generated += len(completion.token_ids)
                         choice = self._delta_choice(request, prompts[prompt_index],
                                                     echo_texts[prompt_index] if echo_texts else None,
                                                     prompt_logprobs[prompt_index], completion, state, index)
@@ -178,7 +194,7 @@ class OpenAIServingCompletion(OpenAIServing):
                       prompt_logprobs: Any, completion: CompletionOutput, state: ChoiceState,
                       index: int) -> CompletionResponseChoice | None:
         """One chunk of a choice from one delta output (None when it adds nothing)."""
-        text = completion.text
+        text = "" if _echo_only(request) else completion.text
         logprobs = None
         if not state.started:
             state.started = True
@@ -189,7 +205,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     entries += [None] * (len(prompt.token_ids) - len(entries))
                     logprobs = self._logprobs(list(prompt.token_ids), entries, 0)
                     state.offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-        if request.logprobs is not None and completion.token_ids:
+        if request.logprobs is not None and completion.token_ids and not _echo_only(request):
             more = self._logprobs(completion.token_ids, completion.logprobs or [], state.offset)
             if more.tokens:
                 state.offset = more.text_offset[-1] + len(more.tokens[-1])
@@ -208,3 +224,7 @@ class OpenAIServingCompletion(OpenAIServing):
             choice.stop_reason = completion.stop_reason
         return choice
 
+
+def _echo_only(request: CompletionRequest) -> bool:
+    """echo with max_tokens=0: the prompt (and its logprobs) is the whole answer."""
+    return request.echo and request.max_tokens == 0

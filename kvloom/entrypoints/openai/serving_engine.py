@@ -31,9 +31,26 @@ from pydantic import BaseModel
 from kvloom.engine.engine_client import EngineClient, EngineDeadError
 from kvloom.engine.input_processor import EngineRequest, TokenizedPrompt
 from kvloom.engine.request import ContextLengthError
-from kvloom.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields, UsageInfo
+from kvloom.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestModel, SamplingFields, UsageInfo
 from kvloom.outputs import Logprob, RequestOutput
 from kvloom.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+# vLLM request fields kvloom does not implement: a request that sets one (to anything but null / false) is
+# refused with a 400 naming it, rather than served as if it had not asked (docs/serving.md).
+REFUSED_FIELDS = ("use_beam_search", "length_penalty", "early_stopping", "truncate_prompt_tokens", "truncation_side",
+                  "prompt_logprob_token_ids", "prompt_logprob_start", "logprob_token_ids", "flat_logprobs",
+                  "thinking_token_budget", "repetition_detection", "trace_decode_token_ids", "watermarking",
+                  "vllm_xargs", "extra_args", "return_tokens_as_token_ids", "return_token_ids", "guided_json",
+                  "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_decoding",
+                  "logits_processors", "continue_final_message", "stream_interval", "skip_reading_prefix_cache",
+                  "routed_experts_prompt_start", "detokenize", "output_kind", "skip_clone",
+                  "output_text_buffer_length",
+                  # OpenAI's fields for what a text model served here cannot do.
+                  "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+                  "web_search_options")
+# The values of a refused field that ask for nothing kvloom lacks (default: null and false).
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {"detokenize": (None, True), "routed_experts_prompt_start": (None, 0),
+                                               "modalities": (None, ["text"])}
 
 # What OpenAI's API returns for a -inf logprob (JSON has no infinity).
 MIN_LOGPROB = -9999.0
@@ -163,6 +180,9 @@ async def run_until_disconnected(coro: Any, raw_request: Request) -> Response:
 class OpenAIServing:
     """Shared by the endpoints: the model names, prompt building, sampling parameters, limits."""
 
+    # The engine's runner (--runner): 'pooling' serves embeddings only, so generation requests are refused.
+    runner = "auto"
+
     def __init__(self, engine: EngineClient, served_model_names: list[str], chat_template: str | None = None,
                  *, max_logprobs: int = MAX_LOGPROBS, max_chars_per_token: int | None = None) -> None:
         """``max_logprobs``: the most logprobs per position a request may ask for.
@@ -199,6 +219,24 @@ class OpenAIServing:
             raise APIError(f"{logprobs_param} must be at most {self.max_logprobs} (the server's "
                            f"--max-logprobs), got {logprobs}", param=logprobs_param)
 
+    def check_prompt_logprobs(self, request: SamplingFields) -> None:
+        """vLLM's prompt_logprobs: within --max-logprobs, and not on a stream (as vLLM: a 400)."""
+        if request.prompt_logprobs is None:
+            return
+        if request.stream:
+            raise APIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+        self.check_limits(1, request.prompt_logprobs, "prompt_logprobs")
+
+    def prompt_logprobs_field(self, output: RequestOutput) -> list[dict[str, Any] | None] | None:
+        """vLLM's prompt_logprobs of a response: per prompt position (None first), token id -> logprob,
+        rank and decoded token; -inf as MIN_LOGPROB (JSON has no infinity)."""
+        if output.prompt_logprobs is None:
+            return None
+        return [None if entry is None else {
+            str(token_id): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank,
+                            "decoded_token": self.decoded(token_id, lp)}
+            for token_id, lp in entry.items()} for entry in output.prompt_logprobs]
+
     def check_prompt_chars(self, num_chars: int, prompt_name: str) -> None:
         """Refuse a prompt of more characters than any prompt that fits the context can have."""
         if num_chars > self.max_prompt_chars:
@@ -225,6 +263,10 @@ class OpenAIServing:
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """OpenAI's defaults where the client sent nothing; a 400 naming the field otherwise.
         ``structured_outputs``: the request's constraint (``structured_outputs_of``, or a forced tool call)."""
+        if self.runner == "pooling":
+            raise APIError("this server runs with --runner pooling (embeddings only): use /v1/embeddings, or serve "
+                           "with --runner auto to generate too", param="model")
+        self.check_refused_fields(request)
         top_k = request.top_k
         if top_k is not None and top_k >= self.vocab_size:
             top_k = 0  # every token is in the top k: no filter
@@ -240,16 +282,42 @@ class OpenAIServing:
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens, structured_outputs=structured_outputs,
+            logit_bias=self.logit_bias_of(request.logit_bias), allowed_token_ids=request.allowed_token_ids,
+            bad_words=request.bad_words or None,
             # A stream sends what each step adds; a whole response needs only the end.
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)
-        if request.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
+        if not request.spaces_between_special_tokens and not request.skip_special_tokens:
+            # The one case it changes vLLM's text (no space between two special tokens shown): not implemented.
+            raise APIError("spaces_between_special_tokens=false with skip_special_tokens=false is not supported "
+                           "by kvloom", param="spaces_between_special_tokens")
         if request.stream_options is not None and not request.stream:
             raise APIError("stream_options can only be set when stream is true", param="stream_options")
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
             raise APIError(str(e), param=_param_of(str(e), kwargs, names)) from None
+
+    @staticmethod
+    def check_refused_fields(request: RequestModel) -> None:
+        """A 400 for a vLLM field kvloom does not implement (REFUSED_FIELDS), set to something."""
+        for name, value in (request.model_extra or {}).items():
+            if name in REFUSED_FIELDS and value not in _NEUTRAL_VALUES.get(name, (None, False)):
+                raise APIError(f"{name} is not supported by kvloom; leave it out (docs/serving.md lists every "
+                               f"request field and whether it is honoured)", param=name)
+
+    def logit_bias_of(self, logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's logit_bias (JSON keys are strings) as token id -> bias; a 400 for a key that is not a
+        token id of this model's vocabulary (values are checked by SamplingParams: -100..100)."""
+        if not logit_bias:
+            return None
+        bias = {}
+        for key, value in logit_bias.items():
+            token = key.strip()
+            if not token.isdigit() or int(token) >= self.vocab_size:
+                raise APIError(f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {key!r}",
+                               param="logit_bias")
+            bias[int(token)] = value
+        return bias
 
     def structured_outputs_of(self, request: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
         """The constraint ``response_format`` or vLLM's ``structured_outputs`` asks for, and the field it came
