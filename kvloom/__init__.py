@@ -30,6 +30,7 @@ _EXPORTS = {
     "CompletionOutput": "kvloom.outputs",
     "Logprob": "kvloom.outputs",
     "EngineConfig": "kvloom.config",
+    "LoRARequest": "kvloom.lora.request",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -37,6 +38,7 @@ __all__ = [*_EXPORTS, "__version__"]
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig  # noqa: F401
     from kvloom.llm import LLM  # noqa: F401
+    from kvloom.lora.request import LoRARequest  # noqa: F401
     from kvloom.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: F401
     from kvloom.sampling_params import SamplingParams  # noqa: F401
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from kvloom.lora.request import LoRARequest
 from kvloom.sampling_params import SamplingParams
 
 # (token ids, logprobs, rank of the first id): column 0 is the sampled/actual token, then the top-k.
@@ -27,6 +28,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     # Masked out of the logits while fewer than min_tokens were generated: EOS and the stop ids.
     min_tokens_stop_ids: frozenset[int] = frozenset()
+    # The LoRA adapter it runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 class ScheduledRequest(NamedTuple):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvloom.loader.tokenizer import Tokenizer
+from kvloom.lora.request import LoRARequest
 from kvloom.sampling_params import SamplingParams, StructuredOutputsParams
 
 PromptInput = str | list[int] | dict[str, Any]
@@ -50,6 +51,7 @@ class EngineRequest:
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
     arrival_time: float
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 class InputProcessor:
@@ -66,6 +68,8 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.check_fits = check_fits
         self.check_structured_outputs = check_structured_outputs
+        # The engine's check of a LoRARequest (kvloom/lora/registry.py), set by the engine; None: refused.
+        self.check_lora_request: Callable[[LoRARequest], object] | None = None
 
     def tokenize(self, prompt: PromptInput | TokenizedPrompt, add_special_tokens: bool = True
                  ) -> TokenizedPrompt:
@@ -109,7 +113,8 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: PromptInput | TokenizedPrompt,
                 params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                add_special_tokens: bool = True, max_tokens_must_fit: bool = False) -> EngineRequest:
+                add_special_tokens: bool = True, max_tokens_must_fit: bool = False,
+                lora_request: LoRARequest | None = None) -> EngineRequest:
         """The EngineRequest for a prompt and its parameters; ValueError if they are not valid.
 
         ``max_tokens_must_fit``: the prompt plus all of ``max_tokens`` must fit in the context (the
@@ -133,8 +138,12 @@ class InputProcessor:
             if self.check_structured_outputs is None:
                 raise ValueError("structured_outputs are not available on this engine")
             self.check_structured_outputs(params.structured_outputs)
+        if lora_request is not None:
+            if self.check_lora_request is None:
+                raise ValueError("this engine serves no LoRA adapters; start it with enable_lora=True")
+            self.check_lora_request(lora_request)
         return EngineRequest(request_id, tokenized.text, tokenized.token_ids, params,
-                             time.time() if arrival_time is None else arrival_time)
+                             time.time() if arrival_time is None else arrival_time, lora_request)
 
     def engine_request(self, prompt: PromptInput | TokenizedPrompt | EngineRequest, params: SamplingParams | None,
                        request_id: str | None, *, arrival_time: float | None = None) -> EngineRequest:
