@@ -4,6 +4,7 @@ adapters (swaps); the prefix cache never shares KV across adapters; int8 weights
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -116,3 +117,57 @@ def test_requests_for_adapters_are_refused_where_they_cannot_run(tiny_llama_dir:
             "hi", params, lora_request=adapters[0], use_tqdm=False)
     with pytest.raises(ValueError, match="one per prompt"):
         speculative.generate(["a", "b"], params, lora_request=[None], use_tqdm=False)
+
+
+def test_server_serves_adapters_by_model_name(tiny_llama_dir: str, adapters: list[LoRARequest], expected: dict,
+                                              server_factory) -> None:  # noqa: ANN001
+    """--lora-modules (both forms), /v1/models with parents, a request's model picking its adapter (greedy
+    tokens as the merged model's), adapters loaded and unloaded at run time, and the errors of each."""
+    import httpx
+    import openai
+
+    all_, rs, one = adapters
+    flags = ["--dtype", "float32", "--max-model-len", "128", "--enable-lora", "--max-loras", "2",
+             "--max-lora-rank", "8", "--lora-modules", f"all={all_.lora_path}",
+             json.dumps({"name": "rs", "path": rs.lora_path, "base_model_name": tiny_llama_dir})]
+    with server_factory(tiny_llama_dir, *flags, env={"KVLOOM_ALLOW_RUNTIME_LORA_UPDATING": "1"}) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        cards = {card.id: card for card in client.models.list().data}
+        assert set(cards) == {tiny_llama_dir, "all", "rs"}
+        assert cards["all"].parent == tiny_llama_dir and cards["rs"].root == rs.lora_path
+
+        offline = LLM(tiny_llama_dir, dtype="float32", max_model_len=128, enable_lora=True, max_loras=3,
+                      max_lora_rank=8)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+        def complete(model: str, index: int = 0) -> str:
+            response = client.completions.create(model=model, prompt=PROMPTS[index], max_tokens=MAX_TOKENS,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+            assert response.model == model
+            return response.choices[0].text
+
+        def oracle(lora: LoRARequest | None, index: int) -> str:
+            output = offline.generate({"prompt_token_ids": PROMPTS[index]}, params, lora_request=lora,
+                                      use_tqdm=False)[0].outputs[0]
+            assert output.token_ids == expected[None if lora is None else lora.lora_name][index]
+            return output.text
+
+        for model, lora in ((tiny_llama_dir, None), ("all", all_), ("rs", rs)):
+            assert complete(model, 1) == oracle(lora, 1), model
+        chat = client.chat.completions.create(model="all", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=3)
+        assert chat.model == "all"
+
+        post = lambda route, body: httpx.post(f"{server.url}/v1/{route}", json=body, timeout=60)  # noqa: E731
+        assert post("load_lora_adapter", {"lora_name": "one", "lora_path": one.lora_path}).status_code == 200
+        assert complete("one", 2) == oracle(one, 2)
+        bad = post("load_lora_adapter", {"lora_name": "bad", "lora_path": one.lora_path + "/nowhere"})
+        assert bad.status_code == 400 and "no such directory" in bad.json()["error"]["message"]
+        assert post("load_lora_adapter", {"lora_name": "one", "lora_path": one.lora_path}).status_code == 400
+        assert post("load_lora_adapter", {"lora_name": "x"}).json()["error"]["param"] == "lora_path"
+        assert post("unload_lora_adapter", {"lora_name": "one"}).status_code == 200
+        assert post("unload_lora_adapter", {"lora_name": "one"}).status_code == 404
+        with pytest.raises(openai.NotFoundError):
+            complete("one")
+        assert complete("all", 0) == oracle(all_, 0)  # the server keeps going
+

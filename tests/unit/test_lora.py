@@ -217,3 +217,43 @@ def test_the_same_prompt_under_two_adapters_shares_no_blocks() -> None:
     assert kv.get_computed_blocks(lora_request(1, "same adapter", prompt))[1] == 12
     assert kv.get_computed_blocks(lora_request(2, "other adapter", prompt))[1] == 0
     assert kv.get_computed_blocks(lora_request(None, "base", prompt))[1] == 0
+
+
+# ---- the server's surface -------------------------------------------------------------------------------------
+def test_lora_modules_flag_takes_both_forms() -> None:
+    from kvloom.entrypoints.openai.serving_lora import parse_lora_modules
+
+    assert parse_lora_modules(["a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}']) == [
+        ("a", "/x", None), ("b", "/y", "m")]
+    for bad in ("a", "=/x", '{"name": "b"}', "{nope"):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_modules([bad])
+
+
+def test_runtime_updating_routes_answer_404_unless_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from kvloom.entrypoints.openai.serving_engine import APIError
+    from kvloom.entrypoints.openai.serving_lora import LoRAModules, lora_routes
+
+    class Engine:  # what LoRAModules reads of an EngineClient: the input processor's adapter check
+        class input_processor:  # noqa: N801
+            @staticmethod
+            def check_lora_request(request: LoRARequest) -> None:
+                raise ValueError(f"LoRA adapter at {request.lora_path!r}: no such directory")
+
+    app = FastAPI()
+    app.exception_handler(APIError)(lambda _, error: error.response())
+    app.include_router(lora_routes(LoRAModules(Engine(), ["base"], enabled=True)))
+    client = TestClient(app)
+    body = {"lora_name": "a", "lora_path": "/nowhere"}
+    monkeypatch.delenv("KVLOOM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    response = client.post("/v1/load_lora_adapter", json=body)
+    assert response.status_code == 404 and "KVLOOM_ALLOW_RUNTIME_LORA_UPDATING=1" in response.json()["error"]["message"]
+    monkeypatch.setenv("KVLOOM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    response = client.post("/v1/load_lora_adapter", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "lora_path"
+    assert client.post("/v1/load_lora_adapter", json={"lora_name": "base", "lora_path": "/x"}).status_code == 400
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 404
+    assert client.post("/v1/unload_lora_adapter", content=b"{").status_code == 400
