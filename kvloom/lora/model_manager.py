@@ -2,7 +2,8 @@
 
 Every target projection (each decoder layer's qkv_proj, o_proj, gate_up_proj, down_proj) gets a forward
 hook that adds the step's LoRA delta to its output (kvloom/ops/lora.py: shrink then expand, each token by
-its own adapter). Its slot tensors hold up to ``max_loras`` adapters at once:
+its own adapter; csrc/lora.cpp on the CPU with kvloom's C++ ops, Triton on CUDA, torch's grouped GEMMs
+elsewhere). Its slot tensors hold up to ``max_loras`` adapters at once:
 
     lora_a [max_loras, shards * max_lora_rank, in]    shard j's A in rows j*max_lora_rank onwards
     lora_b [max_loras, out, shards * max_lora_rank]   shard j's B (scaled) in its output rows, columns j*...
@@ -32,7 +33,7 @@ from torch import nn
 from kvloom.lora.peft import ModelShape, check_adapter
 from kvloom.lora.request import LoRARequest
 from kvloom.lora.weights import LoRAWeights, load_lora_weights
-from kvloom.ops.lora import LoRAGroups, add_lora_grouped
+from kvloom.ops.lora import LoRAGroups, add_lora_cpu, add_lora_grouped, cpu_lora_available, lora_compute_dtype
 
 logger = logging.getLogger("kvloom")
 
@@ -62,7 +63,8 @@ class _Step:
 
 class LoRAModelManager:
     def __init__(self, model: nn.Module, shape: ModelShape, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int, device: torch.device, dtype: torch.dtype) -> None:
+                 max_cpu_loras: int, device: torch.device, dtype: torch.dtype, ops_name: str = "native") -> None:
+        """``ops_name``: the op table's; "cpu" (kvloom's C++ library) takes csrc/lora.cpp's fused delta."""
         self.model = model
         self.shape = shape
         self.max_loras = max_loras
@@ -71,6 +73,8 @@ class LoRAModelManager:
         self.device = device
         self.dtype = dtype
         self.use_triton = device.type == "cuda"
+        self.use_cpu_kernel = device.type == "cpu" and ops_name == "cpu" and cpu_lora_available()
+        slot_dtype = lora_compute_dtype(device, dtype)
         self.targets: list[_Target] = []
         for index, layer in enumerate(model.layers):
             for name, (parent, modules) in FUSED_TARGETS.items():
@@ -80,8 +84,8 @@ class LoRAModelManager:
                 rank = len(modules) * max_lora_rank
                 out = sum(linear.output_sizes)
                 target = _Target(index, modules, list(linear.output_sizes),
-                                 torch.zeros(max_loras, rank, linear.in_features, dtype=dtype, device=device),
-                                 torch.zeros(max_loras, out, rank, dtype=dtype, device=device))
+                                 torch.zeros(max_loras, rank, linear.in_features, dtype=slot_dtype, device=device),
+                                 torch.zeros(max_loras, out, rank, dtype=slot_dtype, device=device))
                 self.targets.append(target)
                 linear.register_forward_hook(self._hook(target))
         # The adapter in each slot, as (id, path): an id given again to another directory is another adapter.
@@ -114,7 +118,7 @@ class LoRAModelManager:
             return weights
         start = time.perf_counter()
         weights = load_lora_weights(check_adapter(lora_request.lora_path, self.shape, self.max_lora_rank),
-                                    self.dtype)
+                                    self.targets[0].lora_a.dtype)
         self.load_seconds[key] = time.perf_counter() - start
         self.host[key] = weights
         while len(self.host) > self.max_cpu_loras:
@@ -187,6 +191,8 @@ class LoRAModelManager:
                 from kvloom.ops.triton.lora import add_lora_triton
 
                 add_lora_triton(output, x, target.lora_a, target.lora_b, step.token_slots)
+            elif self.use_cpu_kernel and x.is_contiguous() and output.is_contiguous():
+                add_lora_cpu(output, x, target.lora_a, target.lora_b, step.token_slots)
             else:
                 add_lora_grouped(output, x, target.lora_a, target.lora_b, step.groups)
 

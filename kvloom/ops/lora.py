@@ -14,6 +14,9 @@ implementations, one answer:
 - ``add_lora_grouped`` (CPU, and every device without Triton): SGMV's grouping in torch, tokens gathered
   by slot (``LoRAGroups``, built once a step), one shrink and one expand GEMM per slot in the batch, so a
   token costs only its own adapter's product;
+- ``add_lora_cpu`` (CPU with kvloom's C++ library): BGMV fused in csrc/lora.cpp, each token's shrink and expand
+  in one pass, on kvloom's parallel loop (not torch's BLAS threads, which wait for descheduled threads on a
+  busy machine);
 - ``kvloom.ops.triton.lora.add_lora_triton`` (CUDA): BGMV, a program per token and block of outputs.
 """
 
@@ -58,10 +61,33 @@ class LoRAGroups:
 
 def add_lora_grouped(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                      groups: LoRAGroups) -> None:
-    """The batched torch path: per slot present in the batch, its tokens' rows [n, in] -> [n, R] -> [n, out]."""
+    """The batched torch path: per slot present in the batch, its tokens' rows [n, in] -> [n, R] -> [n, out].
+
+    The products run in lora_a's dtype: on a CPU without AVX-512 torch's bf16 GEMM is a slow scalar loop, so
+    the CPU keeps A and B in fp32 (``lora_compute_dtype``) and converts the gathered rows and the delta."""
+    compute = lora_a.dtype
     for slot, rows in groups.groups:
         if isinstance(rows, slice):
-            y[rows].addmm_(x[rows] @ lora_a[slot].t(), lora_b[slot].t())
+            delta = (x[rows].to(compute) @ lora_a[slot].t()) @ lora_b[slot].t()
+            y[rows] += delta.to(y.dtype)
         else:
-            delta = (x.index_select(0, rows) @ lora_a[slot].t()) @ lora_b[slot].t()
-            y.index_add_(0, rows, delta)
+            delta = (x.index_select(0, rows).to(compute) @ lora_a[slot].t()) @ lora_b[slot].t()
+            y.index_add_(0, rows, delta.to(y.dtype))
+
+
+def lora_compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the slots' A and B: the model's on CUDA (the Triton kernels sum in fp32 anyway), fp32 on
+    the CPU, where half-precision GEMMs through torch are slow without AVX-512 (a rank-16 slot in fp32 is
+    still a few MiB)."""
+    return dtype if device.type == "cuda" else torch.float32
+
+
+def add_lora_cpu(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 token_slots: torch.Tensor) -> None:
+    """csrc/lora.cpp's fused BGMV (the library loaded: ``cpu_lora_available``); A and B in fp32."""
+    torch.ops.kvloom.lora_bgmv(y, x, lora_a, lora_b, token_slots)
+
+
+def cpu_lora_available() -> bool:
+    """Whether kvloom's C++ library is loaded with the LoRA kernel."""
+    return hasattr(torch.ops, "kvloom") and hasattr(torch.ops.kvloom, "lora_bgmv")

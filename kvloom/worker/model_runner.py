@@ -95,7 +95,8 @@ class ModelRunner:
         self.model = model.eval()
         if engine.enable_lora:
             self.lora = LoRAModelManager(model, model_shape(self.model_config), engine.max_loras,
-                                         engine.max_lora_rank, engine.max_cpu_loras, self.device, self.dtype)
+                                         engine.max_lora_rank, engine.max_cpu_loras, self.device, self.dtype,
+                                         self.ops.name)
         self.input_batch = InputBatch(self.block_size, self.config.max_blocks_per_seq, self.device,
                                       self.ops.needs_decode_mask)
         speculative = engine.speculative

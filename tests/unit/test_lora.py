@@ -50,10 +50,13 @@ SLOT_PATTERNS = {
 
 
 @pytest.mark.parametrize("pattern", list(SLOT_PATTERNS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_grouped_delta_matches_reference(pattern: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype, adapter_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.bfloat16, torch.float32)],
+                         ids=["fp32", "bf16", "bf16 activations, fp32 slots (the CPU's)"])
+def test_grouped_delta_matches_reference(pattern: str, dtype: torch.dtype, adapter_dtype: torch.dtype) -> None:
     slots = SLOT_PATTERNS[pattern]
     x, y, a, b, token_slots = lora_case(len(slots), slots, dtype)
+    a, b = a.to(adapter_dtype), b.to(adapter_dtype)
     expected, got = y.clone(), y.clone()
     add_lora_reference(expected, x, a, b, token_slots)
     add_lora_grouped(got, x, a, b, LoRAGroups.from_token_slots(slots, torch.device("cpu")))
@@ -79,6 +82,28 @@ def test_triton_delta_matches_reference(pattern: str, shape: tuple[int, int, int
     x, y, a, b, token_slots = (t.to(DEVICE) for t in (x, y, a, b, token_slots))
     add_lora_triton(y, x, a, b, token_slots)
     torch.testing.assert_close(y.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", ["mixed", "one adapter", "base only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(96, 80, 16), (200, 130, 48)], ids=["small", "tails"])
+def test_cpu_kernel_delta_matches_reference(pattern: str, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    """csrc/lora.cpp's fused BGMV (fp32 A and B, as the CPU keeps them) against the reference."""
+    from kvloom.ops import cpu
+    from kvloom.ops.lora import add_lora_cpu, cpu_lora_available
+
+    error = cpu.load_cpu_kernel()
+    if error is not None or not cpu_lora_available():
+        pytest.skip(f"kvloom's CPU kernels cannot be built here: {error}")
+    in_features, out_features, rank = shape
+    slots = SLOT_PATTERNS[pattern]
+    x, y, a, b, token_slots = lora_case(len(slots), slots, dtype, in_features, out_features, rank=rank)
+    a, b = a.float(), b.float()
+    expected = y.clone()
+    add_lora_reference(expected, x, a, b, token_slots)
+    add_lora_cpu(y, x, a, b, token_slots)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(y, expected, **tol)
 
 
 # ---- adapters on disk ---------------------------------------------------------------------------------------
