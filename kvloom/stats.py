@@ -24,6 +24,10 @@ class SchedulerStats:
     num_draft_tokens: int = 0  # speculative tokens proposed
     num_accepted_tokens: int = 0  # of those, accepted by the target model
     num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at draft position i
+    # LoRA (max_lora 0: off): the adapters of the running and of the waiting requests, by name.
+    max_lora: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 @dataclass

@@ -47,6 +47,10 @@ def check_request_fits(max_model_len: int, block_size: int, num_usable_blocks: i
                          f"raise kv_cache_memory or lower max_tokens.")
 
 
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+
+
 class _LoRAAdmission:
     """Which waiting requests one step may admit under ``max_loras`` distinct adapters in the running set.
 
@@ -298,4 +302,6 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
             num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
-            num_accepted_tokens_per_pos=tuple(self.num_accepted_tokens_per_pos))
+            num_accepted_tokens_per_pos=tuple(self.num_accepted_tokens_per_pos),
+            max_lora=self.max_loras, running_lora_adapters=_adapter_names(self.running),
+            waiting_lora_adapters=_adapter_names(self.waiting))

@@ -170,4 +170,6 @@ def test_server_serves_adapters_by_model_name(tiny_llama_dir: str, adapters: lis
         with pytest.raises(openai.NotFoundError):
             complete("one")
         assert complete("all", 0) == oracle(all_, 0)  # the server keeps going
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert 'kvloom:lora_requests_info{max_lora="2"' in metrics
 
