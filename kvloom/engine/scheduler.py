@@ -174,9 +174,9 @@ class Scheduler:
 
         # Then waiting requests, in order, while budget, slots and blocks last. None after a
         # preemption this step: blocks are short, and the preempted would be re-admitted at once.
-        # LoRA: a request whose adapter would take a compute slot beyond max_loras waits (``_lora_blocked``).
+        # LoRA: a request whose adapter would take a compute slot beyond max_loras waits (``_LoRAAdmission``).
         lora = _LoRAAdmission(self.max_loras, self.running) if self.max_loras else None
-        position = 0  # waiting requests before it were passed over for a LoRA slot
+        position = 0  # the waiting requests before it wait for a LoRA slot
         while (len(self.waiting) > position and budget > 0 and not out.preempted_request_ids
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[position]
