@@ -33,6 +33,7 @@ _EXPORTS = {
     "PoolingParams": "kvloom.pooling_params",
     "EmbeddingRequestOutput": "kvloom.outputs",
     "EmbeddingOutput": "kvloom.outputs",
+    "LoRARequest": "kvloom.lora.request",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -40,7 +41,8 @@ __all__ = [*_EXPORTS, "__version__"]
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig  # noqa: F401
     from kvloom.llm import LLM  # noqa: F401
-    from kvloom.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput  # noqa: F401  # noqa: F401
+    from kvloom.lora.request import LoRARequest  # noqa: F401
+    from kvloom.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput  # noqa: F401
     from kvloom.pooling_params import PoolingParams  # noqa: F401
     from kvloom.sampling_params import SamplingParams  # noqa: F401
 

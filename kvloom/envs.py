@@ -34,6 +34,8 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "(the seeds' NEURON_COMPILED_ARTIFACTS; default: KVLOOM_CACHE_DIR/compiled)",
     "KVLOOM_QUANT_DTYPE": "store weights quantized: 's8' or 'int8' (the seeds' NEURON_QUANT_DTYPE; same as "
     "quantization='int8')",
+    "KVLOOM_ALLOW_RUNTIME_LORA_UPDATING": "1: the server offers POST /v1/load_lora_adapter and "
+    "/v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); default: adapters only from --lora-modules",
 }
 
 # The seeds' (vLLM on Neuron) names of the same settings, read when the kvloom name is unset.

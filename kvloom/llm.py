@@ -11,6 +11,7 @@ from kvloom.engine.input_processor import EngineRequest, PromptInput
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.output_processor import raise_if_failed
 from kvloom.loader.tokenizer import Tokenizer
+from kvloom.lora.request import LoRARequest
 from kvloom.multimodal.chat import chat_prompt
 from kvloom.outputs import EmbeddingRequestOutput, RequestOutput
 from kvloom.pooling import embedding_sampling_params
@@ -18,7 +19,7 @@ from kvloom.pooling_params import PoolerConfig, PoolingParams, load_pooler_confi
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
 
 # vLLM generate() keywords that kvloom accepts when they ask for nothing it lacks.
-_IGNORED_GENERATE_KWARGS = ("lora_request", "priority", "prompt_adapter_request")
+_IGNORED_GENERATE_KWARGS = ("priority", "prompt_adapter_request")
 
 Message = dict[str, Any]
 
@@ -38,8 +39,10 @@ class LLM:
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, **kwargs: Any) -> list[RequestOutput]:
-        """Generate completions for every prompt; outputs come back in input order."""
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 **kwargs: Any) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in input order. ``lora_request``: the
+        adapter of every prompt, or one per prompt (None: the base model); needs ``enable_lora=True``."""
         for key, value in kwargs.items():
             if key not in _IGNORED_GENERATE_KWARGS or value is not None:
                 raise ValueError(f"generate() got an unsupported keyword argument {key!r}; it takes "
@@ -54,13 +57,15 @@ class LLM:
         if self.llm_engine.config.runner == "pooling":
             raise ValueError("this LLM was built with runner='pooling' (embeddings only): call LLM.embed, or "
                              "build it with runner='auto' to generate too")
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, with the model's chat template."""
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, with the model's chat template;
+        ``lora_request`` as in ``generate``."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts "
                              "(or a list of such lists)")
@@ -74,12 +79,14 @@ class LLM:
                         chat_template=chat_template)
             for conversation in conversations]
         # The template already wrote any BOS it wants.
-        return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
+        return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False, lora_request=lora_request)
 
     def _run(self, prompts: list[PromptInput],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool,
-             add_special_tokens: bool = True) -> list[RequestOutput]:
+             add_special_tokens: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
+        lora_requests = _per_prompt_lora_requests(lora_request, len(prompts))
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
@@ -106,8 +113,8 @@ class LLM:
             prompts = processor.multimodal.prefetch(prompts)
         requests: list[EngineRequest] = [
             processor.process(engine.next_request_id(), prompt, final_params.get(id(params), params),
-                              add_special_tokens=add_special_tokens)
-            for prompt, params in zip(prompts, params_list)]
+                              add_special_tokens=add_special_tokens, lora_request=lora)
+            for prompt, params, lora in zip(prompts, params_list, lora_requests)]
         request_ids = []
         try:
             for request in requests:
@@ -200,3 +207,19 @@ class LLM:
                                                      engine.config.pooling_type)
         return self._pooler_config
 
+
+def _per_prompt_lora_requests(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                              num_prompts: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list of one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != num_prompts:
+            raise ValueError(f"got {len(lora_request)} lora_requests for {num_prompts} prompts; give one "
+                             f"LoRARequest (or None) or one per prompt")
+        for item in lora_request:
+            if item is not None and not isinstance(item, LoRARequest):
+                raise ValueError(f"lora_request must hold LoRARequest or None, got {type(item).__name__}")
+        return list(lora_request)
+    raise ValueError(f"lora_request must be a LoRARequest, a list of them (one per prompt) or None, "
+                     f"got {type(lora_request).__name__}")

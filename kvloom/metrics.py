@@ -16,6 +16,7 @@ is how the tests check that an aborted request gave its blocks back.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, disable_created_metrics, generate_latest
@@ -104,6 +105,13 @@ class _EngineStatsCollector(Collector):
                                          labels=["model_name", "position"])
             for position, value in enumerate(scheduler.num_accepted_tokens_per_pos):
                 family.add_metric([*labels, str(position)], value)
+            yield family
+        if scheduler.max_lora:  # vLLM's lora_requests_info: the adapters in the labels, the time as the value
+            family = GaugeMetricFamily("kvloom:lora_requests_info", "Running stats on LoRA requests.",
+                                       labels=["model_name", "max_lora", "running_lora_adapters",
+                                               "waiting_lora_adapters"])
+            family.add_metric([*labels, str(scheduler.max_lora), ",".join(scheduler.running_lora_adapters),
+                               ",".join(scheduler.waiting_lora_adapters)], time.time())
             yield family
         yield counter("prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
         yield counter("generation_tokens", "Number of generation tokens processed.",

@@ -26,6 +26,10 @@ class SchedulerStats:
     num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at draft position i
     encoder_cache_hits: int = 0  # images a step needed that the runner's encoder cache held
     encoder_cache_misses: int = 0  # images the vision encoder ran for
+    # LoRA (max_lora 0: off): the adapters of the running and of the waiting requests, by name.
+    max_lora: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from kvloom.lora.request import LoRARequest
 from kvloom.sampling_params import SamplingParams
 
 # (token ids, logprobs, rank of the first id): column 0 is the sampled/actual token, then the top-k.
@@ -30,6 +31,8 @@ class NewRequestData:
     # A vision-language prompt's images (kvloom.multimodal.inputs.ImageFeature): where each one's rows go and
     # its preprocessed tiles; the runner encodes them (or finds them in its encoder cache) as chunks reach them.
     mm_features: tuple[Any, ...] = ()
+    # The LoRA adapter it runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 class ScheduledRequest(NamedTuple):

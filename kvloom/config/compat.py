@@ -152,8 +152,6 @@ VLLM_ARGUMENT_LIMITS: dict[str, ArgumentLimit] = {
         "data_parallel_size"),
     "cpu_offload_gb": ArgumentLimit(
         lambda value: value == 0, "0", "kvloom keeps every weight on the device that runs the model"),
-    "enable_lora": ArgumentLimit(
-        lambda value: value is False, "False", "kvloom does not serve LoRA adapters"),
     "swap_space": ArgumentLimit(
         _number_at_least(0), "a number of GiB >= 0 (unused)",
         "kvloom preempts by recomputation, so no KV blocks are swapped to the CPU"),

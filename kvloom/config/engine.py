@@ -96,7 +96,12 @@ class EngineConfig:
     tokenizer_mode: str = knob("model", "auto", "vLLM's tokenizer choice: only 'auto' (the fast tokenizers library)")
     load_format: str = knob("model", "auto", "vLLM's weight format: only 'auto' (what the model path holds)")
     download_dir: str | None = knob("model", None, "vLLM's download folder: only None (nothing is downloaded)")
-    enable_lora: bool = knob("model", False, "vLLM's LoRA adapters: only False (kvloom serves none)")
+    enable_lora: bool = knob("model", False, "serve LoRA adapters (PEFT directories) on the base model; a request "
+                             "names one with lora_request (the server: its model field); see docs/lora.md")
+    max_loras: int = knob("model", 1, "with enable_lora: most distinct adapters in one batch (their compute slots)")
+    max_lora_rank: int = knob("model", 16, "with enable_lora: the highest adapter rank accepted")
+    max_cpu_loras: int | None = knob("model", None, "with enable_lora: adapters kept in host memory, least "
+                                     "recently used dropped (default: max_loras; at least max_loras)")
 
     # ---- cache -------------------------------------------------------------------------------------------
     block_size: int = knob("cache", 16, "tokens per KV cache block; block_size == max_model_len gives one "
@@ -245,10 +250,27 @@ class EngineConfig:
         if self.quantized_checkpoint_path is not None and self.quantization != "int8":
             raise ValueError("quantized_checkpoint_path needs quantization='int8' (or override_backend_config "
                              "{\"quantized\": true})")
+        self._check_lora()
         self.speculative = SpeculativeConfig.from_engine_args(self.speculative_config, self.speculative_model,
                                                               self.num_speculative_tokens,
                                                               self.speculative_max_model_len,
                                                               self.speculative_disable_by_batch_size)
+
+    def _check_lora(self) -> None:
+        """max_loras, max_lora_rank and max_cpu_loras (None: max_loras); what LoRA does not run with."""
+        check_int("max_loras", self.max_loras, minimum=1)
+        check_int("max_lora_rank", self.max_lora_rank, minimum=1)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        check_int("max_cpu_loras", self.max_cpu_loras, minimum=1)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora does not run with tensor_parallel_size > 1: the adapters' A and B are "
+                             "not sharded across ranks; serve LoRA adapters on one rank")
+        if self.enable_lora and self.data_parallel_size > 1:
+            raise ValueError("enable_lora does not run with data_parallel_size > 1 (adapters are not routed to "
+                             "replicas); serve LoRA adapters from one engine")
 
     def _settle_media_knobs(self) -> None:
         """limit_mm_per_prompt from JSON, allowed_media_domains from a comma-separated string."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvloom.loader.tokenizer import Tokenizer
+from kvloom.lora.request import LoRARequest
 from kvloom.multimodal.processor import MultiModalProcessor
 from kvloom.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -54,6 +55,7 @@ class EngineRequest:
     sampling_params: SamplingParams
     arrival_time: float
     mm_features: tuple[Any, ...] = ()
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 class InputProcessor:
@@ -73,6 +75,8 @@ class InputProcessor:
         self.check_structured_outputs = check_structured_outputs
         # A vision-language model's image processing (None: a text model, whose prompts take no images).
         self.multimodal = multimodal
+        # The engine's check of a LoRARequest (kvloom/lora/registry.py), set by the engine; None: refused.
+        self.check_lora_request: Callable[[LoRARequest], object] | None = None
 
     def tokenize(self, prompt: PromptInput | TokenizedPrompt, add_special_tokens: bool = True
                  ) -> TokenizedPrompt:
@@ -133,7 +137,8 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: PromptInput | TokenizedPrompt,
                 params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                add_special_tokens: bool = True, max_tokens_must_fit: bool = False) -> EngineRequest:
+                add_special_tokens: bool = True, max_tokens_must_fit: bool = False,
+                lora_request: LoRARequest | None = None) -> EngineRequest:
         """The EngineRequest for a prompt and its parameters; ValueError if they are not valid.
 
         ``max_tokens_must_fit``: the prompt plus all of ``max_tokens`` must fit in the context (the
@@ -159,8 +164,13 @@ class InputProcessor:
             if self.check_structured_outputs is None:
                 raise ValueError("structured_outputs are not available on this engine")
             self.check_structured_outputs(params.structured_outputs)
+        if lora_request is not None:
+            if self.check_lora_request is None:
+                raise ValueError("this engine serves no LoRA adapters; start it with enable_lora=True")
+            self.check_lora_request(lora_request)
         return EngineRequest(request_id, tokenized.text, tokenized.token_ids, params,
-                             time.time() if arrival_time is None else arrival_time, tokenized.mm_features)
+                             time.time() if arrival_time is None else arrival_time, tokenized.mm_features,
+                             lora_request)
 
     def _logits_processor_params(self, params: SamplingParams) -> SamplingParams:
         """logit_bias / allowed_token_ids checked against the vocabulary; bad_words tokenized, each word both

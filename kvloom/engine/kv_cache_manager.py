@@ -23,6 +23,14 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int | tuple[s
     return hash((parent_hash, tuple(token_ids)))
 
 
+def _chain_start(request: Request) -> int | None:
+    """The parent of a request's first block: None for the base model; with a LoRA adapter, a key of the
+    adapter, so the same tokens under two adapters (whose KV differs) never share a block and every block of
+    an adapter's chain is its own."""
+    lora = request.lora_request
+    return None if lora is None else hash(("lora", lora.lora_int_id, lora.lora_name))
+
+
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
 
@@ -80,7 +88,7 @@ class KVCacheManager:
         extra = 1 if self.name_with_next_token else 0
         while (len(request.block_hashes) + 1) * size + extra <= len(tokens):
             i = len(request.block_hashes)
-            parent = request.block_hashes[-1] if i else None
+            parent = request.block_hashes[-1] if i else _chain_start(request)
             request.block_hashes.append(hash_block_tokens(parent, self._named_tokens(request, i)))
 
     def _named_tokens(self, request: Request, i: int) -> tuple[int | tuple[str, int], ...]:

@@ -24,6 +24,8 @@ from kvloom.engine.scheduler import Scheduler
 from kvloom.executor import build_executor
 from kvloom.loader.tokenizer import Tokenizer, load_tokenizer
 from kvloom.loader.weights import resolve_model
+from kvloom.lora.peft import model_shape
+from kvloom.lora.registry import LoRAChecker
 from kvloom.multimodal.processor import multimodal_processor
 from kvloom.outputs import RequestOutput
 from kvloom.platform import configure_host
@@ -67,7 +69,8 @@ class LLMEngine:
             self.kv_cache_manager, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
             num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
             num_lookahead_tokens=speculative.num_speculative_tokens if speculative and speculative.uses_draft_model
-            else 0, speculative_max_model_len=speculative.max_model_len if speculative else None)
+            else 0, speculative_max_model_len=speculative.max_model_len if speculative else None,
+            max_loras=config.max_loras if config.enable_lora else 0)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
             config.structured_outputs.backend, config.structured_outputs.compile_timeout,
@@ -79,6 +82,9 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.scheduler.check_fits, self.structured_output.validate,
                                               multimodal_processor(resolved, self.tokenizer))
+        self.lora_checker = LoRAChecker(config.enable_lora, model_shape(self.model_config), config.max_lora_rank,
+                                        speculative is not None)
+        self.input_processor.check_lora_request = self.lora_checker.check
         self.output_processor = OutputProcessor(self.tokenizer)
         self.log_stats = log_stats
         self._iteration_stats = IterationStats()
@@ -117,6 +123,8 @@ class LLMEngine:
         if request_id in self.output_processor.request_states:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = request.sampling_params
+        if request.lora_request is not None:  # an EngineRequest made elsewhere: its adapter checked here too
+            self.lora_checker.check(request.lora_request)
         children = []
         for index in range(params.n):
             child_params = params
@@ -129,6 +137,7 @@ class LLMEngine:
                     child_params.seed = params.seed + index
             children.append(Request(child_id, request.prompt_token_ids, child_params, self.eos_token_ids,
                                     self.max_model_len, request.arrival_time, request.mm_features))
+            children[-1].lora_request = request.lora_request
         self.output_processor.add_request(request, children)
         if (len(children) > 1 and params.structured_outputs is None and self.kv_cache_manager.enable_prefix_caching
                 and not params.computes_whole_prompt):

@@ -88,6 +88,9 @@ class Request:
         # Structured outputs: its grammar and matcher (structured_output/manager.py's
         # StructuredOutputRequest; not imported here, which must stay free of torch); None: unconstrained.
         self.structured_output: Any = None
+        # Its LoRA adapter (kvloom.lora.request.LoRARequest; None: the base model): the scheduler counts the
+        # distinct ones a step holds, and the prefix cache keys its blocks on it.
+        self.lora_request: Any = None
         # The text, logprobs and timings of the output live in the engine's OutputProcessor.
 
     @property

@@ -47,11 +47,47 @@ def check_request_fits(max_model_len: int, block_size: int, num_usable_blocks: i
                          f"raise kv_cache_memory or lower max_tokens.")
 
 
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+
+
+class _LoRAAdmission:
+    """Which waiting requests one step may admit under ``max_loras`` distinct adapters in the running set.
+
+    Running requests are always scheduled, so keeping the running set within max_loras adapters keeps every
+    step within the runner's compute slots. A request whose adapter would need a slot beyond them waits; from
+    then on, until a step in which it is admitted, only base-model requests pass it: requests for adapters
+    already running would keep their slots busy for ever (a waiting adapter starving), while base requests
+    take no slot. The running adapters' requests finish, a slot frees, and the waiting adapter gets it.
+    """
+
+    def __init__(self, max_loras: int, running: list[Request]) -> None:
+        self.max_loras = max_loras
+        self.adapters = {r.lora_request.lora_int_id for r in running if r.lora_request is not None}
+        self.someone_waits = False
+
+    def blocked(self, request: Request) -> bool:
+        lora = request.lora_request
+        if lora is None:
+            return False
+        if self.someone_waits or (lora.lora_int_id not in self.adapters and len(self.adapters) >= self.max_loras):
+            self.someone_waits = True
+            return True
+        return False
+
+    def admit(self, request: Request) -> None:
+        if request.lora_request is not None:
+            self.adapters.add(request.lora_request.lora_int_id)
+
+
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, num_speculative_tokens: int = 0,
-                 num_lookahead_tokens: int = 0, speculative_max_model_len: int | None = None) -> None:
+                 num_lookahead_tokens: int = 0, speculative_max_model_len: int | None = None,
+                 max_loras: int = 0) -> None:
         self.kv = kv_cache_manager
+        # LoRA: most distinct adapters among the running requests (the runner's compute slots); 0: LoRA off.
+        self.max_loras = max_loras
         # Speculative decoding: the runner's drafts come back with each step's tokens (at most
         # num_speculative_tokens a request); with a draft model / EAGLE head, num_lookahead_tokens slots past a
         # sampling step's end are reserved for the draft's own KV.
@@ -141,9 +177,15 @@ class Scheduler:
 
         # Then waiting requests, in order, while budget, slots and blocks last. None after a
         # preemption this step: blocks are short, and the preempted would be re-admitted at once.
-        while (self.waiting and budget > 0 and not out.preempted_request_ids
+        # LoRA: a request whose adapter would take a compute slot beyond max_loras waits (``_LoRAAdmission``).
+        lora = _LoRAAdmission(self.max_loras, self.running) if self.max_loras else None
+        position = 0  # the waiting requests before it wait for a LoRA slot
+        while (len(self.waiting) > position and budget > 0 and not out.preempted_request_ids
                and len(self.running) < self.max_num_seqs):
-            request = self.waiting[0]
+            request = self.waiting[position]
+            if lora is not None and lora.blocked(request):
+                position += 1
+                continue
             computed_blocks, num_hit_tokens = [], 0
             # Prompt logprobs (and MEAN / CLS pooling) need every prompt position computed: no cache lookup.
             looks_up = (self.kv.enable_prefix_caching and request.num_computed_tokens == 0
@@ -157,7 +199,9 @@ class Scheduler:
                 break
             if looks_up:
                 self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
-            self.waiting.popleft()
+            del self.waiting[position]
+            if lora is not None:
+                lora.admit(request)
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -206,7 +250,8 @@ class Scheduler:
         params = request.sampling_params
         stop_ids = frozenset() if params.min_tokens == 0 else frozenset(
             (request.eos_token_ids | params.all_stop_token_ids) - {None})
-        return NewRequestData(request.request_id, request.prompt_token_ids, params, stop_ids, request.mm_features)
+        return NewRequestData(request.request_id, request.prompt_token_ids, params, stop_ids, request.mm_features,
+                              request.lora_request)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -264,4 +309,6 @@ class Scheduler:
             num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
             num_accepted_tokens_per_pos=tuple(self.num_accepted_tokens_per_pos),
-            encoder_cache_hits=self.num_encoder_cache_hits, encoder_cache_misses=self.num_encoder_cache_misses)
+            encoder_cache_hits=self.num_encoder_cache_hits, encoder_cache_misses=self.num_encoder_cache_misses,
+            max_lora=self.max_loras, running_lora_adapters=_adapter_names(self.running),
+            waiting_lora_adapters=_adapter_names(self.waiting))

@@ -105,6 +105,12 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
         logger.warning("%s's layers are not laid out as SmoothQuant smoothing expects: its int8 weights are "
                        "quantized without smoothing (int8_smoothing_alpha is not applied)", architecture)
         alpha = None
+    if alpha is not None and engine.enable_lora:
+        # Smoothing divides each projection's input by per-channel factors (and v's, up's outputs by o's, down's):
+        # a LoRA adapter's A and B see the unsmoothed activations, so its delta would be wrong.
+        logger.info("enable_lora: int8 weights are quantized without SmoothQuant smoothing (adapters are trained "
+                    "on the unsmoothed activations)")
+        alpha = None
     keep_q8_0 = keeps_q8_0_blocks(config.source, engine.backend)
     if keep_q8_0 and alpha is not None:
         chosen = alpha != type(engine.backend).int8_smoothing_alpha  # set by hand: WARNING; the default: INFO

@@ -56,10 +56,10 @@ logger = logging.getLogger("kvloom")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 # Compiled into the same library: the fused norm / rotary / activation ops, the bf16 GEMM, the int8 and
-# 4-bit GEMMs and the thread pool that all of them run their loops on.
+# 4-bit GEMMs, the LoRA delta (lora.cpp) and the thread pool that all of them run their loops on.
 SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name
                      for name in ("fused_ops.cpp", "gemm.cpp", "gemm_int8.cpp", "gemm_q4.cpp", "parallel.cpp",
-                                  "decoder.cpp")))
+                                  "decoder.cpp", "lora.cpp")))
 # Included by them: the ISA flags (all), the thread pool's loops and the int8/4-bit GEMMs' AVX2 columns.
 HEADERS = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("cpu_capability.h", "kernels.h", "parallel.h", "avx2_columns.h"))

@@ -10,6 +10,7 @@ worker/kv_cache.py. It reads nothing but the plain data of kvloom.step_io.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -18,6 +19,8 @@ import torch
 
 from kvloom.config import ResolvedConfig
 from kvloom.layers.tensor_parallel import ProcessGroupLike, shard_model_for_tensor_parallel, sharded_model_config
+from kvloom.lora.model_manager import LoRAModelManager
+from kvloom.lora.peft import model_shape
 from kvloom.models.registry import build_model, load_model_weights, process_weights_after_loading
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops, select_ops
@@ -72,6 +75,8 @@ class ModelRunner:
         self.hidden_state_sink: Callable[[list[ScheduledRequest], list[int], torch.Tensor], None] | None = None
         # A vision-language model's image rows by content hash (worker/encoder_cache.py); None: a text model.
         self.encoder_cache: EncoderCache | None = None
+        # With enable_lora: the adapters' compute slots, host cache and per-layer deltas (kvloom/lora/).
+        self.lora: LoRAModelManager | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self, rank: int = 0, world_size: int = 1, group: ProcessGroupLike | None = None) -> None:
@@ -95,6 +100,10 @@ class ModelRunner:
         self.model = model.eval()
         if hasattr(model, "embed_images"):
             self.encoder_cache = EncoderCache(BUDGET_ROWS_PER_BATCHED_TOKEN * self.config.max_num_batched_tokens)
+        if engine.enable_lora:
+            self.lora = LoRAModelManager(model, model_shape(self.model_config), engine.max_loras,
+                                         engine.max_lora_rank, engine.max_cpu_loras, self.device, self.dtype,
+                                         self.ops.name)
         self.input_batch = InputBatch(self.block_size, self.config.max_blocks_per_seq, self.device,
                                       self.ops.needs_decode_mask)
         speculative = engine.speculative
@@ -176,6 +185,8 @@ class ModelRunner:
             state = self.requests.pop(request_id, None)
             if state is not None and state.pooling is not None:
                 self.num_pooling_requests -= 1
+        if self.lora is not None:
+            self.lora.release_requests(request_ids)
 
     # ---- the step --------------------------------------------------------------------------
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -190,6 +201,8 @@ class ModelRunner:
         """
         for new in scheduler_output.new_requests:
             self.requests[new.request_id] = self._request_state(new)
+            if self.lora is not None:
+                self.lora.add_request(new.request_id, new.lora_request)
         for request_id in scheduler_output.preempted_request_ids:
             state = self.requests.get(request_id)
             if state is not None:
@@ -197,7 +210,8 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         # A vision-language model's steps run eagerly: a one-token chunk may be an image row.
         use_graph = (self.graphs is not None and self.graphs.can_run(len(scheduled)) and self.encoder_cache is None
-                     and all(item.num_new_tokens == 1 for item in scheduled))
+                     and all(item.num_new_tokens == 1 for item in scheduled)
+                     and (self.lora is None or not self.lora.any_adapter([item.request_id for item in scheduled])))
         if use_graph:
             items, inputs = scheduled, None
             query_start_loc = list(range(len(items) + 1))
@@ -228,7 +242,8 @@ class ModelRunner:
                 images, image_hits, image_misses = multimodal_embeddings(
                     items, query_start_loc, lambda request_id: self.requests[request_id].mm_features,
                     self.encoder_cache, self.model.embed_images, self.device)
-            hidden, aux_hidden = self._split(self.forward(inputs, images))
+            with self._lora_step(items, query_start_loc, inputs):
+                hidden, aux_hidden = self._split(self.forward(inputs, images))
         if self.hidden_state_sink is not None:
             self.hidden_state_sink(items, query_start_loc, hidden)
         pooled = self._pool(items, query_start_loc, hidden) if self.num_pooling_requests else []
@@ -295,6 +310,14 @@ class ModelRunner:
             return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata,
                               multimodal_embeddings=multimodal_embeddings)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+
+    def _lora_step(self, items: list[ScheduledRequest], query_start_loc: list[int], inputs: ModelInputs
+                   ) -> contextlib.AbstractContextManager:
+        """Around a forward: the step's adapters in their compute slots and each token's slot (LoRA on)."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.activate([item.request_id for item in items], query_start_loc,
+                                  inputs.input_ids.shape[0])
 
     @staticmethod
     def _split(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -102,7 +102,7 @@ def test_vllm_arguments_users_pass_are_accepted(kwargs: dict) -> None:
     ({"kv_cache_dtype": "fp8"}, "no fp8 KV cache kernels"),
     ({"pipeline_parallel_size": 2}, "no pipeline parallelism"),
     ({"cpu_offload_gb": 4}, "keeps every weight on the device"),
-    ({"enable_lora": True}, "does not serve LoRA adapters"),
+    ({"max_lora_rank": 0}, "max_lora_rank must be an integer >= 1"),
     ({"swap_space": -1}, "preempts by recomputation"),
     ({"max_seq_len_to_capture": 0}, "cover every sequence length"),
     ({"use_v2_block_manager": "yes"}, "one block manager"),
@@ -114,6 +114,17 @@ def test_vllm_arguments_kvloom_cannot_honour_are_refused_with_the_reason(kwargs:
     with pytest.raises(ValueError, match=rf"{name}") as error:
         EngineConfig.from_kwargs(**kwargs)
     assert why in str(error.value)
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    ({"enable_lora": True, "tensor_parallel_size": 2}, "not sharded across ranks"),
+    ({"enable_lora": True, "data_parallel_size": 2}, "not routed to replicas"),
+    ({"max_loras": 4, "max_cpu_loras": 2}, "must be at least max_loras"),
+])
+def test_lora_settings_that_cannot_run_are_refused(kwargs: dict, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        EngineConfig.from_kwargs(**kwargs)
+    assert EngineConfig.from_kwargs(enable_lora=True, max_loras=3).max_cpu_loras == 3
 
 
 def test_every_limited_vllm_argument_is_a_knob() -> None:

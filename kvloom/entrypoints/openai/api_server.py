@@ -56,6 +56,7 @@ from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvloom.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, embedding_pooler_config, runner_of
 from kvloom.entrypoints.openai.serving_engine import APIError, error_response, max_chars_per_token_of
+from kvloom.entrypoints.openai.serving_lora import LoRAModules, lora_routes, parse_lora_modules
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvloom.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from kvloom.sampling_params import MAX_LOGPROBS
@@ -98,6 +99,10 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     embedding = OpenAIServingEmbedding(engine, names, chat_template, **limits,
                                        pooler=embedding_pooler_config(args), runner=runner_of(args))
     completion.runner = chat.runner = runner_of(args)
+    lora_modules = LoRAModules(engine, names, bool(getattr(args, "enable_lora", False)))
+    for name, path, base_model_name in parse_lora_modules(getattr(args, "lora_modules", None)):
+        lora_modules.add(name, path, base_model_name)
+    completion.lora_modules = chat.lora_modules = tokenization.lora_modules = lora_modules
 
     app = FastAPI(title="kvloom", version=__version__, docs_url=None, redoc_url=None, responses=ERRORS)
     app.state.engine = engine
@@ -132,12 +137,13 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     @v1.get("/models")
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, root=root, max_model_len=engine.max_model_len)
-                               for name in names])
+                               for name in names] + lora_modules.model_cards(engine.max_model_len))
 
     @v1.get("/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> ModelCard:
         completion.check_model(model_id)
-        return ModelCard(id=model_id, root=root, max_model_len=engine.max_model_len)
+        cards = [card for card in lora_modules.model_cards(engine.max_model_len) if card.id == model_id]
+        return cards[0] if cards else ModelCard(id=model_id, root=root, max_model_len=engine.max_model_len)
 
     @v1.post("/completions", openapi_extra=json_body(CompletionRequest), responses=BODY_ERRORS)
     async def create_completion(raw_request: Request) -> Response:
@@ -155,6 +161,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         return await embedding.create_embedding(request, raw_request)
 
     app.include_router(v1)
+    app.include_router(lora_routes(lora_modules))
 
     @app.get("/health")
     async def health() -> Response:

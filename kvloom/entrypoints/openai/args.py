@@ -35,6 +35,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the model name(s) clients use; the first is reported in responses "
                         "and metrics (default: the model argument)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="with --enable-lora: LoRA adapters served by name, as name=path or vLLM's JSON "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one (default: the model's)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",

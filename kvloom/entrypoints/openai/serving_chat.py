@@ -109,7 +109,7 @@ class OpenAIServingChat(OpenAIServing):
                                       structured_outputs=constraint)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         engine_request = self.engine_request(request_id, prompt, params, "messages",
-                                             param if max_tokens is not None else None)
+                                             param if max_tokens is not None else None, model=request.model)
 
         created = int(time.time())
         model = request.model or self.model_name

@@ -69,7 +69,8 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = 1 if _echo_only(request) else self.max_tokens(len(prompt.token_ids), request.max_tokens)
             params = self.sampling_params(request, max_tokens, logprobs, prompt_logprobs,
                                           structured_outputs=constraint)
-            requests.append(self.engine_request(f"{request_id}-{i}", prompt, params, "prompt", max_tokens_param))
+            requests.append(self.engine_request(f"{request_id}-{i}", prompt, params, "prompt", max_tokens_param,
+                                                model=request.model))
         echo_texts = None
         if request.echo:
             echo_texts = [p.text if p.text is not None

@@ -199,10 +199,13 @@ class OpenAIServing:
         if max_chars_per_token is None:
             max_chars_per_token = max_chars_per_token_of(self.tokenizer)
         self.max_prompt_chars = self.max_model_len * max_chars_per_token
+        # The LoRA adapters offered by name (serving_lora.LoRAModules), set by the app; None: none.
+        self.lora_modules: Any = None
 
     # ---- checks ----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        if model is not None and model not in self.served_model_names and not (
+                self.lora_modules is not None and model in self.lora_modules):
             raise APIError(f"The model `{model}` does not exist.", 404, "model", code="model_not_found")
 
     def check_engine(self) -> None:
@@ -382,12 +385,15 @@ class OpenAIServing:
             raise APIError(str(e), param=prompt_name) from None
 
     def engine_request(self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams,
-                       prompt_name: str, max_tokens_param: str | None) -> EngineRequest:
+                       prompt_name: str, max_tokens_param: str | None, model: str | None = None) -> EngineRequest:
         """The request for the engine, validated once; a 400 naming the parameter at fault.
 
-        ``max_tokens_param``: the field the client set max_tokens with (None: it set none)."""
+        ``max_tokens_param``: the field the client set max_tokens with (None: it set none). ``model``: the
+        request's model field, which may name a LoRA adapter."""
+        lora_request = None if self.lora_modules is None else self.lora_modules.lora_request(model)
         try:
-            return self.engine.input_processor.process(request_id, prompt, params, max_tokens_must_fit=True)
+            return self.engine.input_processor.process(request_id, prompt, params, max_tokens_must_fit=True,
+                                                       lora_request=lora_request)
         except ContextLengthError as e:
             raise APIError(e.message(prompt_name), param=max_tokens_param or prompt_name,
                            code="context_length_exceeded") from None
