@@ -8,9 +8,9 @@ import json
 import os
 
 import pytest
+from tiny_lora import hf_greedy, merged_hf_model, write_tiny_lora
 
 from kvloom import LLM, LoRARequest, SamplingParams
-from tests.tiny_lora import hf_greedy, merged_hf_model, write_tiny_lora
 
 MAX_TOKENS = 10
 PROMPTS = [[5, 17, 33, 99, 120, 7, 8, 250], [44, 45, 46, 300, 12, 13], [200, 201, 202, 3, 4, 5, 6, 7, 8, 9, 10]]
