@@ -266,18 +266,26 @@ class Idefics3ForConditionalGeneration(nn.Module):
             name = "embeddings.position_embedding"
         elif name == "embeddings.patch_embedding.weight":
             tensor = tensor.reshape(tensor.shape[0], -1)
-        module_name, _, kind = name.rpartition(".")
-        projection = module_name.rpartition(".")[2]
-        if projection in qkv:
-            fused = module_name.rpartition(".")[0] + ".qkv_proj"
-            self.vision_model.get_submodule(fused).load_shard(kind, qkv[projection], tensor)
-            loaded.add(f"{fused}#{qkv[projection]}" if kind == "weight" else f"{fused}.{kind}#{qkv[projection]}")
-            return
-        param = params.get(name)
-        if param is None:
-            raise ValueError(f"checkpoint tensor 'model.vision_model.{name}' has no place in the vision tower")
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f"checkpoint tensor 'model.vision_model.{name}' has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(param.shape)}")
-        param.data.copy_(tensor)
-        loaded.add(name)
+        load_tower_tensor(self.vision_model, "model.vision_model.", name, tensor, params, qkv, loaded)
+
+
+def load_tower_tensor(tower: nn.Module, prefix: str, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
+                      qkv: dict[str, int], loaded: set[str]) -> None:
+    """One vision-tower tensor (its name within the tower, already renamed) into ``tower``: q/k/v into their
+    shard of the fused ``qkv_proj`` (``qkv``: projection -> shard), anything else into its parameter; ValueError
+    naming ``prefix + name`` when it has no place or the wrong shape. ``loaded`` records what was filled."""
+    module_name, _, kind = name.rpartition(".")
+    projection = module_name.rpartition(".")[2]
+    if projection in qkv:
+        fused = module_name.rpartition(".")[0] + ".qkv_proj"
+        tower.get_submodule(fused).load_shard(kind, qkv[projection], tensor)
+        loaded.add(f"{fused}#{qkv[projection]}" if kind == "weight" else f"{fused}.{kind}#{qkv[projection]}")
+        return
+    param = params.get(name)
+    if param is None:
+        raise ValueError(f"checkpoint tensor '{prefix}{name}' has no place in the vision tower")
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"checkpoint tensor '{prefix}{name}' has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
+    loaded.add(name)

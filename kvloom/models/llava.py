@@ -18,7 +18,7 @@ from torch import nn
 
 from kvloom.layers.linear import Linear
 from kvloom.loader.model_config import ModelConfig
-from kvloom.models.idefics3 import LayerNorm, VisionConfig, VisionEncoderLayer
+from kvloom.models.idefics3 import LayerNorm, VisionConfig, VisionEncoderLayer, load_tower_tensor
 from kvloom.models.llama import LlamaForCausalLM, MistralForCausalLM
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops
@@ -170,18 +170,4 @@ class LlavaForConditionalGeneration(nn.Module):
             name = "position_embedding"
         elif name == "patch_embedding.weight":
             name, tensor = "patch_embedding.weight", tensor.reshape(tensor.shape[0], -1)
-        module_name, _, kind = name.rpartition(".")
-        projection = module_name.rpartition(".")[2]
-        if projection in qkv:
-            fused = module_name.rpartition(".")[0] + ".qkv_proj"
-            self.vision_tower.get_submodule(fused).load_shard(kind, qkv[projection], tensor)
-            loaded.add(f"{fused}#{qkv[projection]}" if kind == "weight" else f"{fused}.{kind}#{qkv[projection]}")
-            return
-        param = params.get(name)
-        if param is None:
-            raise ValueError(f"checkpoint tensor 'vision_tower.{name}' has no place in the vision tower")
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f"checkpoint tensor 'vision_tower.{name}' has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(param.shape)}")
-        param.data.copy_(tensor)
-        loaded.add(name)
+        load_tower_tensor(self.vision_tower, "vision_tower.", name, tensor, params, qkv, loaded)
