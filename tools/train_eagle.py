@@ -84,6 +84,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvloom import envs
+from kvloom.cpu_capability import cpu_capability
 from kvloom.layers.rotary import rope_inverse_frequencies
 from kvloom.loader import gguf, safetensors
 from kvloom.loader.model_config import ModelConfig
@@ -557,6 +558,9 @@ def train_head(head: EagleHead, target: Target, sequences: list[TrainingSequence
     embed = target.embed_weight.detach()
     lm_head = head.draft_lm_head(target.lm_head_weight.detach())
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # bf16 autocast only where oneDNN computes bf16 products natively (AVX-512 BF16 / AVX-NE-CONVERT): on an
+    # AVX2 CPU torch emulates them, and a 4096-token step took ~130 s instead of a few in float32.
+    bf16_autocast = cpu_capability().onednn_bf16
     start = time.monotonic()
     span = max(deadline - start, 1e-3)
     rng = random.Random(seed)
@@ -581,7 +585,7 @@ def train_head(head: EagleHead, target: Target, sequences: list[TrainingSequence
             ce_rows = None
             if ce_fraction < 1.0:
                 ce_rows = torch.randperm(rows, generator=noise_rng)[:max(1, round(ce_fraction * rows))]
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
                 v, p, accuracy = head_losses(head, lm_head, *tensors, ce_rows=ce_rows)
             loss = v + P_LOSS_WEIGHT * p
             optimizer.zero_grad(set_to_none=True)
@@ -871,7 +875,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     began = time.monotonic()
     save_head(head, target, out)
-    saved = load_head(out, target.config)
+    # Simulated in bf16 only where the CPU multiplies bf16 natively (float32 elsewhere: same drafts to rounding).
+    saved = load_head(out, target.config, torch.bfloat16 if cpu_capability().onednn_bf16 else torch.float32)
     simulation = simulate_speculation(saved, target, held_out, args.num_speculative_tokens)
     phase("evaluation", began)
     rates = ", ".join(f"{rate:.2f}" for rate in simulation.acceptance_by_position)

@@ -234,3 +234,29 @@ def test_draft_vocabulary_is_the_most_frequent_reply_tokens_and_saves_as_eagle3_
     with open(tmp_path / "config.json", encoding="utf-8") as f:
         assert json.load(f)["draft_vocab_size"] == 5
     assert train_eagle.load_head(tmp_path, target.config).vocab.tolist() == [3, 5, 7, 9, 40]
+
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_training_autocasts_to_bf16_only_where_the_cpu_multiplies_bf16(tiny_llama_dir: str, monkeypatch,
+                                                                       native_bf16: bool) -> None:
+    """On a CPU without native bf16 products (AVX2) torch emulates them ~15x slower than float32, so the
+    trainer must not autocast there; where oneDNN has them it does."""
+    import math
+
+    target = train_eagle.Target(resolve_model(tiny_llama_dir), dtype=torch.float32)
+    sequences = [train_eagle.TrainingSequence(torch.arange(3, 40), 8)]
+    target.features(sequences, max_batch_tokens=4096)
+    head = train_eagle.EagleHead(target.config)
+    seen: list[bool] = []
+    losses = train_eagle.head_losses
+
+    def spy(*args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return losses(*args, **kwargs)
+
+    capability = types.SimpleNamespace(onednn_bf16=native_bf16)
+    monkeypatch.setattr(train_eagle, "cpu_capability", lambda: capability)
+    monkeypatch.setattr(train_eagle, "head_losses", spy)
+    train_eagle.train_head(head, target, sequences, math.inf, lr=1e-3, max_batch_tokens=1024, max_epochs=1,
+                           noise=0.0, seed=0, log_every_s=math.inf)
+    assert seen == [native_bf16]
