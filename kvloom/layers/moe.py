@@ -6,6 +6,10 @@ tensors (the Hub's layout) or whole (transformers 5's in-memory layout):
 
     w13  [E, 2I, H]   expert e's gate rows [0, I), then its up rows [I, 2I)
     w2   [E, H, I]    expert e's down projection
+
+With ``quantization="int8"`` the experts are int8 in the dense layers' per-row format: codes int8 of the same
+shapes and one fp32 scale per row (w13_scale [E, 2I], w2_scale [E, H]); the routers stay float (``keep_float``:
+a few rows whose rounding would move tokens between experts), as vLLM keeps them.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import torch
 from torch import nn
 
 from kvloom.layers.linear import Linear
-from kvloom.ops.int8 import Int8Blocks, Int8Rows
-from kvloom.ops.reference import fused_experts_reference
+from kvloom.ops.int8 import Int8Blocks, Int8Rows, quantize_per_channel
+from kvloom.ops.native import PackedInt8Experts
+from kvloom.ops.reference import fused_experts_int8_reference, fused_experts_reference
 from kvloom.ops.table import Ops
 
 # Checkpoint names of an expert's three projections -> (w13 or w2, row block): Mixtral's w1/w3/w2 and
@@ -50,22 +55,33 @@ class FusedMoE(nn.Module):
         # The op table's prepared experts (process_weights_after_loading); until then the reference runs.
         self.packed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.loaded: set[tuple[str, int, int]] = set()  # (w13 or w2, expert, row block) filled so far
+        # int8 storage, created by the first int8 tensor loaded (or quantize_experts): name -> (codes, scales).
+        self.int8: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.loaded_int8: set[tuple[str, int, int]] = set()  # the entries of `loaded` held in int8
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor | Int8Rows | Int8Blocks) -> None:
-        """One expert's projection (``part``: a key of EXPERT_PARTS) from the checkpoint's [rows, cols] tensor."""
-        if isinstance(tensor, (Int8Rows, Int8Blocks)):
-            raise ValueError("int8 expert weights are not supported; load mixture-of-experts models without "
-                             "quantization")
+        """One expert's projection (``part``: a key of EXPERT_PARTS) from the checkpoint's [rows, cols] tensor;
+        int8 rows (quantized as read) go to the int8 storage."""
         if part not in EXPERT_PARTS or not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint expert tensor {expert}.{part} has no place in a mixture of "
                              f"{self.num_experts} experts with parts {sorted(EXPERT_PARTS)}")
+        if isinstance(tensor, Int8Blocks):
+            tensor = tensor.to_rows()  # one kind of scale for every expert: per row
         name, block = EXPERT_PARTS[part]
         size = self.intermediate_size if name == "w13" else self.w2.shape[1]
-        target = getattr(self, name).data[expert, block * size:(block + 1) * size]
+        rows = slice(block * size, (block + 1) * size)
+        target = getattr(self, name).data[expert, rows]
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"checkpoint expert {expert} {part} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(target.shape)}")
-        target.copy_(tensor)
+        if isinstance(tensor, Int8Rows):
+            codes, scales = self._int8_storage()[name]
+            codes[expert, rows].copy_(tensor.qweight)
+            scales[expert, rows].copy_(tensor.scale)
+            self.loaded_int8.add((name, expert, block))
+        else:
+            target.copy_(tensor)
+            self.loaded_int8.discard((name, expert, block))
         self.loaded.add((name, expert, block))
 
     def load_stacked(self, name: str, tensor: torch.Tensor) -> None:
@@ -76,7 +92,31 @@ class FusedMoE(nn.Module):
             raise ValueError(f"checkpoint experts.{name} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(param.shape)}")
         param.data.copy_(tensor)
-        self.loaded.update((ours, e, b) for e in range(self.num_experts) for b in ((0, 1) if ours == "w13" else (0,)))
+        entries = {(ours, e, b) for e in range(self.num_experts) for b in ((0, 1) if ours == "w13" else (0,))}
+        self.loaded.update(entries)
+        self.loaded_int8.difference_update(entries)
+
+    def _int8_storage(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        if self.int8 is None:
+            device = self.w13.device
+            self.int8 = {name: (torch.zeros(getattr(self, name).shape, dtype=torch.int8, device=device),
+                                torch.ones(getattr(self, name).shape[:2], dtype=torch.float32, device=device))
+                         for name in ("w13", "w2")}
+        return self.int8
+
+    def quantize_experts(self) -> None:
+        """int8 experts (quantization="int8"): every expert tensor loaded in float (Mixtral's w1 / w3 / w2 or a
+        stacked layout, which quantization as read does not name) quantized per row, as the dense layers' are;
+        the float stacks are then released."""
+        storage = self._int8_storage()
+        for name, expert, block in sorted(self.loaded - self.loaded_int8):
+            size = self.intermediate_size if name == "w13" else self.w2.shape[1]
+            rows = slice(block * size, (block + 1) * size)
+            codes, scales = storage[name]
+            codes[expert, rows], scales[expert, rows] = quantize_per_channel(getattr(self, name).data[expert, rows])
+            self.loaded_int8.add((name, expert, block))
+        self.w13.data = self.w13.data.new_empty(0, *self.w13.shape[1:])
+        self.w2.data = self.w2.data.new_empty(0, *self.w2.shape[1:])
 
     def missing(self) -> list[str]:
         """The expert tensors not loaded yet, as (w13 or w2)[expert][row block]."""
@@ -85,9 +125,16 @@ class FusedMoE(nn.Module):
         return [f"{name}[{e}][{b}]" for name, e, b in wanted if (name, e, b) not in self.loaded]
 
     def process_weights_after_loading(self, ops: Ops) -> None:
-        """Hand the final stacks to the op table's ``pack_experts`` once; the stacks are then released here
-        (the prepared experts hold what they need)."""
+        """Hand the final stacks to the op table's ``pack_experts`` once (int8 ones, each expert's product packed
+        by ``pack_linear_int8``); the stacks are then released here (the prepared experts hold what they need)."""
         if self.packed is not None:
+            return
+        if self.int8 is not None:
+            if self.loaded != self.loaded_int8:
+                self.quantize_experts()
+            (w13, w13_scale), (w2, w2_scale) = self.int8["w13"], self.int8["w2"]
+            self.packed = PackedInt8Experts(w13, w13_scale, w2, w2_scale, ops.pack_linear_int8)
+            self.int8 = None
             return
         self.packed = ops.pack_experts(self.w13.data, self.w2.data)
         self.w13.data = self.w13.data.new_empty(0, *self.w13.shape[1:])
@@ -95,9 +142,12 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.renormalize)
-        if self.packed is None:
-            return fused_experts_reference(hidden, self.w13, self.w2, weights, ids)
-        return self.packed(hidden, weights, ids)
+        if self.packed is not None:
+            return self.packed(hidden, weights, ids)
+        if self.int8 is not None:
+            (w13, w13_scale), (w2, w2_scale) = self.int8["w13"], self.int8["w2"]
+            return fused_experts_int8_reference(hidden, w13, w13_scale, w2, w2_scale, weights, ids)
+        return fused_experts_reference(hidden, self.w13, self.w2, weights, ids)
 
 
 class SparseMoeBlock(nn.Module):
@@ -107,6 +157,7 @@ class SparseMoeBlock(nn.Module):
                  ops: Ops) -> None:
         super().__init__()
         self.gate = Linear(hidden_size, [num_experts])
+        self.gate.keep_float = True  # int8 leaves the router float (layers/quantization.py finish_int8)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, ops)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
