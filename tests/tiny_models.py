@@ -515,7 +515,8 @@ def write_tiny_family_gguf(path: str, checkpoint_dir: str, arch: str, *, types: 
     LongRoPE factors as rope_factors_long / rope_factors_short tensors; each layer's experts stacked into 3-D
     ffn_{gate,up,down}_exps [E, rows, cols] beside the router ffn_gate_inp (and Qwen2-MoE's *_shexp shared
     expert); the metadata keys of each family's set_gguf_parameters. ``types``: ggml type per tensor kind
-    ("embed", "attn", "attn_o", "ffn", "ffn_down", "experts", "output", "norm"); all F32 by default.
+    ("embed", "attn", "attn_o", "ffn", "ffn_down", "experts", "experts_down", "output", "norm"); all F32 by
+    default, and "experts_down" (ffn_down_exps) as "experts" unless given.
     """
     import math
 
@@ -528,6 +529,7 @@ def write_tiny_family_gguf(path: str, checkpoint_dir: str, arch: str, *, types: 
     q = gguf.GGMLQuantizationType
     chosen = {kind: q.F32 for kind in ("embed", "attn", "attn_o", "ffn", "ffn_down", "experts", "output", "norm")}
     chosen.update({key: q(value) for key, value in (types or {}).items()})
+    chosen.setdefault("experts_down", chosen["experts"])
     weights: dict[str, np.ndarray] = {}
     for name in sorted(os.listdir(checkpoint_dir)):
         if name.endswith(".safetensors"):
@@ -632,7 +634,8 @@ def write_tiny_family_gguf(path: str, checkpoint_dir: str, arch: str, *, types: 
         for gguf_part, (mixtral_part, qwen_part) in stacks.items():
             part = mixtral_part if arch == "llama" else qwen_part
             stack = [weights[f"model.layers.{i}.{moe}.experts.{e}.{part}.weight"] for e in range(experts)]
-            tensors[f"blk.{i}.{gguf_part}.weight"] = (np.stack(stack).astype(np.float32), "experts")
+            kind = "experts_down" if gguf_part == "ffn_down_exps" else "experts"
+            tensors[f"blk.{i}.{gguf_part}.weight"] = (np.stack(stack).astype(np.float32), kind)
     for name, values in extra.items():
         tensors[name] = (values, "norm")
     for gguf_name, (w, kind) in tensors.items():

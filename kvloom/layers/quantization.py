@@ -66,6 +66,8 @@ def kept_as_stored(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks | Q4Bl
     stores them; a 4-bit embedding or head dequantized (a lookup and the head take int8 blocks, not 4-bit ones)."""
     for name, tensor in weights:
         keep = LINEAR_WEIGHTS if isinstance(tensor, Q4Blocks) else LINEAR_WEIGHTS + HEAD_WEIGHTS
+        if ".experts." in name:  # a mixture's experts keep 4-bit blocks (layers/moe.py), not int8 ones
+            keep = LINEAR_WEIGHTS + EXPERT_WEIGHTS if isinstance(tensor, Q4Blocks) else ()
         if isinstance(tensor, (Int8Blocks, Q4Blocks)) and not name.endswith(keep):
             yield name, tensor.dequantize()
         else:

@@ -139,6 +139,9 @@ def _shard_experts(experts: FusedMoE, rank: int, world_size: int, group: Process
     rows and all of w2's (per output row, they scale every rank's partial sum). The output is all-reduced."""
     if experts.packed is not None:
         raise ValueError("the experts were packed before tensor parallelism could cut them")
+    if experts.q4:
+        raise ValueError("tensor parallelism does not cut a GGUF's 4-bit experts; load the file with "
+                         "quantization='none' (dequantized) or 'int8', or use tensor_parallel_size=1")
     size = experts.intermediate_size // world_size
     gate = slice(rank * size, (rank + 1) * size)
     up = slice(experts.intermediate_size + rank * size, experts.intermediate_size + (rank + 1) * size)

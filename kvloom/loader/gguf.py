@@ -451,7 +451,8 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
     ``keep_q8_0`` a 2-D Q8_0 weight comes as ``Int8Blocks`` instead, its codes and scales as stored, and with
     ``keep_q4`` a 2-D Q4_0 / Q4_1 / Q4_K weight as ``Q4Blocks`` (q/k rows reordered like the floats: a row
     keeps its blocks). Family transforms undone here: Llama's q/k row permutation, Gemma's 1 + w norms; an
-    expert stack [E, rows, cols] comes as E float tensors, one per expert (experts are never kept quantized)."""
+    expert stack [E, rows, cols] comes as E tensors, one per expert (4-bit blocks with ``keep_q4``, else float:
+    Q8_0 experts are not kept as blocks)."""
     gguf = read_gguf(path)
     arch = str(gguf.metadata.get("general.architecture"))
     permuted = arch in PERMUTED_ROTARY
@@ -462,9 +463,7 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
                 continue
             experts = expert_tensor_names(info.name, arch, info.shape[0] if len(info.shape) == 3 else 0)
             if experts and len(info.shape) == 3:
-                with _single_thread():
-                    stack = dequantize(read_tensor_bytes(path, info), info.ggml_type, info.shape)
-                yield from zip(experts, stack.unbind(0))
+                yield from zip(experts, _expert_slices(path, info, keep_q4))
                 continue
             raise ValueError(f"{path}: GGUF tensor {info.name!r} has no counterpart in kvloom's {arch} model")
         raw = read_tensor_bytes(path, info)
@@ -490,6 +489,19 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
             elif name.endswith("shared_expert_gate.weight"):
                 weight = weight.reshape(1, -1)  # [1, H] as HF has it, whether stored 1-D or 2-D
         yield name, weight
+
+
+def _expert_slices(path: str, info: GGUFTensorInfo, keep_q4: bool) -> list[torch.Tensor | Q4Blocks]:
+    """An expert stack [E, rows, cols] as E tensors [rows, cols]: with ``keep_q4`` a Q4_0 / Q4_1 / Q4_K stack as
+    each expert's 4-bit blocks (a row keeps its blocks, so the stack reads as one [E * rows, cols] weight), else
+    float32."""
+    experts, rows, cols = info.shape
+    raw = read_tensor_bytes(path, info)
+    with _single_thread():
+        if keep_q4 and info.ggml_type in Q4_TYPES:
+            blocks = q4_blocks(raw, info.ggml_type, (experts * rows, cols))
+            return [Q4Blocks(*(t[e * rows:(e + 1) * rows] for t in blocks)) for e in range(experts)]
+        return list(dequantize(raw, info.ggml_type, info.shape).unbind(0))
 
 
 @contextmanager

@@ -140,3 +140,17 @@ class PackedInt8Experts:
     def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return grouped_experts(hidden, lambda e, x: self.gate_up[e](x), lambda e, x: self.down[e](x),
                                self.num_experts, topk_weights, topk_ids)
+
+
+class ExpertProducts:
+    """A mixture of experts given each expert's two products (gate/up: x [n, H] -> [n, 2I]; down: [n, I] -> [n, H]),
+    packed however each one's weights are held (a GGUF's 4-bit blocks, or float), run grouped by expert
+    (reference.grouped_experts). (hidden, topk_weights, topk_ids) -> [T, H]."""
+
+    def __init__(self, gate_up: list[Callable[[torch.Tensor], torch.Tensor]],
+                 down: list[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        self.gate_up, self.down = gate_up, down
+
+    def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return grouped_experts(hidden, lambda e, x: self.gate_up[e](x), lambda e, x: self.down[e](x),
+                               len(self.gate_up), topk_weights, topk_ids)

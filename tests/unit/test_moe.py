@@ -122,3 +122,39 @@ def test_tensor_parallel_experts_sum_to_the_whole_mixture(int8: bool) -> None:
         ranks.append(shard(hidden, logits))
     whole.process_weights_after_loading(NATIVE_OPS)
     torch.testing.assert_close(ranks[0] + ranks[1], whole(hidden, logits), rtol=1e-5, atol=1e-5)
+
+
+def test_4bit_experts_run_their_blocks_and_float_where_a_projection_is_not_all_4bit() -> None:
+    """A GGUF's 4-bit experts (quantization="gguf"): an expert whose gate and up are both 4-bit runs the 4-bit
+    product on [gate | up]; one with a float part runs float on its dequantized values; the mixture equals the
+    float experts on the blocks' exact values, up to the product's per-block activation rounding."""
+    from kvloom.ops import native
+    from kvloom.ops.q4 import NativeQ4Linear, Q4Blocks
+    from kvloom.ops.table import REFERENCE_OPS
+
+    generator = torch.Generator().manual_seed(7)
+    size = 32  # blocks of 32 along every input: H and I
+    hidden, logits = torch.randn(13, 32, generator=generator), torch.randn(13, 3, generator=generator)
+    w13 = torch.randn(3, 2 * size, 32, generator=generator) * 0.2
+    w2 = torch.randn(3, 32, size, generator=generator) * 0.2
+    experts = FusedMoE(3, 2, 32, size, True, REFERENCE_OPS)
+    exact13, exact2 = w13.clone(), w2.clone()
+    for e in range(3):
+        for part, stack, rows in (("gate_proj", exact13, slice(0, size)), ("up_proj", exact13, slice(size, None)),
+                                  ("down_proj", exact2, slice(None))):
+            tensor = stack[e, rows]
+            if (e, part) == (1, "up_proj"):  # expert 1's up stays float: its gate/up runs float
+                experts.load_expert(e, part, tensor)
+                continue
+            blocks = Q4Blocks.quantize(tensor)
+            stack[e, rows] = blocks.dequantize()
+            experts.load_expert(e, part, blocks)
+    experts.process_weights_after_loading(REFERENCE_OPS)
+    assert isinstance(experts.packed, native.ExpertProducts) and experts.q4 == {} and experts.w13.numel() == 0
+    assert [type(p) is NativeQ4Linear for p in experts.packed.gate_up] == [True, False, True]
+    assert all(type(p) is NativeQ4Linear for p in experts.packed.down)
+    # The oracle: the 4-bit weights' exact values, the activations rounded per block of 32 where 4-bit runs.
+    weights, ids = route(logits, 2, renormalize=True)
+    got = experts(hidden, logits)
+    expected = fused_experts_reference(hidden, exact13, exact2, weights, ids)
+    assert (got - expected).norm() / expected.norm() < 0.02
