@@ -301,9 +301,10 @@ SENTENCEPIECE_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 USER_DEFINED_TOKEN = "<|tool|>"
 
 
-def write_sentencepiece_gguf(path: str, vocab_size: int = 400) -> str:
+def write_sentencepiece_gguf(path: str, vocab_size: int = 400, *, add_space_prefix: bool | None = None) -> str:
     """A GGUF holding only a Llama-2-style tokenizer (llama.cpp's "llama" model: sentencepiece BPE with
-    byte fallback, merges implied by scores), trained on TRAINING_TEXT; no chat template, no tensors."""
+    byte fallback, merges implied by scores), trained on TRAINING_TEXT; no chat template, no tensors.
+    ``add_space_prefix``: the tokenizer.ggml.add_space_prefix flag (False in Gemma's files; absent: unset)."""
     import gguf
 
     trainer_tokenizer = Tokenizer(models.BPE())
@@ -328,6 +329,8 @@ def write_sentencepiece_gguf(path: str, vocab_size: int = 400) -> str:
     writer.add_unk_token_id(0)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -496,4 +499,153 @@ def build_tiny_family_checkpoint(path: str, family: str, *, seed: int = 0, **con
             else:
                 param.normal_(0.0, 0.3 if "embed" in name else 0.1)
     model.save_pretrained(path)
+    return path
+
+
+# llama.cpp's GGUF architecture for each tiny family written by write_tiny_family_gguf (Mixtral is a llama file
+# with experts; Gemma 3's checkpoint needs six layers for llama.cpp's fixed five-local-one-global pattern).
+GGUF_FAMILY_ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "phi3": "phi3",
+                     "phi3_longrope": "phi3", "gemma2": "gemma2", "gemma3": "gemma3"}
+
+
+def write_tiny_family_gguf(path: str, checkpoint_dir: str, arch: str, *, types: dict[str, int] | None = None
+                           ) -> str:
+    """A tiny family checkpoint as llama.cpp's convert_hf_to_gguf.py writes it, for ``arch`` in gemma2, gemma3,
+    phi3, qwen2moe, qwen3moe and llama (Mixtral).
+
+    Its conventions, each followed here: Gemma's norm weights stored as 1 + w; q/k rows permuted for the llama
+    architecture only; Phi-3's fused qkv_proj (attn_qkv) and gate_up_proj (stored as ffn_up) kept fused and its
+    LongRoPE factors as rope_factors_long / rope_factors_short tensors; each layer's experts stacked into 3-D
+    ffn_{gate,up,down}_exps [E, rows, cols] beside the router ffn_gate_inp (and Qwen2-MoE's *_shexp shared
+    expert); the metadata keys of each family's set_gguf_parameters. ``types``: ggml type per tensor kind
+    ("embed", "attn", "attn_o", "ffn", "ffn_down", "experts", "experts_down", "output", "norm"); all F32 by
+    default, and "experts_down" (ffn_down_exps) as "experts" unless given.
+    """
+    import math
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(checkpoint_dir, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    q = gguf.GGMLQuantizationType
+    chosen = {kind: q.F32 for kind in ("embed", "attn", "attn_o", "ffn", "ffn_down", "experts", "output", "norm")}
+    chosen.update({key: q(value) for key, value in (types or {}).items()})
+    chosen.setdefault("experts_down", chosen["experts"])
+    weights: dict[str, np.ndarray] = {}
+    for name in sorted(os.listdir(checkpoint_dir)):
+        if name.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(checkpoint_dir, name)))
+
+    layers, heads, kv_heads = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // heads
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    global_rope = rope.get("full_attention", rope)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if arch != "gemma2":  # Gemma2Model writes no rope base (llama.cpp's default 1e4)
+        writer.add_rope_freq_base(float(global_rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    if "head_dim" in config or arch.startswith("gemma"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+    if arch in ("qwen2moe", "qwen3moe"):
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size") is not None:
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma3":
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
+        if global_rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(global_rope["factor"])
+    extra: dict[str, np.ndarray] = {}
+    if arch == "phi3":
+        original = rope.get("original_max_position_embeddings") or config["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_sliding_window(config.get("sliding_window") or 0)
+        if rope.get("long_factor"):
+            scale = config["max_position_embeddings"] / original
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original))
+                                                 if scale > 1.0 else 1.0)
+            extra["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
+            extra["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if q.Q4_0 in chosen.values() else gguf.LlamaFileType.ALL_F32)
+    _add_gguf_tokenizer(writer, checkpoint_dir)
+
+    def permute(w: np.ndarray, n_head: int) -> np.ndarray:  # convert_hf_to_gguf.py LlamaModel.permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    parts = {"input_layernorm": ("attn_norm", "norm"), "self_attn.q_proj": ("attn_q", "attn"),
+             "self_attn.k_proj": ("attn_k", "attn"), "self_attn.v_proj": ("attn_v", "attn"),
+             "self_attn.qkv_proj": ("attn_qkv", "attn"), "self_attn.o_proj": ("attn_output", "attn_o"),
+             "self_attn.q_norm": ("attn_q_norm", "norm"), "self_attn.k_norm": ("attn_k_norm", "norm"),
+             "mlp.gate_proj": ("ffn_gate", "ffn"), "mlp.up_proj": ("ffn_up", "ffn"),
+             "mlp.gate_up_proj": ("ffn_up", "ffn"), "mlp.down_proj": ("ffn_down", "ffn_down"),
+             "mlp.gate": ("ffn_gate_inp", "norm"), "block_sparse_moe.gate": ("ffn_gate_inp", "norm"),
+             "mlp.shared_expert_gate": ("ffn_gate_inp_shexp", "norm"),
+             "mlp.shared_expert.gate_proj": ("ffn_gate_shexp", "ffn"),
+             "mlp.shared_expert.up_proj": ("ffn_up_shexp", "ffn"),
+             "mlp.shared_expert.down_proj": ("ffn_down_shexp", "ffn_down")}
+    if arch.startswith("gemma"):
+        parts.update({"post_attention_layernorm": ("post_attention_norm", "norm"),
+                      "pre_feedforward_layernorm": ("ffn_norm", "norm"),
+                      "post_feedforward_layernorm": ("post_ffw_norm", "norm")})
+    else:
+        parts["post_attention_layernorm"] = ("ffn_norm", "norm")
+    names = {"model.embed_tokens.weight": ("token_embd.weight", "embed"),
+             "model.norm.weight": ("output_norm.weight", "norm"), "lm_head.weight": ("output.weight", "output")}
+    for i in range(layers):
+        for hf_part, (gguf_part, kind) in parts.items():
+            names[f"model.layers.{i}.{hf_part}.weight"] = (f"blk.{i}.{gguf_part}.weight", kind)
+            names[f"model.layers.{i}.{hf_part}.bias"] = (f"blk.{i}.{gguf_part}.bias", "norm")
+    tensors: dict[str, tuple[np.ndarray, str]] = {}
+    for hf_name, (gguf_name, kind) in names.items():
+        if hf_name not in weights or (hf_name == "lm_head.weight" and config.get("tie_word_embeddings")):
+            continue
+        w = weights[hf_name].astype(np.float32)
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+            w = permute(w, heads)
+        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+            w = permute(w, kv_heads)
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            w = w + 1  # Gemma's RMSNorm scales by (1 + w)
+        tensors[gguf_name] = (w, kind)
+    # Each layer's experts as 3-D stacks [E, rows, cols] (Qwen2MoeModel / LlamaModel's "merge the experts").
+    moe = "block_sparse_moe" if arch == "llama" else "mlp"
+    stacks = {"ffn_gate_exps": ("w1", "gate_proj"), "ffn_up_exps": ("w3", "up_proj"),
+              "ffn_down_exps": ("w2", "down_proj")}
+    for i in range(layers if experts else 0):
+        for gguf_part, (mixtral_part, qwen_part) in stacks.items():
+            part = mixtral_part if arch == "llama" else qwen_part
+            stack = [weights[f"model.layers.{i}.{moe}.experts.{e}.{part}.weight"] for e in range(experts)]
+            kind = "experts_down" if gguf_part == "ffn_down_exps" else "experts"
+            tensors[f"blk.{i}.{gguf_part}.weight"] = (np.stack(stack).astype(np.float32), kind)
+    for name, values in extra.items():
+        tensors[name] = (values, "norm")
+    for gguf_name, (w, kind) in tensors.items():
+        ggml_type = chosen[kind] if w.ndim > 1 else q.F32  # 1-D tensors stay F32, as llama.cpp keeps them
+        writer.add_tensor(gguf_name, gguf.quants.quantize(w, ggml_type), raw_dtype=ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return path

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 LINEAR_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
                   "up_proj.weight", "down_proj.weight")
 HEAD_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
+# Mixtral's expert projections (``...experts.<e>.w1.weight``): Qwen-MoE's share the dense names above.
+EXPERT_WEIGHTS = ("w1.weight", "w2.weight", "w3.weight")
 
 
 def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks]], lm_head: bool
@@ -51,7 +53,8 @@ def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks]], l
                 yield name, tensor.to_rows()
             else:
                 yield name, tensor.dequantize()
-        elif name.endswith(LINEAR_WEIGHTS + (HEAD_WEIGHTS if lm_head else ())):
+        elif name.endswith(LINEAR_WEIGHTS + (HEAD_WEIGHTS if lm_head else ())) or (
+                ".experts." in name and name.endswith(EXPERT_WEIGHTS) and tensor.dim() == 2):
             yield name, Int8Rows.quantize(tensor)
         else:
             yield name, tensor
@@ -63,6 +66,8 @@ def kept_as_stored(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks | Q4Bl
     stores them; a 4-bit embedding or head dequantized (a lookup and the head take int8 blocks, not 4-bit ones)."""
     for name, tensor in weights:
         keep = LINEAR_WEIGHTS if isinstance(tensor, Q4Blocks) else LINEAR_WEIGHTS + HEAD_WEIGHTS
+        if ".experts." in name:  # a mixture's experts keep 4-bit blocks (layers/moe.py), not int8 ones
+            keep = LINEAR_WEIGHTS + EXPERT_WEIGHTS if isinstance(tensor, Q4Blocks) else ()
         if isinstance(tensor, (Int8Blocks, Q4Blocks)) and not name.endswith(keep):
             yield name, tensor.dequantize()
         else:
@@ -87,13 +92,17 @@ def holds_blocks(quantization: str | None, source: ModelSource, backend: Backend
 
 
 def finish_int8(model: nn.Module, lm_head: bool) -> None:
-    """After loading: a head tied to the embedding shares its int8 table; every projection must be int8."""
+    """After loading: a head tied to the embedding shares its int8 table; a mixture's experts loaded in float are
+    quantized; every projection must be int8 but those marked ``keep_float`` (a mixture's routers)."""
     head = getattr(model, "lm_head", None)
     embedding = getattr(model, "embed_tokens", None)
     if lm_head and isinstance(head, LMHead) and head.qweight is None and isinstance(embedding, VocabEmbedding):
         head.quantize(tied_to=embedding)
+    for module in model.modules():
+        if hasattr(module, "quantize_experts"):
+            module.quantize_experts()
     float_layers = [name for name, module in model.named_modules() if isinstance(module, Linear)
-                    and not module.quantized]
+                    and not module.quantized and not getattr(module, "keep_float", False)]
     if float_layers:
         raise ValueError(f"int8 loading left {len(float_layers)} projection(s) in float, e.g. {float_layers[:3]}")
 

@@ -17,6 +17,12 @@ int8 weights (quantized before sharding) are cut the same way: a column-parallel
 scales, a row-parallel one keeps every scale, since each is per output row and applies to every
 rank's partial sum. Block scales (GGUF Q8_0, one per row and block of 32 inputs) follow their rows in a
 column-parallel layer and their blocks in a row-parallel one, whose input share must then be whole blocks.
+
+A mixture of experts (layers/moe.py FusedMoE) is cut the same way inside every expert: rank r keeps rows
+[r I/N, (r+1) I/N) of each expert's gate and of its up (w13 [E, 2I/N, H]) and the matching input columns of its
+down (w2 [E, H, I/N]); each rank runs every expert on its share and the experts' summed output is all-reduced
+once. The router stays replicated, so every rank routes every token alike; Qwen2-MoE's shared expert is a dense
+MLP and is cut as one, its one-row gate replicated.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kvloom.layers.linear import Linear
+from kvloom.layers.moe import FusedMoE
 from kvloom.loader.model_config import ModelConfig
 from kvloom.ops.int8 import BLOCK
 from kvloom.ops.q4 import Q4Blocks
@@ -58,6 +65,10 @@ def validate_tensor_parallel(model_config: ModelConfig, world_size: int, device:
     counts = {"attention heads": model_config.num_attention_heads,
               "key-value heads": model_config.num_key_value_heads,
               "MLP intermediate size": model_config.intermediate_size}
+    if model_config.num_experts:
+        counts["experts' intermediate size"] = model_config.moe_intermediate_size
+        if model_config.shared_expert_intermediate_size:
+            counts["shared expert's intermediate size"] = model_config.shared_expert_intermediate_size
     for name, count in counts.items():
         if count % world_size:
             valid = [n for n in range(1, model_config.num_key_value_heads + 1)
@@ -80,7 +91,9 @@ def sharded_model_config(model_config: ModelConfig, world_size: int) -> ModelCon
         model_config,
         num_attention_heads=model_config.num_attention_heads // world_size,
         num_key_value_heads=model_config.num_key_value_heads // world_size,
-        intermediate_size=model_config.intermediate_size // world_size)
+        intermediate_size=model_config.intermediate_size // world_size,
+        moe_intermediate_size=model_config.moe_intermediate_size // world_size,
+        shared_expert_intermediate_size=model_config.shared_expert_intermediate_size // world_size)
 
 
 def shard_model_for_tensor_parallel(model: nn.Module, rank: int, world_size: int,
@@ -94,10 +107,13 @@ def shard_model_for_tensor_parallel(model: nn.Module, rank: int, world_size: int
         return model
     for layer in model.layers:
         attention = layer.self_attn
-        if not hasattr(layer.mlp, "gate_up_proj"):  # a mixture of experts: its stacks are not sharded yet
-            raise ValueError(f"tensor parallelism does not shard {type(layer.mlp).__name__} (a mixture of experts) "
-                             f"of {type(model).__name__}; use tensor_parallel_size=1")
-        for linear in (attention.qkv_proj, attention.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        experts = getattr(layer.mlp, "experts", None)
+        mlp = getattr(layer.mlp, "shared_expert", None) if isinstance(experts, FusedMoE) else layer.mlp
+        if mlp is not None and not hasattr(mlp, "gate_up_proj"):
+            raise ValueError(f"tensor parallelism does not shard {type(mlp).__name__} of {type(model).__name__}; "
+                             f"use tensor_parallel_size=1")
+        mlp_linears = () if mlp is None else (mlp.gate_up_proj, mlp.down_proj)
+        for linear in (attention.qkv_proj, attention.o_proj, *mlp_linears):
             if type(linear) is not Linear:
                 raise ValueError(f"tensor parallelism supports kvloom's Linear layers, not "
                                  f"{type(linear).__name__}; use tensor_parallel_size=1")
@@ -108,10 +124,47 @@ def shard_model_for_tensor_parallel(model: nn.Module, rank: int, world_size: int
         attention.num_heads, attention.num_kv_heads = heads, kv_heads
         attention.q_size, attention.kv_size = heads * head_dim, kv_heads * head_dim
         _shard_rows_in(attention.o_proj, rank, world_size, group)
-        # [gate | up] rows: silu_and_mul pairs gate column j with up column j, so both keep the same j's.
-        _shard_columns_out(layer.mlp.gate_up_proj, rank, world_size)
-        _shard_rows_in(layer.mlp.down_proj, rank, world_size, group)
+        if isinstance(experts, FusedMoE):
+            _shard_experts(experts, rank, world_size, group)
+        if mlp is not None:
+            # [gate | up] rows: silu_and_mul pairs gate column j with up column j, so both keep the same j's.
+            _shard_columns_out(mlp.gate_up_proj, rank, world_size)
+            _shard_rows_in(mlp.down_proj, rank, world_size, group)
     return model
+
+
+def _shard_experts(experts: FusedMoE, rank: int, world_size: int, group: ProcessGroupLike | None) -> None:
+    """Every expert's intermediate dimension cut N ways, before packing: w13 [E, 2I, H] keeps rows [rI/N, (r+1)I/N)
+    of gate and of up, w2 [E, H, I] the matching columns; int8 codes alike, w13's per-row scales with their
+    rows and all of w2's (per output row, they scale every rank's partial sum). The output is all-reduced."""
+    if experts.packed is not None:
+        raise ValueError("the experts were packed before tensor parallelism could cut them")
+    if experts.q4:
+        raise ValueError("tensor parallelism does not cut a GGUF's 4-bit experts; load the file with "
+                         "quantization='none' (dequantized) or 'int8', or use tensor_parallel_size=1")
+    size = experts.intermediate_size // world_size
+    gate = slice(rank * size, (rank + 1) * size)
+    up = slice(experts.intermediate_size + rank * size, experts.intermediate_size + (rank + 1) * size)
+
+    def cut_w13(t: torch.Tensor) -> torch.Tensor:  # [E, 2I, ...] -> [E, 2I/N, ...]
+        return torch.cat((t[:, gate], t[:, up]), dim=1).contiguous()
+
+    if experts.int8 is not None:
+        (w13, w13_scale), (w2, w2_scale) = experts.int8["w13"], experts.int8["w2"]
+        experts.int8 = {"w13": (cut_w13(w13), cut_w13(w13_scale)), "w2": (w2[:, :, gate].contiguous(), w2_scale)}
+    if experts.w13.numel():
+        experts.w13 = nn.Parameter(cut_w13(experts.w13.data), requires_grad=False)
+        experts.w2 = nn.Parameter(experts.w2.data[:, :, gate].contiguous(), requires_grad=False)
+    else:  # released after int8 quantization: keep the empty stacks' shapes consistent
+        experts.w13.data = experts.w13.data.new_empty(0, 2 * size, experts.w13.shape[2])
+        experts.w2.data = experts.w2.data.new_empty(0, experts.w2.shape[1], size)
+    experts.intermediate_size = size
+
+    def all_reduce(_module: nn.Module, _inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group)
+        return output
+
+    experts.register_forward_hook(all_reduce)
 
 
 def _shard_columns_out(linear: Linear, rank: int, world_size: int) -> None:

@@ -66,8 +66,35 @@ _BLOCK_NAMES = {
 # GGUF architectures read here -> (HF architecture, model_type). llama.cpp's converter permutes Llama's q/k rows
 # to its rotary order (undone at load: reverse_rotary_permute); Qwen's it stores as HF has them.
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                 "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+                 "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+                 "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3"),
+                 "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+# Mixtral has no architecture of its own in llama.cpp: a llama file with {arch}.expert_count is one.
+MIXTRAL = ("MixtralForCausalLM", "mixtral")
 PERMUTED_ROTARY = frozenset({"llama"})
+# Each family's own block tensor names where they differ from Llama's (llama.cpp's tensor_mapping, inverted).
+# Gemma: four norms per layer. Phi-3: q/k/v fused as attn_qkv, and gate/up fused and stored as ffn_up (2I rows,
+# gate first) -- Phi3ForCausalLM splits both. Mixture of experts: the router (ffn_gate_inp), Qwen2-MoE's shared
+# expert and its sigmoid gate; the experts themselves are 3-D stacks (_EXPERT_STACKS).
+_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_QWEN_MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                   "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                   "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+_FAMILY_BLOCK_NAMES: dict[str, dict[str, str]] = {
+    "llama": {"ffn_gate_inp": "block_sparse_moe.gate"},  # Mixtral's router
+    "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "qwen2moe": _QWEN_MOE_NAMES, "qwen3moe": _QWEN_MOE_NAMES,
+}
+# The experts' 3-D stacks [E, rows, cols] -> each expert's HF projection name, per family: Mixtral's w1 / w3 / w2
+# under block_sparse_moe, Qwen-MoE's gate / up / down under mlp.
+_EXPERT_STACKS = {"ffn_gate_exps": ("w1", "gate_proj"), "ffn_up_exps": ("w3", "up_proj"),
+                  "ffn_down_exps": ("w2", "down_proj")}
+# Gemma's RMSNorm scales by (1 + w); llama.cpp's converter stores 1 + w, HF's checkpoint w.
+NORMS_PLUS_ONE = frozenset({"gemma2", "gemma3"})
+# Phi-3's LongRoPE factors (per rotary frequency), read into rope_scaling rather than loaded as weights.
+ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama-3.1-style checkpoints carry their rope scaling as this tensor of per-frequency divisors;
 # gguf_config_dict turns it back into HF's rope_scaling, so it is not a weight.
@@ -322,8 +349,10 @@ def q8_0_weight_names(path: str) -> set[str]:
 def weight_names_of_types(path: str, ggml_types: tuple[int, ...]) -> set[str]:
     """HF names of the file's 2-D tensors stored in one of ``ggml_types``."""
     gguf = read_gguf(path)
-    return {hf_tensor_name(info.name) for info in gguf.tensors.values()
-            if info.ggml_type in ggml_types and len(info.shape) == 2 and hf_tensor_name(info.name)}
+    arch = str(gguf.metadata.get("general.architecture"))
+    names = {hf_tensor_name(info.name, arch) for info in gguf.tensors.values()
+             if info.ggml_type in ggml_types and len(info.shape) == 2}
+    return {name for name in names if name}
 
 
 def has_4bit_projections(path: str) -> bool:
@@ -377,15 +406,31 @@ _TORCH_DEQUANTIZERS = {
 }
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF name of a llama-architecture GGUF tensor; None for one with no HF counterpart."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """HF name of a GGUF tensor of architecture ``arch``; None for one with no HF counterpart (and for the
+    experts' 3-D stacks, which become one HF tensor per expert: expert_tensor_names)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
-    if match and match.group(2) in _BLOCK_NAMES:
-        layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
-    return None
+    if match is None:
+        return None
+    layer, part, kind = match.groups()
+    names = _FAMILY_BLOCK_NAMES.get(arch, {})
+    hf_part = names.get(part) or _BLOCK_NAMES.get(part)
+    return None if hf_part is None else f"model.layers.{layer}.{hf_part}.{kind}"
+
+
+def expert_tensor_names(gguf_name: str, arch: str, num_experts: int) -> list[str] | None:
+    """HF names of each expert's slice of an expert stack (``blk.N.ffn_{gate,up,down}_exps.weight``), expert 0
+    first; None for any other tensor."""
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _EXPERT_STACKS or match.group(3) != "weight":
+        return None
+    layer, part = match.group(1), match.group(2)
+    mixtral_part, qwen_part = _EXPERT_STACKS[part]
+    if arch == "llama":
+        return [f"model.layers.{layer}.block_sparse_moe.experts.{e}.{mixtral_part}.weight" for e in range(num_experts)]
+    return [f"model.layers.{layer}.mlp.experts.{e}.{qwen_part}.weight" for e in range(num_experts)]
 
 
 def reverse_rotary_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -405,15 +450,21 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
     """Every weight of a GGUF (ARCHITECTURES) as (HF name, float32 tensor in HF layout); with
     ``keep_q8_0`` a 2-D Q8_0 weight comes as ``Int8Blocks`` instead, its codes and scales as stored, and with
     ``keep_q4`` a 2-D Q4_0 / Q4_1 / Q4_K weight as ``Q4Blocks`` (q/k rows reordered like the floats: a row
-    keeps its blocks)."""
+    keeps its blocks). Family transforms undone here: Llama's q/k row permutation, Gemma's 1 + w norms; an
+    expert stack [E, rows, cols] comes as E tensors, one per expert (4-bit blocks with ``keep_q4``, else float:
+    Q8_0 experts are not kept as blocks)."""
     gguf = read_gguf(path)
-    permuted = gguf.metadata.get("general.architecture") in PERMUTED_ROTARY
+    arch = str(gguf.metadata.get("general.architecture"))
+    permuted = arch in PERMUTED_ROTARY
     for info in gguf.tensors.values():
-        name = hf_tensor_name(info.name)
+        name = hf_tensor_name(info.name, arch)
         if name is None:
-            if info.name == ROPE_FREQS:
+            if info.name in (ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT):
                 continue
-            arch = gguf.metadata.get("general.architecture")
+            experts = expert_tensor_names(info.name, arch, info.shape[0] if len(info.shape) == 3 else 0)
+            if experts and len(info.shape) == 3:
+                yield from zip(experts, _expert_slices(path, info, keep_q4))
+                continue
             raise ValueError(f"{path}: GGUF tensor {info.name!r} has no counterpart in kvloom's {arch} model")
         raw = read_tensor_bytes(path, info)
         with _single_thread():
@@ -433,7 +484,24 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
                 weight = reverse_rotary_permute(weight, num_heads)
             elif permuted and ".attn_k." in info.name:
                 weight = reverse_rotary_permute(weight, num_kv_heads)
+            elif arch in NORMS_PLUS_ONE and name.endswith("norm.weight"):
+                weight = weight - 1.0  # back to HF's w (exact in fp32 for 1 + w in [0.5, 2])
+            elif name.endswith("shared_expert_gate.weight"):
+                weight = weight.reshape(1, -1)  # [1, H] as HF has it, whether stored 1-D or 2-D
         yield name, weight
+
+
+def _expert_slices(path: str, info: GGUFTensorInfo, keep_q4: bool) -> list[torch.Tensor | Q4Blocks]:
+    """An expert stack [E, rows, cols] as E tensors [rows, cols]: with ``keep_q4`` a Q4_0 / Q4_1 / Q4_K stack as
+    each expert's 4-bit blocks (a row keeps its blocks, so the stack reads as one [E * rows, cols] weight), else
+    float32."""
+    experts, rows, cols = info.shape
+    raw = read_tensor_bytes(path, info)
+    with _single_thread():
+        if keep_q4 and info.ggml_type in Q4_TYPES:
+            blocks = q4_blocks(raw, info.ggml_type, (experts * rows, cols))
+            return [Q4Blocks(*(t[e * rows:(e + 1) * rows] for t in blocks)) for e in range(experts)]
+        return list(dequantize(raw, info.ggml_type, info.shape).unbind(0))
 
 
 @contextmanager
@@ -450,14 +518,18 @@ def _single_thread() -> Iterator[None]:
 
 def gguf_config_dict(path: str) -> dict[str, Any]:
     """An HF-style config.json dict for a GGUF of a supported architecture (llama: Llama, Mistral, SmolLM and the
-    rest of llama.cpp's llama family; qwen2: Qwen2 / Qwen2.5; qwen3), from its metadata and tensor list."""
+    rest of llama.cpp's llama family, Mixtral; qwen2: Qwen2 / Qwen2.5; qwen3; gemma2; gemma3; phi3; qwen2moe;
+    qwen3moe), from its metadata and tensor list."""
     gguf = read_gguf(path)
     meta = gguf.metadata
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {sorted(ARCHITECTURES)} "
-                         "(Llama, Mistral, SmolLM and other llama-architecture models; Qwen2 / Qwen2.5; Qwen3)")
+                         "(Llama, Mistral, SmolLM, Mixtral and other llama-architecture models; Qwen2 / Qwen2.5; "
+                         "Qwen3; Gemma 2; Gemma 3 text; Phi-3; Qwen2-MoE; Qwen3-MoE)")
     architecture, model_type = ARCHITECTURES[arch]
+    if arch == "llama" and meta.get("llama.expert_count"):
+        architecture, model_type = MIXTRAL
 
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
@@ -475,7 +547,7 @@ def gguf_config_dict(path: str) -> dict[str, Any]:
     dtype = None
     if types <= {GGML_F32, GGML_F16, GGML_BF16}:
         dtype = "bfloat16" if GGML_BF16 in types else "float16" if GGML_F16 in types else "float32"
-    return {
+    config = {
         "architectures": [architecture],
         "model_type": model_type,
         # The embedding's row count is what the weights need; llama.vocab_size and the token list agree
@@ -489,7 +561,7 @@ def gguf_config_dict(path: str) -> dict[str, Any]:
         "head_dim": int(head_dim),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(gguf, head_dim=int(head_dim)),
+        "rope_scaling": _rope_scaling(gguf, arch, head_dim=int(head_dim)),
         "max_position_embeddings": int(key("context_length", 2048)),
         # llama.cpp writes output.weight only when it differs from the embedding.
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
@@ -499,20 +571,112 @@ def gguf_config_dict(path: str) -> dict[str, Any]:
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": dtype,
     }
+    config.update(_family_config(gguf, arch, config))
+    return config
 
 
-def _rope_scaling(gguf: GGUFFile, head_dim: int) -> dict[str, Any] | None:
+def _family_config(gguf: GGUFFile, arch: str, base: dict[str, Any]) -> dict[str, Any]:
+    """The config keys a family adds to Llama's, as llama.cpp's converter writes them and its loader reads them
+    (where the converter writes nothing, the value llama.cpp's loader assumes)."""
     meta = gguf.metadata
-    kind = meta.get("llama.rope.scaling.type")
-    factor = meta.get("llama.rope.scaling.factor") or meta.get("llama.rope.scale_linear")
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    out: dict[str, Any] = {}
+    if key("expert_count"):  # Mixtral, Qwen2-MoE, Qwen3-MoE
+        out.update(num_local_experts=int(key("expert_count")), num_experts=int(key("expert_count")),
+                   num_experts_per_tok=int(key("expert_used_count", 0)),
+                   moe_intermediate_size=int(key("expert_feed_forward_length") or base["intermediate_size"]),
+                   shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0)),
+                   # llama.cpp's graphs: Mixtral and Qwen3-MoE renormalize the chosen experts' weights,
+                   # Qwen2-MoE does not; a file may say so itself (expert_weights_norm).
+                   norm_topk_prob=bool(key("expert_weights_norm", arch != "qwen2moe")),
+                   decoder_sparse_step=1, mlp_only_layers=[])
+    if arch == "qwen2moe":  # q/k/v carry a bias, o does not
+        out["attention_bias"] = "blk.0.attn_output.bias" in gguf.tensors
+    if arch == "phi3":
+        window = key("attention.sliding_window")
+        out["sliding_window"] = int(window) if window else None  # 0: none (Phi-4)
+        original = key("rope.scaling.original_context_length")
+        if original:
+            out["original_max_position_embeddings"] = int(original)
+        if ROPE_FACTORS_LONG in gguf.tensors:
+            out["rope_scaling"] = _longrope_scaling(gguf, base, int(original or base["max_position_embeddings"]))
+    if arch in ("gemma2", "gemma3"):
+        out.update(_gemma_config(gguf, arch, base))
+    return out
+
+
+def _gemma_config(gguf: GGUFFile, arch: str, base: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 / 3: GeGLU, soft-caps, windows and rotary bases. llama.cpp stores no query_pre_attn_scalar: its
+    loader takes head_dim, or hidden / heads for the 27B models (46 layers in Gemma 2, 62 in Gemma 3)."""
+    meta = gguf.metadata
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    layers, hidden, heads = base["num_hidden_layers"], base["hidden_size"], base["num_attention_heads"]
+    is_27b = layers == (46 if arch == "gemma2" else 62)
+    window = key("attention.sliding_window")
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if is_27b else base["head_dim"],
+        "attn_logit_softcapping": key("attn_logit_softcapping"),
+        "final_logit_softcapping": key("final_logit_softcapping"),
+        "sliding_window": int(window) if window else None,
+    }
+    if arch == "gemma3":
+        # One global layer per `pattern` (llama.cpp: 6 unless the file says; a list gives each layer's kind).
+        pattern = key("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            sliding = [bool(p) for p in pattern]
+        else:
+            sliding = [bool((i + 1) % int(pattern)) for i in range(layers)]
+        out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+        full: dict[str, Any] = {"rope_type": "default", "rope_theta": base["rope_theta"]}
+        if base["rope_scaling"]:
+            full.update(base["rope_scaling"])
+        # The local layers' base: the file's, else llama.cpp's fixed 1e4 (with no scaling).
+        local = {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", 10000.0))}
+        out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+        out["rope_theta"] = full["rope_theta"]
+    return out
+
+
+def _longrope_scaling(gguf: GGUFFile, base: dict[str, Any], original: int) -> dict[str, Any]:
+    """Phi-3's LongRoPE from llama.cpp's rope_factors_long / rope_factors_short tensors (one divisor per rotary
+    frequency each) and its original context; the attention factor is stored only where it is not the default
+    sqrt(1 + ln(max / original) / ln(original)) that HF computes from the same two numbers."""
+    factors = {}
+    for label, name in (("long_factor", ROPE_FACTORS_LONG), ("short_factor", ROPE_FACTORS_SHORT)):
+        info = gguf.tensors.get(name)
+        if info is None:
+            raise ValueError(f"{gguf.path}: a Phi-3 GGUF with {ROPE_FACTORS_LONG} needs {name} too")
+        values = dequantize(read_tensor_bytes(gguf.path, info), info.ggml_type, info.shape)
+        # The shortest decimal each fp32 value reads back from (1.1, not 1.100000023841858): the config's own.
+        factors[label] = [float(str(np.float32(v))) for v in values.reshape(-1).tolist()]
+    scaling: dict[str, Any] = {"rope_type": "longrope", **factors, "original_max_position_embeddings": original}
+    stored = gguf.metadata.get("phi3.rope.scaling.attn_factor")
+    ratio = base["max_position_embeddings"] / original
+    default = math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 else 1.0
+    if stored is not None and abs(float(stored) - default) > 1e-6 * default:
+        scaling["attention_factor"] = float(stored)
+    return scaling
+
+
+def _rope_scaling(gguf: GGUFFile, arch: str, head_dim: int) -> dict[str, Any] | None:
+    meta = gguf.metadata
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor") or meta.get(f"{arch}.rope.scale_linear")
     if kind in ("linear", "yarn") and factor:
         scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
-        original = meta.get("llama.rope.scaling.original_context_length")
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
         if original:
             scaling["original_max_position_embeddings"] = int(original)
         return scaling
-    if kind is None and meta.get("llama.rope.scale_linear"):
-        return {"rope_type": "linear", "factor": float(meta["llama.rope.scale_linear"])}
+    if kind is None and meta.get(f"{arch}.rope.scale_linear"):
+        return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scale_linear"])}
     if ROPE_FREQS in gguf.tensors:
         return _llama3_scaling_from_rope_freqs(gguf, head_dim)
     return None

@@ -409,11 +409,13 @@ def _sentencepiece_bpe(tokens: list[str], meta: dict[str, Any]) -> tokenizers.To
         merges = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
     backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
                                               dropout=None))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first",
-                                                     split=False)
+    # Llama 2 and Mistral prefix the text with a space; Gemma's files say not to (add_space_prefix false).
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
+                                                     prepend_scheme="first" if prefix else "never")
     backend.decoder = decoders.Sequence([
         decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-        decoders.Strip(content=" ", left=1),
+        *([decoders.Strip(content=" ", left=1)] if prefix else []),
     ])
     return backend
 

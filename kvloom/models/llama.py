@@ -66,9 +66,11 @@ class LlamaAttention(nn.Module):
             qk = self.rotary(positions, qkv[:, :self.num_heads + self.num_kv_heads])
         else:
             # Each head's q and k normalized over its D values ([T * heads, D] rows), then rotated together.
+            # (With one kv head, k's rows are a strided view of qkv: the norm kernels want them contiguous.)
             tokens = qkv.shape[0]
-            q = self.q_norm(qkv[:, :self.num_heads].reshape(-1, self.head_dim))
-            k = self.k_norm(qkv[:, self.num_heads:self.num_heads + self.num_kv_heads].reshape(-1, self.head_dim))
+            q = self.q_norm(qkv[:, :self.num_heads].reshape(-1, self.head_dim).contiguous())
+            k = self.k_norm(qkv[:, self.num_heads:self.num_heads + self.num_kv_heads].reshape(-1, self.head_dim)
+                            .contiguous())
             qk = self.rotary(positions, torch.cat((q.view(tokens, self.num_heads, self.head_dim),
                                                    k.view(tokens, self.num_kv_heads, self.head_dim)), dim=1))
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]

@@ -22,7 +22,8 @@ from kvloom.ops.table import Ops
 class MixtralForCausalLM(LlamaForCausalLM):
     # csrc/decoder.cpp's layer stack is Llama's alone: the layers run module by module.
     uses_layer_stack = False
-    supports_int8 = False  # the experts' weights have no int8 path
+    # int8 experts (layers/moe.py); SmoothQuant folds into a dense MLP's norm, which a sparse layer lacks.
+    smoothable = False
 
     def make_layer(self, config: ModelConfig, ops: Ops, rotary: RotaryEmbedding, index: int) -> nn.Module:
         experts = SparseMoeBlock(config.num_experts, config.num_experts_per_tok, config.hidden_size,

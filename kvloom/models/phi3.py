@@ -14,16 +14,20 @@ import torch
 
 from kvloom.models.llama import LlamaForCausalLM
 from kvloom.ops.int8 import Int8Blocks, Int8Rows
+from kvloom.ops.q4 import Q4Blocks
 
-Weight = torch.Tensor | Int8Rows | Int8Blocks
+Weight = torch.Tensor | Int8Rows | Int8Blocks | Q4Blocks
 
 
 def split_rows(tensor: Weight, sizes: list[int]) -> list[Weight]:
-    """A weight's row blocks of ``sizes``; int8 rows or blocks keep each row's scales with it (exact)."""
+    """A weight's row blocks of ``sizes``; int8 rows or blocks, and 4-bit blocks (a GGUF's fused attn_qkv /
+    ffn_up kept 4-bit), keep each row's scales (and offsets) with it (exact)."""
     if tuple(tensor.shape)[0] != sum(sizes):
         raise ValueError(f"a fused tensor has {tuple(tensor.shape)[0]} rows, expected {sum(sizes)} ({sizes})")
     if isinstance(tensor, torch.Tensor):
         return list(tensor.split(sizes))
+    if isinstance(tensor, Q4Blocks):
+        return [Q4Blocks(*parts) for parts in zip(*(t.split(sizes) for t in tensor))]
     return [type(tensor)(q, s) for q, s in zip(tensor.qweight.split(sizes), tensor.scale.split(sizes))]
 
 

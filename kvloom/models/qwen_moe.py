@@ -32,6 +32,7 @@ class Qwen2MoeSparseBlock(SparseMoeBlock):
         if config.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(config, ops, config.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(config.hidden_size, [1])
+            self.shared_expert_gate.keep_float = True  # one row: int8 leaves it float, as it does the router
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = super().forward(hidden)
@@ -46,7 +47,8 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
              "shared_expert.up_proj": ("shared_expert.gate_up_proj", 1)}
     # csrc/decoder.cpp's layer stack is Llama's alone: the layers run module by module.
     uses_layer_stack = False
-    supports_int8 = False  # the experts' weights have no int8 path
+    # int8 experts (layers/moe.py); SmoothQuant folds into a dense MLP's norm, which a sparse layer lacks.
+    smoothable = False
 
     def make_layer(self, config: ModelConfig, ops: Ops, rotary: RotaryEmbedding, index: int) -> nn.Module:
         sparse = (index not in config.mlp_only_layers and config.num_experts > 0

@@ -96,8 +96,8 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
     architecture = config.model.architecture
     if not getattr(model, "supports_int8", True):
         dense = sorted(name for name, cls in MODEL_REGISTRY.items() if getattr(cls, "supports_int8", True))
-        raise ValueError(f"quantization={engine.quantization!r} is not supported for {architecture} (its expert "
-                         f"weights stay float); int8 runs the dense families: {dense}")
+        raise ValueError(f"quantization={engine.quantization!r} is not supported for {architecture}; int8 runs: "
+                         f"{dense}")
     lm_head = engine.backend.quantize_lm_head
     alpha = smoothing_alpha(engine.backend, config.device)
     if alpha is not None and not getattr(model, "smoothable", True):
@@ -120,6 +120,9 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
                    "pass override_backend_config {\"int8_gguf_blocks\": false}", alpha)
         alpha = None
     path = engine.quantized_checkpoint_path
+    if path is not None and any(hasattr(module, "quantize_experts") for module in model.modules()):
+        raise ValueError(f"quantized_checkpoint_path is not supported for {architecture} (a quantized checkpoint "
+                         "does not hold int8 experts); quantize at load instead (leave it unset)")
     fingerprint = ""
     if path is not None:
         fingerprint = quantized_checkpoint.fingerprint(

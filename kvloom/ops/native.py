@@ -117,3 +117,40 @@ class PackedExperts:
     def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return grouped_experts(hidden, lambda e, x: self.gate_up[e](x), lambda e, x: self.down[e](x),
                                self.num_experts, topk_weights, topk_ids)
+
+
+class PackedInt8Experts:
+    """A mixture of experts in int8 (quantization="int8"): every expert's two int8 weights (per-row scales, the
+    dense layers' format) packed for the platform's int8 product (``pack_linear_int8``: the CPU's C++ int8 GEMM,
+    W8A8 or weight-only as the dense layers run; the Triton weight-only GEMM on CUDA; torch ops under the
+    reference backend), run grouped by expert (reference.grouped_experts): each expert's two products once over
+    its tokens. w13_qweight int8 [E, 2I, H], w13_scale fp32 [E, 2I], w2_qweight [E, H, I], w2_scale [E, H].
+    (hidden, topk_weights, topk_ids) -> [T, H]."""
+
+    def __init__(self, w13_qweight: torch.Tensor, w13_scale: torch.Tensor, w2_qweight: torch.Tensor,
+                 w2_scale: torch.Tensor,
+                 pack_linear_int8: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
+                                            Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        self.num_experts = w13_qweight.shape[0]
+        self.gate_up = [pack_linear_int8(w13_qweight[e].contiguous(), w13_scale[e].contiguous(), None)
+                        for e in range(self.num_experts)]
+        self.down = [pack_linear_int8(w2_qweight[e].contiguous(), w2_scale[e].contiguous(), None)
+                     for e in range(self.num_experts)]
+
+    def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return grouped_experts(hidden, lambda e, x: self.gate_up[e](x), lambda e, x: self.down[e](x),
+                               self.num_experts, topk_weights, topk_ids)
+
+
+class ExpertProducts:
+    """A mixture of experts given each expert's two products (gate/up: x [n, H] -> [n, 2I]; down: [n, I] -> [n, H]),
+    packed however each one's weights are held (a GGUF's 4-bit blocks, or float), run grouped by expert
+    (reference.grouped_experts). (hidden, topk_weights, topk_ids) -> [T, H]."""
+
+    def __init__(self, gate_up: list[Callable[[torch.Tensor], torch.Tensor]],
+                 down: list[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        self.gate_up, self.down = gate_up, down
+
+    def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return grouped_experts(hidden, lambda e, x: self.gate_up[e](x), lambda e, x: self.down[e](x),
+                               len(self.gate_up), topk_weights, topk_ids)

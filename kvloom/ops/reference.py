@@ -200,6 +200,19 @@ def fused_experts_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.T
                            w13.shape[0], topk_weights, topk_ids)
 
 
+def fused_experts_int8_reference(hidden: torch.Tensor, w13_qweight: torch.Tensor, w13_scale: torch.Tensor,
+                                 w2_qweight: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor,
+                                 topk_ids: torch.Tensor) -> torch.Tensor:
+    """grouped_experts on int8 expert weights in the dense layers' per-row format, weight-only: codes int8
+    w13_qweight [E, 2I, H], w2_qweight [E, H, I] with one fp32 scale per row, w13_scale [E, 2I], w2_scale
+    [E, H]; each product is (x @ q^T) * scale in fp32 (ops/int8.py int8_linear_reference)."""
+    from kvloom.ops.int8 import int8_linear_reference
+
+    return grouped_experts(hidden, lambda e, x: int8_linear_reference(x, w13_qweight[e], w13_scale[e]),
+                           lambda e, x: int8_linear_reference(x, w2_qweight[e], w2_scale[e]),
+                           w13_qweight.shape[0], topk_weights, topk_ids)
+
+
 class ReferenceExperts:
     """The experts' stacked weights, run by fused_experts_reference: (hidden, topk_weights, topk_ids) -> [T, H]."""
 

@@ -202,13 +202,6 @@ def test_int8_weights_load_for_the_dense_families(family: str, family_dirs: dict
     assert sum(a == b for a, b in zip(float_tokens, int8_tokens)) >= 4
 
 
-def test_int8_mixture_of_experts_is_a_clear_error(family_dirs: dict[str, str],
-                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
-    model_dir = family_dir("mixtral", family_dirs, tmp_path_factory)
-    with pytest.raises(ValueError, match="not supported for MixtralForCausalLM"):
-        LLM(model=model_dir, dtype="float32", max_model_len=64, quantization="int8")
-
-
 @pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
 def test_prefix_cache_hits_give_the_same_tokens(family: str, family_dirs: dict[str, str],
                                                 tmp_path_factory: pytest.TempPathFactory) -> None:

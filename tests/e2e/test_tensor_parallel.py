@@ -207,6 +207,23 @@ def test_workers_exit_when_the_driver_process_is_killed(tiny_llama_dir: str) -> 
 
 
 @needs_two_cores
+@needs_two_cores
+def test_tp2_shards_the_experts(tmp_path) -> None:
+    """Qwen2-MoE (routed experts cut along their intermediate dimension, the shared expert as a dense MLP):
+    TP=2 gives transformers' greedy tokens. (int8 experts are cut alike: tests/unit/test_moe.py.)"""
+    from tiny_models import build_tiny_family_checkpoint
+
+    model_dir = build_tiny_family_checkpoint(str(tmp_path / "moe"), "qwen2_moe")
+    prompts = mixed_prompts(400, count=3, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=2)
+    try:
+        assert token_ids(llm, prompts, params) == hf_greedy(model_dir, prompts, 8)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_heads_that_do_not_divide_are_refused(tmp_path) -> None:
     """SmolLM2-135M's shape: 9 heads, 3 KV heads; vLLM refuses tensor_parallel_size=2 too."""
     from tiny_models import build_tiny_checkpoint

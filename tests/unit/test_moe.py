@@ -74,14 +74,6 @@ def test_experts_load_alike_from_per_expert_and_stacked_tensors() -> None:
     torch.testing.assert_close(stacked(hidden, logits), per_expert(hidden, logits))
 
 
-def test_int8_expert_weights_are_a_clear_error() -> None:
-    from kvloom.ops.int8 import Int8Rows
-
-    experts = FusedMoE(2, 1, 32, 24, True, NATIVE_OPS)
-    with pytest.raises(ValueError, match="int8 expert weights are not supported"):
-        experts.load_expert(0, "w1", Int8Rows.quantize(torch.randn(24, 32)))
-
-
 def test_cpu_bf16_experts_run_packed_and_equal_the_reference() -> None:
     """On the CPU in bf16 the op table packs each expert for the linears' GEMM (native.PackedExperts); fp32 and
     the reference backend keep the stacks (ReferenceExperts)."""
@@ -103,14 +95,66 @@ def test_cpu_bf16_experts_run_packed_and_equal_the_reference() -> None:
     torch.testing.assert_close(experts(hidden, logits).float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_tensor_parallel_experts_are_a_clear_error() -> None:
-    from kvloom.layers.moe import SparseMoeBlock
-    from kvloom.layers.tensor_parallel import shard_model_for_tensor_parallel
+@pytest.mark.parametrize("int8", [False, True])
+def test_tensor_parallel_experts_sum_to_the_whole_mixture(int8: bool) -> None:
+    """Each of two ranks keeps half of every expert's intermediate dimension (float, or int8 codes with their
+    scales); the ranks' outputs (all-reduced over a one-process group here, so summed by hand) equal the whole."""
+    import copy
 
-    layer = torch.nn.Module()
-    layer.self_attn = torch.nn.Module()
-    layer.mlp = SparseMoeBlock(4, 2, 32, 24, True, NATIVE_OPS)
-    model = torch.nn.Module()
-    model.layers = torch.nn.ModuleList([layer])
-    with pytest.raises(ValueError, match="does not shard SparseMoeBlock"):
-        shard_model_for_tensor_parallel(model, rank=0, world_size=2)
+    import torch.distributed as dist
+
+    from kvloom.layers.tensor_parallel import _shard_experts
+    from kvloom.ops.int8 import Int8Rows
+
+    hidden, w13, w2, logits = random_moe(11, 4, 2, seed=5)
+    size = w2.shape[2]
+    whole = FusedMoE(4, 2, 32, size, True, NATIVE_OPS)
+    for e in range(4):
+        for part, tensor in (("w1", w13[e, :size]), ("w3", w13[e, size:]), ("w2", w2[e])):
+            whole.load_expert(e, part, Int8Rows.quantize(tensor) if int8 else tensor)
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    ranks = []
+    for rank in range(2):
+        shard = copy.deepcopy(whole)
+        _shard_experts(shard, rank, 2, group)
+        assert shard.intermediate_size == size // 2
+        shard.process_weights_after_loading(NATIVE_OPS)
+        ranks.append(shard(hidden, logits))
+    whole.process_weights_after_loading(NATIVE_OPS)
+    torch.testing.assert_close(ranks[0] + ranks[1], whole(hidden, logits), rtol=1e-5, atol=1e-5)
+
+
+def test_4bit_experts_run_their_blocks_and_float_where_a_projection_is_not_all_4bit() -> None:
+    """A GGUF's 4-bit experts (quantization="gguf"): an expert whose gate and up are both 4-bit runs the 4-bit
+    product on [gate | up]; one with a float part runs float on its dequantized values; the mixture equals the
+    float experts on the blocks' exact values, up to the product's per-block activation rounding."""
+    from kvloom.ops import native
+    from kvloom.ops.q4 import NativeQ4Linear, Q4Blocks
+    from kvloom.ops.table import REFERENCE_OPS
+
+    generator = torch.Generator().manual_seed(7)
+    size = 32  # blocks of 32 along every input: H and I
+    hidden, logits = torch.randn(13, 32, generator=generator), torch.randn(13, 3, generator=generator)
+    w13 = torch.randn(3, 2 * size, 32, generator=generator) * 0.2
+    w2 = torch.randn(3, 32, size, generator=generator) * 0.2
+    experts = FusedMoE(3, 2, 32, size, True, REFERENCE_OPS)
+    exact13, exact2 = w13.clone(), w2.clone()
+    for e in range(3):
+        for part, stack, rows in (("gate_proj", exact13, slice(0, size)), ("up_proj", exact13, slice(size, None)),
+                                  ("down_proj", exact2, slice(None))):
+            tensor = stack[e, rows]
+            if (e, part) == (1, "up_proj"):  # expert 1's up stays float: its gate/up runs float
+                experts.load_expert(e, part, tensor)
+                continue
+            blocks = Q4Blocks.quantize(tensor)
+            stack[e, rows] = blocks.dequantize()
+            experts.load_expert(e, part, blocks)
+    experts.process_weights_after_loading(REFERENCE_OPS)
+    assert isinstance(experts.packed, native.ExpertProducts) and experts.q4 == {} and experts.w13.numel() == 0
+    assert [type(p) is NativeQ4Linear for p in experts.packed.gate_up] == [True, False, True]
+    assert all(type(p) is NativeQ4Linear for p in experts.packed.down)
+    # The oracle: the 4-bit weights' exact values, the activations rounded per block of 32 where 4-bit runs.
+    weights, ids = route(logits, 2, renormalize=True)
+    got = experts(hidden, logits)
+    expected = fused_experts_reference(hidden, exact13, exact2, weights, ids)
+    assert (got - expected).norm() / expected.norm() < 0.02
