@@ -3,12 +3,12 @@
 // (decoder.cpp, every projection of every layer in one call).
 //
 // The step's adapter tokens come grouped by slot in chunks of a few tokens (TokenGroups); a chunk:
-//   shrink: its rows widened to fp32 [n, in], then for each rank r the dot products A[s][r] . x[t] (A's row
-//           read once from memory, then from L1 for each token);
-//   expand: per shard and per tile of 4 vectors of that shard's outputs, each token's tile summed over the
-//           shard's ranks in registers (sum_r shrunk[t][r] * B^T[s][r][tile]) and added to y, rounded once.
-//           B^T's rows are contiguous in the outputs, so the tile is a handful of vector FMAs per rank with
-//           no horizontal sums, and B's zeros outside a shard's outputs are never read.
+//   shrink: its rows widened to fp32 [n, in]; then blocks of 2 ranks x 4 tokens, 8 vector accumulators over
+//           `in`, so each A vector (widened from bf16 once) feeds 4 FMAs and each x vector 2;
+//   expand: per shard, per block of 2 vectors of that shard's outputs and 4 tokens, the sums over the shard's
+//           ranks (sum_r shrunk[t][r] * B^T[s][r][block]) in 8 registers, added to y and rounded once. B^T's
+//           rows are contiguous in the outputs, so the block needs no horizontal sums, each B vector feeds 4
+//           tokens' FMAs, and B's zeros outside a shard's outputs are never read.
 // Chunks are claimed by kvloom's parallel loop (its own pool with KVLOOM_CPU_THREAD_POOL=1), as every other
 // kernel of the step. ops/lora.py's add_lora_reference is the oracle (tests/unit/test_lora.py).
 #include "cpu_capability.h"
@@ -16,6 +16,7 @@
 #include "parallel.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -23,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -34,7 +36,8 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVec = Vec::size();
-constexpr int64_t kTile = 4;  // output vectors a token's expand keeps in registers
+constexpr int64_t kCols = 2 * kVec;  // a token's outputs in an expand block: two fp32 vectors, one of y's dtype
+constexpr int kTokens = 4;           // tokens in a register block (shrink: 2 ranks x 4 tokens, expand: 4 x kCols)
 
 // kVec weights as fp32: bf16 widened by a shift (its bits are fp32's upper half).
 inline Vec load(const float* p) { return Vec::loadu(p); }
@@ -52,21 +55,72 @@ inline Vec load(const c10::BFloat16* p) {
 #endif
 }
 
-// sum_k w[k] * x[k] in fp32, four vector accumulators so consecutive FMAs do not wait on each other.
-template <typename W>
-inline float dot(const W* w, const float* x, int64_t n) {
-  Vec s0(0.f), s1(0.f), s2(0.f), s3(0.f);
+// y[0:kCols] = T(float(y) + (lo, hi)): rounded once, to nearest even, as T(float) rounds.
+inline void add_to(float* y, const Vec& lo, const Vec& hi) {
+  (Vec::loadu(y) + lo).store(y);
+  (Vec::loadu(y + kVec) + hi).store(y + kVec);
+}
+template <typename T>
+inline void add_to(T* y, const Vec& lo, const Vec& hi) {
+  auto [y0, y1] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(y));
+  at::vec::convert_from_float<T>(y0 + lo, y1 + hi).store(y);
+}
+
+// A row of x widened to fp32.
+template <typename T>
+inline void widen(float* out, const T* x, int64_t n) {
   int64_t k = 0;
-  for (; k + 4 * kVec <= n; k += 4 * kVec) {
-    s0 = at::vec::fmadd(load(w + k), Vec::loadu(x + k), s0);
-    s1 = at::vec::fmadd(load(w + k + kVec), Vec::loadu(x + k + kVec), s1);
-    s2 = at::vec::fmadd(load(w + k + 2 * kVec), Vec::loadu(x + k + 2 * kVec), s2);
-    s3 = at::vec::fmadd(load(w + k + 3 * kVec), Vec::loadu(x + k + 3 * kVec), s3);
+  if constexpr (!std::is_same_v<T, float>) {
+    for (; k + kVec <= n; k += kVec) {
+      Vec v;
+      at::vec::load_to_float<T>(x + k, v);
+      v.store(out + k);
+    }
   }
-  for (; k + kVec <= n; k += kVec) s0 = at::vec::fmadd(load(w + k), Vec::loadu(x + k), s0);
-  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, (s0 + s1) + (s2 + s3));
-  for (; k < n; ++k) sum += float(w[k]) * x[k];
-  return sum;
+  for (; k < n; ++k) out[k] = float(x[k]);
+}
+
+// shrunk[t][r + q] = A[r + q] . x[t] for NR ranks (rows of a, `in` apart) and NT tokens (rows of xs, `in`
+// apart): NR * NT vector accumulators, each A and x vector loaded once for all the products it enters.
+template <int NR, int NT, typename W>
+inline void shrink_block(float* shrunk, int64_t rank, const W* a, const float* xs, int64_t in) {
+  Vec acc[NR][NT];
+  for (int q = 0; q < NR; ++q)
+    for (int t = 0; t < NT; ++t) acc[q][t] = Vec(0.f);
+  int64_t k = 0;
+  for (; k + kVec <= in; k += kVec) {
+    Vec w[NR];
+    for (int q = 0; q < NR; ++q) w[q] = load(a + q * in + k);
+    for (int t = 0; t < NT; ++t) {
+      const Vec xv = Vec::loadu(xs + t * in + k);
+      for (int q = 0; q < NR; ++q) acc[q][t] = at::vec::fmadd(w[q], xv, acc[q][t]);
+    }
+  }
+  for (int q = 0; q < NR; ++q) {
+    for (int t = 0; t < NT; ++t) {
+      float sum = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, acc[q][t]);
+      for (int64_t kk = k; kk < in; ++kk) sum += float(a[q * in + kk]) * xs[t * in + kk];
+      shrunk[t * rank + q] = sum;
+    }
+  }
+}
+
+// y[t][0:kCols] += sum_r coefficients[t][r] * b[r][0:kCols] for NT tokens, the sums in 2 * NT registers:
+// each pair of B^T vectors is loaded (and widened) once for all NT tokens.
+template <int NT, typename T, typename W>
+inline void expand_block(T* const* y, const float* const* coefficients, const W* b, int64_t out, int64_t ranks) {
+  Vec lo[NT], hi[NT];
+  for (int t = 0; t < NT; ++t) lo[t] = hi[t] = Vec(0.f);
+  for (int64_t r = 0; r < ranks; ++r) {
+    const W* row = b + r * out;
+    const Vec b0 = load(row), b1 = load(row + kVec);
+    for (int t = 0; t < NT; ++t) {
+      const Vec c(coefficients[t][r]);
+      lo[t] = at::vec::fmadd(c, b0, lo[t]);
+      hi[t] = at::vec::fmadd(c, b1, hi[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) add_to(y[t], lo[t], hi[t]);
 }
 
 struct Shape {
@@ -74,7 +128,14 @@ struct Shape {
   const std::vector<int64_t>* out_offsets;
 };
 
-// One chunk: the tokens rows[begin:end], all of slot `slot`.
+template <int NT, typename W>
+void shrink_tokens(float* shrunk, const W* a, const float* xs, const Shape& s) {
+  int64_t r = 0;
+  for (; r + 2 <= s.rank; r += 2) shrink_block<2, NT>(shrunk + r, s.rank, a + r * s.in, xs, s.in);
+  if (r < s.rank) shrink_block<1, NT>(shrunk + r, s.rank, a + r * s.in, xs, s.in);
+}
+
+// One chunk: the tokens rows[begin:end] (at most TokenGroups::kChunkTokens), all of slot `slot`.
 template <typename T, typename W>
 void delta_chunk(T* y, const T* x, const W* a, const W* b_t, const int64_t* rows, const TokenGroups::Chunk& chunk,
                  const Shape& s) {
@@ -82,38 +143,46 @@ void delta_chunk(T* y, const T* x, const W* a, const W* b_t, const int64_t* rows
   thread_local std::vector<float> xs, shrunk;  // [n, in], [n, rank]
   xs.resize(n * s.in);
   shrunk.resize(n * s.rank);
-  for (int64_t i = 0; i < n; ++i) {
-    const T* row = x + rows[chunk.begin + i] * s.in;
-    for (int64_t k = 0; k < s.in; ++k) xs[i * s.in + k] = float(row[k]);
-  }
+  for (int64_t i = 0; i < n; ++i) widen(xs.data() + i * s.in, x + rows[chunk.begin + i] * s.in, s.in);
   const W* as = a + chunk.slot * s.rank * s.in;
-  for (int64_t r = 0; r < s.rank; ++r)
-    for (int64_t i = 0; i < n; ++i) shrunk[i * s.rank + r] = dot(as + r * s.in, xs.data() + i * s.in, s.in);
+  for (int64_t i = 0; i < n; i += kTokens) {
+    float* out = shrunk.data() + i * s.rank;
+    const float* xi = xs.data() + i * s.in;
+    switch (std::min<int64_t>(kTokens, n - i)) {
+      case 4: shrink_tokens<4>(out, as, xi, s); break;
+      case 3: shrink_tokens<3>(out, as, xi, s); break;
+      case 2: shrink_tokens<2>(out, as, xi, s); break;
+      default: shrink_tokens<1>(out, as, xi, s); break;
+    }
+  }
   const W* bs = b_t + chunk.slot * s.rank * s.out;
   const int64_t shard_rank = s.rank / s.shards;
   for (int64_t j = 0; j < s.shards; ++j) {
     const int64_t first = j * shard_rank, begin = (*s.out_offsets)[j], end = (*s.out_offsets)[j + 1];
+    const W* bj = bs + first * s.out;
     int64_t col = begin;
-    for (; col + kTile * kVec <= end; col += kTile * kVec) {
-      for (int64_t i = 0; i < n; ++i) {  // the tile of B^T (shard_rank x kTile vectors) stays in L1 across tokens
-        const float* coefficients = shrunk.data() + i * s.rank + first;
-        Vec acc[kTile] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
-        for (int64_t r = 0; r < shard_rank; ++r) {
-          const Vec c(coefficients[r]);
-          const W* brow = bs + (first + r) * s.out + col;
-          for (int64_t v = 0; v < kTile; ++v) acc[v] = at::vec::fmadd(c, load(brow + v * kVec), acc[v]);
+    for (; col + kCols <= end; col += kCols) {  // B^T's shard_rank x kCols tile stays in L1 across the tokens
+      for (int64_t i = 0; i < n; i += kTokens) {
+        T* yrows[kTokens];
+        const float* coefficients[kTokens];
+        const int64_t count = std::min<int64_t>(kTokens, n - i);
+        for (int64_t t = 0; t < count; ++t) {
+          yrows[t] = y + rows[chunk.begin + i + t] * s.out + col;
+          coefficients[t] = shrunk.data() + (i + t) * s.rank + first;
         }
-        float sums[kTile * kVec];
-        for (int64_t v = 0; v < kTile; ++v) acc[v].store(sums + v * kVec);
-        T* yt = y + rows[chunk.begin + i] * s.out + col;
-        for (int64_t k = 0; k < kTile * kVec; ++k) yt[k] = T(float(yt[k]) + sums[k]);
+        switch (count) {
+          case 4: expand_block<4>(yrows, coefficients, bj + col, s.out, shard_rank); break;
+          case 3: expand_block<3>(yrows, coefficients, bj + col, s.out, shard_rank); break;
+          case 2: expand_block<2>(yrows, coefficients, bj + col, s.out, shard_rank); break;
+          default: expand_block<1>(yrows, coefficients, bj + col, s.out, shard_rank); break;
+        }
       }
     }
-    for (; col < end; ++col) {  // the shard's last outputs, fewer than a tile
+    for (; col < end; ++col) {  // the shard's last outputs, fewer than a block
       for (int64_t i = 0; i < n; ++i) {
         const float* coefficients = shrunk.data() + i * s.rank + first;
         float sum = 0.f;
-        for (int64_t r = 0; r < shard_rank; ++r) sum += coefficients[r] * float(bs[(first + r) * s.out + col]);
+        for (int64_t r = 0; r < shard_rank; ++r) sum += coefficients[r] * float(bj[r * s.out + col]);
         T* yt = y + rows[chunk.begin + i] * s.out + col;
         *yt = T(float(*yt) + sum);
       }
