@@ -109,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
                 elapsed = time.perf_counter() - t0
                 rates[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
         llm.llm_engine.shutdown()
-        peer = run_vllm(args, adapters, prompts) if args.peer == "vllm" else None
+        peer = None
+        if args.peer == "vllm":
+            print("kvloom output tok/s:", {name: [round(v, 1) for v in values] for name, values in rates.items()},
+                  flush=True)  # before vLLM's start-up and runs, which take minutes
+            peer = run_vllm(args, adapters, prompts)
 
     medians = {name: statistics.median(values) for name, values in rates.items()}
     rows = [(f"{name}: output tok/s (median of {args.rounds})", f"{value:.1f} ({common.spread(rates[name])})")
