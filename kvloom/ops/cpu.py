@@ -62,7 +62,7 @@ SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name
                                   "decoder.cpp", "lora.cpp")))
 # Included by them: the ISA flags (all), the thread pool's loops and the int8/4-bit GEMMs' AVX2 columns.
 HEADERS = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("cpu_capability.h", "kernels.h", "parallel.h", "avx2_columns.h"))
+                for name in ("cpu_capability.h", "kernels.h", "parallel.h", "avx2_columns.h", "lora.h"))
 # Tried in order: built for the ISA level in force (kvloom.cpu_capability: this CPU's own -march=native, or
 # the capped level's baseline), then portable (for compilers that reject those flags).
 PORTABLE = ("portable", [])
@@ -370,15 +370,25 @@ class LlamaLayerStack:
         dims = [shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size, hidden_size]
         self._plan = torch.classes.kvloom.LlamaLayerStack(norms, projections, kinds, min_rows, cos, sin, dims,
                                                           shape.eps, shape.scale)
+        # LoRA (kvloom/lora/model_manager.py): each token's compute slot [T] int64 for the next calls, or None.
+        self.lora_token_slots: torch.Tensor | None = None
+
+    def set_lora(self, lora_a: list[torch.Tensor], lora_b_t: list[torch.Tensor], shard_rank: int) -> None:
+        """The adapters' compute slots, per layer those of qkv, o, gate_up, down (csrc/lora.h's layout: A
+        [S, R, in], B^T [S, R, out]); held by reference, so slots filled in place are seen by the next step."""
+        self._plan.set_lora(lora_a, lora_b_t, shard_rank)
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: the embeddings [T, H], which become the residual stream (updated in place, as the layers'
         fused add + RMSNorm do) -> (the last layer's output, the residual stream) for the final norm."""
-        return self._plan.forward(hidden, positions, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
-                                  metadata.slot_mapping, metadata.block_table, metadata.seq_lens,
-                                  query_start_loc_tensor(metadata, hidden.device), metadata.sliding_window or 0)
+        args = (hidden, positions, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], metadata.slot_mapping,
+                metadata.block_table, metadata.seq_lens, query_start_loc_tensor(metadata, hidden.device),
+                metadata.sliding_window or 0)
+        if self.lora_token_slots is not None:  # each projection's output gets its tokens' LoRA deltas
+            return self._plan.forward_lora(*args, self.lora_token_slots)
+        return self._plan.forward(*args)
 
 
 def layer_stack_available() -> bool:

@@ -14,9 +14,11 @@ implementations, one answer:
 - ``add_lora_grouped`` (CPU, and every device without Triton): SGMV's grouping in torch, tokens gathered
   by slot (``LoRAGroups``, built once a step), one shrink and one expand GEMM per slot in the batch, so a
   token costs only its own adapter's product;
-- ``add_lora_cpu`` (CPU with kvloom's C++ library): BGMV fused in csrc/lora.cpp, each token's shrink and expand
-  in one pass, on kvloom's parallel loop (not torch's BLAS threads, which wait for descheduled threads on a
-  busy machine);
+- ``add_lora_cpu`` (CPU with kvloom's C++ library): csrc/lora.cpp, the tokens grouped by slot in chunks of a few
+  (each chunk reads its slot's A and B once), shrink then expand on kvloom's parallel loop (not torch's BLAS
+  threads, which wait for descheduled threads on a busy machine); B stored transposed (``lora_b_t`` [S, R, out]:
+  the expand adds whole rows, no horizontal sums) and read only in each shard's own outputs. The C++ layer
+  stack (csrc/decoder.cpp) calls the same code after each projection, the tokens grouped once a step;
 - ``kvloom.ops.triton.lora.add_lora_triton`` (CUDA): BGMV, a program per token and block of outputs.
 """
 
@@ -75,17 +77,21 @@ def add_lora_grouped(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lor
             y.index_add_(0, rows, delta.to(y.dtype))
 
 
-def lora_compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the slots' A and B: the model's on CUDA (the Triton kernels sum in fp32 anyway), fp32 on
-    the CPU, where half-precision GEMMs through torch are slow without AVX-512 (a rank-16 slot in fp32 is
-    still a few MiB)."""
-    return dtype if device.type == "cuda" else torch.float32
+def lora_compute_dtype(device: torch.device, dtype: torch.dtype, cpu_kernel: bool = False) -> torch.dtype:
+    """The dtype of the slots' A and B: the model's on CUDA (the Triton kernels sum in fp32 anyway); on the CPU
+    bf16 for a bf16 model with csrc/lora.cpp (which widens it to fp32 in registers: half the bytes a step
+    streams, the base weights' precision), else fp32: torch's half-precision GEMMs are slow without AVX-512."""
+    if device.type == "cuda" or (cpu_kernel and dtype == torch.bfloat16):
+        return dtype
+    return torch.float32
 
 
-def add_lora_cpu(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                 token_slots: torch.Tensor) -> None:
-    """csrc/lora.cpp's fused BGMV (the library loaded: ``cpu_lora_available``); A and B in fp32."""
-    torch.ops.kvloom.lora_bgmv(y, x, lora_a, lora_b, token_slots)
+def add_lora_cpu(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor,
+                 token_slots: torch.Tensor, out_offsets: list[int]) -> None:
+    """csrc/lora.cpp's delta (the library loaded: ``cpu_lora_available``). lora_b_t [S, R, out]: lora_b
+    transposed; A and B both fp32 or both bf16. out_offsets: the shards' first outputs and the end (``[0, out]``
+    for a plain projection; q|k|v's ``[0, q, q + kv, q + 2 kv]``), shard j owning ranks j*R/shards onwards."""
+    torch.ops.kvloom.lora_bgmv(y, x, lora_a, lora_b_t, token_slots, out_offsets)
 
 
 def cpu_lora_available() -> bool:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -21,6 +22,7 @@ from kvloom.config import ResolvedConfig
 from kvloom.layers.tensor_parallel import ProcessGroupLike, shard_model_for_tensor_parallel, sharded_model_config
 from kvloom.lora.model_manager import LoRAModelManager
 from kvloom.lora.peft import model_shape
+from kvloom.lora.request import LoRARequest
 from kvloom.models.registry import build_model, load_model_weights, process_weights_after_loading
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops, select_ops
@@ -179,6 +181,10 @@ class ModelRunner:
     def _forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, metadata)
+
+    def prefetch_lora(self, lora_request: LoRARequest) -> Future | None:
+        """The adapter's host copy, read on the LoRA manager's loader thread (None: LoRA off)."""
+        return None if self.lora is None else self.lora.prefetch(lora_request)
 
     def release_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 
 import pytest
 from tiny_lora import hf_greedy, merged_hf_model, write_tiny_lora
 
 from kvloom import LLM, LoRARequest, SamplingParams
+from kvloom.lora import model_manager
 
 MAX_TOKENS = 10
 PROMPTS = [[5, 17, 33, 99, 120, 7, 8, 250], [44, 45, 46, 300, 12, 13], [200, 201, 202, 3, 4, 5, 6, 7, 8, 9, 10]]
@@ -88,6 +91,87 @@ def test_prefix_cache_is_shared_within_an_adapter_never_across(tiny_llama_dir: s
     assert hits(None) == 0          # nor the base
     assert hits(adapters[0]) == 36  # the same adapter: every full block before the last token
     assert hits(None) == 36
+
+
+def test_the_layer_stack_adds_the_deltas_as_the_modules_do(tiny_llama_dir: str, adapters: list[LoRARequest],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on kvloom's C++ ops: a step with adapter tokens stays on the C++ layer stack, which adds each
+    projection's delta with the kernel the per-op path's hooks call; the two paths give the same tokens."""
+    llm = LLM(tiny_llama_dir, dtype="bfloat16", max_model_len=128, enable_lora=True, max_loras=3, max_lora_rank=8,
+              enable_prefix_caching=False)
+    manager = llm.llm_engine.executor.driver.lora
+    if manager.layer_stack is None:
+        pytest.skip("no C++ layer stack here (kvloom's CPU library not built, or no bf16 GEMM)")
+    loras = [None, *adapters] * len(PROMPTS)
+    prompts = [PROMPTS[k // 4] for k in range(len(loras))]
+    hook_calls = []
+    add_lora_cpu = model_manager.add_lora_cpu
+    monkeypatch.setattr(model_manager, "add_lora_cpu", lambda *args: hook_calls.append(1) or add_lora_cpu(*args))
+    on_stack = greedy(llm, prompts, loras)
+    assert not hook_calls  # no step left the stack for the modules
+    monkeypatch.setattr(manager, "layer_stack", None)  # adapter steps now run module by module, through the hooks
+    per_op = greedy(llm, prompts, loras)
+    assert hook_calls
+    assert on_stack == per_op
+    assert len({tuple(t) for t in on_stack[:4]}) == 4  # each adapter changes the output
+
+
+def test_an_adapter_loads_off_the_engine_thread(tiny_llama_dir: str, adapters: list[LoRARequest], expected: dict,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """While an adapter is read from disk (a loader held until the test lets it go), its request waits and a
+    base request keeps decoding, step after step; once read, the adapter's tokens are its merged model's."""
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=8)
+    engine = llm.llm_engine
+    release = threading.Event()
+    read = model_manager.load_lora_weights
+    loader_threads = []
+
+    def slow_read(*args: object) -> object:
+        loader_threads.append(threading.current_thread())
+        release.wait(timeout=20)  # a synchronous load would hold the step here for 20 s
+        return read(*args)
+
+    monkeypatch.setattr(model_manager, "load_lora_weights", slow_read)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    processor = engine.input_processor
+    engine.add_request("base", processor.process("base", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True)))
+    engine.add_request("tuned", processor.process("tuned", {"prompt_token_ids": PROMPTS[1]}, params,
+                                                  lora_request=adapters[0]))
+    start = time.perf_counter()
+    base_tokens = 0
+    while base_tokens < 8:
+        for output in engine.step():
+            assert output.request_id == "base"
+            base_tokens = len(output.outputs[0].token_ids)
+        assert time.perf_counter() - start < 10, "the steps waited for the adapter's load"
+    assert loader_threads and threading.current_thread() not in loader_threads
+    release.set()
+    tuned = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == "tuned" and output.finished:
+                tuned = output.outputs[0].token_ids
+    assert tuned == expected["all"][1]
+
+
+def test_an_adapter_that_cannot_be_read_ends_its_request_not_the_engine(tiny_llama_dir: str,
+                                                                        tmp_path) -> None:  # noqa: ANN001
+    """Its tensors hold NaN (the header checks pass; the loader thread's read refuses them): that request ends
+    with the reason (a ValueError offline, as a grammar that fails), and the engine goes on serving."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_tiny_lora(str(tmp_path / "nan"), tiny_llama_dir, rank=8, alpha=16, seed=5)
+    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    next(iter(tensors.values()))[0, 0] = float("nan")
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=128, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False,
+                     lora_request=[LoRARequest("nan", 7, path), None])
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert len(llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)[0].outputs[0].token_ids) == 4
 
 
 def test_int8_base_weights_take_adapters(tiny_llama_dir: str, adapters: list[LoRARequest], expected: dict) -> None:

@@ -84,26 +84,62 @@ def test_triton_delta_matches_reference(pattern: str, shape: tuple[int, int, int
     torch.testing.assert_close(y.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("pattern", ["mixed", "one adapter", "base only"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [(96, 80, 16), (200, 130, 48)], ids=["small", "tails"])
-def test_cpu_kernel_delta_matches_reference(pattern: str, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
-    """csrc/lora.cpp's fused BGMV (fp32 A and B, as the CPU keeps them) against the reference."""
+def load_cpu_lora() -> None:
     from kvloom.ops import cpu
-    from kvloom.ops.lora import add_lora_cpu, cpu_lora_available
+    from kvloom.ops.lora import cpu_lora_available
 
     error = cpu.load_cpu_kernel()
     if error is not None or not cpu_lora_available():
         pytest.skip(f"kvloom's CPU kernels cannot be built here: {error}")
-    in_features, out_features, rank = shape
-    slots = SLOT_PATTERNS[pattern]
+
+
+def block_diagonal(b: torch.Tensor, out_offsets: list[int]) -> torch.Tensor:
+    """b [S, out, R] with shard j's outputs keeping only shard j's ranks (a fused projection's B)."""
+    shards = len(out_offsets) - 1
+    rank = b.shape[2] // shards
+    mask = torch.zeros_like(b)
+    for j in range(shards):
+        mask[:, out_offsets[j]:out_offsets[j + 1], j * rank:(j + 1) * rank] = 1
+    return b * mask
+
+
+CPU_SHAPES = {  # (in, out, R, out_offsets)
+    "small": (96, 80, 16, [0, 80]),
+    "tails": (200, 130, 48, [0, 130]),  # in and out not multiples of a vector or a tile
+    "q|k|v": (96, 160, 48, [0, 96, 128, 160]),
+    "gate|up": (64, 258, 32, [0, 129, 258]),  # shards whose outputs end mid-tile
+}
+
+
+@pytest.mark.parametrize("pattern", ["mixed", "one adapter", "base only"])
+@pytest.mark.parametrize("dtype, adapter_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                  (torch.bfloat16, torch.bfloat16)],
+                         ids=["fp32", "bf16 activations, fp32 slots", "bf16"])
+@pytest.mark.parametrize("shape", list(CPU_SHAPES))
+def test_cpu_kernel_delta_matches_reference(pattern: str, dtype: torch.dtype, adapter_dtype: torch.dtype,
+                                            shape: str) -> None:
+    """csrc/lora.cpp (B transposed, each shard reading only its own outputs) against the reference."""
+    from kvloom.ops.lora import add_lora_cpu
+
+    load_cpu_lora()
+    in_features, out_features, rank, out_offsets = CPU_SHAPES[shape]
+    slots = SLOT_PATTERNS[pattern] * 3  # 30 tokens: several chunks per slot
     x, y, a, b, token_slots = lora_case(len(slots), slots, dtype, in_features, out_features, rank=rank)
-    a, b = a.float(), b.float()
+    a, b = a.to(adapter_dtype), block_diagonal(b, out_offsets).to(adapter_dtype)
     expected = y.clone()
     add_lora_reference(expected, x, a, b, token_slots)
-    add_lora_cpu(y, x, a, b, token_slots)
+    add_lora_cpu(y, x, a, b.transpose(1, 2).contiguous(), token_slots, out_offsets)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(y, expected, **tol)
+
+
+def test_cpu_kernel_refuses_a_slot_beyond_the_compute_slots() -> None:
+    from kvloom.ops.lora import add_lora_cpu
+
+    load_cpu_lora()
+    x, y, a, b, _ = lora_case(2, [0, 0], torch.float32, num_slots=2)
+    with pytest.raises(RuntimeError, match="beyond"):
+        add_lora_cpu(y, x, a, b.transpose(1, 2).contiguous(), torch.tensor([0, 2]), [0, 80])
 
 
 # ---- adapters on disk ---------------------------------------------------------------------------------------

@@ -16,10 +16,13 @@
 //     hidden, residual = add_rms_norm(out W_o^T, residual)
 //     hidden = silu_and_mul(hidden W_gate_up^T) W_down^T
 //
-// and returns (hidden, residual) for the final norm.
+// and returns (hidden, residual) for the final norm. With LoRA adapters (set_lora, then forward_lora with each
+// token's compute slot): each projection's output gets its tokens' deltas (lora.h) right after the product,
+// as the per-op path's hooks add them (kvloom/lora/model_manager.py), the tokens grouped by slot once a step.
 
 #include "cpu_capability.h"
 #include "kernels.h"
+#include "lora.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -28,6 +31,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -86,13 +90,21 @@ struct Layer {
   Projection qkv, o, gate_up, down;
 };
 
+// One projection's LoRA compute slots (lora.h's layout): A [S, R, in], B^T [S, R, out], the shards' outputs.
+struct LoRAProjection {
+  at::Tensor a, b_t;
+  std::vector<int64_t> out_offsets;
+};
+
 // The plan, built once per model: every layer's norm weights and projections, the rotary tables and the
 // shapes. forward() runs a step's flat batch through all the layers.
 struct LlamaLayerStack : torch::CustomClassHolder {
   std::vector<Layer> layers;
   at::Tensor cos, sin;
-  int64_t num_heads, num_kv_heads, head_dim, intermediate_size;
+  int64_t num_heads, num_kv_heads, head_dim, intermediate_size, hidden_size;
   double eps, scale;
+  // Per layer: qkv, o, gate_up, down (set_lora); empty: no adapters.
+  std::vector<std::array<LoRAProjection, kProjections>> lora;
 
   // norms: 2 per layer (input, post-attention); projections: kSlots per projection, kProjections per layer
   // (bf16: packed, bias; int8 rows: packed, compensation, scale, bias; int8 blocks and 4-bit: packed, scales,
@@ -105,7 +117,7 @@ struct LlamaLayerStack : torch::CustomClassHolder {
     TORCH_CHECK(dims.size() == 5, "LlamaLayerStack: dims must be (num_heads, num_kv_heads, head_dim, "
                 "intermediate_size, hidden_size)");
     num_heads = dims[0], num_kv_heads = dims[1], head_dim = dims[2], intermediate_size = dims[3];
-    const int64_t hidden_size = dims[4];
+    hidden_size = dims[4];
     const int64_t count = static_cast<int64_t>(norms.size()) / 2;
     TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * count &&
                     static_cast<int64_t>(kinds.size()) == kProjections * count &&
@@ -150,6 +162,28 @@ struct LlamaLayerStack : torch::CustomClassHolder {
     }
   }
 
+  // The adapters' compute slots, kept by reference (the runner fills them in place): per layer, lora_a and
+  // lora_b_t of its qkv, o, gate_up and down projections in that order; shard_rank: the ranks of one shard
+  // (max_lora_rank), so q|k|v's R is 3 * shard_rank and gate|up's 2 * shard_rank.
+  void set_lora(std::vector<at::Tensor> lora_a, std::vector<at::Tensor> lora_b_t, int64_t shard_rank) {
+    TORCH_CHECK(lora_a.size() == kProjections * layers.size() && lora_b_t.size() == lora_a.size(),
+                "LlamaLayerStack.set_lora: expected ", kProjections, " lora_a and lora_b_t per layer");
+    const int64_t q = num_heads * head_dim, kv = num_kv_heads * head_dim;
+    const std::vector<int64_t> offsets[kProjections] = {
+        {0, q, q + kv, q + 2 * kv}, {0, hidden_size}, {0, intermediate_size, 2 * intermediate_size}, {0, hidden_size}};
+    std::vector<std::array<LoRAProjection, kProjections>> slots(layers.size());
+    for (size_t i = 0; i < layers.size(); ++i) {
+      for (int64_t j = 0; j < kProjections; ++j) {
+        const at::Tensor& a = lora_a[i * kProjections + j];
+        const int64_t shards = static_cast<int64_t>(offsets[j].size()) - 1;
+        TORCH_CHECK(a.dim() == 3 && a.size(1) == shards * shard_rank, "LlamaLayerStack.set_lora: layer ", i,
+                    " projection ", j, ": lora_a must be [S, ", shards * shard_rank, ", in]");
+        slots[i][j] = {a, lora_b_t[i * kProjections + j], offsets[j]};
+      }
+    }
+    lora = std::move(slots);
+  }
+
   // hidden: [T, H] (the embeddings; they become the residual stream, updated in place as the Python layers
   // update theirs); positions, slot_mapping: [T]; key_caches, value_caches: one per layer; the rest as
   // paged_attention takes them. Returns (the last layer's output, the residual stream).
@@ -157,6 +191,38 @@ struct LlamaLayerStack : torch::CustomClassHolder {
                                              std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
                                              at::Tensor slot_mapping, at::Tensor block_table, at::Tensor seq_lens,
                                              at::Tensor query_start_loc, int64_t sliding_window) {
+    return run(hidden_in, positions, key_caches, value_caches, slot_mapping, block_table, seq_lens, query_start_loc,
+               sliding_window, nullptr);
+  }
+
+  // forward with LoRA deltas: token_slots [T] int64, each token's compute slot (-1: the base model).
+  std::tuple<at::Tensor, at::Tensor> forward_lora(at::Tensor hidden_in, at::Tensor positions,
+                                                  std::vector<at::Tensor> key_caches,
+                                                  std::vector<at::Tensor> value_caches, at::Tensor slot_mapping,
+                                                  at::Tensor block_table, at::Tensor seq_lens,
+                                                  at::Tensor query_start_loc, int64_t sliding_window,
+                                                  at::Tensor token_slots) {
+    TORCH_CHECK(!lora.empty(), "LlamaLayerStack.forward_lora: set_lora was never called");
+    TORCH_CHECK(token_slots.numel() == hidden_in.size(0), "LlamaLayerStack.forward_lora: one slot per token");
+    const auto groups = kvloom::lora::TokenGroups::build(token_slots, lora[0][0].a.size(0));
+    return run(hidden_in, positions, key_caches, value_caches, slot_mapping, block_table, seq_lens, query_start_loc,
+               sliding_window, groups.empty() ? nullptr : &groups);
+  }
+
+ private:
+  // groups: the step's adapter tokens (null: none, or no adapters).
+  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& hidden_in, const at::Tensor& positions,
+                                         const std::vector<at::Tensor>& key_caches,
+                                         const std::vector<at::Tensor>& value_caches, const at::Tensor& slot_mapping,
+                                         const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                         const at::Tensor& query_start_loc, int64_t sliding_window,
+                                         const kvloom::lora::TokenGroups* groups) {
+    // y [T, out] += the LoRA delta of x [T, in] for projection j of layer i, when the step has adapter tokens.
+    auto add_lora = [&](size_t i, int64_t j, const at::Tensor& y, const at::Tensor& x) {
+      if (groups == nullptr) return;
+      const LoRAProjection& p = lora[i][j];
+      KVLOOM_PROFILED("kvloom::lora_bgmv", kvloom::lora::add_delta(y, x, p.a, p.b_t, p.out_offsets, *groups));
+    };
     TORCH_CHECK(key_caches.size() == layers.size() && value_caches.size() == layers.size(),
                 "LlamaLayerStack: expected ", layers.size(), " key and value caches, got ", key_caches.size(),
                 " and ", value_caches.size());
@@ -175,7 +241,9 @@ struct LlamaLayerStack : torch::CustomClassHolder {
       } else {
         KVLOOM_PROFILED("kvloom::fused_add_rms_norm", k::fused_add_rms_norm(hidden, residual, layer.input_norm, eps));
       }
-      at::Tensor heads = layer.qkv(hidden).view({tokens, num_heads + 2 * num_kv_heads, head_dim});
+      at::Tensor qkv = layer.qkv(hidden);
+      add_lora(i, 0, qkv, hidden);
+      at::Tensor heads = qkv.view({tokens, num_heads + 2 * num_kv_heads, head_dim});
       KVLOOM_PROFILED("kvloom::rotary_embedding",
                       k::rotary_embedding(heads.narrow(1, 0, num_heads + num_kv_heads), positions, cos, sin));
       KVLOOM_PROFILED("kvloom::write_kv_cache",
@@ -186,12 +254,16 @@ struct LlamaLayerStack : torch::CustomClassHolder {
       KVLOOM_PROFILED("kvloom::paged_attention",
                       k::paged_attention(attended, heads.narrow(1, 0, num_heads), key_caches[i], value_caches[i],
                                          block_table, seq_lens, query_start_loc, scale, sliding_window));
-      at::Tensor projected = layer.o(attended.view({tokens, num_heads * head_dim}));
+      const at::Tensor attended_rows = attended.view({tokens, num_heads * head_dim});
+      at::Tensor projected = layer.o(attended_rows);
+      add_lora(i, 1, projected, attended_rows);
       KVLOOM_PROFILED("kvloom::fused_add_rms_norm", k::fused_add_rms_norm(projected, residual, layer.post_norm, eps));
       at::Tensor gate_up = layer.gate_up(projected);
+      add_lora(i, 2, gate_up, projected);
       at::Tensor activated = at::empty({tokens, intermediate_size}, hidden_in.options());
       KVLOOM_PROFILED("kvloom::silu_and_mul", k::silu_and_mul(activated, gate_up));
       hidden = layer.down(activated);
+      add_lora(i, 3, hidden, activated);
     }
     return {hidden, residual};
   }
@@ -203,7 +275,9 @@ TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.class_<LlamaLayerStack>("LlamaLayerStack")
       .def(torch::init<std::vector<at::Tensor>, c10::List<c10::optional<at::Tensor>>, std::vector<int64_t>,
                        std::vector<int64_t>, at::Tensor, at::Tensor, std::vector<int64_t>, double, double>())
-      .def("forward", &LlamaLayerStack::forward);
+      .def("forward", &LlamaLayerStack::forward)
+      .def("set_lora", &LlamaLayerStack::set_lora)
+      .def("forward_lora", &LlamaLayerStack::forward_lora);
 }
 
 #endif  // KVLOOM_BF16_GEMM
