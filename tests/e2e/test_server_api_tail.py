@@ -134,12 +134,12 @@ def test_lm_eval_local_completions_matches_its_hf_model(server, tiny_llama_dir: 
     """lm-evaluation-harness itself: its local-completions model against the server and its hf model on the
     same checkpoint, over tests/data/tiny_mc.yaml. The tokenizer is the checkpoint's own (a local path): lm-eval
     needs one to find where each continuation starts (its ctxlen), and nothing may come from the hub."""
-    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (`pip install lm-eval`); "
-                                  "test_log_likelihoods_as_lm_eval_computes_them_equal_transformers "
-                                  "checks the same requests")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # before datasets is imported: it reads this once
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'lm-eval[api]', "
+                                  "kvloom's eval extra); test_log_likelihoods_as_lm_eval_computes_them_equal_"
+                                  "transformers checks the same requests")
     from lm_eval.tasks import TaskManager
 
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     # The task's data_files path is relative to the working directory.
     monkeypatch.chdir(DATA.parent)
     # include_defaults=False: indexing lm-eval's thousands of built-in task files takes half a minute.
