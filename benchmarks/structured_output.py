@@ -174,8 +174,8 @@ async def cached_schema_added_ttft(client: httpx.AsyncClient, base_url: str, sch
     with_schema, without = [], []
     for index in range(pairs):
         order = (schema, None) if index % 2 == 0 else (None, schema)
-        for schema in order:
-            (with_schema if schema is not None else without).append(await ttft(client, base_url, schema))
+        for constraint in order:
+            (with_schema if constraint is not None else without).append(await ttft(client, base_url, constraint))
     differences = [(a - b) * 1e3 for a, b in zip(with_schema, without)]
     return {"added_ms": statistics.median(differences), "constrained_ttft_ms": statistics.median(with_schema) * 1e3,
             "free_ttft_ms": statistics.median(without) * 1e3,
