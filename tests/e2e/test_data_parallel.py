@@ -195,6 +195,68 @@ def test_replicas_run_on_disjoint_cores(dp_server: Any) -> None:
     assert all(len(thread_cores(pid)) == 1 for pid in pids)
 
 
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                         "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["answer", "count"], "additionalProperties": False}
+
+
+@needs_two_cores
+def test_structured_outputs_through_the_replicas_equal_one_engines_and_bad_ones_are_400s(
+        dp_server: Any, oracle: Any) -> None:
+    """Each replica compiles (and caches) the grammars of the requests it gets: concurrent json_schema,
+    regex and choice requests spread over both replicas and each equals the offline engine's constrained
+    greedy output; a schema or regex that does not compile is refused by the router with a 400 naming the
+    field, and the replicas keep serving."""
+    import jsonschema
+
+    from kvloom.sampling_params import StructuredOutputsParams
+
+    prompts = mixed_prompts(400, count=8, seed=5)
+    # No free whitespace in JSON: a random model would otherwise spend its tokens on it.
+    constraints = [{"json": SCHEMA, "disable_any_whitespace": True}, {"regex": "[a-c]{2,5}-[0-9]{2}"},
+                   {"choice": ["left", "right", "up"]}]
+    bodies = [{"model": dp_server.model, "prompt": p, "max_tokens": 48, "temperature": 0,
+               "structured_outputs": constraints[i % 3]} for i, p in enumerate(prompts)]
+    expected = [o.outputs[0].text for o in oracle.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [SamplingParams(temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(**constraints[i % 3]))
+         for i in range(len(prompts))], use_tqdm=False)]
+    before = labelled_metrics(dp_server)
+
+    async def run() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            responses = await asyncio.gather(*[client.post(dp_server.url + "/v1/completions", json=b) for b in bodies])
+            return [r.json() for r in responses]
+
+    replies = asyncio.run(run())
+    texts = [reply["choices"][0]["text"] for reply in replies]
+    assert texts == expected
+    for text, body in zip(texts, bodies):
+        if "json" in body["structured_outputs"]:
+            jsonschema.validate(json.loads(text), SCHEMA)
+    stopped = "kvloom:request_success_total[stop]"
+
+    def gained(metrics: dict) -> list[float]:
+        return [metrics.get((stopped, r), 0) - before.get((stopped, r), 0) for r in ("0", "1")]
+
+    after = wait_for(lambda: (m := labelled_metrics(dp_server)) and sum(gained(m)) == len(prompts) and m,
+                     timeout=10, what="the constrained requests counted")
+    assert min(gained(after)) >= 1, gained(after)  # both replicas compiled and ran constrained requests
+    # The same schema as chat's response_format, through the openai-shaped route.
+    chat = httpx.post(dp_server.url + "/v1/chat/completions", timeout=60, json={
+        "model": dp_server.model, "messages": [{"role": "user", "content": "Answer"}], "max_tokens": 48,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}).json()
+    assert chat["choices"][0]["finish_reason"] in ("stop", "length")
+    for body, param in (({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {
+                            "name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
+                         "response_format")):
+        response = httpx.post(dp_server.url + "/v1/completions", timeout=60,
+                              json={"model": dp_server.model, "prompt": "x", "max_tokens": 4, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert all(r["choices"][0]["text"] for r in asyncio.run(run())[:2])  # still serving
+
+
 @needs_two_cores
 def test_killing_a_replica_mid_load_fails_only_its_requests_and_the_other_keeps_serving(
         dp_server: Any, oracle: Any) -> None:

@@ -129,25 +129,28 @@ def test_log_likelihoods_as_lm_eval_computes_them_equal_transformers(server, off
     assert correct_server == correct_hf
 
 
-def test_lm_eval_local_completions_matches_its_hf_model(server, tiny_llama_dir: str, tmp_path: Path) -> None:
-    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed here (the shared venv does not "
-                                  "carry it); test_log_likelihoods_as_lm_eval_computes_them_equal_transformers "
-                                  "checks the same requests")
+def test_lm_eval_local_completions_matches_its_hf_model(server, tiny_llama_dir: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """lm-evaluation-harness itself: its local-completions model against the server and its hf model on the
+    same checkpoint, over tests/data/tiny_mc.yaml. The tokenizer is the checkpoint's own (a local path): lm-eval
+    needs one to find where each continuation starts (its ctxlen), and nothing may come from the hub."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # before datasets is imported: it reads this once
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'lm-eval[api]', "
+                                  "kvloom's eval extra); test_log_likelihoods_as_lm_eval_computes_them_equal_"
+                                  "transformers checks the same requests")
     from lm_eval.tasks import TaskManager
 
-    (tmp_path / "tiny_mc.yaml").write_text(
-        "task: kvloom_tiny_mc\ndataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {DATA}\n"
-        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
-        "doc_to_choice: choices\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n")
-    tasks = TaskManager(include_path=str(tmp_path))
+    # The task's data_files path is relative to the working directory.
+    monkeypatch.chdir(DATA.parent)
+    # include_defaults=False: indexing lm-eval's thousands of built-in task files takes half a minute.
+    tasks = TaskManager(include_path=str(DATA.parent), include_defaults=False)
     results = {}
     for name, args in (("local-completions", f"model=tiny,base_url={server.url}/v1/completions,"
                                               f"tokenizer_backend=huggingface,tokenizer={tiny_llama_dir},"
-                                              "tokenized_requests=True,num_concurrent=1,max_retries=1"),
-                       ("hf", f"pretrained={tiny_llama_dir},dtype=float32")):
+                                              "tokenized_requests=True,num_concurrent=2,max_retries=1"),
+                       ("hf", f"pretrained={tiny_llama_dir},dtype=float32,device=cpu")):
         results[name] = lm_eval.simple_evaluate(model=name, model_args=args, tasks=["kvloom_tiny_mc"],
-                                                task_manager=tasks, log_samples=True)
+                                                task_manager=tasks, log_samples=True, bootstrap_iters=0)
     # Per question, each choice's (log-likelihood, is_greedy) after lm-eval's filters.
     samples = {name: [[float(r[0]) for r in s["filtered_resps"]]
                       for s in sorted(result["samples"]["kvloom_tiny_mc"], key=lambda s: s["doc_id"])]

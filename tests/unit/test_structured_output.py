@@ -152,6 +152,28 @@ def test_compiled_grammars_are_cached_per_spec_and_tokenizer(manager: Structured
     assert other_vocab.compile_async(StructuredOutputsParams(json=schema)) is not first
 
 
+def test_a_compiled_constraint_is_not_parsed_again(manager: StructuredOutputManager,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cached grammar's request skips the schema parse (it is most of a cached request's admission cost);
+    a constraint not yet compiled, or one that failed, is still checked."""
+    parsed = []
+    validate = manager.backend.validate
+    monkeypatch.setattr(manager.backend, "validate", lambda params: parsed.append(params) or validate(params))
+    params = StructuredOutputsParams(json={"type": "object", "properties": {"q": {"type": "integer"}}})
+    assert not manager.is_compiled(params)
+    manager.validate(params)
+    manager.compile(params)
+    assert manager.is_compiled(params) and len(parsed) == 1
+    manager.validate(StructuredOutputsParams(json={"type": "object", "properties": {"q": {"type": "integer"}}}))
+    assert len(parsed) == 1
+    broken = StructuredOutputsParams(grammar="root ::= missing_rule")
+    with pytest.raises(ValueError):
+        manager.compile(broken)
+    assert not manager.is_compiled(broken)
+    with pytest.raises(ValueError):
+        manager.validate(broken)
+
+
 def test_compile_timeout_is_a_clear_error(manager: StructuredOutputManager) -> None:
     impatient = StructuredOutputManager(manager.tokenizer, manager.vocab_size, [EOS], compile_timeout=1e-9)
     state = impatient.start(StructuredOutputsParams(regex="[a-c]{1,40}x{2,30}" + "y" * 5))

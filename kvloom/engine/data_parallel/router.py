@@ -50,6 +50,7 @@ from kvloom.multimodal.processor import multimodal_processor
 from kvloom.outputs import RequestOutput
 from kvloom.sampling_params import RequestOutputKind
 from kvloom.stats import EngineStats, SchedulerStats
+from kvloom.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("kvloom")
 
@@ -156,7 +157,16 @@ class ReplicaRouter(EngineClient):
             check_request_fits(self.max_model_len, self.block_size, num_usable_blocks, num_prompt_tokens,
                                max_tokens, max_tokens_must_fit)
 
+        # Structured outputs: the constraint is checked and its grammar compiled here (cached) so that a bad
+        # schema or a compile time-out is the server's 400 before routing; each replica compiles and caches
+        # its own grammar when the request arrives (its matchers and bitmasks live with its engine).
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, resolved.model.vocab_size,
+            sorted(set(self.tokenizer.eos_token_ids) | set(resolved.model.eos_token_ids)),
+            config.structured_outputs.backend, config.structured_outputs.compile_timeout,
+            config.structured_outputs.disable_any_whitespace)
         self.input_processor = InputProcessor(self.tokenizer, resolved.model.vocab_size, check_fits,
+                                              self.structured_output.validate,
                                               multimodal=multimodal_processor(resolved, self.tokenizer))
         self.metrics = RouterMetrics(self.replicas, self.model_name, self.refresh_metrics)
         for replica in self.replicas:

@@ -359,10 +359,12 @@ class OpenAIServing:
         check = self.engine.input_processor.check_structured_outputs
         if check is None:
             raise APIError("structured outputs are not available on this server's engine", param=param)
+        manager = getattr(check, "__self__", None)
+        if manager is not None and manager.is_compiled(params):
+            return  # a cached grammar: no thread hop on the way to the first token
         try:
             # The first constrained request builds the backend's token tables: not on the event loop.
             await asyncio.to_thread(check, params)
-            manager = getattr(check, "__self__", None)
             if manager is not None:
                 future = manager.compile_async(params)
                 await asyncio.wait_for(asyncio.wrap_future(future), timeout=manager.compile_timeout)
