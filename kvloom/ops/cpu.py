@@ -203,8 +203,8 @@ def compiled_isa() -> str | None:
 def _register_fake() -> None:
     """Shapes-only versions of the ops for torch.compile's tracing: each writes its output argument and
     returns nothing."""
-    for op in ("kvloom::paged_attention", "kvloom::gemm_w8a8", "kvloom::gemm_int8_weight_only",
-               "kvloom::gemm_w8a8_blocks", "kvloom::gemm_q4"):
+    for op in ("kvloom::paged_attention", "kvloom::paged_attention_softcap", "kvloom::gemm_w8a8",
+               "kvloom::gemm_int8_weight_only", "kvloom::gemm_w8a8_blocks", "kvloom::gemm_q4"):
         try:
             torch.library.register_fake(op)(lambda *args: None)
         except RuntimeError:  # already registered (a second variant in one process cannot happen)
@@ -220,8 +220,9 @@ def query_start_loc_tensor(metadata: AttentionMetadata, device: torch.device) ->
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-    """query: [T, Hq, D]; key, value: [T, Hkv, D] (this step's); returns [T, Hq, D]."""
+                  metadata: AttentionMetadata, scale: float, logit_softcap: float | None = None) -> torch.Tensor:
+    """query: [T, Hq, D]; key, value: [T, Hkv, D] (this step's); returns [T, Hq, D]. ``logit_softcap``
+    (Gemma 2): scores become cap * tanh(scores / cap) before the mask and softmax, as in the reference."""
     if key_cache.is_contiguous() and value_cache.is_contiguous():
         # The kernel copies rows with any token/head stride, but each row must be contiguous.
         key = key if key.stride(-1) == 1 else key.contiguous()
@@ -230,6 +231,13 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     else:
         write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
     out = torch.empty_like(query)
+    if logit_softcap is not None:
+        if not logit_softcap > 0:
+            raise ValueError(f"attention logit soft-capping must be a positive number, got {logit_softcap}")
+        torch.ops.kvloom.paged_attention_softcap(out, query, key_cache, value_cache, metadata.block_table,
+                                                 metadata.seq_lens, query_start_loc_tensor(metadata, query.device),
+                                                 scale, metadata.sliding_window or 0, logit_softcap)
+        return out
     torch.ops.kvloom.paged_attention(out, query, key_cache, value_cache, metadata.block_table,
                                      metadata.seq_lens, query_start_loc_tensor(metadata, query.device),
                                      scale, metadata.sliding_window or 0)

@@ -18,13 +18,14 @@ from kvloom.ops.triton import q4 as q4_kernels
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               key_cache: torch.Tensor, value_cache: torch.Tensor,
-              metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-    """query: [T, Hq, D]; key, value: [T, Hkv, D] (this step's); returns [T, Hq, D]."""
+              metadata: AttentionMetadata, scale: float, logit_softcap: float | None = None) -> torch.Tensor:
+    """query: [T, Hq, D]; key, value: [T, Hkv, D] (this step's); returns [T, Hq, D]. ``logit_softcap``
+    (Gemma 2): scores become cap * tanh(scores / cap) before the mask and softmax."""
     kernels.write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     kernels.paged_attention(out, query, key_cache, value_cache, metadata.block_table, metadata.seq_lens,
                             metadata.query_start_loc_tensor, metadata.num_decodes, metadata.max_query_len,
-                            scale, metadata.sliding_window or 0)
+                            scale, metadata.sliding_window or 0, logit_softcap=logit_softcap)
     return out
 
 

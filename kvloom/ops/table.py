@@ -148,6 +148,16 @@ def attention_for(ops: Ops, logit_softcap: float | None = None) -> AttentionFn:
     every feature and reads every cache layout. Sliding windows need nothing here: every kernel masks them."""
     if logit_softcap is None:
         return ops.attention
+    if ops.name == "cpu":
+        from kvloom.ops import cpu
+
+        if ops.attention is cpu.attention:  # csrc/paged_attention.cpp caps the scores itself
+            return functools.partial(cpu.attention, logit_softcap=logit_softcap)
+    if ops.name == "triton":
+        from kvloom.ops import cuda
+
+        if ops.attention is cuda.attention:  # the Triton kernels cap the scores themselves
+            return functools.partial(cuda.attention, logit_softcap=logit_softcap)
     if ops.attention is not reference.attention_reference:
         logger.info("Attention logit soft-capping (%s) is not in the %s attention kernel: this model's attention "
                     "runs the plain-torch reference (ops/reference.py), which is slower", logit_softcap, ops.name)

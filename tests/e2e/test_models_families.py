@@ -119,7 +119,7 @@ def test_gemma3_windows_per_layer_under_every_attention_backend(
 
 
 def test_gemma2_attention_runs_the_reference_with_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
-    """The C++ kernel has no soft-capping: the op table hands Gemma 2 the reference attention, and says so."""
+    """The native ops have no soft-capping: the op table hands Gemma 2 the reference attention, and says so."""
     import logging
 
     from kvloom.ops import reference
@@ -130,6 +130,23 @@ def test_gemma2_attention_runs_the_reference_with_a_log_line(caplog: pytest.LogC
         chosen = attention_for(NATIVE_OPS, 50.0)
     assert chosen.func is reference.attention_reference and chosen.keywords == {"logit_softcap": 50.0}
     assert "soft-capping" in caplog.text
+
+
+def test_gemma2_attention_takes_the_cpu_kernel(caplog: pytest.LogCaptureFixture) -> None:
+    """The C++ kernel caps the scores itself: Gemma 2 on the CPU ops runs it, with no fallback log line (the
+    family tests above then check its greedy tokens against transformers through it)."""
+    import logging
+
+    from kvloom.ops import cpu
+    from kvloom.ops.table import attention_for, select_ops
+
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU attention kernel cannot be built here")
+    ops = select_ops(torch.device("cpu"), torch.float32, "cpu")
+    with caplog.at_level(logging.INFO, logger="kvloom"):
+        chosen = attention_for(ops, 50.0)
+    assert chosen.func is cpu.attention and chosen.keywords == {"logit_softcap": 50.0}
+    assert "soft-capping" not in caplog.text
 
 
 _GEMMA3_COMMON = {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 400, "hidden_size": 64,

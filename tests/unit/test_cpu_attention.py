@@ -63,11 +63,12 @@ def random_step(batch: list[tuple[int, int]], block_size: int, sliding_window: i
     return metadata, qkv, key_cache, value_cache
 
 
-def assert_matches_reference(metadata, qkv, key_cache, value_cache, **tolerance) -> None:
+def assert_matches_reference(metadata, qkv, key_cache, value_cache, logit_softcap: float | None = None,
+                             **tolerance) -> None:
     head_dim = qkv[0].shape[-1]
     ref_caches = (key_cache.clone(), value_cache.clone())
-    expected = attention_reference(*qkv, *ref_caches, metadata, head_dim ** -0.5)
-    got = attention_cpu(*qkv, key_cache, value_cache, metadata, head_dim ** -0.5)
+    expected = attention_reference(*qkv, *ref_caches, metadata, head_dim ** -0.5, logit_softcap=logit_softcap)
+    got = attention_cpu(*qkv, key_cache, value_cache, metadata, head_dim ** -0.5, logit_softcap=logit_softcap)
     torch.testing.assert_close(got, expected, **tolerance)
     torch.testing.assert_close(key_cache, ref_caches[0], atol=0, rtol=0)
     torch.testing.assert_close(value_cache, ref_caches[1], atol=0, rtol=0)
@@ -262,3 +263,52 @@ def test_int8_cache_matches_reference(dtype: torch.dtype, sliding_window: int | 
     stored = dequantize_kv_rows(quantize_kv_rows(rows))
     step = rows.abs().amax(dim=-1, keepdim=True) / 127
     assert ((stored - rows).abs() <= step * 0.51 + 1e-6).all()
+
+
+# Gemma 2's attention logit soft-capping: cap * tanh(scale * s / cap) before the mask and softmax. Scaled scores
+# of these random q/k are about N(0, 1), so caps of 0.5 and 2 bend them (the first squeezes every score).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [None, 6, 40])
+@pytest.mark.parametrize("kv_heads,group,head_dim", [(2, 1, 64), (2, 4, 64), (3, 3, 128), (1, 8, 256)])
+@pytest.mark.parametrize("logit_softcap", [0.5, 2.0])
+def test_logit_softcap_matches_reference(dtype: torch.dtype, sliding_window: int | None, kv_heads: int,
+                                         group: int, head_dim: int, logit_softcap: float) -> None:
+    metadata, qkv, key_cache, value_cache = random_step(MIXED_BATCH, 16, sliding_window, kv_heads * group,
+                                                        kv_heads, head_dim, dtype)
+    assert_matches_reference(metadata, qkv, key_cache, value_cache, logit_softcap=logit_softcap,
+                             **tolerance(dtype))
+
+
+def test_logit_softcap_binds() -> None:
+    """A cap that binds changes the output (so the test above compares something the cap shapes)."""
+    metadata, qkv, key_cache, value_cache = random_step(MIXED_BATCH, 16, None, 4, 2, 64, torch.float32)
+    capped = attention_cpu(*qkv, key_cache.clone(), value_cache.clone(), metadata, 0.125, logit_softcap=0.5)
+    plain = attention_cpu(*qkv, key_cache.clone(), value_cache.clone(), metadata, 0.125)
+    assert (capped - plain).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_logit_softcap_int8_and_float16_caches(sliding_window: int | None) -> None:
+    """The cap applies after an int8 key row's scale (to the true scores), and on float16 alike."""
+    from kvloom.ops.reference import quantize_kv_rows
+
+    metadata, qkv, key_cache, value_cache = random_step(MIXED_BATCH, 16, sliding_window, 8, 2, 64, torch.float32)
+    assert_matches_reference(metadata, qkv, quantize_kv_rows(key_cache), quantize_kv_rows(value_cache),
+                             logit_softcap=1.0, **tolerance(torch.float32))
+    metadata, qkv, key_cache, value_cache = random_step(MIXED_BATCH, 16, sliding_window, 8, 2, 64, torch.float16)
+    assert_matches_reference(metadata, qkv, key_cache, value_cache, logit_softcap=1.0, **tolerance(torch.float16))
+
+
+@needs_pairs
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_logit_softcap_pairs_layout(sliding_window: int | None) -> None:
+    metadata, qkv, key_cache, value_cache = random_step(MIXED_BATCH, 16, sliding_window, 8, 2, 64, torch.bfloat16)
+    assert_matches_reference(metadata, qkv, *in_pairs(key_cache, value_cache), logit_softcap=1.0,
+                             **tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("cap", [-1.0, 0.0, float("nan")])
+def test_bad_logit_softcap_is_a_value_error(cap: float) -> None:
+    metadata, qkv, key_cache, value_cache = random_step([(1, 3)], 16, None, 2, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="soft-capping must be a positive number"):
+        attention_cpu(*qkv, key_cache, value_cache, metadata, 0.125, logit_softcap=cap)

@@ -88,8 +88,9 @@ def fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
 
 
 def reference_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: Batch,
-                        scale: float, sliding_window: int) -> torch.Tensor:
-    """[T, Hq, D] fp32: each request's queries against its gathered context, causal; seq_len 0 gives zeros."""
+                        scale: float, sliding_window: int, logit_softcap: float | None = None) -> torch.Tensor:
+    """[T, Hq, D] fp32: each request's queries against its gathered context, causal; seq_len 0 gives zeros.
+    logit_softcap: scores become cap * tanh(scores / cap) first (Gemma 2)."""
     num_heads = query.shape[1]
     group = num_heads // key_cache.shape[2]
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
@@ -102,6 +103,8 @@ def reference_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         k = gather_sequence(key_cache, row, seq_len).float().repeat_interleave(group, dim=1)  # [S, Hq, D]
         v = gather_sequence(value_cache, row, seq_len).float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,shd->hqs", query[start:end].float(), k) * scale
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
         mask = causal_mask(end - start, seq_len, sliding_window or None, query.device)
         probs = torch.softmax(scores.masked_fill(~mask[None], float("-inf")), dim=-1)
         out[start:end] = torch.einsum("hqs,shd->qhd", probs, v)
@@ -279,6 +282,48 @@ def test_paged_attention_sliding_window_decodes_only_and_prefills_only() -> None
                         batch.query_start_loc, batch.num_decodes, batch.max_query_len, scale, sliding_window)
         expected = reference_attention(query, key_cache, value_cache, batch, scale, sliding_window)
         torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+
+
+# Gemma 2's logit soft-capping: a cap of 0.5 squeezes every score (scaled scores here are about N(0, 1)).
+SOFTCAP_CASES = [(1, 4, 16, 0, torch.float32), (2, 2, 4, 9, torch.float32), (1, 2, 16, 20, torch.float16)]
+
+
+@pytest.mark.parametrize("num_kv_heads,group,block_size,sliding_window,dtype", SOFTCAP_CASES,
+                         ids=[f"kv{kv}-group{g}-block{bs}-window{w}-{str(dt).removeprefix('torch.')}"
+                              for kv, g, bs, w, dt in SOFTCAP_CASES])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_paged_attention_logit_softcap_matches_reference(num_kv_heads: int, group: int, block_size: int,
+                                                         sliding_window: int, dtype: torch.dtype,
+                                                         num_splits: int) -> None:
+    """Decodes (split or not) and prefill chunks, fresh and continuing, with the cap applied in both kernels."""
+    head_dim, cap = 16, 0.5
+    query_lens, context_lens = [1, 1, 1, 20, 5], [0, 40, 70, 0, 33]
+    batch, query, key_cache, value_cache = setup_step(query_lens, context_lens, block_size, group * num_kv_heads,
+                                                      num_kv_heads, head_dim, dtype)
+    scale = head_dim ** -0.5
+    out = torch.full_like(query, float("nan"))
+    decodes = batch.num_decodes
+    decode_attention(out[:decodes], query[:decodes], key_cache, value_cache, batch.block_table[:decodes],
+                     batch.seq_lens[:decodes], scale, sliding_window, num_splits=num_splits, logit_softcap=cap)
+    prefill_attention(out, query, key_cache, value_cache, batch.block_table[decodes:], batch.seq_lens[decodes:],
+                      batch.query_start_loc[decodes:], batch.max_query_len, scale, sliding_window, logit_softcap=cap)
+    expected = reference_attention(query, key_cache, value_cache, batch, scale, sliding_window, logit_softcap=cap)
+    torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
+    # The cap binds: without it the answer is another one.
+    plain = reference_attention(query, key_cache, value_cache, batch, scale, sliding_window)
+    assert (plain - expected).abs().max() > 1e-2
+
+
+def test_paged_attention_logit_softcap_through_the_flat_batch_and_bad_cap() -> None:
+    batch, query, key_cache, value_cache = setup_step([1, 1, 6], [5, 30, 0], 4, 4, 2, 16, torch.float32)
+    out = torch.full_like(query, float("nan"))
+    paged_attention(out, query, key_cache, value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                    batch.num_decodes, batch.max_query_len, 0.25, 0, logit_softcap=2.0)
+    expected = reference_attention(query, key_cache, value_cache, batch, 0.25, 0, logit_softcap=2.0)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+    with pytest.raises(ValueError, match="soft-capping must be a positive number"):
+        paged_attention(out, query, key_cache, value_cache, batch.block_table, batch.seq_lens,
+                        batch.query_start_loc, batch.num_decodes, batch.max_query_len, 0.25, 0, logit_softcap=0.0)
 
 
 def test_attention_rejects_bad_shapes() -> None:

@@ -543,6 +543,7 @@ struct Problem {
   int64_t group, head_dim, block_size;
   int64_t sliding_window;  // <= 0: none
   float scale;
+  float logit_softcap;  // <= 0: none; else scores become cap * tanh(scale * s / cap) (Gemma 2)
   const int64_t* block_table;
   int64_t block_table_stride;
   const int64_t* seq_lens;
@@ -773,8 +774,21 @@ void run_item(const Problem& pb, const WorkItem& item, const T* query, const C* 
             (Vec::loadu(s_tile + r * kKeyTile + v * kVecSize) * Vec::loadu(key_scales + v * kVecSize))
                 .store(s_tile + r * kKeyTile + v * kVecSize);
       }
+      float score_scale = pb.scale;
+      if (pb.logit_softcap > 0) {
+        // Soft-capping is not linear in the scores, so it is applied to the scaled ones here (every column
+        // of the [head_rows, kKeyTile] tile: those past n are masked by softmax_tile) and the softmax then
+        // takes them with a scale of 1.
+        const Vec inner(pb.scale / pb.logit_softcap), cap(pb.logit_softcap);
+        for (int r = 0; r < head_rows; ++r)
+          for (int v = 0; v < kKeyVecs; ++v) {
+            float* s = s_tile + r * kKeyTile + v * kVecSize;
+            ((Vec::loadu(s) * inner).tanh() * cap).store(s);
+          }
+        score_scale = 1.0f;
+      }
       float* o_head = scratch.out.data() + static_cast<size_t>(h) * head_rows * out_stride;
-      softmax_tile(s_tile, head_rows, pb.scale, k0, visible, scratch.row_max.data() + h * head_rows,
+      softmax_tile(s_tile, head_rows, score_scale, k0, visible, scratch.row_max.data() + h * head_rows,
                    scratch.row_sum.data() + h * head_rows, o_head, out_stride, scratch.new_max.data(),
                    scratch.correction.data());
 #if defined(KVLOOM_BF16_DOT) || defined(CPU_CAPABILITY_AVX2)
@@ -836,10 +850,11 @@ bool pairs_layout_supported(int64_t head_dim, int64_t block_size) {
 // out, query: [T, Hq, D]; the caches in the rows layout, both [num_blocks, block_size, Hkv, D], or in the
 // pairs layout (see the top), keys [num_blocks, Hkv, D / 2, block_size, 2] and values [num_blocks, Hkv,
 // block_size / 2, D, 2]; block_table: [B, max_blocks]; seq_lens: [B]; query_start_loc: [B + 1];
-// sliding_window <= 0: none.
-void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
+// sliding_window <= 0: none; logit_softcap <= 0: none (else Gemma 2's cap * tanh(scale * s / cap)).
+void paged_attention_softcap(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                             const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                             double logit_softcap) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "paged_attention: query and out must be "
               "[num_tokens, num_heads, head_dim] of one shape, got ", query.sizes(), " and ", out.sizes());
   const bool paired = key_cache.dim() == 5;
@@ -878,6 +893,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   check_index(seq_lens, "seq_lens", 1);
   check_index(query_start_loc, "query_start_loc", 1);
   TORCH_CHECK(scale > 0, "paged_attention: scale must be positive, got ", scale);
+  TORCH_CHECK(std::isfinite(logit_softcap) && logit_softcap >= 0,
+              "paged_attention: logit_softcap must be positive (or 0: none), got ", logit_softcap);
 
   const int64_t batch = seq_lens.size(0);
   TORCH_CHECK(head_dim >= 1 && head_dim <= kMaxHeadDim, "paged_attention: head_dim must be in [1, ", kMaxHeadDim,
@@ -893,6 +910,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   pb.block_size = block_size;
   pb.sliding_window = sliding_window;
   pb.scale = static_cast<float>(scale);
+  pb.logit_softcap = static_cast<float>(logit_softcap);
   pb.block_table = block_table.data_ptr<int64_t>();
   pb.block_table_stride = block_table.stride(0);
   pb.seq_lens = seq_lens.data_ptr<int64_t>();
@@ -978,6 +996,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   }
 }
 
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
+  paged_attention_softcap(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
+                          sliding_window, 0.0);
+}
+
 namespace kvloom::kernels {
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
@@ -990,9 +1015,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window) -> ()");
+  m.def("paged_attention_softcap(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, "
+        "float logit_softcap) -> ()");
   m.def("pairs_layout_supported(int head_dim, int block_size) -> bool", &pairs_layout_supported);
 }
 
 TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_softcap", &paged_attention_softcap);
 }

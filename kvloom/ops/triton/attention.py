@@ -182,6 +182,22 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 
 @triton.jit
+def _softcap(x, cap_log2):
+    """Gemma 2's cap * tanh(scale * s / cap), in the kernels' log2 domain: x = scale * s / cap, so this is
+    cap * log2(e) * tanh(x), with tanh(x) = 1 - 2 / (exp(2x) + 1) (exp overflowing to inf gives 1, as it should)."""
+    return cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
+
+
+def _score_scales(scale: float, logit_softcap: float | None) -> tuple[float, float]:
+    """(qk_scale, softcap_log2) for the kernels: see _softcap."""
+    if logit_softcap is None:
+        return scale * _LOG2_E, 0.0
+    if not logit_softcap > 0:
+        raise ValueError(f"attention logit soft-capping must be a positive number, got {logit_softcap}")
+    return scale / logit_softcap, logit_softcap * _LOG2_E
+
+
+@triton.jit
 def _decode_kernel(
     out_ptr,  # [B, Hq, D]
     query_ptr,  # [B, Hq, D]
@@ -190,14 +206,15 @@ def _decode_kernel(
     seq_lens_ptr,  # [B]
     partial_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32, only when NUM_SPLITS > 1
     partial_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32 (log2 domain), only when NUM_SPLITS > 1
-    qk_scale,  # softmax scale * log2(e): the kernel works in exp2
+    qk_scale,  # softmax scale * log2(e): the kernel works in exp2 (scale / cap where SOFTCAP)
+    softcap_log2,  # logit soft-cap * log2(e), read where SOFTCAP
     stride_out_token, stride_out_head, stride_query_token, stride_query_head,
     stride_cache_block, stride_cache_pos, stride_cache_head,
     stride_table_row, stride_table_col,
     stride_partial_token, stride_partial_head, stride_partial_split,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
@@ -236,6 +253,8 @@ def _decode_kernel(
         k = tl.load(key_cache_ptr + kv_offs[None, :] + dims[:, None],  # [D, BLOCK_N]
                     mask=key_mask[None, :] & dim_mask[:, None], other=0.0)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
+        if SOFTCAP:
+            s = _softcap(s, softcap_log2)
         s = tl.where(key_mask[None, :], s, float("-inf"))
         # Every tile holds a key for every row (the mask is per key), so m_new is finite from the first.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -298,7 +317,7 @@ def _decode_num_splits(num_programs: int, device: torch.device) -> int:
 
 def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int,
-                     *, num_splits: int | None = None) -> None:
+                     *, num_splits: int | None = None, logit_softcap: float | None = None) -> None:
     """Attention of one new token per request over its whole cached context, written into out.
 
     out, query: [B, Hq, D] (any token/head strides, contiguous last dim). key_cache, value_cache:
@@ -307,6 +326,7 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
     sliding_window: 0 for none, else the query at position q attends keys (q - sliding_window, q].
     num_splits: how many pieces each context is split into (a power of two); None picks from the
     batch size and the SM count. The grid depends only on B, Hkv and num_splits, never on seq_lens.
+    logit_softcap: None, or Gemma 2's cap (scores become cap * tanh(scores / cap) before the softmax).
     """
     group = _check_attention_args(out, query, key_cache, value_cache, block_table, seq_lens)
     num_reqs, num_heads, head_dim = query.shape
@@ -316,6 +336,7 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
                          f"block_table {block_table.shape[0]} rows")
     if sliding_window < 0:
         raise ValueError(f"sliding_window must be 0 (none) or positive, got {sliding_window}")
+    qk_scale, softcap_log2 = _score_scales(scale, logit_softcap)
     if num_reqs == 0:
         return
     if num_splits is None:
@@ -333,14 +354,14 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
     partial_strides = (num_heads * num_splits * head_dim, num_splits * head_dim, head_dim)
     _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
         out, query, key_cache, value_cache, block_table, seq_lens, partial_out, partial_lse,
-        scale * _LOG2_E,
+        qk_scale, softcap_log2,
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_table.stride(0), block_table.stride(1),
         *partial_strides,
         BLOCK_SIZE=key_cache.shape[1], GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=_head_dim_pad(head_dim), BLOCK_N=DECODE_BLOCK_N,
-        SLIDING_WINDOW=sliding_window, NUM_SPLITS=num_splits,
+        SLIDING_WINDOW=sliding_window, NUM_SPLITS=num_splits, SOFTCAP=logit_softcap is not None,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
     )
@@ -365,13 +386,14 @@ def _prefill_kernel(
     block_table_ptr,  # [B, max_blocks] int32/int64
     seq_lens_ptr,  # [B]
     query_start_loc_ptr,  # [B + 1]: request i owns tokens [query_start_loc[i], query_start_loc[i + 1])
-    qk_scale,  # softmax scale * log2(e): the kernel works in exp2
+    qk_scale,  # softmax scale * log2(e): the kernel works in exp2 (scale / cap where SOFTCAP)
+    softcap_log2,  # logit soft-cap * log2(e), read where SOFTCAP
     stride_out_token, stride_out_head, stride_query_token, stride_query_head,
     stride_cache_block, stride_cache_pos, stride_cache_head,
     stride_table_row, stride_table_col,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -412,6 +434,8 @@ def _prefill_kernel(
         k = tl.load(key_cache_ptr + kv_offs[None, :] + dims[:, None],  # [D, BLOCK_N]
                     mask=key_mask[None, :] & dim_mask[:, None], other=0.0)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            s = _softcap(s, softcap_log2)
         mask = key_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING_WINDOW > 0:
             mask &= pos[None, :] > q_pos[:, None] - SLIDING_WINDOW
@@ -434,7 +458,8 @@ def _prefill_kernel(
 
 def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                      max_query_len: int, scale: float, sliding_window: int) -> None:
+                      max_query_len: int, scale: float, sliding_window: int,
+                      logit_softcap: float | None = None) -> None:
     """Causal attention of variable-length chunks, all requests in one launch, written into out.
 
     out, query: [T, Hq, D] (any token/head strides, contiguous last dim). key_cache, value_cache:
@@ -444,6 +469,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
     [query_start_loc[i], query_start_loc[i + 1]), the last positions of its sequence. The offsets are
     absolute token indices into query, so a slice of a larger batch's query_start_loc works as is.
     max_query_len: host int, the longest chunk (sizes the grid). sliding_window: 0 for none.
+    logit_softcap: None, or Gemma 2's cap (as in decode_attention).
     """
     group = _check_attention_args(out, query, key_cache, value_cache, block_table, seq_lens)
     num_reqs = block_table.shape[0]
@@ -452,27 +478,29 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
         raise ValueError(f"query_start_loc must be [B + 1] = [{num_reqs + 1}], got {tuple(query_start_loc.shape)}")
     if sliding_window < 0:
         raise ValueError(f"sliding_window must be 0 (none) or positive, got {sliding_window}")
+    qk_scale, softcap_log2 = _score_scales(scale, logit_softcap)
     if num_reqs == 0 or max_query_len <= 0:
         return
     dot_dtype, dot_precision = _dot_config(key_cache)
     grid = (num_reqs, num_heads, triton.cdiv(max_query_len, PREFILL_BLOCK_M))
     _prefill_kernel[grid](
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        scale * _LOG2_E,
+        qk_scale, softcap_log2,
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_table.stride(0), block_table.stride(1),
         BLOCK_SIZE=key_cache.shape[1], GROUP=group,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=_head_dim_pad(head_dim),
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, SLIDING_WINDOW=sliding_window,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, SOFTCAP=logit_softcap is not None,
         num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES,
     )
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    num_decodes: int, max_query_len: int, scale: float, sliding_window: int) -> None:
+                    num_decodes: int, max_query_len: int, scale: float, sliding_window: int,
+                    logit_softcap: float | None = None) -> None:
     """Attention for a whole flat batch: num_decodes one-token requests first, then prefill chunks.
 
     out, query: [T, Hq, D]; block_table: [B, max_blocks]; seq_lens: [B]; query_start_loc: [B + 1] on the
@@ -484,8 +512,10 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         raise ValueError(f"num_decodes must be in [0, {num_reqs}], got {num_decodes}")
     if num_decodes:
         decode_attention(out[:num_decodes], query[:num_decodes], key_cache, value_cache,
-                         block_table[:num_decodes], seq_lens[:num_decodes], scale, sliding_window)
+                         block_table[:num_decodes], seq_lens[:num_decodes], scale, sliding_window,
+                         logit_softcap=logit_softcap)
     if num_decodes < num_reqs:
         # query_start_loc holds absolute offsets, so the prefills index the full query and out.
         prefill_attention(out, query, key_cache, value_cache, block_table[num_decodes:], seq_lens[num_decodes:],
-                          query_start_loc[num_decodes:], max_query_len, scale, sliding_window)
+                          query_start_loc[num_decodes:], max_query_len, scale, sliding_window,
+                          logit_softcap=logit_softcap)
