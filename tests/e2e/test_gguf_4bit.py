@@ -33,6 +33,18 @@ def q4_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
                                        types={"attn": GGML_Q4_0, "ffn": GGML_Q4_1, "ffn_down": GGML_F16})
 
 
+
+def worst_prompt_logprob_gap(ours: LLM, theirs: LLM, prompts: list[list[int]]) -> float:
+    """The largest difference between two engines' logprobs of the prompts' own tokens."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    worst = 0.0
+    for a_out, b_out in zip(ours.generate(requests, params, use_tqdm=False),
+                            theirs.generate(requests, params, use_tqdm=False)):
+        for a, b in zip(a_out.prompt_logprobs[1:], b_out.prompt_logprobs[1:]):
+            worst = max(worst, abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob))
+    return worst
+
 def test_kept_4bit_blocks_hold_exactly_the_files_values(q4_gguf: str) -> None:
     source = resolve_model(q4_gguf)
     floats = dict(iter_weights(source))
@@ -102,13 +114,7 @@ def test_none_dequantizes_and_gguf_stays_close_to_it(q4_gguf: str) -> None:
     assert dense.llm_engine.config.quantization is None
     assert not any("Q4" in type(m.packed).__name__ for m in _projections(dense))
     kept = LLM(model=q4_gguf, dtype="float32", max_model_len=128)
-    prompts = mixed_prompts(400, count=4, seed=7)
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    worst = 0.0
-    for ours, theirs in zip(kept.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False),
-                            dense.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
-        for a, b in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:]):
-            worst = max(worst, abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob))
+    worst = worst_prompt_logprob_gap(kept, dense, mixed_prompts(400, count=4, seed=7))
     assert worst < 0.05, worst
 
 

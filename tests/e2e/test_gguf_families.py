@@ -15,6 +15,7 @@ import tiny_models
 import torch
 
 from e2e.test_correctness import hf_greedy, kvloom_greedy, mixed_prompts
+from e2e.test_gguf_4bit import worst_prompt_logprob_gap
 from kvloom import LLM, SamplingParams
 from kvloom.layers.linear import Linear
 from kvloom.layers.moe import FusedMoE
@@ -153,13 +154,7 @@ def test_4bit_gguf_keeps_its_projections_4bit(family: str, checkpoints: dict[str
         assert {type(p).__name__ for p in experts.packed.gate_up} == {"PackedQ4Weight"}
         assert not any(isinstance(p, PackedQ4Weight) for p in experts.packed.down)
     dense = LLM(model=q4, dtype="float32", max_model_len=128, quantization="none")
-    prompts = short_prompts(family)
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    worst = 0.0
-    for ours, theirs in zip(kept.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False),
-                            dense.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
-        for a, b in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:]):
-            worst = max(worst, abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob))
+    worst = worst_prompt_logprob_gap(kept, dense, short_prompts(family))
     # The 4-bit product quantizes activations per block of 32 (as llama.cpp does): close, not equal (0.03-0.045
     # at worst here).
     assert worst < 0.05, worst
