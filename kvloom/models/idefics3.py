@@ -166,7 +166,25 @@ def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
     return x.reshape(n, seq // (scale * scale), dim * scale * scale)
 
 
-class Idefics3ForConditionalGeneration(nn.Module):
+class WrapsLanguageModel:
+    """What a vision-language model hands to its ``language_model`` as it is: the hidden-state layers EAGLE-3
+    reads and the C++ layer stack's preparation (Idefics3 and LLaVA alike)."""
+
+    language_model: nn.Module
+
+    @property
+    def aux_hidden_state_layers(self) -> tuple[int, ...]:
+        return self.language_model.aux_hidden_state_layers
+
+    @aux_hidden_state_layers.setter
+    def aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        self.language_model.aux_hidden_state_layers = layers
+
+    def prepare_layer_stack(self) -> None:
+        self.language_model.prepare_layer_stack()
+
+
+class Idefics3ForConditionalGeneration(WrapsLanguageModel, nn.Module):
     """The runner's model interface (forward, compute_logits, load_weights) plus ``embed_images``: tiles ->
     the rows that replace the image tokens. ``forward`` takes those rows with the flat token indices they
     belong at (``multimodal_embeddings``)."""
@@ -191,17 +209,6 @@ class Idefics3ForConditionalGeneration(nn.Module):
                                           [config.hidden_size], bias=False)
         text_config = dataclasses.replace(config, architecture=config.multimodal["text_architecture"], multimodal=None)
         self.language_model = LlamaForCausalLM(text_config, ops)
-
-    @property
-    def aux_hidden_state_layers(self) -> tuple[int, ...]:
-        return self.language_model.aux_hidden_state_layers
-
-    @aux_hidden_state_layers.setter
-    def aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
-        self.language_model.aux_hidden_state_layers = layers
-
-    def prepare_layer_stack(self) -> None:
-        self.language_model.prepare_layer_stack()
 
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, C, S, S] (N tiles, any images) -> [N * image_seq_len, H] rows, tile by tile."""

@@ -18,7 +18,7 @@ from torch import nn
 
 from kvloom.layers.linear import Linear
 from kvloom.loader.model_config import ModelConfig
-from kvloom.models.idefics3 import LayerNorm, VisionConfig, VisionEncoderLayer, load_tower_tensor
+from kvloom.models.idefics3 import LayerNorm, VisionConfig, VisionEncoderLayer, WrapsLanguageModel, load_tower_tensor
 from kvloom.models.llama import LlamaForCausalLM, MistralForCausalLM
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops
@@ -50,7 +50,7 @@ class ClipVisionTower(nn.Module):
         return hidden
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(WrapsLanguageModel, nn.Module):
     """The runner's model interface plus ``embed_images`` (tiles -> the rows that replace image tokens)."""
 
     supports_int8 = False
@@ -83,17 +83,6 @@ class LlavaForConditionalGeneration(nn.Module):
         self.linear_2 = Linear(config.hidden_size, [config.hidden_size], bias=bias)
         text_config = dataclasses.replace(config, architecture=mm["text_architecture"], multimodal=None)
         self.language_model = _TEXT_MODELS[mm["text_architecture"]](text_config, ops)
-
-    @property
-    def aux_hidden_state_layers(self) -> tuple[int, ...]:
-        return self.language_model.aux_hidden_state_layers
-
-    @aux_hidden_state_layers.setter
-    def aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
-        self.language_model.aux_hidden_state_layers = layers
-
-    def prepare_layer_stack(self) -> None:
-        self.language_model.prepare_layer_stack()
 
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, C, S, S] -> [N * image_seq_len, H] rows, image by image."""
