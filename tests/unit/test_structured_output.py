@@ -230,6 +230,22 @@ def test_triton_bitmask_kernel_matches_torch_under_the_interpreter() -> None:
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_triton_bitmask_kernel_matches_torch_at_model_sizes() -> None:
+    from kvloom.structured_output.triton_bitmask import apply_token_bitmask_triton
+    torch.manual_seed(0)
+    for vocab, dtype, batch, constrained in ((49152, torch.bfloat16, 64, 40), (151936, torch.float32, 8, 8),
+                                            (1000, torch.float16, 3, 1)):
+        logits = torch.randn(batch, vocab, device="cuda").to(dtype)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (constrained, (vocab + 31) // 32), dtype=torch.int32)
+        rows = torch.randperm(batch)[:constrained]
+        expected = logits.cpu()
+        apply_token_bitmask_torch(expected, bitmask, rows)
+        apply_token_bitmask_triton(logits, bitmask.cuda(), rows.cuda())
+        assert torch.equal(expected, logits.cpu()), (vocab, dtype)
+
+
 def test_backend_flag_takes_only_xgrammar_and_auto() -> None:
     assert EngineConfig(structured_outputs_config={"backend": "xgrammar"}).structured_outputs.backend == "xgrammar"
     assert EngineConfig().structured_outputs.backend == "auto"

@@ -1,0 +1,90 @@
+"""The third wave's features on CUDA (skipped without a GPU): every model family against transformers, LoRA
+adapters against their merged models, structured outputs, 4-bit GGUF and int8 weights against the same engine's
+plain-torch path. fp32, so tokens must be equal (the Triton kernels sum in fp32 without TF32).
+Run on a GPU machine: ``pytest -m gpu tests``."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import tiny_models
+import torch
+from e2e.test_correctness import hf_greedy, kvloom_greedy, mixed_prompts
+from e2e.test_lora import PROMPTS as LORA_PROMPTS
+from e2e.test_lora import adapters, expected, greedy  # noqa: F401  (fixtures)
+from e2e.test_models_families import FAMILIES, family_dir, family_dirs  # noqa: F401  (fixture)
+from e2e.test_structured_output import PROMPTS as JSON_PROMPTS
+from e2e.test_structured_output import SCHEMA, json_params
+
+from kvloom import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _llm(model_dir: str, **kwargs) -> LLM:
+    kwargs = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "64MiB", **kwargs}
+    return LLM(model=model_dir, device="cuda", **kwargs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_family_greedy_equals_transformers(family: str, family_dirs: dict[str, str],  # noqa: F811
+                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Qwen2/3, Phi-3, Gemma 2 (soft-capping in the Triton attention), Gemma 3, and the three MoE layouts
+    (experts in the Triton grouped GEMM), with prefill chunks beside decodes."""
+    model_dir = family_dir(family, family_dirs, tmp_path_factory)
+    prompts = mixed_prompts(400, count=6, seed=1)
+    llm = _llm(model_dir, max_num_batched_tokens=64)
+    assert llm.llm_engine.executor.driver.ops.name == "triton"
+    assert kvloom_greedy(llm, prompts, 12) == hf_greedy(model_dir, prompts, 12)
+
+
+def test_cuda_lora_mixed_batch_matches_the_merged_models(tiny_llama_dir: str, adapters: list,  # noqa: F811
+                                                         expected: dict) -> None:  # noqa: F811
+    llm = _llm(tiny_llama_dir, max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    loras = [None, *adapters]
+    cases = [(lora, index) for index in range(len(LORA_PROMPTS)) for lora in loras]
+    got = greedy(llm, [LORA_PROMPTS[index] for _, index in cases], [lora for lora, _ in cases])
+    for (lora, index), tokens in zip(cases, got):
+        assert tokens == expected[None if lora is None else lora.lora_name][index], (lora, index)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cuda_json_schema_outputs_validate(tiny_llama_dir: str, temperature: float) -> None:
+    """The token bitmask applied by the Triton kernel on the device's logits."""
+    llm = _llm(tiny_llama_dir, max_num_seqs=8)
+    outputs = llm.generate(JSON_PROMPTS, json_params(temperature), use_tqdm=False)
+    for output in outputs:
+        jsonschema.validate(json.loads(output.outputs[0].text), SCHEMA)
+
+
+def test_cuda_q4_gguf_equals_the_dequantized_product(tmp_path) -> None:
+    """A GGUF whose projections are Q4_0 / Q4_1 keeps them 4-bit (the Triton Q4 GEMM); greedy tokens equal the
+    engine's with the weights dequantized at load (fp32: the 4-bit product multiplies the same values)."""
+    checkpoint = tiny_models.build_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", tie_word_embeddings=False)
+    gguf = tiny_models.write_tiny_gguf(str(tmp_path / "q4.gguf"), checkpoint, types={"attn": 2, "ffn": 3})
+    prompts = mixed_prompts(400, count=6, seed=2)
+    kept = _llm(gguf)
+    assert kept.llm_engine.config.quantization == "gguf"
+    dense = _llm(gguf, quantization="none")
+    assert kvloom_greedy(kept, prompts, 8) == kvloom_greedy(dense, prompts, 8)
+
+
+def test_cuda_int8_weights_stay_close_to_fp32(tiny_llama_dir: str) -> None:
+    """int8 weights (the Triton weight-only GEMM): the first greedy token of most prompts equals fp32's."""
+    prompts = mixed_prompts(400, count=8, seed=3)
+    full = kvloom_greedy(_llm(tiny_llama_dir), prompts, 1)
+    int8 = kvloom_greedy(_llm(tiny_llama_dir, quantization="int8"), prompts, 1)
+    assert sum(a == b for a, b in zip(full, int8)) >= 6, (full, int8)
+
+
+def test_cuda_prompt_logprobs_and_sampling_params(tiny_llama_dir: str) -> None:
+    """Penalties, logit_bias, n>1 and logprobs on the device sampler run and keep their shapes."""
+    llm = _llm(tiny_llama_dir)
+    params = SamplingParams(n=3, temperature=0.9, top_k=20, repetition_penalty=1.3, presence_penalty=0.5,
+                            logit_bias={7: 5.0}, logprobs=3, prompt_logprobs=2, max_tokens=6, seed=1,
+                            ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)[0]
+    assert len(out.outputs) == 3 and all(len(c.token_ids) == 6 for c in out.outputs)
+    assert all(len(c.logprobs) == 6 for c in out.outputs) and len(out.prompt_logprobs) == 4
