@@ -47,7 +47,7 @@ def main() -> int:
     env = dict(os.environ, KVLOOM_COMPILED_ARTIFACTS=str(store), KVLOOM_LOGGING_LEVEL="WARNING")
     rows = []
     for index in range(args.starts):
-        before = count_files(store / "triton")
+        before = count_files(store)
         wall = time.perf_counter()
         result = subprocess.run([sys.executable, "-c", CHILD, args.model], env=env, capture_output=True, text=True)
         if result.returncode:
@@ -55,7 +55,7 @@ def main() -> int:
             return 1
         row = json.loads(result.stdout.strip().splitlines()[-1])
         row.update(kind="cold" if index == 0 else "warm", process_s=time.perf_counter() - wall,
-                   new_kernel_files=count_files(store / "triton") - before)
+                   new_kernel_files=count_files(store) - before)
         rows.append(row)
         print(f"{row['kind']}: engine ready {row['start_s']:.1f} s, first token {row['first_token_s']:.1f} s "
               f"(process {row['process_s']:.1f} s), store {row['artifacts']}, "

@@ -39,7 +39,8 @@ class VocabEmbedding(nn.Module):
                              f"{scales[1]} (per block), got {qweight.dtype} {tuple(qweight.shape)} and "
                              f"{tuple(scale.shape)}")
         self.dtype = self.weight.dtype
-        self.qweight, self.weight_scale = qweight, scale.float()
+        device = self.weight.device  # a checkpoint's blocks are read on the CPU; the model may sit on a GPU
+        self.qweight, self.weight_scale = qweight.to(device), scale.float().to(device)
         self.weight.data = self.weight.data.new_empty(0, expected[1])
 
     def load_shard(self, name: str, shard: int, tensor: int8.Int8Rows | int8.Int8Blocks) -> None:
@@ -79,7 +80,8 @@ class LMHead(nn.Module):
         expected = tuple(self.weight.shape)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"lm_head int8 weight has shape {tuple(tensor.shape)}, expected {expected}")
-        self.qweight, self.weight_scale = tensor.qweight, tensor.scale.float()
+        device = self.weight.device
+        self.qweight, self.weight_scale = tensor.qweight.to(device), tensor.scale.float().to(device)
         self.weight.data = self.weight.data.new_empty(0, expected[1])
 
     def process_weights_after_loading(self, ops: Ops) -> None:

@@ -140,7 +140,8 @@ class Linear(nn.Module):
             raise ValueError(f"weight_scale must have shape {expected[:1]} (per row) or "
                              f"{(expected[0], expected[1] // int8.BLOCK)} (per block of {int8.BLOCK}), "
                              f"got {tuple(scale.shape)}")
-        self.qweight, self.weight_scale = qweight, scale.float()
+        device = self.weight.device  # a quantized checkpoint is read on the CPU; the model may sit on a GPU
+        self.qweight, self.weight_scale = qweight.to(device), scale.float().to(device)
         self.weight.data = self.weight.data.new_empty(0, self.in_features)
 
     def process_weights_after_loading(self, ops: Ops) -> None:

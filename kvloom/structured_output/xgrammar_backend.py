@@ -67,6 +67,22 @@ class XgrammarMatcher(GrammarMatcher):
         self.matcher.rollback(num_tokens)
 
 
+# xgrammar (0.2.8) writes a length-bounded string's characters (minLength / maxLength) as [^"\\\r\n], which lets
+# control characters through, where JSON allows none unescaped (its unbounded strings exclude \0-\x1f): a
+# sampled tab or \x01 then made output json.loads refuses. The class is rewritten in the grammar's EBNF.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_schema_grammar(schema: str, any_whitespace: bool) -> xgr.Grammar:
+    """The grammar of a JSON schema whose every string character is one JSON allows unescaped."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+    text = str(grammar)
+    if _LOOSE_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+
+
 class XgrammarBackend(StructuredOutputBackend):
     name = "xgrammar"
 
@@ -87,9 +103,9 @@ class XgrammarBackend(StructuredOutputBackend):
         whitespace = not params.disable_any_whitespace
         try:
             if kind == "json":
-                return xgr.Grammar.from_json_schema(_json_text(params.json), any_whitespace=whitespace)
+                return json_schema_grammar(_json_text(params.json), whitespace)
             if kind == "json_object":
-                return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=whitespace)
+                return json_schema_grammar('{"type": "object"}', whitespace)
             if kind == "regex":
                 return xgr.Grammar.from_regex(params.regex)
             if kind == "choice":

@@ -2,16 +2,20 @@
 
 On CUDA what a start compiles is Triton kernels (one binary per kernel and shape specialisation). Their
 store is ``KVLOOM_COMPILED_ARTIFACTS`` (or ``override_backend_config={"compiled_artifacts": DIR}``;
-default ``KVLOOM_CACHE_DIR/compiled``), laid out as
+default ``KVLOOM_CACHE_DIR/compiled``), one folder per configuration the kernels depend on:
 
-    DIR/manifest.json   what the store was compiled for (versions, GPU, model shapes, dtype, buckets)
-                        and a checksum of every file, written once a start has finished compiling
-                        (kernels compiled later for new shapes join the folder, unlisted)
-    DIR/triton/         Triton's cache (TRITON_CACHE_DIR points here)
+    DIR/<key digest>/manifest.json  what the store was compiled for (versions, GPU, model shapes, dtype,
+                                    buckets) and a checksum of every file, written once a start has finished
+                                    compiling (kernels compiled later for new shapes join the folder, unlisted)
+    DIR/<key digest>/triton/        Triton's cache (TRITON_CACHE_DIR points here)
 
-A start whose configuration matches the manifest and whose files pass their checksums compiles nothing;
-one that does not match, or finds a corrupt or half-written store, empties it and compiles anew. One
-log line says which happened. (CUDA graphs hold device addresses, so they are captured at every start.)
+A start whose configuration has a manifest and whose files pass their checksums compiles nothing. Stores of
+other configurations are never touched, so engines of different models, or data-parallel replicas and servers
+started at once, can share DIR: a store without a manifest yet (another start of the same configuration is
+compiling into it, or one stopped before it finished) is compiled into further, since Triton writes each kernel
+file whole (by rename); only a store whose manifest does not hold (corrupt) is set aside (renamed, then
+deleted) and compiled anew. One log line says which happened. (CUDA graphs hold device addresses, so they are
+captured at every start.)
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +65,19 @@ def store_key(config: ResolvedConfig, buckets: list[int] | None) -> dict[str, An
 
 
 def _checksums(directory: Path) -> dict[str, str]:
-    return {str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(directory.rglob("*")) if path.is_file()}
+    """Every whole file's checksum: Triton's temporary folders (``tmp.pid_*``, renamed into place when done) and
+    files another process removes while this one reads are left out."""
+    sums = {}
+    for path in sorted(directory.rglob("*")):
+        relative = path.relative_to(directory)
+        if any(part.startswith("tmp.") for part in relative.parts):
+            continue
+        try:
+            if path.is_file():
+                sums[str(relative)] = hashlib.sha256(path.read_bytes()).hexdigest()
+        except FileNotFoundError:
+            continue
+    return sums
 
 
 def _intact(directory: Path, files: dict[str, str]) -> bool:
@@ -73,45 +89,64 @@ def _intact(directory: Path, files: dict[str, str]) -> bool:
     return True
 
 
+def key_digest(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
 class ArtifactStore:
-    def __init__(self, config: ResolvedConfig, buckets: list[int] | None) -> None:
-        self.directory = store_dir(config)
+    """The store of one configuration (``key``) under ``root``; ``for_config`` builds it from an engine's."""
+
+    def __init__(self, root: Path, key: dict[str, Any]) -> None:
+        self.root = Path(root)
+        self.key = key
+        self.directory = self.root / key_digest(key)
         self.kernels = self.directory / "triton"
-        self.key = store_key(config, buckets)
         self.status = ""
 
+    @classmethod
+    def for_config(cls, config: ResolvedConfig, buckets: list[int] | None) -> ArtifactStore:
+        return cls(store_dir(config), store_key(config, buckets))
+
     def open(self) -> None:
-        """Check the store, empty it when it cannot be reused, and point Triton's cache at it."""
+        """Check the store, set it aside when it cannot be reused, and point Triton's cache at it."""
         manifest_path = self.directory / MANIFEST
         reason = None
         if not manifest_path.exists():
-            reason = "no store yet" if not self.kernels.exists() else "the store was left half-written"
+            self.status = "resumed" if self.kernels.exists() else "created"
         else:
             try:
                 manifest = json.loads(manifest_path.read_text())
                 if manifest.get("key") != self.key:
-                    differ = sorted(k for k in self.key if manifest.get("key", {}).get(k) != self.key[k])
-                    reason = f"it was compiled for another configuration ({', '.join(differ)} differ)"
+                    reason = "its manifest names another configuration"
                 elif not _intact(self.kernels, manifest.get("files", {})):
                     reason = "its files do not match their checksums (corrupt)"
             except (OSError, ValueError, AttributeError) as error:
                 reason = f"its manifest cannot be read ({error})"
-        if reason is None:
-            self.status = "reused"
+            self.status = "reused" if reason is None else "replaced"
+        if self.status == "reused":
             logger.info("Compiled artifacts: reusing %s (nothing to compile)", self.directory)
         else:
-            if self.directory.exists():
-                shutil.rmtree(self.directory)
-            self.status = "created" if reason == "no store yet" else "replaced"
-            logger.info("Compiled artifacts: compiling into %s (%s)", self.directory, reason)
+            if reason is not None:
+                self._set_aside()
+            why = {"created": "no store yet", "resumed": "a store without a manifest yet: compiling into it further"}
+            logger.info("Compiled artifacts: compiling into %s (%s)", self.directory, reason or why[self.status])
         self.kernels.mkdir(parents=True, exist_ok=True)
         os.environ["TRITON_CACHE_DIR"] = str(self.kernels)
+
+    def _set_aside(self) -> None:
+        """Rename the bad store out of the way (a concurrent start sees it whole or not at all), then delete it."""
+        aside = self.root / f".stale-{self.directory.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(self.directory, aside)
+        except FileNotFoundError:
+            return  # another start set it aside first
+        shutil.rmtree(aside, ignore_errors=True)
 
     def close(self) -> None:
         """After start-up compiled everything: record what the store holds (a no-op when it was reused)."""
         if self.status == "reused":
             return
         manifest = {"key": self.key, "files": _checksums(self.kernels)}
-        tmp = self.directory / (MANIFEST + ".tmp")
+        tmp = self.directory / f"{MANIFEST}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         tmp.write_text(json.dumps(manifest, indent=1))
         tmp.replace(self.directory / MANIFEST)

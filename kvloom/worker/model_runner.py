@@ -89,7 +89,7 @@ class ModelRunner:
                               batch_hint=min(engine.max_num_seqs, 256),
                               int8_activations=engine.backend.int8_activations)
         if self.ops.name == "triton":
-            self.artifacts = ArtifactStore(self.config, self._token_gen_buckets())
+            self.artifacts = ArtifactStore.for_config(self.config, self._token_gen_buckets())
             self.artifacts.open()  # before the first kernel compiles
         with default_dtype(self.dtype), torch.device(self.device):
             model = build_model(self.model_config, self.ops)

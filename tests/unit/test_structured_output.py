@@ -268,3 +268,22 @@ def test_dotted_backend_flag_as_vllm() -> None:
     args = parser.parse_args(["--structured-outputs-config.backend", "guidance"])
     with pytest.raises(ValueError, match="not available"):
         config_from_args(args)
+
+
+@pytest.mark.parametrize("string", [{"maxLength": 6}, {"minLength": 1}, {}])
+def test_json_strings_never_take_a_raw_control_character(string: dict) -> None:
+    """JSON allows no unescaped character below 0x20 in a string; xgrammar's length-bounded strings let them
+    through, so the schema's grammar is rewritten (a sampled tab made output json.loads refused on a GPU)."""
+    import xgrammar as xgr
+
+    from kvloom.structured_output.xgrammar_backend import json_schema_grammar
+
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string", **string}},
+                         "required": ["name"], "additionalProperties": False})
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)] + ["\t", "\x01", "\n"]))
+    compiled = compiler.compile_grammar(json_schema_grammar(schema, any_whitespace=False))
+    for text, valid in (('{"name": "ab"}', True), ('{"name": "a\tb"}', False), ('{"name": "a\x01"}', False),
+                        ('{"name": "a\nb"}', False)):
+        assert xgr.GrammarMatcher(compiled).accept_string(text) == valid, (string, text)
+        if valid:
+            json.loads(text)
