@@ -44,16 +44,19 @@ tests)
 throughput)
     for n in ${WORKLOADS:-256 64}; do
         stage "throughput-$n" "${THROUGHPUT_LIMIT:-150}" $PY benchmarks/gpu_throughput.py --workload "$n" \
-            --checkpoint-dir "$CKPT" --repeats "${REPEATS:-3}" --bandwidth "$BW" --json "$OUT/throughput-$n.json"
+            --engines "${ENGINES:-kvloom,kvloom-async,hf}" --checkpoint-dir "$CKPT" --repeats "${REPEATS:-3}" \
+            --bandwidth "$BW" --json "$OUT/throughput-$n.json"
     done ;;
 step)
-    stage step 90 $PY benchmarks/gpu_step_profile.py --model "$CKPT" -n 256 --bandwidth "$BW" ;;
+    stage step 60 $PY benchmarks/gpu_step_profile.py --model "$CKPT" -n 256 --bandwidth "$BW" --no-detokenize
+    stage step-async 60 $PY benchmarks/gpu_step_profile.py --model "$CKPT" -n 256 --bandwidth "$BW" \
+        --no-detokenize --async-scheduling ;;
 start)
     stage start 120 $PY benchmarks/gpu_start.py --model "$CKPT" --starts 3 --json "$OUT/start.json" ;;
 spec)
     if [ -n "${SMOLLM2_GGUF:-}" ]; then
-        stage spec 150 $PY benchmarks/speculative.py --model "$SMOLLM2_GGUF" --batch 1 --repeats 3 \
-            --workload copy --max-tokens 128
+        stage spec "${SPEC_LIMIT:-150}" $PY benchmarks/speculative.py --model "$SMOLLM2_GGUF" --batch 1 \
+            --repeats "${SPEC_REPEATS:-3}" --workload copy --max-tokens 128
     else
         echo "== spec: skipped (SMOLLM2_GGUF unset)"
     fi ;;

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 H100_SXM_BANDWIDTH = 3.35e12  # bytes/s of HBM3 on an H100 SXM
-ENGINES = ("kvloom", "hf")
+ENGINES = ("kvloom", "kvloom-async", "hf")
 # The config.json keys that must match for a --checkpoint-dir to be reused.
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
               "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
@@ -240,7 +240,31 @@ class HFRunner:
         return num_output_tokens
 
 
-RUNNERS = {"kvloom": KvloomRunner, "hf": HFRunner}
+class KvloomAsyncRunner:
+    """kvloom with async scheduling: the same engine as ``kvloom`` when that one runs too (two engines in one
+    process would split the GPU memory), its ``async_scheduling`` switched on around each run."""
+
+    name = "kvloom-async"
+    shared: KvloomRunner | None = None
+
+    def __init__(self, checkpoint: Path, args: argparse.Namespace) -> None:
+        self.base = KvloomAsyncRunner.shared or KvloomRunner(checkpoint, args)
+
+    def run(self, prompts: list[list[int]]) -> int:
+        set_async_scheduling(self.base.llm, True)
+        try:
+            return self.base.run(prompts)
+        finally:
+            set_async_scheduling(self.base.llm, False)
+
+
+def set_async_scheduling(llm: Any, on: bool) -> None:
+    """Between generate calls (no step in flight): the engine, its scheduler and its runner switch together."""
+    engine = llm.llm_engine
+    engine.async_scheduling = engine.scheduler.async_scheduling = engine.executor.driver.async_scheduling = on
+
+
+RUNNERS = {"kvloom": KvloomRunner, "kvloom-async": KvloomAsyncRunner, "hf": HFRunner}
 
 
 def timed_run(runner: KvloomRunner | HFRunner, prompts: list[list[int]], expected_tokens: int) -> dict[str, Any]:
@@ -397,7 +421,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", type=int, default=256, help="number of prompts (issue 9: 256 or 64)")
-    p.add_argument("--engines", default="kvloom,hf", help="comma-separated, from kvloom,hf")
+    p.add_argument("--engines", default="kvloom,hf", help="comma-separated, from kvloom,kvloom-async,hf")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per engine, after one warm-up")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     p.add_argument("--output-tokens", type=int, default=128)
@@ -472,6 +496,8 @@ def run_benchmark(args: argparse.Namespace, checkpoint: Path, info: dict[str, An
         try:
             start = time.perf_counter()
             runners[name] = RUNNERS[name](checkpoint, args)
+            if name == "kvloom":
+                KvloomAsyncRunner.shared = runners[name]
             build_s = time.perf_counter() - start
             warmup = timed_run(runners[name], prompts, expected_tokens)
             engines[name] = {"build_s": build_s, "warmup_s": warmup["elapsed_s"], "runs": []}
@@ -517,18 +543,23 @@ def run_benchmark(args: argparse.Namespace, checkpoint: Path, info: dict[str, An
     print(f"workload: {len(prompts)} prompts of {args.min_prompt_len}..{args.max_prompt_len} tokens "
           f"({prompt_tokens:,} prompt tokens), {args.output_tokens} greedy output tokens each; "
           f"HF static batches of {args.hf_batch_size}")
-    print(f"{'engine':<8} {'output tok/s':>13} {'min .. max':>21} {'runs':>5} {'start-up s':>11} {'warm-up s':>10}")
+    print(f"{'engine':<12} {'output tok/s':>13} {'min .. max':>21} {'runs':>5} {'start-up s':>11} {'warm-up s':>10}")
     for name, result in engines.items():
         if not result["runs"]:
-            print(f"{name:<8} {'failed':>13}")
+            print(f"{name:<12} {'failed':>13}")
             continue
         spread = f"{result['min']:,.0f} .. {result['max']:,.0f}"
-        print(f"{name:<8} {result['median']:>13,.1f} {spread:>21} {len(result['runs']):>5} "
+        print(f"{name:<12} {result['median']:>13,.1f} {spread:>21} {len(result['runs']):>5} "
               f"{result['build_s']:>11.1f} {result['warmup_s']:>10.2f}")
     ratio = None
     if engines.get("kvloom", {}).get("runs") and engines.get("hf", {}).get("runs"):
         ratio = engines["kvloom"]["median"] / engines["hf"]["median"]
         print(f"kvloom / hf: {ratio:.2f}x (medians)")
+    if engines.get("kvloom-async", {}).get("runs"):
+        for other in ("hf", "kvloom"):
+            if engines.get(other, {}).get("runs"):
+                print(f"kvloom-async / {other}: {engines['kvloom-async']['median'] / engines[other]['median']:.2f}x "
+                      f"(medians)")
     label = " (H100 SXM)" if args.bandwidth == H100_SXM_BANDWIDTH else ""
     print(f"a decode step at {bound['batch']} sequences reads {bound['bytes'] / 1e9:.3g} GB "
           f"({bound['weight_bytes'] / 1e9:.3g} GB weights + {bound['kv_bytes'] / 1e9:.3g} GB KV at a mean context "

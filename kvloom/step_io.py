@@ -15,6 +15,10 @@ from typing import Any, NamedTuple
 from kvloom.lora.request import LoRARequest
 from kvloom.sampling_params import SamplingParams
 
+# Async scheduling: a scheduled token the previous step is still sampling; the runner takes it from that step's
+# output on the device.
+PLACEHOLDER_TOKEN_ID = -1
+
 # (token ids, logprobs, rank of the first id): column 0 is the sampled/actual token, then the top-k.
 LogprobsRow = tuple[list[int], list[float], int]
 

@@ -126,6 +126,9 @@ class EngineConfig:
         "kvloom (True or unset; False is refused)")
     use_v2_block_manager: bool | None = knob("scheduler", None, "accepted for the seeds and old vLLM; no effect "
                                              "(kvloom has one block manager)")
+    async_scheduling: bool | None = knob(
+        "scheduler", None, "schedule and prepare step N+1 while step N runs on the device (vLLM's async scheduling; "
+        "one engine rank, no speculative decoding); default: off")
     disable_log_stats: bool = knob("scheduler", False, "no periodic engine stats log line (offline, LLM logs "
                                    "none anyway; the server's --stats-interval 0 does the same)")
 

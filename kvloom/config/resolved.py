@@ -33,6 +33,8 @@ class ResolvedConfig:
     block_size: int
     max_model_len: int
     max_num_batched_tokens: int
+    # Steps scheduled one ahead of the device (EngineConfig.async_scheduling, settled for this engine).
+    async_scheduling: bool = False
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -63,7 +65,21 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         engine=config, model=model_config, source=source, device=device,
         dtype=resolve_dtype(config.dtype, model_config.torch_dtype, device),
         block_size=config.block_size, max_model_len=max_model_len,
-        max_num_batched_tokens=config.resolve_max_num_batched_tokens(max_model_len))
+        max_num_batched_tokens=config.resolve_max_num_batched_tokens(max_model_len),
+        async_scheduling=settle_async_scheduling(config))
+
+
+def settle_async_scheduling(config: EngineConfig) -> bool:
+    """On where asked, for one rank without speculative decoding (its drafts are made from the tokens the step
+    before sampled, on the host); where asked but impossible, one log line says why it is off."""
+    if not config.async_scheduling:
+        return False
+    reason = ("speculative decoding is on" if config.speculative is not None
+              else "tensor parallelism is on" if config.tensor_parallel_size > 1 else None)
+    if reason is not None:
+        logger.info("async_scheduling is off: %s (its steps are scheduled after the last one's tokens)", reason)
+        return False
+    return True
 
 
 def settle_buckets(config: EngineConfig, device_type: str) -> None:

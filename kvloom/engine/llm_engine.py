@@ -13,6 +13,7 @@ import concurrent.futures
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvloom.config import EngineConfig, resolve_config
@@ -70,7 +71,7 @@ class LLMEngine:
             num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
             num_lookahead_tokens=speculative.num_speculative_tokens if speculative and speculative.uses_draft_model
             else 0, speculative_max_model_len=speculative.max_model_len if speculative else None,
-            max_loras=config.max_loras if config.enable_lora else 0)
+            max_loras=config.max_loras if config.enable_lora else 0, async_scheduling=resolved.async_scheduling)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
             config.structured_outputs.backend, config.structured_outputs.compile_timeout,
@@ -95,6 +96,9 @@ class LLMEngine:
         self.overlap_postprocess = self.device.type == "cuda" and config.tensor_parallel_size == 1
         self._deferred: tuple[SchedulerOutput, ModelRunnerOutput, list[Request], list[int]] | None = None
         self._release_after_step: list[str] = []
+        # Async scheduling: the step launched last and not yet read back (its output, its requests).
+        self.async_scheduling = resolved.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, Callable[[], ModelRunnerOutput], list[Request]] | None = None
         self.startup_seconds = time.perf_counter() - start
         logger.info("kvloom engine ready: model=%s dtype=%s device=%s max_model_len=%d blocks=%d x %d "
                     "tokens, start-up %.1fs", self.source.name, str(self.dtype).replace("torch.", ""),
@@ -180,14 +184,15 @@ class LLMEngine:
         for entry in [e for e in self._awaiting_lora if e[0].request_id in child_ids]:
             self._awaiting_lora.remove(entry)
             entry[0].status = RequestStatus.FINISHED_ABORTED
-        self.executor.release_requests([r.request_id for r in finished])
+        self._release([r.request_id for r in finished])
         return self.output_processor.abort_requests(request_ids, time.time(), self._stats())
 
     def get_unfinished_request_ids(self) -> list[str]:
         return list(self.output_processor.request_states)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.request_states) or self.scheduler.has_unfinished_requests()
+        return (bool(self.output_processor.request_states) or self.scheduler.has_unfinished_requests()
+                or self._in_flight is not None)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.request_states)
@@ -214,6 +219,8 @@ class LLMEngine:
         if self._awaiting_fork:
             self._admit_forks()
         scheduler_output = self.scheduler.schedule()
+        if self.async_scheduling:
+            return self._step_async(scheduler_output, ended_with_error)
         if scheduler_output.is_empty:
             outputs = self._postprocess_deferred()
             if ended_with_error and not outputs:
@@ -250,7 +257,7 @@ class LLMEngine:
         failed = self.scheduler.finish_requests(runner_output.failed_request_ids, RequestStatus.FINISHED_ERROR)
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         finished += self._advance_grammars(requests, num_outputs_before)
-        self.executor.release_requests([r.request_id for r in failed + finished])
+        self._release([r.request_id for r in failed + finished])
         self._deferred = (scheduler_output, runner_output, requests, num_outputs_before)
 
     def _postprocess_deferred(self, in_flight: bool = False) -> list[RequestOutput]:
@@ -289,8 +296,46 @@ class LLMEngine:
             if in_flight:
                 self._release_after_step.extend(released)
             else:
-                self.executor.release_requests(released)
+                self._release(released)
         return output_processor.make_outputs(time.time(), self._stats())
+
+    def _step_async(self, scheduler_output: SchedulerOutput, ended_with_error: bool) -> list[RequestOutput]:
+        """Async scheduling: launch this step, then read back and update the one before it (the device runs
+        this one meanwhile), then that one's text work. Outputs come one step late, as with the overlap."""
+        launched = None
+        if not scheduler_output.is_empty:
+            requests = [self.scheduler.requests[s.request_id] for s in scheduler_output.scheduled]
+            # A constrained request never runs ahead of its last token: its grammar saw every token so far.
+            scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
+                [(item.request_id, request.structured_output)
+                 for item, request in zip(scheduler_output.scheduled, requests)
+                 if request.structured_output is not None and item.samples])
+            launched = (scheduler_output, self.executor.execute_async(scheduler_output), requests)
+        previous, self._in_flight = self._in_flight, None
+        outputs: list[RequestOutput] = []
+        if previous is not None:
+            runner_output = previous[1]()
+            # Requests that ended before ``previous`` ran are in no step still running.
+            done, self._release_after_step = self._release_after_step, []
+            self.executor.release_requests(done)
+        self._in_flight = launched  # from here on, a request that ends waits for this step before it is released
+        if previous is not None:
+            self._update(previous[0], runner_output, previous[2])
+            outputs = self._postprocess_deferred()
+        if self._in_flight is None:
+            done, self._release_after_step = self._release_after_step, []
+            self.executor.release_requests(done)
+        if ended_with_error and not outputs:
+            outputs = self.output_processor.make_outputs(time.time(), self._stats())
+        return outputs
+
+    def _release(self, request_ids: list[str]) -> None:
+        """The runner forgets ended requests: at once, or (async scheduling) once the step in flight, which may
+        hold them, is done."""
+        if self._in_flight is not None:
+            self._release_after_step.extend(request_ids)
+        else:
+            self.executor.release_requests(request_ids)
 
     def _admit_forks(self) -> None:
         """Hand n > 1's held completions to the scheduler once the first has computed its prompt (or ended)."""

@@ -73,6 +73,8 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Async scheduling: tokens a step in flight is sampling (scheduled, not known yet): 0 or 1.
+        self.num_pending_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first scheduling; -1 until then
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

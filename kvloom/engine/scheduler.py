@@ -12,6 +12,13 @@ a step and returns them with its tokens; the scheduler carries them into the req
 budget and the request's limits), reserves their slots, and rolls ``num_computed_tokens`` back past the ones
 the target rejected. With a draft model it also reserves ``num_lookahead_tokens`` slots past a sampling
 step's end, where the draft writes the KV of its own guesses.
+
+Async scheduling (``async_scheduling``, vLLM V1's): the engine schedules step N+1 while step N still runs on
+the device. A request step N samples for has that token pending (``num_pending_tokens``); step N+1 may
+compute it all the same (a ``PLACEHOLDER_TOKEN_ID`` the runner replaces with step N's output on the device),
+unless the request needs the token's value first (a grammar, penalties, bad words, min_tokens not reached) or
+it is the request's last (max_tokens): such a request sits out one step. A request that step N ends (EOS, a stop
+token) wasted its step N+1 token, which is dropped.
 """
 
 from __future__ import annotations
@@ -24,7 +31,13 @@ from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.request import ContextLengthError, Request, RequestStatus
 from kvloom.spec_decode import can_speculate
 from kvloom.stats import SchedulerStats
-from kvloom.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from kvloom.step_io import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 
 def check_request_fits(max_model_len: int, block_size: int, num_usable_blocks: int, num_prompt_tokens: int,
@@ -84,8 +97,10 @@ class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, num_speculative_tokens: int = 0,
                  num_lookahead_tokens: int = 0, speculative_max_model_len: int | None = None,
-                 max_loras: int = 0) -> None:
+                 max_loras: int = 0, async_scheduling: bool = False) -> None:
         self.kv = kv_cache_manager
+        # Steps are scheduled one ahead of the device: sampling steps leave their token pending.
+        self.async_scheduling = async_scheduling
         # LoRA: most distinct adapters among the running requests (the runner's compute slots); 0: LoRA off.
         self.max_loras = max_loras
         # Speculative decoding: the runner's drafts come back with each step's tokens (at most
@@ -152,9 +167,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+            num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget,
                           self.max_model_len - request.num_computed_tokens)
-            if num_new <= 0:
+            if num_new <= 0 or (request.num_pending_tokens and not self._runs_ahead(request)):
                 i += 1
                 continue
             drafts = self._drafts(request, budget) if num_new == 1 else []
@@ -183,6 +198,9 @@ class Scheduler:
         while (len(self.waiting) > position and budget > 0 and not out.preempted_request_ids
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[position]
+            if request.num_pending_tokens:  # preempted while its last step ran: it waits for that token
+                position += 1
+                continue
             if lora is not None and lora.blocked(request):
                 position += 1
                 continue
@@ -215,15 +233,32 @@ class Scheduler:
 
         for request, num_new, drafts in scheduled:
             start = request.num_computed_tokens
-            num_known = num_new - len(drafts)
-            out.scheduled.append(ScheduledRequest(
-                request.request_id, start, request.all_token_ids[start:start + num_known] + drafts,
-                list(request.block_ids), samples=start + num_known == request.num_tokens,
-                num_draft_tokens=len(drafts)))
+            end = start + num_new - len(drafts)
+            token_ids = request.all_token_ids[start:end]
+            if request.num_pending_tokens and end > request.num_tokens:
+                token_ids.append(PLACEHOLDER_TOKEN_ID)  # the token the step in flight samples
+            samples = end == request.num_tokens + request.num_pending_tokens
+            out.scheduled.append(ScheduledRequest(request.request_id, start, token_ids + drafts,
+                                                  list(request.block_ids), samples=samples,
+                                                  num_draft_tokens=len(drafts)))
             # The gap closes at schedule time; outputs only append the sampled tokens.
             request.num_computed_tokens += num_new
+            if samples and self.async_scheduling:
+                request.num_pending_tokens += 1
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    @staticmethod
+    def _runs_ahead(request: Request) -> bool:
+        """Whether a request whose last token is still being sampled may compute it now, before its value is
+        known: not when choosing the next token needs it (a grammar's mask, penalties and bad words read the
+        tokens, min_tokens counts them), nor when it is the request's last."""
+        params = request.sampling_params
+        return (request.structured_output is None and request.num_output_tokens >= params.min_tokens
+                and not params.presence_penalty and not params.frequency_penalty
+                and params.repetition_penalty == 1.0 and not params.bad_words
+                and request.num_output_tokens + request.num_pending_tokens < request.max_tokens)
+
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """The runner's drafts for a decoding request, cut to the budget, its output limit and
@@ -271,6 +306,8 @@ class Scheduler:
         self.num_encoder_cache_misses += runner_output.encoder_cache_misses
         for item in scheduler_output.scheduled:
             request = self.requests.get(item.request_id)
+            if request is not None and item.samples and request.num_pending_tokens:
+                request.num_pending_tokens -= 1
             token_ids = runner_output.sampled_token_ids.get(item.request_id)
             if request is None or not token_ids or request.is_finished:
                 continue

@@ -70,9 +70,16 @@ class DecodeGraphs:
         self.rows[2].fill_(-1)
         self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self.rows.unbind(0)
         self.block_table = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=device)
-        # Pinned host twins: steps fill them with numpy, then copy asynchronously.
-        self.host_rows = torch.zeros(4, size, dtype=torch.long).pin_memory()
-        self.host_block_table = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32).pin_memory()
+        # Pinned host twins, two sets used in turn: steps fill one with numpy, then copy it asynchronously. With
+        # async scheduling a step is prepared while the one before still runs, and that one's copies may not have
+        # started yet; the set before it is free (its step ended before this one was scheduled).
+        self.host_rows_sets = [torch.zeros(5, size, dtype=torch.long).pin_memory() for _ in range(2)]
+        self.host_block_tables = [torch.zeros(size, max_blocks_per_seq, dtype=torch.int32).pin_memory()
+                                  for _ in range(2)]
+        self.turn = 0
+        # Row 4 of the host rows: where a row's input id comes from in the previous step's sampled tokens (-1:
+        # row 0 holds it). On the device it goes to its own buffer.
+        self.sources = torch.full((size,), -1, dtype=torch.long, device=device)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -116,24 +123,35 @@ class DecodeGraphs:
         return bool(self.graphs) and num_requests <= self.buckets[-1]
 
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
-            block_rows: list[list[int]]) -> torch.Tensor:
+            block_rows: list[list[int]], sources: list[int] | None = None,
+            previous: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step for n requests (host lists, one entry or block-table row each) -> hidden [n, H].
 
-        The inputs are written into pinned host buffers and copied in two asynchronous transfers; the
-        previous step's copies are done by then (its sampled tokens were read back).
+        The inputs are written into pinned host buffers and copied in two asynchronous transfers. Async
+        scheduling: row i's input id is ``previous[sources[i]]`` where ``sources[i] >= 0`` (``previous``: the
+        last step's sampled tokens, still on the device).
         """
         n = len(input_ids)
         batch = pick_bucket(n, self.buckets)
-        rows = self.host_rows.numpy()
+        host_rows, host_table = self.host_rows_sets[self.turn], self.host_block_tables[self.turn]
+        self.turn ^= 1
+        rows = host_rows.numpy()
         rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = input_ids, positions, slot_mapping, seq_lens
         if batch > n:  # padding rows: token 0 at position 0, no cache slot, no context
             rows[:2, n:batch] = 0
             rows[2, n:batch] = -1
             rows[3, n:batch] = 0
-        table = self.host_block_table.numpy()
+        table = host_table.numpy()
         for i, row in enumerate(block_rows):
             table[i, :len(row)] = row
-        self.rows[:, :batch].copy_(self.host_rows[:, :batch], non_blocking=True)
-        self.block_table[:n].copy_(self.host_block_table[:n], non_blocking=True)
+        self.rows[:, :batch].copy_(host_rows[:4, :batch], non_blocking=True)
+        self.block_table[:n].copy_(host_table[:n], non_blocking=True)
+        if previous is not None and sources is not None:
+            rows[4, :n] = sources
+            rows[4, n:batch] = -1
+            source = self.sources[:batch]
+            source.copy_(host_rows[4, :batch], non_blocking=True)
+            taken = previous.to(torch.long).index_select(0, source.clamp(min=0))
+            self.input_ids[:batch].copy_(torch.where(source >= 0, taken, self.input_ids[:batch]))
         self.graphs[batch].replay()
         return self.outputs[batch][:n]

@@ -127,11 +127,11 @@ class InputBatch:
 
         device = self.device
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            block_table=torch.tensor(block_table, dtype=torch.long, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
+            slot_mapping=to_device(slot_mapping, torch.long, device),
+            block_table=to_device(block_table, torch.long, device),
+            seq_lens=to_device(seq_lens, torch.long, device),
             query_start_loc=query_start_loc,
-            query_start_loc_tensor=torch.tensor(query_start_loc, dtype=torch.long, device=device),
+            query_start_loc_tensor=to_device(query_start_loc, torch.long, device),
             seq_lens_host=seq_lens,
             num_decodes=num_decodes,
             block_size=block_size,
@@ -148,8 +148,8 @@ class InputBatch:
             if sliding_window is not None:
                 mask &= key_pos > lens - 1 - sliding_window
             metadata.decode_mask = mask[:, None, None, :]
-        return items, ModelInputs(torch.tensor(input_ids, dtype=torch.long, device=device),
-                                  torch.tensor(positions, dtype=torch.long, device=device), metadata)
+        return items, ModelInputs(to_device(input_ids, torch.long, device),
+                                  to_device(positions, torch.long, device), metadata)
 
     def _pad_to_context_bucket(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
                                query_start_loc: list[int], seq_lens: list[int], metadata: AttentionMetadata) -> None:
@@ -166,17 +166,45 @@ class InputBatch:
         query_start_loc.append(bucket)
         seq_lens.append(pad)
         device = self.device
-        metadata.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=device)
+        metadata.slot_mapping = to_device(slot_mapping, torch.long, device)
         # Its block-table row covers its whole (pad-token) context with the null block.
         table = metadata.block_table
         width = max(table.shape[1], -(-pad // self.block_size))
         padded = table.new_zeros(table.shape[0] + 1, width)
         padded[:table.shape[0], :table.shape[1]] = table
         metadata.block_table = padded
-        metadata.seq_lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
-        metadata.query_start_loc_tensor = torch.tensor(query_start_loc, dtype=torch.long, device=device)
+        metadata.seq_lens = to_device(seq_lens, torch.long, device)
+        metadata.query_start_loc_tensor = to_device(query_start_loc, torch.long, device)
         metadata.max_query_len = max(metadata.max_query_len, pad)
 
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device``. On CUDA through pinned memory without waiting: torch's plain copy
+    from pageable memory waits for the device's queue, which with async scheduling still holds the last step."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor if device.type == "cpu" else tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """Device tensors read back behind the work queued so far: on CUDA copied into pinned memory with an event
+    recorded after, so ``wait`` waits for that work alone and not for a step launched later."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.event = None
+        self.tensors = tensors
+        if tensors and tensors[0].device.type == "cuda":
+            self.tensors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                            for t in tensors]
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tensors
 
 
 def generator_for(state: RequestState, device: torch.device) -> torch.Generator | None:
@@ -205,13 +233,13 @@ def sampling_metadata(states: list[RequestState], vocab_size: int, device: torch
     top_p = [float(p.top_p) for p in params]
     min_p = [float(p.min_p) for p in params]
     metadata = SamplingMetadata(
-        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+        temperature=to_device(temperature, torch.float32, device),
         all_greedy=all_greedy,
         all_random=all(t > 0.0 for t in temperature),
         top_k=None if all(k == vocab_size for k in top_k)
-        else torch.tensor(top_k, dtype=torch.long, device=device),
-        top_p=None if all(p == 1.0 for p in top_p) else torch.tensor(top_p, device=device),
-        min_p=None if all(p == 0.0 for p in min_p) else torch.tensor(min_p, device=device),
+        else to_device(top_k, torch.long, device),
+        top_p=None if all(p == 1.0 for p in top_p) else to_device(top_p, torch.float32, device),
+        min_p=None if all(p == 0.0 for p in min_p) else to_device(min_p, torch.float32, device),
     )
     if not all_greedy:
         for row, state in enumerate(states):
@@ -267,11 +295,11 @@ def _add_logits_processors(metadata: SamplingMetadata, states: list[RequestState
     if bias_rows:
         metadata.logit_bias = (torch.cat(bias_rows), torch.cat(bias_ids), torch.cat(bias_values))
     if allowed_rows:
-        metadata.allowed_rows = torch.tensor(allowed_rows, dtype=torch.long, device=device)
+        metadata.allowed_rows = to_device(allowed_rows, torch.long, device)
         metadata.allowed = (torch.cat(allowed_local), torch.cat(allowed_ids))
     if banned_rows:
-        metadata.banned = (torch.tensor(banned_rows, dtype=torch.long, device=device),
-                           torch.tensor(banned_ids, dtype=torch.long, device=device))
+        metadata.banned = (to_device(banned_rows, torch.long, device),
+                           to_device(banned_ids, torch.long, device))
 
 
 def banned_tokens(bad_words_token_ids: list[list[int]], output_token_ids: list[int]) -> list[int]:

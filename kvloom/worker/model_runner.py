@@ -31,11 +31,18 @@ from kvloom.pooling import PoolingState
 from kvloom.sample.sampler import NONFINITE_TOKEN_ID, Sampler, compute_logprobs_top
 from kvloom.spec_decode import build_model_proposer
 from kvloom.spec_decode.draft_model import DraftModelProposer
-from kvloom.step_io import LogprobsRow, ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from kvloom.step_io import (
+    PLACEHOLDER_TOKEN_ID,
+    LogprobsRow,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from kvloom.worker.compiled_artifacts import ArtifactStore
 from kvloom.worker.encoder_cache import BUDGET_ROWS_PER_BATCHED_TOKEN, EncoderCache, multimodal_embeddings
 from kvloom.worker.graphs import DecodeGraphs, default_token_gen_buckets
-from kvloom.worker.input_batch import InputBatch, ModelInputs, RequestState, sampling_metadata
+from kvloom.worker.input_batch import HostCopy, InputBatch, ModelInputs, RequestState, sampling_metadata, to_device
 from kvloom.worker.kv_cache import DEFAULT_CPU_KV_CACHE_BYTES, kv_bytes_per_block, num_kv_blocks, profile_cuda_budget
 from kvloom.worker.speculator import Speculator
 
@@ -79,6 +86,10 @@ class ModelRunner:
         self.encoder_cache: EncoderCache | None = None
         # With enable_lora: the adapters' compute slots, host cache and per-layer deltas (kvloom/lora/).
         self.lora: LoRAModelManager | None = None
+        # Async scheduling: the last step's sampled tokens, still on the device, and each request's row in them;
+        # a step's placeholder tokens are read from there.
+        self.async_scheduling = config.async_scheduling
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self, rank: int = 0, world_size: int = 1, group: ProcessGroupLike | None = None) -> None:
@@ -218,12 +229,15 @@ class ModelRunner:
         use_graph = (self.graphs is not None and self.graphs.can_run(len(scheduled)) and self.encoder_cache is None
                      and all(item.num_new_tokens == 1 for item in scheduled)
                      and (self.lora is None or not self.lora.any_adapter([item.request_id for item in scheduled])))
+        previous, self._last_sampled = self._last_sampled, None
         if use_graph:
             items, inputs = scheduled, None
             query_start_loc = list(range(len(items) + 1))
         else:
             items, inputs = self.input_batch.prepare(scheduled, self.sliding_window)
             query_start_loc = inputs.metadata.query_start_loc
+            if previous is not None:
+                self._fill_placeholders(items, query_start_loc, inputs.input_ids, previous)
         sampling_rows = [i for i, item in enumerate(items) if item.samples and not item.num_draft_tokens]
         speculator = self.speculator
         speculative = None if speculator is None else speculator.prepare(items, query_start_loc, self.requests)
@@ -234,12 +248,12 @@ class ModelRunner:
             sampling.token_bitmask = scheduler_output.grammar_bitmask.for_rows(ids, self.device)
         last_token_index = None
         if ids and len(sampling_rows) != query_start_loc[-1]:  # else: one token per request, each sampling
-            last_token_index = torch.tensor([query_start_loc[i + 1] - 1 for i in sampling_rows], device=self.device)
+            last_token_index = to_device([query_start_loc[i + 1] - 1 for i in sampling_rows], torch.long, self.device)
 
         aux_hidden = None
         images = None
         if use_graph:
-            hidden = self._decode_with_graph(scheduled)
+            hidden = self._decode_with_graph(scheduled, previous)
         else:
             if self.broadcast_inputs is not None:
                 self.broadcast_inputs(inputs)
@@ -257,7 +271,14 @@ class ModelRunner:
         if ids:
             last_hidden = hidden if last_token_index is None else hidden.index_select(0, last_token_index)
             sampler_output = self.sampler(self.model.compute_logits(last_hidden), sampling)
+            if self.async_scheduling:
+                self._last_sampled = (sampler_output.sampled_token_ids, {rid: row for row, rid in enumerate(ids)})
         verified = None if speculative is None else speculator.verify(hidden, speculative, self.model.compute_logits)
+        # On CUDA the sampled tokens (and logprobs) come back through pinned memory, copied behind this step:
+        # reading them waits for this step alone, not for one launched after it (async scheduling).
+        readback = None if sampler_output is None else HostCopy(
+            [sampler_output.sampled_token_ids] + ([] if sampler_output.logprobs is None else [
+                sampler_output.logprob_token_ids, sampler_output.logprobs, sampler_output.sampled_ranks]))
 
         @torch.inference_mode()
         def finish() -> ModelRunnerOutput:
@@ -265,7 +286,8 @@ class ModelRunner:
             if images is not None:
                 output.encoder_cache_hits, output.encoder_cache_misses = image_hits, image_misses
             if sampler_output is not None:
-                sampled = sampler_output.sampled_token_ids.tolist()  # waits for the device
+                host = readback.wait()
+                sampled = host[0].tolist()
                 for request_id, state, token_id in zip(ids, states, sampled):
                     if token_id == NONFINITE_TOKEN_ID:
                         output.failed_request_ids.append(request_id)
@@ -273,9 +295,7 @@ class ModelRunner:
                     output.sampled_token_ids[request_id] = [token_id]
                     state.output_token_ids.append(token_id)
                 if sampler_output.logprobs is not None:
-                    top_ids = sampler_output.logprob_token_ids.tolist()
-                    values = sampler_output.logprobs.tolist()
-                    ranks = sampler_output.sampled_ranks.tolist()
+                    top_ids, values, ranks = (t.tolist() for t in host[1:])
                     for row, (request_id, state) in enumerate(zip(ids, states)):
                         num = state.sampling_params.logprobs
                         if num is not None and request_id in output.sampled_token_ids:
@@ -334,15 +354,38 @@ class ModelRunner:
         """The draft's inputs for its passes: as the target's, never padded to a bucket."""
         return self.input_batch.prepare(items, sliding_window, pad=False)
 
-    def _decode_with_graph(self, items: list[ScheduledRequest]) -> torch.Tensor:
-        """A decode-only step through the captured graph of its bucket -> hidden states [n, H]."""
+    def _decode_with_graph(self, items: list[ScheduledRequest],
+                           previous: tuple[torch.Tensor, dict[str, int]] | None = None) -> torch.Tensor:
+        """A decode-only step through the captured graph of its bucket -> hidden states [n, H]. ``previous``
+        (async scheduling): the last step's sampled tokens, where the placeholder tokens are read."""
         block_size = self.block_size
         positions = [item.num_computed_tokens for item in items]
         block_rows = [item.block_ids for item in items]
+        input_ids = [item.token_ids[0] for item in items]
+        sources = None
+        if previous is not None and PLACEHOLDER_TOKEN_ID in input_ids:
+            rows = previous[1]
+            sources = [rows[item.request_id] if token == PLACEHOLDER_TOKEN_ID else -1
+                       for item, token in zip(items, input_ids)]
         return self.graphs.run(
-            input_ids=[item.token_ids[0] for item in items], positions=positions,
+            input_ids=input_ids, positions=positions,
             slot_mapping=[row[p // block_size] * block_size + p % block_size for row, p in zip(block_rows, positions)],
-            seq_lens=[p + 1 for p in positions], block_rows=block_rows)
+            seq_lens=[p + 1 for p in positions], block_rows=block_rows, sources=sources,
+            previous=None if sources is None else previous[0])
+
+    def _fill_placeholders(self, items: list[ScheduledRequest], query_start_loc: list[int], input_ids: torch.Tensor,
+                           previous: tuple[torch.Tensor, dict[str, int]]) -> None:
+        """Async scheduling, a step run eagerly: each placeholder token takes the last step's sampled token of its
+        request, on the device."""
+        targets, sources = [], []
+        for i, item in enumerate(items):
+            if item.token_ids[-1 - item.num_draft_tokens] == PLACEHOLDER_TOKEN_ID:
+                targets.append(query_start_loc[i] + item.num_new_tokens - 1 - item.num_draft_tokens)
+                sources.append(previous[1][item.request_id])
+        if targets:
+            index = to_device(targets, torch.long, input_ids.device)
+            input_ids.index_copy_(0, index, previous[0].to(input_ids.dtype).index_select(
+                0, to_device(sources, torch.long, input_ids.device)))
 
     def _request_state(self, new: NewRequestData) -> RequestState:
         stop_ids = sorted(t for t in new.min_tokens_stop_ids if 0 <= t < self.vocab_size)

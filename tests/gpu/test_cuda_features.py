@@ -88,3 +88,28 @@ def test_cuda_prompt_logprobs_and_sampling_params(tiny_llama_dir: str) -> None:
     out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)[0]
     assert len(out.outputs) == 3 and all(len(c.token_ids) == 6 for c in out.outputs)
     assert all(len(c.logprobs) == 6 for c in out.outputs) and len(out.prompt_logprobs) == 4
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enforce_eager": True}, {"max_num_batched_tokens": 32}],
+                         ids=["graphs", "eager", "chunked"])
+def test_cuda_async_scheduling_equals_the_synchronous_engine(tiny_llama_dir: str, kwargs: dict) -> None:
+    """Step N+1 launched before step N's tokens are read: its placeholder tokens come from step N's output on the
+    device (through the graphs' input buffers, or the eager inputs); greedy, seeded sampling and stop tokens
+    give the synchronous engine's outputs."""
+    prompts = mixed_prompts(400, count=13, seed=3)
+    greedy = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True)
+
+    def run(llm: LLM, params) -> list:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs]
+
+    plain = _llm(tiny_llama_dir, **kwargs)
+    wanted = run(plain, greedy), run(plain, sampled)
+    stop = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[wanted[0][-1][0][5]])
+    wanted_stop = run(plain, stop)
+    ahead = _llm(tiny_llama_dir, async_scheduling=True, **kwargs)
+    assert ahead.llm_engine.async_scheduling
+    assert (run(ahead, greedy), run(ahead, sampled)) == wanted
+    assert run(ahead, stop) == wanted_stop
+    assert not ahead.llm_engine.executor.driver.requests
