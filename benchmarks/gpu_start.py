@@ -1,6 +1,7 @@
 """Cold and warm start with compiled artifacts (issue 9): start-to-first-token, and what the warm start compiled.
 
-Each start is a fresh process that builds ``LLM(model)`` on CUDA and generates one token, with
+Each start is a fresh process that builds ``LLM(model)`` on CUDA and generates one token (then 8 requests x 32
+tokens, timed apart: the decode graphs a lazy capture left for them), with
 ``KVLOOM_COMPILED_ARTIFACTS`` pointing at one folder: the first start (cold) finds it empty and compiles
 every Triton kernel into it; the later ones (warm) should find a store they can reuse and compile
 nothing. "new kernel files" counts what each start added to the store's Triton cache.
@@ -23,12 +24,17 @@ CHILD = """
 import json, sys, time
 start = time.perf_counter()
 from kvloom import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5)
+llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5,
+          override_backend_config={"graph_capture": sys.argv[2]})
 ready = time.perf_counter()
 llm.generate([{"prompt_token_ids": list(range(100, 228))}], SamplingParams(temperature=0, max_tokens=1),
              use_tqdm=False)
 done = time.perf_counter()
+# Then 8 requests decoding 32 tokens: what a lazy graph capture (the default) left for the first decodes.
+llm.generate([{"prompt_token_ids": list(range(100 + i, 164 + i))} for i in range(8)],
+             SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
 print(json.dumps({"start_s": ready - start, "first_token_s": done - start,
+                  "then_decode_s": time.perf_counter() - done,
                   "artifacts": llm.llm_engine.executor.driver.artifacts.status}))
 """
 
@@ -41,6 +47,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a HF checkpoint folder (e.g. gpu_throughput.py's)")
     parser.add_argument("--starts", type=int, default=3, help="the first is cold, the rest warm")
+    parser.add_argument("--graph-capture", choices=["lazy", "start"], default="lazy",
+                        help="when the decode graphs are captured (override_backend_config graph_capture)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     store = Path(tempfile.mkdtemp(prefix="kvloom-artifacts-"))
@@ -49,7 +57,8 @@ def main() -> int:
     for index in range(args.starts):
         before = count_files(store)
         wall = time.perf_counter()
-        result = subprocess.run([sys.executable, "-c", CHILD, args.model], env=env, capture_output=True, text=True)
+        result = subprocess.run([sys.executable, "-c", CHILD, args.model, args.graph_capture], env=env,
+                                capture_output=True, text=True)
         if result.returncode:
             print(result.stderr[-3000:], file=sys.stderr)
             return 1
@@ -58,7 +67,8 @@ def main() -> int:
                    new_kernel_files=count_files(store) - before)
         rows.append(row)
         print(f"{row['kind']}: engine ready {row['start_s']:.1f} s, first token {row['first_token_s']:.1f} s "
-              f"(process {row['process_s']:.1f} s), store {row['artifacts']}, "
+              f"(process {row['process_s']:.1f} s), then 8 x 32 tokens {row['then_decode_s']:.2f} s, "
+              f"store {row['artifacts']}, "
               f"{row['new_kernel_files']} new kernel files", flush=True)
     warm = [r["first_token_s"] for r in rows[1:]]
     if warm:

@@ -52,7 +52,8 @@ step)
     stage step-async 60 $PY benchmarks/gpu_step_profile.py --model "$CKPT" -n 256 --bandwidth "$BW" \
         --no-detokenize --async-scheduling ;;
 start)
-    stage start 120 $PY benchmarks/gpu_start.py --model "$CKPT" --starts 3 --json "$OUT/start.json" ;;
+    stage start 60 $PY benchmarks/gpu_start.py --model "$CKPT" --starts 3 --json "$OUT/start.json"
+    stage start-eager-capture 60 $PY benchmarks/gpu_start.py --model "$CKPT" --starts 2 --graph-capture start ;;
 spec)
     if [ -n "${SMOLLM2_GGUF:-}" ]; then
         stage spec "${SPEC_LIMIT:-150}" $PY benchmarks/speculative.py --model "$SMOLLM2_GGUF" --batch 1 \

@@ -32,6 +32,9 @@ class BackendConfig:
     enable_bucketing: bool | None = None
     token_gen_buckets: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, 32, ... up to max_num_seqs
     context_length_buckets: list[int] | None = None  # None: prefills run at their own length (eager)
+    # When each decode bucket's CUDA graph is captured: "lazy", the first time a step needs it (a start captures
+    # none); "start", all of them before the engine is ready (no step pays a capture).
+    graph_capture: str = "lazy"
     # Where compiled kernels are kept across restarts (None: KVLOOM_CACHE_DIR/compiled).
     compiled_artifacts: str | None = None
     # int8 weight storage, the seeds' spelling (NxD's quantized / quantization_dtype; KVLOOM_QUANT_DTYPE=s8):
@@ -101,6 +104,9 @@ class BackendConfig:
                 raise ValueError(f"override_backend_config: {name} must be a non-empty list of positive "
                                  f"integers, e.g. [1, 2, 4, 8], got {buckets!r}")
             setattr(self, name, sorted(set(buckets)))
+        if self.graph_capture not in ("lazy", "start"):
+            raise ValueError(f"override_backend_config: graph_capture must be 'lazy' or 'start', "
+                             f"got {self.graph_capture!r}")
         if self.compiled_artifacts is not None and not isinstance(self.compiled_artifacts, str):
             raise ValueError(f"override_backend_config: compiled_artifacts must be a folder path, "
                              f"got {self.compiled_artifacts!r}")

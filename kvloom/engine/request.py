@@ -65,6 +65,14 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = set() if sampling_params.ignore_eos else set(eos_token_ids or ())
         self.max_model_len = max_model_len
+        # Output tokens allowed: max_tokens, and never past max_model_len (both fixed: settled once, read each step).
+        limit = sampling_params.max_tokens
+        room = (max_model_len - len(prompt_token_ids)) if max_model_len else None
+        self.max_tokens = (room if room is not None else 1 << 30) if limit is None else (
+            limit if room is None else min(limit, room))
+        # Choosing its next token reads the tokens so far (penalties, bad words): async scheduling waits for them.
+        self.reads_its_tokens = bool(sampling_params.presence_penalty or sampling_params.frequency_penalty
+                                     or sampling_params.repetition_penalty != 1.0 or sampling_params.bad_words)
         self.arrival_time = time.time() if arrival_time is None else arrival_time
 
         # A vision-language prompt's images (kvloom.multimodal.inputs.ImageFeature); the prefix cache names
@@ -108,17 +116,10 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def max_tokens(self) -> int:
-        """Output tokens allowed: max_tokens, and never past max_model_len."""
-        limit = self.sampling_params.max_tokens
-        room = (self.max_model_len - self.num_prompt_tokens) if self.max_model_len else None
-        if limit is None:
-            return room if room is not None else 1 << 30
-        return limit if room is None else min(limit, room)
-
-    @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        status = self.status  # identity tests: this runs for every request every step
+        return not (status is RequestStatus.RUNNING or status is RequestStatus.WAITING
+                    or status is RequestStatus.PREEMPTED)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -131,7 +132,8 @@ class Request:
         """
         params = self.sampling_params
         last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        num_output_tokens = len(self.output_token_ids)
+        if num_output_tokens >= params.min_tokens:
             if last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True
@@ -139,7 +141,7 @@ class Request:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last
                 return True
-        if self.num_output_tokens >= self.max_tokens:
+        if num_output_tokens >= self.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -253,11 +253,10 @@ class Scheduler:
         """Whether a request whose last token is still being sampled may compute it now, before its value is
         known: not when choosing the next token needs it (a grammar's mask, penalties and bad words read the
         tokens, min_tokens counts them), nor when it is the request's last."""
-        params = request.sampling_params
-        return (request.structured_output is None and request.num_output_tokens >= params.min_tokens
-                and not params.presence_penalty and not params.frequency_penalty
-                and params.repetition_penalty == 1.0 and not params.bad_words
-                and request.num_output_tokens + request.num_pending_tokens < request.max_tokens)
+        num_output_tokens = len(request.output_token_ids)
+        return (not request.reads_its_tokens and request.structured_output is None
+                and num_output_tokens >= request.sampling_params.min_tokens
+                and num_output_tokens + request.num_pending_tokens < request.max_tokens)
 
 
     def _drafts(self, request: Request, budget: int) -> list[int]:

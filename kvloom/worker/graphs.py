@@ -93,15 +93,24 @@ class DecodeGraphs:
             query_start_loc_tensor=self.query_start_loc[:batch + 1], max_query_len=1)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket, largest first (the smaller ones reuse its memory pool)."""
+    def capture(self, buckets: list[int] | None = None) -> None:
+        """Capture the buckets (default: every one), largest first (the smaller ones reuse its memory pool).
+
+        Safe between steps: the device is drained first (a step in flight may still read the input buffers),
+        and the buffers are reset to padding rows (no cache slot written, no context read), so the warm-up
+        and captured forwards touch no request's KV.
+        """
         start = time.perf_counter()
+        buckets = sorted(self.buckets if buckets is None else buckets, reverse=True)
+        torch.cuda.synchronize(self.device)
+        self.rows.zero_()
+        self.rows[2].fill_(-1)
         # A garbage collection inside a capture could free CUDA or pinned memory of some earlier
         # engine, which invalidates the capture: collect first, and not again until it is done.
         gc.collect()
         gc.disable()
         try:
-            for batch in reversed(self.buckets):
+            for batch in buckets:
                 metadata = self.metadata(batch)
                 inputs = (self.input_ids[:batch], self.positions[:batch], metadata)
                 self.forward(*inputs)  # compiles the kernels for this shape outside the capture
@@ -116,11 +125,12 @@ class DecodeGraphs:
         finally:
             gc.enable()
         torch.cuda.synchronize(self.device)
-        logger.info("Captured CUDA graphs for %d decode buckets (%s) in %.1f s", len(self.buckets),
-                    ",".join(map(str, self.buckets)), time.perf_counter() - start)
+        logger.log(logging.INFO if len(buckets) > 1 else logging.DEBUG, "Captured CUDA graphs for %d decode "
+                   "buckets (%s) in %.2f s", len(buckets), ",".join(map(str, buckets)), time.perf_counter() - start)
 
     def can_run(self, num_requests: int) -> bool:
-        return bool(self.graphs) and num_requests <= self.buckets[-1]
+        """Whether a bucket holds the batch (its graph is captured now if it was not: lazy capture)."""
+        return bool(self.buckets) and num_requests <= self.buckets[-1]
 
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
             block_rows: list[list[int]], sources: list[int] | None = None,
@@ -133,6 +143,8 @@ class DecodeGraphs:
         """
         n = len(input_ids)
         batch = pick_bucket(n, self.buckets)
+        if batch not in self.graphs:
+            self.capture([batch])
         host_rows, host_table = self.host_rows_sets[self.turn], self.host_block_tables[self.turn]
         self.turn ^= 1
         rows = host_rows.numpy()

@@ -182,7 +182,8 @@ class ModelRunner:
             return
         self.graphs = DecodeGraphs(self._forward_tokens, self._token_gen_buckets(), self.config.max_blocks_per_seq,
                                    self.block_size, self.sliding_window, self.device)
-        self.graphs.capture()
+        if backend.graph_capture == "start":
+            self.graphs.capture()
 
     def _token_gen_buckets(self) -> list[int]:
         engine = self.config.engine

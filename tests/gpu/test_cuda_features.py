@@ -113,3 +113,18 @@ def test_cuda_async_scheduling_equals_the_synchronous_engine(tiny_llama_dir: str
     assert (run(ahead, greedy), run(ahead, sampled)) == wanted
     assert run(ahead, stop) == wanted_stop
     assert not ahead.llm_engine.executor.driver.requests
+
+
+def test_cuda_lazy_graph_capture_equals_capture_at_start(tiny_llama_dir: str) -> None:
+    """graph_capture='lazy' (the default) captures no bucket at start and each one at its first step, between
+    steps (async scheduling's step in flight included); the tokens equal those of graphs captured at start."""
+    prompts = mixed_prompts(400, count=13, seed=4)
+    start = _llm(tiny_llama_dir, override_backend_config={"graph_capture": "start"})
+    assert sorted(start.llm_engine.executor.driver.graphs.graphs) == start.llm_engine.executor.driver.graphs.buckets
+    wanted = kvloom_greedy(start, prompts, 12)
+    for async_scheduling in (False, True):
+        lazy = _llm(tiny_llama_dir, async_scheduling=async_scheduling)
+        graphs = lazy.llm_engine.executor.driver.graphs
+        assert not graphs.graphs
+        assert kvloom_greedy(lazy, prompts, 12) == wanted
+        assert graphs.graphs and set(graphs.graphs) <= set(graphs.buckets)
