@@ -33,7 +33,7 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 
 for s in $stages; do case $s in
 tests)
-    TAIL=25 stage tests "${TESTS_LIMIT:-240}" $PY -m pytest -q -p no:cacheprovider -n 4 --timeout 200 -rfE \
+    TAIL=25 stage tests "${TESTS_LIMIT:-240}" $PY -m pytest -q -p no:cacheprovider -n "${TESTS_WORKERS:-4}" --timeout 200 -rfE \
         tests/gpu tests/unit/test_triton_q4.py tests/unit/test_moe_triton.py tests/unit/test_triton_attention.py \
         tests/unit/test_triton_fused.py \
         "tests/unit/test_int8_ops.py::test_triton_int8_linear_matches_reference" \
