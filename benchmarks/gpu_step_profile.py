@@ -35,13 +35,13 @@ def main() -> int:
     parser.add_argument("--bandwidth", type=float, default=3.35e12, help="HBM bytes/s (H100 SXM)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--no-detokenize", action="store_true", help="as HF generate and gpu_throughput.py run")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="schedule step N+1 while step N runs (a step's wall time is then the pipeline's)")
+    parser.add_argument("--sync-scheduling", action="store_true",
+                        help="async_scheduling off (on, the CUDA default, a step's wall time is the pipeline's)")
     args = parser.parse_args()
 
     llm = LLM(model=args.model, dtype="bfloat16", max_model_len=args.max_model_len, max_num_seqs=args.num_prompts,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=not args.sync_scheduling)
     engine = llm.llm_engine
     vocab = engine.model_config.vocab_size
     # FINAL_ONLY, as LLM.generate asks: no per-step output objects.

@@ -44,13 +44,13 @@ tests)
 throughput)
     for n in ${WORKLOADS:-256 64}; do
         stage "throughput-$n" "${THROUGHPUT_LIMIT:-150}" $PY benchmarks/gpu_throughput.py --workload "$n" \
-            --engines "${ENGINES:-kvloom,kvloom-async,hf}" --checkpoint-dir "$CKPT" --repeats "${REPEATS:-3}" \
+            --engines "${ENGINES:-kvloom,kvloom-sync,hf}" --checkpoint-dir "$CKPT" --repeats "${REPEATS:-3}" \
             --bandwidth "$BW" --json "$OUT/throughput-$n.json"
     done ;;
 step)
     stage step 60 $PY benchmarks/gpu_step_profile.py --model "$CKPT" -n 256 --bandwidth "$BW" --no-detokenize
-    stage step-async 60 $PY benchmarks/gpu_step_profile.py --model "$CKPT" -n 256 --bandwidth "$BW" \
-        --no-detokenize --async-scheduling ;;
+    stage step-sync 60 $PY benchmarks/gpu_step_profile.py --model "$CKPT" -n 256 --bandwidth "$BW" \
+        --no-detokenize --sync-scheduling ;;
 start)
     stage start 60 $PY benchmarks/gpu_start.py --model "$CKPT" --starts 3 --json "$OUT/start.json"
     stage start-eager-capture 60 $PY benchmarks/gpu_start.py --model "$CKPT" --starts 2 --graph-capture start ;;

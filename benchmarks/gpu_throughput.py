@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 H100_SXM_BANDWIDTH = 3.35e12  # bytes/s of HBM3 on an H100 SXM
-ENGINES = ("kvloom", "kvloom-async", "hf")
+ENGINES = ("kvloom", "kvloom-sync", "hf")
 # The config.json keys that must match for a --checkpoint-dir to be reused.
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
               "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
@@ -240,22 +240,24 @@ class HFRunner:
         return num_output_tokens
 
 
-class KvloomAsyncRunner:
-    """kvloom with async scheduling: the same engine as ``kvloom`` when that one runs too (two engines in one
-    process would split the GPU memory), its ``async_scheduling`` switched on around each run."""
+class KvloomSyncRunner:
+    """kvloom with async scheduling off (on is the CUDA default): the same engine as ``kvloom`` when that one runs
+    too (two engines in one process would split the GPU memory), its ``async_scheduling`` switched off around
+    each run."""
 
-    name = "kvloom-async"
+    name = "kvloom-sync"
     shared: KvloomRunner | None = None
 
     def __init__(self, checkpoint: Path, args: argparse.Namespace) -> None:
-        self.base = KvloomAsyncRunner.shared or KvloomRunner(checkpoint, args)
+        self.base = KvloomSyncRunner.shared or KvloomRunner(checkpoint, args)
+        self.default = self.base.llm.llm_engine.async_scheduling
 
     def run(self, prompts: list[list[int]]) -> int:
-        set_async_scheduling(self.base.llm, True)
+        set_async_scheduling(self.base.llm, False)
         try:
             return self.base.run(prompts)
         finally:
-            set_async_scheduling(self.base.llm, False)
+            set_async_scheduling(self.base.llm, self.default)
 
 
 def set_async_scheduling(llm: Any, on: bool) -> None:
@@ -264,7 +266,7 @@ def set_async_scheduling(llm: Any, on: bool) -> None:
     engine.async_scheduling = engine.scheduler.async_scheduling = engine.executor.driver.async_scheduling = on
 
 
-RUNNERS = {"kvloom": KvloomRunner, "kvloom-async": KvloomAsyncRunner, "hf": HFRunner}
+RUNNERS = {"kvloom": KvloomRunner, "kvloom-sync": KvloomSyncRunner, "hf": HFRunner}
 
 
 def timed_run(runner: KvloomRunner | HFRunner, prompts: list[list[int]], expected_tokens: int) -> dict[str, Any]:
@@ -421,7 +423,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", type=int, default=256, help="number of prompts (issue 9: 256 or 64)")
-    p.add_argument("--engines", default="kvloom,hf", help="comma-separated, from kvloom,kvloom-async,hf")
+    p.add_argument("--engines", default="kvloom,hf", help="comma-separated, from kvloom,kvloom-sync,hf")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per engine, after one warm-up")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     p.add_argument("--output-tokens", type=int, default=128)
@@ -497,7 +499,7 @@ def run_benchmark(args: argparse.Namespace, checkpoint: Path, info: dict[str, An
             start = time.perf_counter()
             runners[name] = RUNNERS[name](checkpoint, args)
             if name == "kvloom":
-                KvloomAsyncRunner.shared = runners[name]
+                KvloomSyncRunner.shared = runners[name]
             build_s = time.perf_counter() - start
             warmup = timed_run(runners[name], prompts, expected_tokens)
             engines[name] = {"build_s": build_s, "warmup_s": warmup["elapsed_s"], "runs": []}
@@ -555,10 +557,10 @@ def run_benchmark(args: argparse.Namespace, checkpoint: Path, info: dict[str, An
     if engines.get("kvloom", {}).get("runs") and engines.get("hf", {}).get("runs"):
         ratio = engines["kvloom"]["median"] / engines["hf"]["median"]
         print(f"kvloom / hf: {ratio:.2f}x (medians)")
-    if engines.get("kvloom-async", {}).get("runs"):
+    if engines.get("kvloom-sync", {}).get("runs"):
         for other in ("hf", "kvloom"):
             if engines.get(other, {}).get("runs"):
-                print(f"kvloom-async / {other}: {engines['kvloom-async']['median'] / engines[other]['median']:.2f}x "
+                print(f"kvloom-sync / {other}: {engines['kvloom-sync']['median'] / engines[other]['median']:.2f}x "
                       f"(medians)")
     label = " (H100 SXM)" if args.bandwidth == H100_SXM_BANDWIDTH else ""
     print(f"a decode step at {bound['batch']} sequences reads {bound['bytes'] / 1e9:.3g} GB "

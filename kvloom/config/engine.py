@@ -128,7 +128,7 @@ class EngineConfig:
                                              "(kvloom has one block manager)")
     async_scheduling: bool | None = knob(
         "scheduler", None, "schedule and prepare step N+1 while step N runs on the device (vLLM's async scheduling; "
-        "one engine rank, no speculative decoding); default: off")
+        "one engine rank, no speculative decoding); default: on for CUDA, off on a CPU")
     disable_log_stats: bool = knob("scheduler", False, "no periodic engine stats log line (offline, LLM logs "
                                    "none anyway; the server's --stats-interval 0 does the same)")
 

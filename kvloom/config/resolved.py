@@ -66,18 +66,20 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         dtype=resolve_dtype(config.dtype, model_config.torch_dtype, device),
         block_size=config.block_size, max_model_len=max_model_len,
         max_num_batched_tokens=config.resolve_max_num_batched_tokens(max_model_len),
-        async_scheduling=settle_async_scheduling(config))
+        async_scheduling=settle_async_scheduling(config, device.type))
 
 
-def settle_async_scheduling(config: EngineConfig) -> bool:
-    """On where asked, for one rank without speculative decoding (its drafts are made from the tokens the step
-    before sampled, on the host); where asked but impossible, one log line says why it is off."""
-    if not config.async_scheduling:
+def settle_async_scheduling(config: EngineConfig, device_type: str) -> bool:
+    """Unset: on for CUDA (it hides the host's work behind the GPU's), off on a CPU (its device work is the host's:
+    nothing to hide). On only for one rank without speculative decoding (drafts are made from the tokens the step
+    before sampled, on the host); asked for where it cannot be, one log line says why it is off."""
+    if config.async_scheduling is False or (config.async_scheduling is None and device_type != "cuda"):
         return False
     reason = ("speculative decoding is on" if config.speculative is not None
               else "tensor parallelism is on" if config.tensor_parallel_size > 1 else None)
     if reason is not None:
-        logger.info("async_scheduling is off: %s (its steps are scheduled after the last one's tokens)", reason)
+        if config.async_scheduling:
+            logger.info("async_scheduling is off: %s (its steps are scheduled after the last one's tokens)", reason)
         return False
     return True
 

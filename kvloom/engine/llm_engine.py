@@ -98,7 +98,9 @@ class LLMEngine:
         self._release_after_step: list[str] = []
         # Async scheduling: the step launched last and not yet read back (its output, its requests).
         self.async_scheduling = resolved.async_scheduling
-        self._in_flight: tuple[SchedulerOutput, Callable[[], ModelRunnerOutput], list[Request]] | None = None
+        # The last element: whether a request in it needs that step's token before its next one (then the next
+        # step waits for it rather than leave the request out).
+        self._in_flight: tuple[SchedulerOutput, Callable[[], ModelRunnerOutput], list[Request], bool] | None = None
         self.startup_seconds = time.perf_counter() - start
         logger.info("kvloom engine ready: model=%s dtype=%s device=%s max_model_len=%d blocks=%d x %d "
                     "tokens, start-up %.1fs", self.source.name, str(self.dtype).replace("torch.", ""),
@@ -218,9 +220,14 @@ class LLMEngine:
             ended_with_error = self._admit_lora_requests() or ended_with_error
         if self._awaiting_fork:
             self._admit_forks()
+        drained: list[RequestOutput] = []
+        if self._in_flight is not None and self._in_flight[3]:
+            # A request in the step in flight needs its token first (grammar, penalties, bad words, min_tokens):
+            # this step is scheduled after that one is read back, so no request sits a step out.
+            drained = self._step_async(SchedulerOutput(), False)
         scheduler_output = self.scheduler.schedule()
         if self.async_scheduling:
-            return self._step_async(scheduler_output, ended_with_error)
+            return drained + self._step_async(scheduler_output, ended_with_error)
         if scheduler_output.is_empty:
             outputs = self._postprocess_deferred()
             if ended_with_error and not outputs:
@@ -310,7 +317,12 @@ class LLMEngine:
                 [(item.request_id, request.structured_output)
                  for item, request in zip(scheduler_output.scheduled, requests)
                  if request.structured_output is not None and item.samples])
-            launched = (scheduler_output, self.executor.execute_async(scheduler_output), requests)
+            needs_tokens = any(
+                request.reads_its_tokens or request.structured_output is not None
+                or len(request.output_token_ids) < request.sampling_params.min_tokens
+                for item, request in zip(scheduler_output.scheduled, requests)
+                if item.samples and len(request.output_token_ids) + 1 < request.max_tokens)
+            launched = (scheduler_output, self.executor.execute_async(scheduler_output), requests, needs_tokens)
         previous, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
         if previous is not None:

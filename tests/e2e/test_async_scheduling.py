@@ -147,3 +147,23 @@ def test_speculative_decoding_turns_it_off(tiny_llama_dir: str, caplog: pytest.L
         llm = _llm(tiny_llama_dir, async_scheduling=True,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
     assert not llm.llm_engine.async_scheduling and "async_scheduling is off" in caplog.text
+
+
+def test_a_request_that_needs_its_token_never_sits_a_step_out(tiny_llama_dir: str) -> None:
+    """Beside a plain request, one with a penalty finishes as many tokens in as many steps: a step in flight
+    holding it is read back before the next is scheduled (that step runs synchronously) rather than leave it
+    out of every other step."""
+    engine = _llm(tiny_llama_dir, async_scheduling=True).llm_engine
+    prompts = mixed_prompts(400, count=2, seed=17)
+    engine.add_request("plain", {"prompt_token_ids": prompts[0]},
+                       SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    engine.add_request("penalty", {"prompt_token_ids": prompts[1]},
+                       SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.2))
+    finished_at = {}
+    for step in range(100):
+        for output in engine.step():
+            if output.finished:
+                finished_at[output.request_id] = step
+        if not engine.has_unfinished_requests():
+            break
+    assert abs(finished_at["plain"] - finished_at["penalty"]) <= 1, finished_at

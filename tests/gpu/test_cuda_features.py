@@ -104,7 +104,8 @@ def test_cuda_async_scheduling_equals_the_synchronous_engine(tiny_llama_dir: str
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs]
 
-    plain = _llm(tiny_llama_dir, **kwargs)
+    plain = _llm(tiny_llama_dir, async_scheduling=False, **kwargs)
+    assert not plain.llm_engine.async_scheduling
     wanted = run(plain, greedy), run(plain, sampled)
     stop = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[wanted[0][-1][0][5]])
     wanted_stop = run(plain, stop)
@@ -119,7 +120,7 @@ def test_cuda_lazy_graph_capture_equals_capture_at_start(tiny_llama_dir: str) ->
     """graph_capture='lazy' (the default) captures no bucket at start and each one at its first step, between
     steps (async scheduling's step in flight included); the tokens equal those of graphs captured at start."""
     prompts = mixed_prompts(400, count=13, seed=4)
-    start = _llm(tiny_llama_dir, override_backend_config={"graph_capture": "start"})
+    start = _llm(tiny_llama_dir, async_scheduling=False, override_backend_config={"graph_capture": "start"})
     assert sorted(start.llm_engine.executor.driver.graphs.graphs) == start.llm_engine.executor.driver.graphs.buckets
     wanted = kvloom_greedy(start, prompts, 12)
     for async_scheduling in (False, True):
