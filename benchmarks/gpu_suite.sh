@@ -57,7 +57,7 @@ start)
 spec)
     if [ -n "${SMOLLM2_GGUF:-}" ]; then
         stage spec "${SPEC_LIMIT:-150}" $PY benchmarks/speculative.py --model "$SMOLLM2_GGUF" --batch 1 \
-            --repeats "${SPEC_REPEATS:-3}" --workload copy --max-tokens 128
+            --repeats "${SPEC_REPEATS:-3}" --workload copy --max-tokens 128 --full-warmup
     else
         echo "== spec: skipped (SMOLLM2_GGUF unset)"
     fi ;;

@@ -101,6 +101,9 @@ def main() -> int:
     parser.add_argument("--drafts-off-at", type=int, default=None, metavar="N",
                         help="also run each method with disable_by_batch_size=N: at batches of N or more no "
                              "drafts, so what remains is the drafter's own cost (a head's KV catching up)")
+    parser.add_argument("--full-warmup", action="store_true",
+                        help="warm each fresh engine up on the whole workload, not 4 tokens of one prompt (on a GPU: "
+                             "the kernels of every step shape compiled and graphs captured before the timed run)")
     args = parser.parse_args()
     k = args.num_speculative_tokens
     print(f"load average at start: {os.getloadavg()}", flush=True)
@@ -153,7 +156,10 @@ def main() -> int:
                 if name.endswith("-fixed-k"):
                     llm.llm_engine.executor.driver.speculator.policy.adaptive = False
                 generate = llm.generate if args.workload == "standard" else llm.chat
-                generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+                if args.full_warmup:
+                    generate(prompts, params, use_tqdm=False)
+                else:
+                    generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
                 before = llm.llm_engine.scheduler.stats()
                 if args.step_times:
                     _time_steps(llm, step_times.setdefault(name, {}))
