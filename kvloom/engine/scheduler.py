@@ -16,9 +16,9 @@ step's end, where the draft writes the KV of its own guesses.
 Async scheduling (``async_scheduling``, vLLM V1's): the engine schedules step N+1 while step N still runs on
 the device. A request step N samples for has that token pending (``num_pending_tokens``); step N+1 may
 compute it all the same (a ``PLACEHOLDER_TOKEN_ID`` the runner replaces with step N's output on the device),
-unless the request needs the token's value first (a grammar, penalties, bad words, min_tokens not reached) or
-it is the request's last (max_tokens): such a request sits out one step. A request that step N ends (EOS, a stop
-token) wasted its step N+1 token, which is dropped.
+unless the request needs the token's value first (a grammar, penalties, bad words, min_tokens not reached; the
+engine then reads step N back before it schedules, so this only guards) or it is the request's last
+(max_tokens). A request that step N ends (EOS, a stop token) wasted its step N+1 token, which is dropped.
 """
 
 from __future__ import annotations
@@ -257,7 +257,6 @@ class Scheduler:
         return (not request.reads_its_tokens and request.structured_output is None
                 and num_output_tokens >= request.sampling_params.min_tokens
                 and num_output_tokens + request.num_pending_tokens < request.max_tokens)
-
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """The runner's drafts for a decoding request, cut to the budget, its output limit and
