@@ -2,8 +2,9 @@
 
 The bitmask is int32 [R, ceil(V / 32)]: bit ``j % 32`` of word ``j // 32`` of row ``r`` is set when
 token ``j`` may be sampled by the request in logits row ``rows[r]``; every other token's logit becomes
--inf. On CUDA a Triton kernel unpacks the bits on the fly; on the CPU xgrammar's C++ kernel does (fp32
-and bf16 logits), and plain torch is the reference and the fallback. Unconstrained rows are not touched.
+-inf. On CUDA a Triton kernel unpacks the bits on the fly; on the CPU kvloom's C++ kernel (csrc/fused_ops.cpp
+``apply_token_bitmask``: a word at a time, a word of zeros one run of -inf stores), else xgrammar's (fp32 / bf16),
+and plain torch is the reference and the last fallback. Unconstrained rows are not touched.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ def apply_token_bitmask_(logits: torch.Tensor, mask: TokenBitmask) -> None:
 
         apply_token_bitmask_triton(logits, mask.bitmask, mask.rows)
         return
+    if logits.is_contiguous() and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        from kvloom.ops import cpu
+
+        if cpu.cpu_kernel_available():
+            torch.ops.kvloom.apply_token_bitmask(logits, mask.bitmask.contiguous(), mask.rows)
+            return
     if logits.dtype in (torch.float32, torch.bfloat16) and logits.is_contiguous():
         apply_token_bitmask_cpu(logits, mask.bitmask, mask.rows)
         return

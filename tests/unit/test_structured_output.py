@@ -196,16 +196,31 @@ def test_bitmask_op_masks_only_the_constrained_rows() -> None:
     assert torch.equal(out[[1, 3]], logits[[1, 3]])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_kernel_matches_the_torch_op(dtype: torch.dtype) -> None:
+    """kvloom's C++ kernel (word at a time) where it is built, else xgrammar's: random words, words of all zeros
+    and all ones (the kernel's two shortcuts), and a bitmask narrower than the vocabulary."""
     torch.manual_seed(1)
-    for vocab, rows in ((70, [2, 0]), (1000, [0, 1, 2, 3]), (65, [3])):
+    for vocab, rows, width in ((70, [2, 0], None), (1000, [0, 1, 2, 3], None), (65, [3], None), (100, [1, 2], 2)):
         logits = torch.randn(4, vocab).to(dtype)
-        bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), (vocab + 31) // 32), dtype=torch.int32)
+        words = width or (vocab + 31) // 32
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), words), dtype=torch.int32)
+        bitmask[0, 0] = 0
+        bitmask[-1, -1] = -1
         expected, got = logits.clone(), logits.clone()
         apply_token_bitmask_torch(expected, bitmask, torch.tensor(rows))
         apply_token_bitmask_(got, TokenBitmask(bitmask, torch.tensor(rows)))
         assert torch.equal(expected, got), (vocab, rows)
+
+
+def test_cpu_kernel_refuses_a_row_outside_the_batch() -> None:
+    from kvloom.ops import cpu
+
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels could not be built here")
+    with pytest.raises(RuntimeError, match="outside"):
+        torch.ops.kvloom.apply_token_bitmask(torch.zeros(2, 40), torch.zeros(1, 2, dtype=torch.int32),
+                                             torch.tensor([5]))
 
 
 def test_triton_bitmask_kernel_matches_torch_under_the_interpreter() -> None:

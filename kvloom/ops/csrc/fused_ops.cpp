@@ -518,6 +518,45 @@ void argmax_rows(at::Tensor out, at::Tensor x) {
   });
 }
 
+// Structured outputs: logits[rows[r], j] = -inf wherever bit j % 32 of word j / 32 of bitmask[r] is 0 (tokens at
+// or past 32 * width are banned too). One 32-bit word at a time: a word of all ones is skipped, a word of
+// zeros (most of a grammar's mask) is one run of -inf stores, only mixed words are read bit by bit.
+void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && bitmask.dim() == 2 && bitmask.is_contiguous() &&
+                  bitmask.scalar_type() == at::kInt && rows.dim() == 1 && rows.scalar_type() == at::kLong &&
+                  rows.size(0) == bitmask.size(0),
+              "apply_token_bitmask: logits [B, V] contiguous, bitmask int32 [R, W] contiguous, rows int64 [R]");
+  const int64_t batch = logits.size(0), vocab = logits.size(1), words = bitmask.size(1);
+  const int64_t constrained = rows.size(0);
+  const int32_t* masks = bitmask.data_ptr<int32_t>();
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < constrained; ++r)
+    TORCH_CHECK(row_ids[r] >= 0 && row_ids[r] < batch, "apply_token_bitmask: row ", row_ids[r], " outside [0, ",
+                batch, ")");
+  dispatch<void>(logits, "apply_token_bitmask", [&](auto zero) {
+    using T = decltype(zero);
+    const T banned = -std::numeric_limits<T>::infinity();
+    T* base = logits.data_ptr<T>();
+    parallel_for(0, constrained, grain_rows(vocab, 16384), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* row = base + row_ids[r] * vocab;
+        const int32_t* mask = masks + r * words;
+        for (int64_t w = 0; w * 32 < vocab; ++w) {
+          const int64_t start = w * 32, count = std::min<int64_t>(32, vocab - start);
+          const uint32_t word = w < words ? static_cast<uint32_t>(mask[w]) : 0u;
+          if (word == 0xFFFFFFFFu) continue;
+          if (word == 0) {
+            std::fill(row + start, row + start + count, banned);
+            continue;
+          }
+          for (int64_t b = 0; b < count; ++b)
+            if (!((word >> b) & 1u)) row[start + b] = banned;
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 namespace kvloom::kernels {
@@ -541,6 +580,7 @@ TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
 }
@@ -551,5 +591,6 @@ TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("write_kv_cache", &write_kv_cache);
 }
