@@ -235,7 +235,7 @@ class LLMEngine:
             return outputs
         # The scheduled requests, looked up before the scheduler lets go of those that finish.
         requests = [self.scheduler.requests[s.request_id] for s in scheduler_output.scheduled]
-        scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
+        scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask_job(
             [(item.request_id, request.structured_output) for item, request in zip(scheduler_output.scheduled, requests)
              if request.structured_output is not None and item.samples])
         if self.overlap_postprocess:
@@ -313,7 +313,7 @@ class LLMEngine:
         if not scheduler_output.is_empty:
             requests = [self.scheduler.requests[s.request_id] for s in scheduler_output.scheduled]
             # A constrained request never runs ahead of its last token: its grammar saw every token so far.
-            scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
+            scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask_job(
                 [(item.request_id, request.structured_output)
                  for item, request in zip(scheduler_output.scheduled, requests)
                  if request.structured_output is not None and item.samples])

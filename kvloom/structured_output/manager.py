@@ -13,9 +13,11 @@ but never change the tokens, leave it where it is.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,8 +102,11 @@ class GrammarBitmask:
         if not rows:
             return None
         bitmask = self.bitmask if sources == list(range(len(self.request_ids))) else self.bitmask[sources]
-        return TokenBitmask(bitmask.to(device, non_blocking=False),
-                            torch.tensor(rows, dtype=torch.long, device=device))
+        rows_tensor = torch.tensor(rows, dtype=torch.long)
+        if device.type == "cuda":  # through pinned memory, without waiting for the forward the device runs
+            return TokenBitmask(bitmask.pin_memory().to(device, non_blocking=True),
+                                rows_tensor.pin_memory().to(device, non_blocking=True))
+        return TokenBitmask(bitmask.to(device), rows_tensor.to(device))
 
 
 class StructuredOutputManager:
@@ -206,6 +211,14 @@ class StructuredOutputManager:
             return False
         state.matcher = self.backend.new_matcher(state.future.result())  # raises the compile's ValueError
         return True
+
+    def grammar_bitmask_job(self, constrained: list[tuple[str, StructuredOutputRequest]]
+                            ) -> Callable[[], GrammarBitmask | None] | None:
+        """``grammar_bitmask`` of these requests, to be called by the runner once the step's forward is launched:
+        on CUDA the CPU fills the masks while the GPU computes. None when no request is constrained."""
+        if not constrained:
+            return None
+        return functools.partial(self.grammar_bitmask, constrained)
 
     def grammar_bitmask(self, constrained: list[tuple[str, StructuredOutputRequest]]) -> GrammarBitmask | None:
         """The masks for the constrained requests that sample this step, filled on the CPU."""

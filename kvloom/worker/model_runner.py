@@ -245,8 +245,6 @@ class ModelRunner:
         ids = [items[i].request_id for i in sampling_rows]
         states = [self.requests[request_id] for request_id in ids]
         sampling = sampling_metadata(states, self.vocab_size, self.device) if ids else None
-        if ids and scheduler_output.grammar_bitmask is not None:  # structured outputs: masked before sampling
-            sampling.token_bitmask = scheduler_output.grammar_bitmask.for_rows(ids, self.device)
         last_token_index = None
         if ids and len(sampling_rows) != query_start_loc[-1]:  # else: one token per request, each sampling
             last_token_index = to_device([query_start_loc[i + 1] - 1 for i in sampling_rows], torch.long, self.device)
@@ -269,6 +267,13 @@ class ModelRunner:
             self.hidden_state_sink(items, query_start_loc, hidden)
         pooled = self._pool(items, query_start_loc, hidden) if self.num_pooling_requests else []
         sampler_output = None
+        if ids and scheduler_output.grammar_bitmask is not None:
+            # Structured outputs: the masks are filled now, with the forward launched (on CUDA the GPU runs it
+            # meanwhile), and applied to the logits before sampling.
+            job = scheduler_output.grammar_bitmask
+            bitmask = job() if callable(job) else job
+            if bitmask is not None:
+                sampling.token_bitmask = bitmask.for_rows(ids, self.device)
         if ids:
             last_hidden = hidden if last_token_index is None else hidden.index_select(0, last_token_index)
             sampler_output = self.sampler(self.model.compute_logits(last_hidden), sampling)
