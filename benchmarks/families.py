@@ -141,12 +141,10 @@ class HfSide:
         self.pad = 2
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> int:
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, ids in enumerate(prompts):
-            input_ids[i, width - len(ids):] = torch.tensor(ids)
-            attention_mask[i, width - len(ids):] = 1
+        from kvloom.bench.workload import left_padded
+
+        input_ids, attention_mask = left_padded(prompts, self.pad)
+        width = input_ids.shape[1]
         with torch.inference_mode():
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_tokens,
                                       min_new_tokens=max_tokens, do_sample=False, pad_token_id=self.pad)

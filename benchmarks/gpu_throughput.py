@@ -217,6 +217,7 @@ class HFRunner:
         self.batch_size = args.hf_batch_size
         self.output_tokens = args.output_tokens
         self.attn_implementation = getattr(self.model.config, "_attn_implementation", None)
+        self.left_padded = load_checkout_module("kvloom/bench/workload.py").left_padded
 
     def run(self, prompts: list[list[int]]) -> int:
         import torch
@@ -224,12 +225,8 @@ class HFRunner:
         num_output_tokens = 0
         for first in range(0, len(prompts), self.batch_size):
             batch = prompts[first:first + self.batch_size]
-            width = max(len(ids) for ids in batch)
-            input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
-            attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, ids in enumerate(batch):
-                input_ids[row, width - len(ids):] = torch.tensor(ids)
-                attention_mask[row, width - len(ids):] = 1
+            input_ids, attention_mask = self.left_padded(batch, self.pad_token_id)
+            width = input_ids.shape[1]
             with torch.inference_mode():
                 output = self.model.generate(
                     input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),

@@ -67,9 +67,9 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
-    # Structured outputs: the token bitmask of the constrained requests that sample this step
-    # (kvloom.structured_output.GrammarBitmask; typed loosely, this module holds no torch), or the function that
-    # fills it, which the runner calls once the step's forward is launched.
+    # Structured outputs: the function that fills the token bitmask of the constrained requests that sample this
+    # step (-> kvloom.structured_output.GrammarBitmask; typed loosely, this module holds no torch), which the runner
+    # calls once the step's forward is launched.
     grammar_bitmask: Any = None
 
     @property

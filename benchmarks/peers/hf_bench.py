@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvloom.bench import common, latency, throughput
-from kvloom.bench.workload import load_prompts, warmup_prompt
+from kvloom.bench.workload import left_padded, load_prompts, warmup_prompt
 
 
 class HfEngine:
@@ -51,12 +51,8 @@ class HfEngine:
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
         torch = self.torch
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, ids in enumerate(prompts):  # left padding: the prompt ends at the last column
-            input_ids[i, width - len(ids):] = torch.tensor(ids)
-            attention_mask[i, width - len(ids):] = 1
+        input_ids, attention_mask = left_padded(prompts, self.pad_token_id)
+        width = input_ids.shape[1]
         with torch.inference_mode():
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                       max_new_tokens=max_tokens, do_sample=False, pad_token_id=self.pad_token_id)

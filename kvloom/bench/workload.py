@@ -37,6 +37,20 @@ def make_workload(n: int, seed: int = DEFAULTS["seed"], min_len: int = DEFAULTS[
     return prompts
 
 
+def left_padded(prompts: list[list[int]], pad_token_id: int):  # -> (input_ids, attention_mask), torch int64
+    """The prompts as one batch for HF ``generate``: left-padded with ``pad_token_id`` to the longest (each prompt
+    ends at the last column) and their attention mask. torch is imported here: the rest of this module is stdlib."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, ids in enumerate(prompts):
+        input_ids[i, width - len(ids):] = torch.tensor(ids)
+        attention_mask[i, width - len(ids):] = 1
+    return input_ids, attention_mask
+
+
 DATASETS = ("standard", "random")
 
 

@@ -233,11 +233,7 @@ class LLMEngine:
             if ended_with_error and not outputs:
                 outputs = self.output_processor.make_outputs(time.time(), self._stats())
             return outputs
-        # The scheduled requests, looked up before the scheduler lets go of those that finish.
-        requests = [self.scheduler.requests[s.request_id] for s in scheduler_output.scheduled]
-        scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask_job(
-            [(item.request_id, request.structured_output) for item, request in zip(scheduler_output.scheduled, requests)
-             if request.structured_output is not None and item.samples])
+        requests = self._prepare_launch(scheduler_output)
         if self.overlap_postprocess:
             pending = self.executor.execute_async(scheduler_output)
             outputs = self._postprocess_deferred(in_flight=True)
@@ -311,17 +307,10 @@ class LLMEngine:
         this one meanwhile), then that one's text work. Outputs come one step late, as with the overlap."""
         launched = None
         if not scheduler_output.is_empty:
-            requests = [self.scheduler.requests[s.request_id] for s in scheduler_output.scheduled]
             # A constrained request never runs ahead of its last token: its grammar saw every token so far.
-            scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask_job(
-                [(item.request_id, request.structured_output)
-                 for item, request in zip(scheduler_output.scheduled, requests)
-                 if request.structured_output is not None and item.samples])
-            needs_tokens = any(
-                request.reads_its_tokens or request.structured_output is not None
-                or len(request.output_token_ids) < request.sampling_params.min_tokens
-                for item, request in zip(scheduler_output.scheduled, requests)
-                if item.samples and len(request.output_token_ids) + 1 < request.max_tokens)
+            requests = self._prepare_launch(scheduler_output)
+            needs_tokens = any(request.needs_last_token() for item, request in zip(scheduler_output.scheduled, requests)
+                               if item.samples and len(request.output_token_ids) + 1 < request.max_tokens)
             launched = (scheduler_output, self.executor.execute_async(scheduler_output), requests, needs_tokens)
         previous, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
@@ -340,6 +329,15 @@ class LLMEngine:
         if ended_with_error and not outputs:
             outputs = self.output_processor.make_outputs(time.time(), self._stats())
         return outputs
+
+    def _prepare_launch(self, scheduler_output: SchedulerOutput) -> list[Request]:
+        """The scheduled requests (looked up before the scheduler lets go of those that finish), and the step's
+        grammar masks as a job the runner runs once the forward is launched."""
+        requests = [self.scheduler.requests[s.request_id] for s in scheduler_output.scheduled]
+        scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask_job(
+            [(item.request_id, request.structured_output) for item, request in zip(scheduler_output.scheduled, requests)
+             if request.structured_output is not None and item.samples])
+        return requests
 
     def _release(self, request_ids: list[str]) -> None:
         """The runner forgets ended requests: at once, or (async scheduling) once the step in flight, which may

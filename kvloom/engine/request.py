@@ -117,9 +117,13 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        status = self.status  # identity tests: this runs for every request every step
-        return not (status is RequestStatus.RUNNING or status is RequestStatus.WAITING
-                    or status is RequestStatus.PREEMPTED)
+        return self.status.finished
+
+    def needs_last_token(self) -> bool:
+        """Whether choosing its next token reads the last one's value: a grammar's mask, penalties and bad words
+        read the tokens, min_tokens counts them (async scheduling cannot run such a request ahead of it)."""
+        return (self.reads_its_tokens or self.structured_output is not None
+                or len(self.output_token_ids) < self.sampling_params.min_tokens)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -251,12 +251,9 @@ class Scheduler:
     @staticmethod
     def _runs_ahead(request: Request) -> bool:
         """Whether a request whose last token is still being sampled may compute it now, before its value is
-        known: not when choosing the next token needs it (a grammar's mask, penalties and bad words read the
-        tokens, min_tokens counts them), nor when it is the request's last."""
-        num_output_tokens = len(request.output_token_ids)
-        return (not request.reads_its_tokens and request.structured_output is None
-                and num_output_tokens >= request.sampling_params.min_tokens
-                and num_output_tokens + request.num_pending_tokens < request.max_tokens)
+        known: not when choosing the next token needs it, nor when it is the request's last."""
+        return (not request.needs_last_token()
+                and len(request.output_token_ids) + request.num_pending_tokens < request.max_tokens)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """The runner's drafts for a decoding request, cut to the budget, its output limit and

@@ -27,6 +27,7 @@ go on meanwhile. A step that needs an adapter not in host memory (dropped from t
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -64,13 +65,6 @@ class _Target:
     out_offsets: list[int]       # each shard's first output, then out
 
 
-def _out_offsets(output_sizes: list[int]) -> list[int]:
-    offsets = [0]
-    for size in output_sizes:
-        offsets.append(offsets[-1] + size)
-    return offsets
-
-
 @dataclass
 class _Step:
     groups: LoRAGroups | None    # the grouped torch path's tokens by slot (None: another path runs)
@@ -104,7 +98,7 @@ class LoRAModelManager:
                 target = _Target(index, modules, list(linear.output_sizes),
                                  torch.zeros(max_loras, rank, linear.in_features, dtype=slot_dtype, device=device),
                                  torch.zeros(*b_shape, dtype=slot_dtype, device=device),
-                                 _out_offsets(list(linear.output_sizes)))
+                                 list(itertools.accumulate(linear.output_sizes, initial=0)))
                 self.targets.append(target)
                 linear.register_forward_hook(self._hook(target))
         # The adapter in each slot, as (id, path): an id given again to another directory is another adapter.

@@ -286,6 +286,12 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Structured outputs: logits[rows[r], j] = -inf where bit j of bitmask[r] (int32 [R, W]) is 0, in place; a
+    32-token word at a time (csrc/fused_ops.cpp). logits: contiguous [B, V], fp32 / bf16 / fp16."""
+    torch.ops.kvloom.apply_token_bitmask(logits, bitmask.contiguous(), rows)
+
+
 # ---- the GEMM -------------------------------------------------------------------------------------
 # Output columns per packed panel of the int8 formats and of the AVX512-BF16 bf16 GEMM: 3 vectors of 16
 # (csrc/gemm.cpp's kPanel there; gemm_panel() gives the loaded bf16 GEMM's).

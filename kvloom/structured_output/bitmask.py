@@ -35,11 +35,11 @@ def apply_token_bitmask_(logits: torch.Tensor, mask: TokenBitmask) -> None:
         from kvloom.ops import cpu
 
         if cpu.cpu_kernel_available():
-            torch.ops.kvloom.apply_token_bitmask(logits, mask.bitmask.contiguous(), mask.rows)
+            cpu.apply_token_bitmask(logits, mask.bitmask, mask.rows)
             return
-    if logits.dtype in (torch.float32, torch.bfloat16) and logits.is_contiguous():
-        apply_token_bitmask_cpu(logits, mask.bitmask, mask.rows)
-        return
+        if logits.dtype != torch.float16:
+            apply_token_bitmask_cpu(logits, mask.bitmask, mask.rows)
+            return
     apply_token_bitmask_torch(logits, mask.bitmask, mask.rows)
 
 

@@ -64,6 +64,10 @@ def store_key(config: ResolvedConfig, buckets: list[int] | None) -> dict[str, An
     }
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def _checksums(directory: Path) -> dict[str, str]:
     """Every whole file's checksum: Triton's temporary folders (``tmp.pid_*``, renamed into place when done) and
     files another process removes while this one reads are left out."""
@@ -74,7 +78,7 @@ def _checksums(directory: Path) -> dict[str, str]:
             continue
         try:
             if path.is_file():
-                sums[str(relative)] = hashlib.sha256(path.read_bytes()).hexdigest()
+                sums[str(relative)] = _digest(path)
         except FileNotFoundError:
             continue
     return sums
@@ -84,7 +88,7 @@ def _intact(directory: Path, files: dict[str, str]) -> bool:
     """Every file the manifest lists is there with its checksum (kernels compiled later may sit beside them)."""
     for name, digest in files.items():
         path = directory / name
-        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+        if not path.is_file() or _digest(path) != digest:
             return False
     return True
 

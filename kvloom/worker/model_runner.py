@@ -270,8 +270,7 @@ class ModelRunner:
         if ids and scheduler_output.grammar_bitmask is not None:
             # Structured outputs: the masks are filled now, with the forward launched (on CUDA the GPU runs it
             # meanwhile), and applied to the logits before sampling.
-            job = scheduler_output.grammar_bitmask
-            bitmask = job() if callable(job) else job
+            bitmask = scheduler_output.grammar_bitmask()
             if bitmask is not None:
                 sampling.token_bitmask = bitmask.for_rows(ids, self.device)
         if ids:
