@@ -9,6 +9,7 @@ max_logprobs 5); the shutdown tests start their own.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -271,6 +272,18 @@ def _streams(server: Any, count: int, results: list[list[str]]) -> list[threadin
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(count)]
     for thread in threads:
         thread.start()
+    # Every stream admitted (running or waiting) before the test signals: a stream still connecting when
+    # the server stops listening would be refused, which is not what these tests are about.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        metrics = httpx.get(server.url + "/metrics", timeout=5).text
+        admitted = sum(float(m) for m in re.findall(
+            r"^kvloom:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", metrics, re.MULTILINE))
+        if admitted >= count and any(results):
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError(f"{count} streams not all admitted within 20 s")
     return threads
 
 
@@ -281,9 +294,6 @@ def test_sigterm_ends_streams_still_running_after_the_shutdown_timeout(tiny_llam
     with server_factory(tiny_llama_dir, "--max-num-seqs", "1", "--shutdown-timeout", str(timeout)) as server:
         results: list[list[str]] = [[] for _ in range(16)]
         threads = _streams(server, 16, results)
-        deadline = time.monotonic() + 20
-        while not results[0] and time.monotonic() < deadline:
-            time.sleep(0.02)
         start = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
         code = server.process.wait(timeout + 10)
@@ -308,9 +318,6 @@ def test_a_second_signal_exits_at_once(tiny_llama_dir: str, server_factory: Any)
     with server_factory(tiny_llama_dir, "--max-num-seqs", "1", "--shutdown-timeout", "60") as server:
         results: list[list[str]] = [[] for _ in range(4)]
         threads = _streams(server, 4, results)
-        deadline = time.monotonic() + 20
-        while not results[0] and time.monotonic() < deadline:
-            time.sleep(0.02)
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         assert server.process.poll() is None  # draining
