@@ -169,7 +169,8 @@ def write_tiny_gguf(path: str, checkpoint_dir: str, *, types: dict[str, int] | N
     """The checkpoint's weights and tokenizer as a llama GGUF, written the way llama.cpp's converter does.
 
     Q/K rows are permuted to llama.cpp's rotary order, and each weight is quantized to a ggml type
-    chosen by tensor kind (types overrides: "embed", "attn", "ffn", "output", "norm" -> ggml type id),
+    chosen by tensor kind (types overrides: "embed", "attn", "ffn", "output", "norm" -> ggml type id; a
+    layer tensor's own GGUF name, e.g. "attn_v", overrides its kind's),
     so one file exercises Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and F16. ``arch`` "qwen2" / "qwen3": llama.cpp's Qwen
     files, which keep HF's q/k row order and carry the q/k/v biases (Qwen2) or q/k norms (Qwen3).
     """
@@ -232,7 +233,8 @@ def write_tiny_gguf(path: str, checkpoint_dir: str, *, types: dict[str, int] | N
             w = permute(w, heads)
         elif arch == "llama" and hf_name.endswith("k_proj.weight"):
             w = permute(w, kv_heads)
-        ggml_type = chosen[kind]
+        part = gguf_name.split(".")[-2]  # a type named for one tensor ("attn_v") overrides its kind's
+        ggml_type = chosen[part] if part in chosen and gguf_name.startswith("blk.") else chosen[kind]
         writer.add_tensor(gguf_name, gguf.quants.quantize(w, ggml_type), raw_dtype=ggml_type)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type") == "llama3":

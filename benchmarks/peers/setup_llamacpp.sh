@@ -2,8 +2,9 @@
 # llama.cpp's llama-server and llama-quantize, built from the vendored sources of the llama-cpp-python sdist.
 # Idempotent: skips what exists. Output: .peers/llamacpp/bin/llama-server, llama-quantize, the bf16 GGUF
 # (.peers/smollm2-bf16.gguf), an F16 GGUF of the same checkpoint (.peers/smollm2-f16.gguf, llama.cpp's
-# usual 16-bit float type) and the Q8_0 made from the bf16 by llama-quantize (.peers/smollm2-q8_0.gguf,
-# the peer of kvloom's int8).
+# usual 16-bit float type), the Q8_0 made from the bf16 by llama-quantize (.peers/smollm2-q8_0.gguf,
+# the peer of kvloom's int8) and its Q4_0, Q4_K_M, Q5_K_M and Q6_K; llama-perplexity and llama-tokenize in
+# .peers/llamacpp/build/bin (benchmarks/gguf_perplexity.py).
 #
 #   bash benchmarks/peers/setup_llamacpp.sh
 #   .peers/llamacpp/bin/llama-server -m .peers/smollm2-bf16.gguf -np 64 -cb -t 2 -c 65536 --port 8081
@@ -58,9 +59,14 @@ F16="$ROOT/.peers/smollm2-f16.gguf"
 convert f16 "$F16"
 echo "F16 GGUF: $F16"
 
-# llama.cpp's own Q8_0 of the same weights (what its users run when they quantize to 8 bits).
-Q8="$ROOT/.peers/smollm2-q8_0.gguf"
-if [ ! -f "$Q8" ]; then
-    "$DEST/bin/llama-quantize" "$GGUF" "$Q8" Q8_0 "$JOBS"
+# llama.cpp's own quantizations of the same weights (Q8_0: what its users run when they quantize to 8 bits).
+for TYPE in Q8_0 Q4_0 Q4_K_M Q5_K_M Q6_K; do
+    OUTFILE="$ROOT/.peers/smollm2-$(echo "$TYPE" | tr 'A-Z' 'a-z').gguf"
+    [ -f "$OUTFILE" ] || "$DEST/bin/llama-quantize" "$GGUF" "$OUTFILE" "$TYPE" "$JOBS"
+    echo "$TYPE GGUF: $OUTFILE"
+done
+
+# llama.cpp's perplexity and tokenizer tools (benchmarks/gguf_perplexity.py compares kvloom against them).
+if [ ! -x "$DEST/build/bin/llama-perplexity" ] || [ ! -x "$DEST/build/bin/llama-tokenize" ]; then
+    cmake --build "$DEST/build" --target llama-perplexity llama-tokenize -j "$JOBS"
 fi
-echo "Q8_0 GGUF: $Q8"

@@ -88,17 +88,24 @@ def greedy_tokens(llm: Any, max_tokens: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def perplexity(llm: Any, token_ids: list[int], window: int) -> float:
-    """exp of the mean negative log-likelihood of every token after the first of each window."""
+def perplexity(llm: Any, token_ids: list[int], window: int, score_from: int = 1, whole_windows: bool = False) -> float:
+    """exp of the mean negative log-likelihood of the tokens at positions ``score_from``.. of each window.
+
+    The default scores every token after the first of each window (the last window may be short).
+    llama.cpp's ``llama-perplexity -c W`` is ``score_from=W // 2 + 1, whole_windows=True``: whole windows
+    only, each token of the second half scored with at least W/2 tokens of context."""
     from kvloom import SamplingParams
 
-    windows = [token_ids[i:i + window] for i in range(0, len(token_ids) - 1, window)]
-    windows = [w for w in windows if len(w) > 1]
+    ends = len(token_ids) - window + 1 if whole_windows else len(token_ids) - 1
+    windows = [token_ids[i:i + window] for i in range(0, max(ends, 0), window)]
+    windows = [w for w in windows if len(w) > score_from]
+    if not windows:
+        raise ValueError(f"{len(token_ids)} tokens make no window of {window} with tokens from position {score_from}")
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
     total, count = 0.0, 0
     for window_ids, output in zip(windows, outputs):
-        for position in range(1, len(window_ids)):
+        for position in range(score_from, len(window_ids)):
             total -= output.prompt_logprobs[position][window_ids[position]].logprob
             count += 1
     return math.exp(total / count)

@@ -47,6 +47,9 @@ class Linear(nn.Module):
         # (indices into output_sizes) that arrived 4-bit.
         self.q4: Q4Blocks | None = None
         self.q4_shards: set[int] = set()
+        # The shards whose weight arrived in float: where int8 shards arrive beside them (a GGUF's Q8_0 v_proj
+        # beside a Q5_0 q and k), the whole layer is held in float, every shard exact.
+        self.float_shards: set[int] = set()
 
     @property
     def quantized(self) -> bool:
@@ -73,6 +76,10 @@ class Linear(nn.Module):
             if tuple(tensor.shape) != (size, self.in_features):
                 raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected "
                                  f"{(size, self.in_features)}")
+            if self.float_shards:  # float shards already in: the layer stays float, this shard dequantized
+                self.weight.data[start:start + size].copy_(tensor.dequantize())
+                self.float_shards.add(shard)
+                return
             if isinstance(tensor, int8.Int8Blocks) or self.blocks:  # one kind of scale per layer: blocks
                 if isinstance(tensor, int8.Int8Rows):
                     tensor = int8.Int8Blocks.from_rows(tensor)
@@ -86,6 +93,8 @@ class Linear(nn.Module):
             self.qweight[start:start + size].copy_(tensor.qweight)
             self.weight_scale[start:start + size].copy_(tensor.scale)
             return
+        if name == "weight" and self.qweight is not None:  # int8 shards already in: the layer becomes float
+            self._int8_to_float()
         target = self.weight if name == "weight" else self.bias
         if target is None:
             raise ValueError(f"checkpoint has a {name} for a layer built without one")
@@ -93,6 +102,8 @@ class Linear(nn.Module):
         if tuple(tensor.shape) != expected:
             raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected {expected}")
         target.data[start:start + size].copy_(tensor)
+        if name == "weight":
+            self.float_shards.add(shard)
 
     def _load_q4_shard(self, name: str, shard: int, start: int, size: int, tensor: Q4Blocks) -> None:
         if name != "weight":
@@ -107,14 +118,19 @@ class Linear(nn.Module):
             target[start:start + size].copy_(part)
         self.q4_shards.add(shard)
 
+    def _int8_to_float(self) -> None:
+        """The int8 storage back into the float weight (a layer whose shards came in different kinds)."""
+        scales = self.weight_scale
+        values = (int8.Int8Blocks(self.qweight, scales).dequantize() if self.blocks
+                  else self.qweight.float() * scales[:, None])
+        self.weight.data = values.to(self.weight.dtype)
+        self.qweight, self.weight_scale = None, None
+
     def _q4_to_float(self) -> None:
         """A layer only partly 4-bit: every shard in float (its 4-bit rows dequantized, int8 ones too)."""
-        weight = self.weight.data
         if self.qweight is not None:  # int8 shards beside the 4-bit ones
-            scales = self.weight_scale
-            values = (int8.Int8Blocks(self.qweight, scales).dequantize() if self.blocks
-                      else self.qweight.float() * scales[:, None])
-            weight, self.qweight, self.weight_scale = values.to(weight.dtype), None, None
+            self._int8_to_float()
+        weight = self.weight.data
         values = self.q4.dequantize()
         for shard in self.q4_shards:
             start, size = sum(self.output_sizes[:shard]), self.output_sizes[shard]

@@ -50,6 +50,10 @@ class Int8Rows(NamedTuple):
     def quantize(cls, weight: torch.Tensor) -> Int8Rows:
         return cls(*quantize_per_channel(weight))
 
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [N, K]: codes times their row's scale."""
+        return dequantize(self.qweight, self.scale)
+
 
 class Int8Blocks(NamedTuple):
     """A group-scaled int8 weight (a GGUF Q8_0 tensor's own codes and block scales): int8 [N, K] and fp32

@@ -21,7 +21,7 @@ from kvloom.ops import cpu
 from kvloom.ops.q4 import PackedQ4Weight, Q4Blocks
 from kvloom.ops.table import REFERENCE_OPS
 
-GGML_Q4_0, GGML_Q4_1, GGML_F16 = 2, 3, 1
+GGML_Q4_0, GGML_Q4_1, GGML_F16, GGML_Q8_0 = 2, 3, 1, 8
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +130,44 @@ def test_a_fused_layer_partly_4bit_is_held_in_float() -> None:
     assert torch.equal(layer.weight.data, torch.cat((q.dequantize(), k)))
 
 
+@pytest.mark.parametrize("int8_first", [False, True])
+def test_a_fused_layer_partly_int8_is_held_in_float(int8_first: bool) -> None:
+    """v in Q8_0 blocks beside q and k in float (llama.cpp's Q4_K_M of a 576-wide model: Q5_0 q/k, Q8_0 v), in
+    either order: the layer is held in float with every shard exact (the float shards were once lost: zeros)."""
+    from kvloom.ops.int8 import Int8Blocks, Int8Rows
+
+    layer = Linear(64, [32, 16, 16])
+    q, k = torch.randn(32, 64), torch.randn(16, 64)
+    v = Int8Blocks(torch.randint(-127, 128, (16, 64), dtype=torch.int8), torch.rand(16, 2))
+    order = [(2, v), (0, q), (1, k)] if int8_first else [(0, q), (1, k), (2, v)]
+    for shard, tensor in order:
+        layer.load_shard("weight", shard, tensor)
+    layer.process_weights_after_loading(REFERENCE_OPS)
+    assert layer.qweight is None
+    assert torch.equal(layer.weight.data, torch.cat((q, k, v.dequantize())))
+    rows = Int8Rows.quantize(torch.randn(16, 64))  # an int8 checkpoint's per-row shard beside a float one
+    layer = Linear(64, [16, 16])
+    layer.load_shard("weight", 0, torch.ones(16, 64))
+    layer.load_shard("weight", 1, rows)
+    assert torch.equal(layer.weight.data, torch.cat((torch.ones(16, 64), rows.dequantize())))
+
+
+def test_a_gguf_with_a_q8_0_v_beside_float_q_and_k_stays_close_to_its_float_load(tmp_path) -> None:
+    """The file's 4-bit MLP makes quantization 'gguf' (Q8_0 kept as blocks); the attention's q/k/v (F16, F16,
+    Q8_0) are held in float, so the model stays as close to its dequantized load as the 4-bit product allows."""
+    checkpoint = tiny_models.build_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", tie_word_embeddings=False)
+    path = tiny_models.write_tiny_gguf(str(tmp_path / "mixed.gguf"), checkpoint,
+                                       types={"attn": GGML_F16, "attn_v": GGML_Q8_0, "attn_o": GGML_F16,
+                                              "ffn": GGML_Q4_1, "ffn_down": GGML_F16})
+    kept = LLM(model=path, dtype="float32", max_model_len=128)
+    assert kept.llm_engine.config.quantization == "gguf"
+    model = kept.llm_engine.executor.driver.model
+    assert all(layer.self_attn.qkv_proj.qweight is None for layer in model.layers)
+    floats = LLM(model=path, dtype="float32", max_model_len=128, quantization="none")
+    worst = worst_prompt_logprob_gap(kept, floats, mixed_prompts(400, count=4, seed=3))
+    assert worst < 0.05, worst
+
+
 def test_a_layer_all_4bit_packs_the_platforms_q4_product() -> None:
     layer = Linear(64, [32, 32])
     halves = [Q4Blocks.quantize(torch.randn(32, 64)) for _ in range(2)]
@@ -206,3 +244,53 @@ def test_qwen_gguf_files_load_like_their_checkpoints(family: str, tmp_path) -> N
     kept = LLM(model=q4, dtype="float32", max_model_len=128)
     assert {type(m.packed).__name__ for m in _projections(kept)} == {"PackedQ4Weight"}
     assert len(kvloom_greedy(kept, prompts, 6)[0]) == 6
+
+
+def test_llamacpp_style_perplexity_scores_the_second_half_of_whole_windows(tiny_llama_dir: str) -> None:
+    """``perplexity(score_from=W//2+1, whole_windows=True)`` is llama-perplexity's measure: whole windows of W
+    tokens (the tail that makes no window is dropped), in each the tokens from W/2+1 on; checked against
+    transformers scoring the same windows."""
+    from transformers import AutoModelForCausalLM
+
+    from kvloom.bench.int8_quality import perplexity
+
+    window = 32
+    ids = torch.randint(3, 200, (3 * window + 7,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=64)
+    ours = perplexity(llm, ids, window, score_from=window // 2 + 1, whole_windows=True)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    windows = torch.tensor(ids[:3 * window]).view(3, window)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(windows).logits.float(), dim=-1)
+    targets = windows[:, window // 2 + 1:]
+    nll = -logprobs[:, window // 2:-1].gather(-1, targets.unsqueeze(-1)).mean().item()
+    assert ours == pytest.approx(float(np.exp(nll)), rel=1e-4)
+    with pytest.raises(ValueError, match="no window"):
+        perplexity(llm, ids[:window - 1], window, score_from=window // 2 + 1, whole_windows=True)
+
+
+def test_the_default_models_perplexity_equals_llama_cpps(smollm2_gguf_path: str) -> None:
+    """kvloom's perplexity of tests/data/perplexity.txt from the Q4_1 GGUF, llama-perplexity's way (-c 512),
+    within 1% of llama.cpp's own ``llama-perplexity`` on the same file. Runs where llama.cpp's tools are built
+    (``bash benchmarks/peers/setup_llamacpp.sh``, or KVLOOM_LLAMA_CPP_BIN naming their folder)."""
+    import os
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from kvloom.bench.int8_quality import perplexity
+
+    root = Path(__file__).resolve().parents[2]
+    tools = Path(os.environ.get("KVLOOM_LLAMA_CPP_BIN", root / ".peers" / "llamacpp" / "build" / "bin"))
+    if not (tools / "llama-perplexity").is_file():
+        pytest.skip(f"llama.cpp's llama-perplexity is not built in {tools}")
+    text = root / "tests" / "data" / "perplexity.txt"
+    proc = subprocess.run([str(tools / "llama-perplexity"), "-m", smollm2_gguf_path, "-f", str(text), "-c", "512",
+                           "-b", "512", "-t", "2"], capture_output=True, text=True, timeout=600)
+    theirs = float(re.search(r"Final estimate: PPL = ([0-9.]+)", proc.stdout + proc.stderr).group(1))
+    llm = LLM(model=smollm2_gguf_path, max_model_len=528, max_num_seqs=8)
+    ids = llm.get_tokenizer().encode(text.read_text())
+    assert len(ids) == 4482
+    ours = perplexity(llm, ids, 512, score_from=257, whole_windows=True)
+    print(f"perplexity of the Q4_1 GGUF, -c 512: kvloom {ours:.4f}, llama.cpp {theirs:.4f}")
+    assert ours == pytest.approx(theirs, rel=0.01)
