@@ -122,6 +122,8 @@ def _bool_or_none(value: Any) -> bool:
     return value is None or isinstance(value, bool)
 
 
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+
 VLLM_ARGUMENT_LIMITS: dict[str, ArgumentLimit] = {
     "enable_chunked_prefill": ArgumentLimit(
         lambda value: value is None or value is True, "True or None",
@@ -143,9 +145,9 @@ VLLM_ARGUMENT_LIMITS: dict[str, ArgumentLimit] = {
     "download_dir": ArgumentLimit(
         _is_none, "None", "kvloom never downloads weights; give model a local path"),
     "kv_cache_dtype": ArgumentLimit(
-        lambda value: value in ("auto", "int8"), "'auto' or 'int8'",
-        "the KV cache is stored in the model's dtype ('auto') or as int8 with a scale per token and head "
-        "('int8', on the CPU); kvloom has no fp8 KV cache kernels yet"),
+        lambda value: value in KV_CACHE_DTYPES, "'auto', 'int8', 'fp8' or 'fp8_e4m3'",
+        "the KV cache is stored in the model's dtype ('auto'), as int8 with a scale per token and head ('int8', "
+        "CPU and CUDA) or as float8 e4m3 ('fp8' = 'fp8_e4m3', CUDA); kvloom has no e5m2 KV cache"),
     "pipeline_parallel_size": ArgumentLimit(
         lambda value: value == 1, "1",
         "kvloom has no pipeline parallelism; split a model with tensor_parallel_size, or add replicas with "

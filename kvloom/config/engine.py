@@ -111,8 +111,9 @@ class EngineConfig:
         "cache", None, "bytes for the KV cache, e.g. 2GiB (default: 2 GiB on the CPU, 90%% of free memory on "
         "CUDA, never less than one full-length sequence)")
     gpu_memory_utilization: float = knob("cache", 0.9, "fraction of GPU memory kvloom may use on CUDA")
-    kv_cache_dtype: str = knob("cache", "auto", "vLLM's KV cache dtype: 'auto' (the model's dtype) or 'int8' (on "
-                               "the CPU: codes with a scale per token and head, about half the bytes of bf16)")
+    kv_cache_dtype: str = knob("cache", "auto", "vLLM's KV cache dtype: 'auto' (the model's dtype), 'int8' (codes "
+                               "with a scale per token and head, about half the bytes of bf16; CPU and CUDA) or "
+                               "'fp8' / 'fp8_e4m3' (float8 e4m3, half the bytes; CUDA)")
     swap_space: float | None = knob("cache", None, "vLLM's CPU swap space in GiB: accepted, unused (kvloom "
                                     "preempts by recomputation)")
     cpu_offload_gb: float = knob("cache", 0, "vLLM's weight offload to the CPU: only 0")

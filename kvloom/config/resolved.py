@@ -57,16 +57,36 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
                          f"length ({model_max} tokens); use max_model_len <= {model_max}")
     settle_buckets(config, device.type)
     settle_quantization(config, source)
-    if config.kv_cache_dtype == "int8" and (device.type != "cpu" or config.backend.attention_backend == "native"):
-        raise ValueError(f"kv_cache_dtype='int8' runs on the CPU's attention kernels ('auto'/'cpu' or 'reference'); "
-                         f"this engine uses device {device.type!r} with attention_backend "
-                         f"{config.backend.attention_backend!r}: use kv_cache_dtype='auto'")
+    check_kv_cache_dtype(config.kv_cache_dtype, device, config.backend.attention_backend)
     return ResolvedConfig(
         engine=config, model=model_config, source=source, device=device,
         dtype=resolve_dtype(config.dtype, model_config.torch_dtype, device),
         block_size=config.block_size, max_model_len=max_model_len,
         max_num_batched_tokens=config.resolve_max_num_batched_tokens(max_model_len),
         async_scheduling=settle_async_scheduling(config, device.type))
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device, attention_backend: str) -> None:
+    """An 8-bit KV cache needs attention kernels that read it: int8 the CPU's and the Triton ones, fp8 (e4m3)
+    the Triton ones on a GPU with fp8 conversions (compute capability 8.9+); the plain-torch reference reads
+    both anywhere. ValueError naming what is missing otherwise."""
+    if kv_cache_dtype == "auto":
+        return
+    where = f"this engine uses device {device.type!r} with attention_backend {attention_backend!r}"
+    if attention_backend == "native":
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs the 'auto', 'cpu', 'triton' or 'reference' "
+                         f"attention backend; {where}: use kv_cache_dtype='auto'")
+    if kv_cache_dtype in ("fp8", "fp8_e4m3") and attention_backend != "reference":
+        if device.type != "cuda":
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} (float8 e4m3) runs on CUDA (or under the slow "
+                             f"'reference' attention backend); {where}: use kv_cache_dtype='int8' (about the same "
+                             f"bytes) or 'auto'")
+        import torch
+
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs fp8 conversions (compute capability 8.9+, "
+                             f"e.g. L4, H100); this GPU has {capability[0]}.{capability[1]}: use 'int8'")
 
 
 def settle_async_scheduling(config: EngineConfig, device_type: str) -> bool:

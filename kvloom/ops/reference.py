@@ -34,6 +34,7 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
 
 
 INT8_KV_SCALE_BYTES = 2  # an int8 KV row ends in its scale, one fp16
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn: an fp8 KV cache clamps to it
 
 
 def quantize_kv_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -56,13 +57,16 @@ def dequantize_kv_rows(rows: torch.Tensor) -> torch.Tensor:
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """key, value: [T, Hkv, D]; caches as allocate_kv_cache makes them (rows or pairs, or int8 rows)."""
+    """key, value: [T, Hkv, D]; caches as allocate_kv_cache makes them (rows or pairs, int8 rows, fp8 rows)."""
     if key_cache.dtype == torch.int8:
         key, value = quantize_kv_rows(key), quantize_kv_rows(value)
         key_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key)
         value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
         return
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    if key_cache.dtype == torch.float8_e4m3fn:  # kv_cache_dtype="fp8": e4m3 saturates at +-448
+        key, value = (t.float().clamp(-FP8_MAX, FP8_MAX).to(key_cache.dtype).view(torch.uint8) for t in (key, value))
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)  # (CPU copies need it)
     key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     if key_cache.dim() == 4:
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)

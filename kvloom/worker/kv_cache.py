@@ -22,6 +22,10 @@ logger = logging.getLogger("kvloom")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
+# kv_cache_dtype -> the cache tensors' dtype ("auto": the model's); an int8 row ends in its fp16 scale.
+KV_CACHE_TORCH_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block of a model's keys and values, every layer (int8: each row's codes and its scale)."""
     mc = model_config

@@ -43,7 +43,13 @@ from kvloom.worker.compiled_artifacts import ArtifactStore
 from kvloom.worker.encoder_cache import BUDGET_ROWS_PER_BATCHED_TOKEN, EncoderCache, multimodal_embeddings
 from kvloom.worker.graphs import DecodeGraphs, default_token_gen_buckets
 from kvloom.worker.input_batch import HostCopy, InputBatch, ModelInputs, RequestState, sampling_metadata, to_device
-from kvloom.worker.kv_cache import DEFAULT_CPU_KV_CACHE_BYTES, kv_bytes_per_block, num_kv_blocks, profile_cuda_budget
+from kvloom.worker.kv_cache import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    KV_CACHE_TORCH_DTYPES,
+    kv_bytes_per_block,
+    num_kv_blocks,
+    profile_cuda_budget,
+)
 from kvloom.worker.speculator import Speculator
 
 __all__ = ["ModelInputs", "ModelRunner", "RequestState"]  # ModelInputs: the executors send it to other ranks
@@ -133,8 +139,9 @@ class ModelRunner:
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
-        """The target's KV cache dtype: the model's, or int8 codes with a scale per row (kv_cache_dtype="int8")."""
-        return torch.int8 if self.config.engine.kv_cache_dtype == "int8" else self.dtype
+        """The target's KV cache dtype: the model's, int8 codes with a scale per row (kv_cache_dtype="int8"), or
+        float8 e4m3 ("fp8")."""
+        return KV_CACHE_TORCH_DTYPES.get(self.config.engine.kv_cache_dtype, self.dtype)
 
     def kv_bytes_per_block(self) -> int:
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.kv_cache_dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from e2e.test_correctness import kvloom_greedy, mixed_prompts
 from kvloom import LLM, SamplingParams
@@ -69,8 +70,29 @@ def test_int8_kv_prefix_cache_reuses_blocks(kernels: None, tiny_llama_dir: str) 
     assert llm.llm_engine.kv_cache_manager.prefix_hits > hits
 
 
+def test_fp8_kv_holds_twice_the_tokens_and_stays_close(tiny_llama_dir: str) -> None:
+    """kv_cache_dtype="fp8" (e4m3) through the engine on the plain-torch reference attention (the CPU has no fp8
+    kernels; on CUDA the Triton kernels read it: tests/unit/test_triton_attention.py, tests/gpu)."""
+    prompts = mixed_prompts(400, count=6, seed=14)
+    reference = {"attention_backend": "reference"}
+    auto = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=128, kv_cache_memory="2MiB",
+               override_backend_config=reference)
+    fp8 = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=128, kv_cache_memory="2MiB",
+              kv_cache_dtype="fp8", override_backend_config=reference)
+    assert fp8.llm_engine.executor.driver.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    blocks = [llm.llm_engine.kv_cache_manager.num_blocks - 1 for llm in (auto, fp8)]
+    assert abs(blocks[1] / blocks[0] - 4.0) < 0.01, blocks  # fp32's 4 bytes against fp8's 1
+    diffs = np.concatenate([np.abs(np.subtract(a, b)) for a, b in zip(prompt_logprobs(fp8, prompts),
+                                                                        prompt_logprobs(auto, prompts))])
+    # e4m3 keeps 3 mantissa bits (int8 rows keep ~7): each logprob moves by a few hundredths on random weights
+    # (SmolLM2's perplexity with an fp8 cache: docs/quantization.md).
+    assert 0 < diffs.mean() < 0.1 and diffs.max() < 0.5, (diffs.mean(), diffs.max())
+
+
 def test_kv_cache_dtypes_kvloom_lacks_are_refused(tiny_llama_dir: str) -> None:
-    with pytest.raises(ValueError, match="'auto' or 'int8'"):
+    with pytest.raises(ValueError, match="'auto', 'int8', 'fp8' or 'fp8_e4m3'"):
+        LLM(model=tiny_llama_dir, kv_cache_dtype="fp8_e5m2")
+    with pytest.raises(ValueError, match="'fp8'.*runs on CUDA.*'int8'"):
         LLM(model=tiny_llama_dir, kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' needs the 'auto', 'cpu', 'triton' or 'reference'"):
         LLM(model=tiny_llama_dir, kv_cache_dtype="int8", override_backend_config={"attention_backend": "native"})

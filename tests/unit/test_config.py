@@ -99,7 +99,7 @@ def test_vllm_arguments_users_pass_are_accepted(kwargs: dict) -> None:
     ({"tokenizer_mode": "slow"}, "one tokenizer implementation"),
     ({"load_format": "dummy"}, "reads what the model path holds"),
     ({"download_dir": "/tmp/hub"}, "never downloads weights"),
-    ({"kv_cache_dtype": "fp8"}, "no fp8 KV cache kernels"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, "no e5m2 KV cache"),
     ({"pipeline_parallel_size": 2}, "no pipeline parallelism"),
     ({"cpu_offload_gb": 4}, "keeps every weight on the device"),
     ({"max_lora_rank": 0}, "max_lora_rank must be an integer >= 1"),

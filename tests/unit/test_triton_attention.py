@@ -13,7 +13,7 @@ import pytest
 import torch
 from paged_batch import place_requests
 
-from kvloom.ops.reference import causal_mask, gather_sequence
+from kvloom.ops.reference import allocate_kv_cache, causal_mask, dequantize_kv_rows, gather_sequence
 from kvloom.ops.reference import write_kv_cache as write_kv_cache_reference
 from kvloom.ops.triton.attention import (
     decode_attention,
@@ -324,6 +324,92 @@ def test_paged_attention_logit_softcap_through_the_flat_batch_and_bad_cap() -> N
     with pytest.raises(ValueError, match="soft-capping must be a positive number"):
         paged_attention(out, query, key_cache, value_cache, batch.block_table, batch.seq_lens,
                         batch.query_start_loc, batch.num_decodes, batch.max_query_len, 0.25, 0, logit_softcap=0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# 8-bit caches: int8 rows with their scale, fp8 e4m3
+# --------------------------------------------------------------------------------------------------
+
+KV_8BIT = [torch.int8, torch.float8_e4m3fn]
+
+
+def cache_values(cache: torch.Tensor) -> torch.Tensor:
+    """fp32 [num_blocks, block_size, Hkv, D]: what an 8-bit cache holds (int8: codes times the row's scale)."""
+    return dequantize_kv_rows(cache) if cache.dtype == torch.int8 else cache.float()
+
+
+def empty_8bit_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    return allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_8BIT, ids=["int8", "fp8"])
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_write_8bit_kv_cache_equals_the_reference_bit_for_bit(kv_dtype: torch.dtype, head_dim: int) -> None:
+    """Codes and scales (int8) or e4m3 values clamped at 448 (fp8) exactly as ops/reference.py writes them,
+    padding slots skipped; rows of zeros (scale 0), huge values and half-way codes included."""
+    torch.manual_seed(0)
+    num_blocks, block_size, num_kv_heads = 6, 4, 3
+    _, key, value = fused_qkv(7, 4, num_kv_heads, head_dim, torch.float32)
+    key[1] = 0.0  # a zero row: scale 0, codes 0
+    value[3, 0, :2] = torch.tensor([1000.0, -600.0])  # past e4m3's range: clamped
+    key[4, 1] = torch.arange(head_dim) - head_dim / 2 + 0.5  # codes at .5 ties for the rounding
+    key[4, 1, 0] = 127.0 * 2  # scale 2: x / s = k - 0.25 ... and exact halves
+    slot_mapping = torch.tensor([5, 0, -1, 23, 9, -1, 12], dtype=torch.int64, device=DEVICE)
+    key_cache, value_cache = empty_8bit_cache(num_blocks, block_size, num_kv_heads, head_dim, kv_dtype)
+    expected_key, expected_value = key_cache.clone(), value_cache.clone()
+    kept = slot_mapping >= 0
+    write_kv_cache_reference(key[kept], value[kept], expected_key, expected_value, slot_mapping[kept])
+    write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    assert torch.equal(key_cache.view(torch.uint8), expected_key.view(torch.uint8))
+    assert torch.equal(value_cache.view(torch.uint8), expected_value.view(torch.uint8))
+    if kv_dtype == torch.float8_e4m3fn:
+        assert value_cache.float().abs().max() == 448.0
+
+
+# (num_kv_heads, group, block_size, sliding_window, softcap, num_splits)
+KV_8BIT_CASES = [(2, 2, 4, 0, None, 1), (1, 4, 16, 37, None, 2), (2, 1, 16, 0, 0.5, 1), (2, 2, 96, 20, 2.0, 2)]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_8BIT, ids=["int8", "fp8"])
+@pytest.mark.parametrize("num_kv_heads,group,block_size,sliding_window,softcap,num_splits", KV_8BIT_CASES,
+                         ids=[f"kv{kv}-group{g}-block{bs}-window{w}-cap{c}-splits{n}"
+                              for kv, g, bs, w, c, n in KV_8BIT_CASES])
+def test_paged_attention_reads_8bit_caches_in_place(kv_dtype: torch.dtype, num_kv_heads: int, group: int,
+                                                    block_size: int, sliding_window: int, softcap: float | None,
+                                                    num_splits: int) -> None:
+    """Decodes (split or not) and prefill chunks, fresh and continuing, over an 8-bit cache the kernel wrote: the
+    same answer as fp32 attention over the values the cache holds (int8: each key's scores times its scale, each
+    value's probabilities times its own)."""
+    torch.manual_seed(1)
+    head_dim = 16
+    query_lens, context_lens = [1, 1, 1, 20, 5], [0, 40, 70, 0, 33]
+    num_blocks = sum(-(-(q + c) // block_size) for q, c in zip(query_lens, context_lens)) + 3
+    batch = build_batch(query_lens, context_lens, block_size, num_blocks, torch.int64, seed=1)
+    key_cache, value_cache = empty_8bit_cache(num_blocks, block_size, num_kv_heads, head_dim, kv_dtype)
+    query, key, value = fused_qkv(batch.num_tokens, group * num_kv_heads, num_kv_heads, head_dim, torch.float32)
+    # Every context position written too (the batch's slots cover only this step's tokens).
+    context = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, device=DEVICE)
+    everywhere = torch.arange(block_size, num_blocks * block_size, device=DEVICE)  # not the null block
+    write_kv_cache(context[everywhere], context[everywhere].flip(0), key_cache, value_cache, everywhere)
+    write_kv_cache(key, value, key_cache, value_cache, batch.slot_mapping)
+    scale = head_dim ** -0.5
+    out = torch.full_like(query, float("nan"))
+    decodes = batch.num_decodes
+    decode_attention(out[:decodes], query[:decodes], key_cache, value_cache, batch.block_table[:decodes],
+                     batch.seq_lens[:decodes], scale, sliding_window, num_splits=num_splits, logit_softcap=softcap)
+    prefill_attention(out, query, key_cache, value_cache, batch.block_table[decodes:], batch.seq_lens[decodes:],
+                      batch.query_start_loc[decodes:], batch.max_query_len, scale, sliding_window,
+                      logit_softcap=softcap)
+    expected = reference_attention(query, cache_values(key_cache), cache_values(value_cache), batch, scale,
+                                   sliding_window, logit_softcap=softcap)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    # And it is the 8-bit cache that was read: the full-precision keys give another answer.
+    full_key, full_value = random_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32)
+    write_kv_cache_reference(context[everywhere], context[everywhere].flip(0), full_key, full_value, everywhere)
+    write_kv_cache_reference(key, value, full_key, full_value, batch.slot_mapping)
+    exact = reference_attention(query, full_key, full_value, batch, scale, sliding_window, logit_softcap=softcap)
+    assert 1e-4 < (exact - expected).abs().max() < 0.2
 
 
 def test_attention_rejects_bad_shapes() -> None:

@@ -14,9 +14,16 @@ says which physical block holds each run of ``block_size`` positions::
     slot(i, p) = block_table[i, p // block_size] * block_size + p % block_size
 
 The kernels gather each key tile token by token through the block table (any ``block_size``, from 1 to
-the whole context) and never copy the cache. Every kernel takes its loop bounds from ``seq_lens`` and
-``query_start_loc`` on the device, so a launch needs no host sync and a decode launch (fixed grid) can
-be captured in a CUDA graph. Softmax and accumulation are fp32; the output is written in ``out``'s dtype.
+the whole context) and never copy the cache. The cache holds the model's dtype, or (``kv_cache_dtype``):
+
+    int8   [num_blocks, block_size, num_kv_heads, head_dim + 2]: per row (token, kv head) the codes
+           round(x / s) and then s = fp16(max|x| / 127) in 2 bytes (ops/reference.py quantize_kv_rows);
+           attention multiplies a key's scores by its s and a value's probabilities by its own
+    fp8    float8_e4m3fn [num_blocks, block_size, num_kv_heads, head_dim], values clamped to +-448
+
+Every kernel takes its loop bounds from ``seq_lens`` and ``query_start_loc`` on the device, so a launch
+needs no host sync and a decode launch (fixed grid) can be captured in a CUDA graph. Softmax and
+accumulation are fp32; the output is written in ``out``'s dtype.
 
 The flat batch (``paged_attention``) is every request's new tokens end to end, decodes first::
 
@@ -35,6 +42,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kvloom.ops.reference import INT8_KV_SCALE_BYTES
 
 # Decode: one program per (request, kv head) holds its query heads in one tile padded to 16 rows, the
 # smallest tl.dot M; 64-token key tiles keep 4 warps busy on 64..128-dim heads with little tail waste.
@@ -56,18 +65,22 @@ WRITE_NUM_WARPS = 4
 
 _LOG2_E = 1.4426950408889634
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+# Cache dtypes: the model's, int8 rows with their scale, or fp8 e4m3 (clamped to FP8_MAX, 448: the kernels
+# write that number, Triton reads no Python globals).
+CACHE_DTYPES = (*_DOT_DTYPES, torch.int8, torch.float8_e4m3fn)
 
 
-def _dot_config(cache: torch.Tensor) -> tuple[tl.dtype, str]:
-    """The dtype tl.dot's operands are cast to, and its fp32 input precision.
+def _dot_config(query: torch.Tensor) -> tuple[tl.dtype, str]:
+    """The dtype tl.dot's operands are cast to (the query's: an int8 code or an fp8 value is exact in it), and
+    its fp32 input precision.
 
     Tensor cores take 16-bit operands on a GPU. Triton's interpreter sums bf16 dots wrongly (it
     multiplies the raw bits), so there, and on CPU tensors, operands go in as fp32. fp32 dots use
     "ieee" rather than tf32 so that fp32 caches give fp32-accurate results.
     """
-    if os.environ.get("TRITON_INTERPRET") == "1" or cache.device.type == "cpu" or cache.dtype == torch.float32:
+    if os.environ.get("TRITON_INTERPRET") == "1" or query.device.type == "cpu" or query.dtype == torch.float32:
         return tl.float32, "ieee"
-    return _DOT_DTYPES[cache.dtype], "tf32"
+    return _DOT_DTYPES[query.dtype], "tf32"
 
 
 @functools.lru_cache(maxsize=8)
@@ -80,21 +93,23 @@ def _head_dim_pad(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
+    """Validates the caches and returns their head_dim (an int8 row's last 2 bytes are its scale)."""
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError(f"key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
                          f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
     if key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1:
         raise ValueError("key_cache and value_cache must have the same strides and a contiguous last dim")
-    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in _DOT_DTYPES:
-        raise ValueError(f"the caches must share one of {list(_DOT_DTYPES)}, got {key_cache.dtype} and "
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"the caches must share one of {list(CACHE_DTYPES)}, got {key_cache.dtype} and "
                          f"{value_cache.dtype}")
+    return key_cache.shape[3] - (INT8_KV_SCALE_BYTES if key_cache.dtype == torch.int8 else 0)
 
 
 def _check_attention_args(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                           value_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> int:
     """Validates shapes (host metadata only, no sync) and returns the GQA group size."""
-    _check_caches(key_cache, value_cache)
+    cache_head_dim = _check_caches(key_cache, value_cache)
     if query.dim() != 3 or out.shape != query.shape:
         raise ValueError(f"query and out must both be [T, num_heads, head_dim], got {tuple(query.shape)} and "
                          f"{tuple(out.shape)}")
@@ -102,8 +117,8 @@ def _check_attention_args(out: torch.Tensor, query: torch.Tensor, key_cache: tor
         raise ValueError("query and out must have a contiguous last dim (other strides are free)")
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
-    if head_dim != key_cache.shape[3]:
-        raise ValueError(f"query head_dim {head_dim} differs from the cache's {key_cache.shape[3]}")
+    if head_dim != cache_head_dim:
+        raise ValueError(f"query head_dim {head_dim} differs from the cache's {cache_head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
@@ -121,14 +136,68 @@ def _check_attention_args(out: torch.Tensor, query: torch.Tensor, key_cache: tor
 
 
 @triton.jit
+def _round_half_even(x):
+    """torch.round's rounding (half to even), from floor: Triton's interpreter has no rint."""
+    r = tl.floor(x + 0.5)
+    return tl.where(((r - x) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0), r - 1.0, r)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x clamped to +-448 and rounded (half to even) to e4m3's 3 mantissa bits, in fp32: the conversion that
+    follows is then exact everywhere (Triton's interpreter rounds subnormals and mantissa carries wrongly)."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    exponent = (x.to(tl.int32, bitcast=True) >> 23) & 255
+    step = (tl.maximum(exponent - 3, 127 - 9) << 23).to(tl.float32, bitcast=True)  # >= 2^-9, subnormals' step
+    return _round_half_even(x / step) * step
+
+
+@triton.jit
+def _load_kv(ptrs, mask, KV_INT8: tl.constexpr):
+    """K or V values, 0 where masked (an int 0 for int8 codes: the interpreter casts no float to them)."""
+    if KV_INT8:
+        return tl.load(ptrs, mask=mask, other=0)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(cache_ptr, row_offs, x, heads_mask, dims, mask,
+                HEAD_DIM: tl.constexpr, KV_INT8: tl.constexpr, KV_FP8: tl.constexpr):
+    """x [heads, dims] fp32 into the cache rows at row_offs [heads], in the cache's format."""
+    offs = row_offs[:, None] + dims[None, :]
+    if KV_INT8:  # ops/reference.py quantize_kv_rows, bit for bit
+        scale = tl.minimum(tl.max(tl.abs(x), 1) / 127.0, 65504.0).to(tl.float16)
+        scale_f = scale.to(tl.float32)
+        codes = _round_half_even(x / tl.where(scale_f > 0, scale_f, 1.0)[:, None])
+        codes = tl.minimum(tl.maximum(tl.where(scale_f[:, None] > 0, codes, 0.0), -127.0), 127.0)
+        tl.store(cache_ptr + offs, codes.to(tl.int8), mask=mask)
+        bits = scale.to(tl.int16, bitcast=True)
+        tl.store(cache_ptr + row_offs + HEAD_DIM, (bits & 255).to(tl.int8), mask=heads_mask)
+        tl.store(cache_ptr + row_offs + HEAD_DIM + 1, ((bits >> 8) & 255).to(tl.int8), mask=heads_mask)
+    elif KV_FP8:
+        tl.store(cache_ptr + offs, _round_to_e4m3(x).to(cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(cache_ptr + offs, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_scales(cache_ptr, row_offs, mask, HEAD_DIM: tl.constexpr):
+    """The fp32 scales of int8 rows at row_offs (their fp16 in the row's last 2 bytes); 0 where masked."""
+    lo = tl.load(cache_ptr + row_offs + HEAD_DIM, mask=mask, other=0).to(tl.uint8).to(tl.uint16)
+    hi = tl.load(cache_ptr + row_offs + HEAD_DIM + 1, mask=mask, other=0).to(tl.uint8).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _write_kv_cache_kernel(
     key_ptr, value_ptr,  # [T, Hkv, D]
-    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, Hkv, D (+ 2 for int8)]
     slot_mapping_ptr,  # [T] int64, negative = padding
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_cache_block, stride_cache_pos, stride_cache_head,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_KV_HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_INT8: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -136,29 +205,32 @@ def _write_kv_cache_kernel(
         return
     heads = tl.arange(0, NUM_KV_HEADS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
-    cache_offs = ((slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_pos
-                  + heads[:, None] * stride_cache_head + dims[None, :])
-    key = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
-    tl.store(key_cache_ptr + cache_offs, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    heads_mask = heads < NUM_KV_HEADS
+    mask = heads_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    row_offs = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_pos \
+        + heads * stride_cache_head
+    key = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask,
+                  other=0.0).to(tl.float32)
+    _store_rows(key_cache_ptr, row_offs, key, heads_mask, dims, mask, HEAD_DIM, KV_INT8, KV_FP8)
     value = tl.load(value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :],
-                    mask=mask)
-    tl.store(value_cache_ptr + cache_offs, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+                    mask=mask, other=0.0).to(tl.float32)
+    _store_rows(value_cache_ptr, row_offs, value, heads_mask, dims, mask, HEAD_DIM, KV_INT8, KV_FP8)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """Writes this step's keys and values into their cache slots, converting to the cache dtype.
+    """Writes this step's keys and values into their cache slots, converting to the cache's format.
 
     key, value: [T, Hkv, D], any token/head strides, contiguous last dim (e.g. slices of a fused qkv).
-    key_cache, value_cache: [num_blocks, block_size, Hkv, D]. slot_mapping: [T] int; a negative slot
-    is a padding token (CUDA-graph batches) and writes nothing.
+    key_cache, value_cache: [num_blocks, block_size, Hkv, D] (int8: D + 2, each row's codes and scale; fp8:
+    values clamped to +-448). slot_mapping: [T] int; a negative slot is a padding token (CUDA-graph batches) and
+    writes nothing.
     """
-    _check_caches(key_cache, value_cache)
+    cache_head_dim = _check_caches(key_cache, value_cache)
     num_tokens, num_kv_heads, head_dim = key.shape
-    if key.shape != value.shape or tuple(key_cache.shape[2:]) != (num_kv_heads, head_dim):
+    if key.shape != value.shape or (key_cache.shape[2], cache_head_dim) != (num_kv_heads, head_dim):
         raise ValueError(f"key and value must be [T, Hkv, D] matching the cache's [.., .., {key_cache.shape[2]}, "
-                         f"{key_cache.shape[3]}], got {tuple(key.shape)} and {tuple(value.shape)}")
+                         f"{cache_head_dim}], got {tuple(key.shape)} and {tuple(value.shape)}")
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key and value must have a contiguous last dim")
     if slot_mapping.shape != (num_tokens,):
@@ -172,6 +244,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         BLOCK_SIZE=key_cache.shape[1], NUM_KV_HEADS=num_kv_heads,
         NUM_KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        KV_INT8=key_cache.dtype == torch.int8, KV_FP8=key_cache.dtype == torch.float8_e4m3fn,
         num_warps=WRITE_NUM_WARPS,
     )
 
@@ -201,7 +274,7 @@ def _score_scales(scale: float, logit_softcap: float | None) -> tuple[float, flo
 def _decode_kernel(
     out_ptr,  # [B, Hq, D]
     query_ptr,  # [B, Hq, D]
-    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, Hkv, D (+ 2 for int8)]
     block_table_ptr,  # [B, max_blocks] int32/int64
     seq_lens_ptr,  # [B]
     partial_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32, only when NUM_SPLITS > 1
@@ -215,7 +288,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_INT8: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -250,9 +323,11 @@ def _decode_kernel(
         key_mask = pos < hi
         block = tl.load(table_row + (pos // BLOCK_SIZE) * stride_table_col, mask=key_mask, other=0).to(tl.int64)
         kv_offs = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_pos + kv_head * stride_cache_head
-        k = tl.load(key_cache_ptr + kv_offs[None, :] + dims[:, None],  # [D, BLOCK_N]
-                    mask=key_mask[None, :] & dim_mask[:, None], other=0.0)
+        k = _load_kv(key_cache_ptr + kv_offs[None, :] + dims[:, None],  # [D, BLOCK_N]
+                     key_mask[None, :] & dim_mask[:, None], KV_INT8)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
+        if KV_INT8:  # a key's codes times its row's scale
+            s = s * _row_scales(key_cache_ptr, kv_offs, key_mask, HEAD_DIM)[None, :]
         if SOFTCAP:
             s = _softcap(s, softcap_log2)
         s = tl.where(key_mask[None, :], s, float("-inf"))
@@ -261,9 +336,12 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + kv_offs[:, None] + dims[None, :],  # [BLOCK_N, D]
-                    mask=key_mask[:, None] & dim_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        v = _load_kv(value_cache_ptr + kv_offs[:, None] + dims[None, :],  # [BLOCK_N, D]
+                     key_mask[:, None] & dim_mask[None, :], KV_INT8)
+        pv = p
+        if KV_INT8:  # a value's codes times its row's scale, folded into its probabilities
+            pv = p * _row_scales(value_cache_ptr, kv_offs, key_mask, HEAD_DIM)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
 
     # An empty range (seq_len 0: a padded CUDA-graph row, or a split past the context) gives zeros.
@@ -343,7 +421,7 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
         num_splits = _decode_num_splits(num_reqs * num_kv_heads, query.device)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    dot_dtype, dot_precision = _dot_config(key_cache)
+    dot_dtype, dot_precision = _dot_config(query)
     if num_splits > 1:
         partial_out = torch.empty(num_reqs, num_heads, num_splits, head_dim, dtype=torch.float32,
                                   device=query.device)
@@ -362,7 +440,7 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
         BLOCK_SIZE=key_cache.shape[1], GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=_head_dim_pad(head_dim), BLOCK_N=DECODE_BLOCK_N,
         SLIDING_WINDOW=sliding_window, NUM_SPLITS=num_splits, SOFTCAP=logit_softcap is not None,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, KV_INT8=key_cache.dtype == torch.int8,
         num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
     )
     if num_splits > 1:
@@ -382,7 +460,7 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
 def _prefill_kernel(
     out_ptr,  # [T, Hq, D]
     query_ptr,  # [T, Hq, D]
-    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, Hkv, D (+ 2 for int8)]
     block_table_ptr,  # [B, max_blocks] int32/int64
     seq_lens_ptr,  # [B]
     query_start_loc_ptr,  # [B + 1]: request i owns tokens [query_start_loc[i], query_start_loc[i + 1])
@@ -394,6 +472,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -431,9 +510,11 @@ def _prefill_kernel(
         key_mask = pos < hi
         block = tl.load(table_row + (pos // BLOCK_SIZE) * stride_table_col, mask=key_mask, other=0).to(tl.int64)
         kv_offs = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_pos + kv_head * stride_cache_head
-        k = tl.load(key_cache_ptr + kv_offs[None, :] + dims[:, None],  # [D, BLOCK_N]
-                    mask=key_mask[None, :] & dim_mask[:, None], other=0.0)
+        k = _load_kv(key_cache_ptr + kv_offs[None, :] + dims[:, None],  # [D, BLOCK_N]
+                     key_mask[None, :] & dim_mask[:, None], KV_INT8)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if KV_INT8:  # a key's codes times its row's scale
+            s = s * _row_scales(key_cache_ptr, kv_offs, key_mask, HEAD_DIM)[None, :]
         if SOFTCAP:
             s = _softcap(s, softcap_log2)
         mask = key_mask[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -446,9 +527,12 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + kv_offs[:, None] + dims[None, :],  # [BLOCK_N, D]
-                    mask=key_mask[:, None] & dim_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        v = _load_kv(value_cache_ptr + kv_offs[:, None] + dims[None, :],  # [BLOCK_N, D]
+                     key_mask[:, None] & dim_mask[None, :], KV_INT8)
+        pv = p
+        if KV_INT8:  # a value's codes times its row's scale, folded into its probabilities
+            pv = p * _row_scales(value_cache_ptr, kv_offs, key_mask, HEAD_DIM)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -481,7 +565,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
     qk_scale, softcap_log2 = _score_scales(scale, logit_softcap)
     if num_reqs == 0 or max_query_len <= 0:
         return
-    dot_dtype, dot_precision = _dot_config(key_cache)
+    dot_dtype, dot_precision = _dot_config(query)
     grid = (num_reqs, num_heads, triton.cdiv(max_query_len, PREFILL_BLOCK_M))
     _prefill_kernel[grid](
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
@@ -493,7 +577,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
         HEAD_DIM=head_dim, HEAD_DIM_PAD=_head_dim_pad(head_dim),
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, SLIDING_WINDOW=sliding_window,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, SOFTCAP=logit_softcap is not None,
-        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES,
+        KV_INT8=key_cache.dtype == torch.int8, num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES,
     )
 
 
