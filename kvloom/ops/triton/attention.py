@@ -271,6 +271,33 @@ def _score_scales(scale: float, logit_softcap: float | None) -> tuple[float, flo
 
 
 @triton.jit
+def _tile_scores(q, key_cache_ptr, kv_offs, key_mask, dims, dim_mask, qk_scale, softcap_log2,
+                 HEAD_DIM: tl.constexpr, KV_INT8: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """The scores [rows, BLOCK_N] of q [rows, D] against the key tile at kv_offs [BLOCK_N], in the kernels' log2
+    domain (soft-capped where SOFTCAP); masked keys are left to the caller."""
+    k = _load_kv(key_cache_ptr + kv_offs[None, :] + dims[:, None],  # [D, BLOCK_N]
+                 key_mask[None, :] & dim_mask[:, None], KV_INT8)
+    s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
+    if KV_INT8:  # a key's codes times its row's scale
+        s = s * _row_scales(key_cache_ptr, kv_offs, key_mask, HEAD_DIM)[None, :]
+    if SOFTCAP:
+        s = _softcap(s, softcap_log2)
+    return s
+
+
+@triton.jit
+def _tile_values(acc, p, value_cache_ptr, kv_offs, key_mask, dims, dim_mask, HEAD_DIM: tl.constexpr,
+                 KV_INT8: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + p [rows, BLOCK_N] times the value tile at kv_offs."""
+    v = _load_kv(value_cache_ptr + kv_offs[:, None] + dims[None, :],  # [BLOCK_N, D]
+                 key_mask[:, None] & dim_mask[None, :], KV_INT8)
+    if KV_INT8:  # a value's codes times its row's scale, folded into its probabilities
+        p = p * _row_scales(value_cache_ptr, kv_offs, key_mask, HEAD_DIM)[None, :]
+    return acc + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _decode_kernel(
     out_ptr,  # [B, Hq, D]
     query_ptr,  # [B, Hq, D]
@@ -323,25 +350,16 @@ def _decode_kernel(
         key_mask = pos < hi
         block = tl.load(table_row + (pos // BLOCK_SIZE) * stride_table_col, mask=key_mask, other=0).to(tl.int64)
         kv_offs = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_pos + kv_head * stride_cache_head
-        k = _load_kv(key_cache_ptr + kv_offs[None, :] + dims[:, None],  # [D, BLOCK_N]
-                     key_mask[None, :] & dim_mask[:, None], KV_INT8)
-        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
-        if KV_INT8:  # a key's codes times its row's scale
-            s = s * _row_scales(key_cache_ptr, kv_offs, key_mask, HEAD_DIM)[None, :]
-        if SOFTCAP:
-            s = _softcap(s, softcap_log2)
+        s = _tile_scores(q, key_cache_ptr, kv_offs, key_mask, dims, dim_mask, qk_scale, softcap_log2,  # [GROUP_PAD, N]
+                         HEAD_DIM, KV_INT8, SOFTCAP, DOT_DTYPE, DOT_PRECISION)
         s = tl.where(key_mask[None, :], s, float("-inf"))
         # Every tile holds a key for every row (the mask is per key), so m_new is finite from the first.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv(value_cache_ptr + kv_offs[:, None] + dims[None, :],  # [BLOCK_N, D]
-                     key_mask[:, None] & dim_mask[None, :], KV_INT8)
-        pv = p
-        if KV_INT8:  # a value's codes times its row's scale, folded into its probabilities
-            pv = p * _row_scales(value_cache_ptr, kv_offs, key_mask, HEAD_DIM)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(pv.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        acc = _tile_values(acc * alpha[:, None], p, value_cache_ptr, kv_offs, key_mask, dims, dim_mask, HEAD_DIM,
+                           KV_INT8, DOT_DTYPE, DOT_PRECISION)
         m_i = m_new
 
     # An empty range (seq_len 0: a padded CUDA-graph row, or a split past the context) gives zeros.
@@ -510,13 +528,8 @@ def _prefill_kernel(
         key_mask = pos < hi
         block = tl.load(table_row + (pos // BLOCK_SIZE) * stride_table_col, mask=key_mask, other=0).to(tl.int64)
         kv_offs = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_pos + kv_head * stride_cache_head
-        k = _load_kv(key_cache_ptr + kv_offs[None, :] + dims[:, None],  # [D, BLOCK_N]
-                     key_mask[None, :] & dim_mask[:, None], KV_INT8)
-        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        if KV_INT8:  # a key's codes times its row's scale
-            s = s * _row_scales(key_cache_ptr, kv_offs, key_mask, HEAD_DIM)[None, :]
-        if SOFTCAP:
-            s = _softcap(s, softcap_log2)
+        s = _tile_scores(q, key_cache_ptr, kv_offs, key_mask, dims, dim_mask, qk_scale, softcap_log2,  # [BLOCK_M, N]
+                         HEAD_DIM, KV_INT8, SOFTCAP, DOT_DTYPE, DOT_PRECISION)
         mask = key_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING_WINDOW > 0:
             mask &= pos[None, :] > q_pos[:, None] - SLIDING_WINDOW
@@ -527,12 +540,8 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv(value_cache_ptr + kv_offs[:, None] + dims[None, :],  # [BLOCK_N, D]
-                     key_mask[:, None] & dim_mask[None, :], KV_INT8)
-        pv = p
-        if KV_INT8:  # a value's codes times its row's scale, folded into its probabilities
-            pv = p * _row_scales(value_cache_ptr, kv_offs, key_mask, HEAD_DIM)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(pv.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        acc = _tile_values(acc * alpha[:, None], p, value_cache_ptr, kv_offs, key_mask, dims, dim_mask, HEAD_DIM,
+                           KV_INT8, DOT_DTYPE, DOT_PRECISION)
         m_i = m_new
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
