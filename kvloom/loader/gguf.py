@@ -36,6 +36,10 @@ GGML_Q4_K = 12
 # The 4-bit types kept 4-bit (``keep_q4``): each is exactly a Q4Blocks (Q4_K's 6-bit sub-block scales times its
 # fp16 super-block scales are exact in fp32).
 Q4_TYPES = (GGML_Q4_0, GGML_Q4_1, GGML_Q4_K)
+# The types kept as int8 blocks (``keep_q8_0``): Q8_0, and Q5_0, whose codes q - 16 (-16..15) with the block's
+# scale are exactly its values (llama.cpp's Q4_K_M of a model whose rows fit no 256-value k-quant block is
+# mostly Q5_0).
+INT8_BLOCK_TYPES = (GGML_Q8_0, GGML_Q5_0)
 
 # Metadata value types of the GGUF spec.
 _STRING, _ARRAY = 8, 9
@@ -341,9 +345,18 @@ def q8_0_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> Int8Blocks:
                       _half(blocks, 0).reshape(n, k // BLOCK))
 
 
+def q5_0_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> Int8Blocks:
+    """A 2-D Q5_0 tensor as int8 blocks: codes q - 16 [N, K] and the fp16 block scales as fp32 [N, K / 32], whose
+    products are exactly the file's values."""
+    n, k = shape
+    blocks = raw.view(-1, _KNOWN_LAYOUTS[GGML_Q5_0][1])
+    q = _nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])
+    return Int8Blocks((q.to(torch.int8) - 16).reshape(n, k), _half(blocks, 0).reshape(n, k // BLOCK))
+
+
 def q8_0_weight_names(path: str) -> set[str]:
-    """HF names of the file's 2-D Q8_0 tensors (what ``keep_q8_0`` hands over as int8 blocks)."""
-    return weight_names_of_types(path, (GGML_Q8_0,))
+    """HF names of the file's 2-D tensors that ``keep_q8_0`` hands over as int8 blocks (Q8_0, Q5_0)."""
+    return weight_names_of_types(path, INT8_BLOCK_TYPES)
 
 
 def weight_names_of_types(path: str, ggml_types: tuple[int, ...]) -> set[str]:
@@ -448,7 +461,7 @@ def reverse_rotary_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor
 def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: bool = False,
                       keep_q4: bool = False) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks]]:
     """Every weight of a GGUF (ARCHITECTURES) as (HF name, float32 tensor in HF layout); with
-    ``keep_q8_0`` a 2-D Q8_0 weight comes as ``Int8Blocks`` instead, its codes and scales as stored, and with
+    ``keep_q8_0`` a 2-D Q8_0 (or Q5_0) weight comes as ``Int8Blocks`` instead, its codes and scales as stored, and with
     ``keep_q4`` a 2-D Q4_0 / Q4_1 / Q4_K weight as ``Q4Blocks`` (q/k rows reordered like the floats: a row
     keeps its blocks). Family transforms undone here: Llama's q/k row permutation, Gemma's 1 + w norms; an
     expert stack [E, rows, cols] comes as E tensors, one per expert (4-bit blocks with ``keep_q4``, else float:
@@ -469,8 +482,8 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
         raw = read_tensor_bytes(path, info)
         with _single_thread():
             kept: Int8Blocks | Q4Blocks | None = None
-            if keep_q8_0 and info.ggml_type == GGML_Q8_0 and len(info.shape) == 2:
-                kept = q8_0_blocks(raw, info.shape)
+            if keep_q8_0 and info.ggml_type in INT8_BLOCK_TYPES and len(info.shape) == 2:
+                kept = (q8_0_blocks if info.ggml_type == GGML_Q8_0 else q5_0_blocks)(raw, info.shape)
             elif keep_q4 and info.ggml_type in Q4_TYPES and len(info.shape) == 2:
                 kept = q4_blocks(raw, info.ggml_type, info.shape)
             if kept is not None:
