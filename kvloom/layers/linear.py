@@ -120,10 +120,8 @@ class Linear(nn.Module):
 
     def _int8_to_float(self) -> None:
         """The int8 storage back into the float weight (a layer whose shards came in different kinds)."""
-        scales = self.weight_scale
-        values = (int8.Int8Blocks(self.qweight, scales).dequantize() if self.blocks
-                  else self.qweight.float() * scales[:, None])
-        self.weight.data = values.to(self.weight.dtype)
+        kind = int8.Int8Blocks if self.blocks else int8.Int8Rows
+        self.weight.data = kind(self.qweight, self.weight_scale).dequantize().to(self.weight.dtype)
         self.qweight, self.weight_scale = None, None
 
     def _q4_to_float(self) -> None:
