@@ -47,8 +47,9 @@ class Linear(nn.Module):
         # (indices into output_sizes) that arrived 4-bit.
         self.q4: Q4Blocks | None = None
         self.q4_shards: set[int] = set()
-        # The shards whose weight arrived in float: where int8 shards arrive beside them (a GGUF's Q8_0 v_proj
-        # beside a Q5_0 q and k), the whole layer is held in float, every shard exact.
+        # The shards whose weight is held in float (read as float and not read again as int8, as smoothing's second
+        # pass does): where int8 shards stay beside them (a GGUF's Q8_0 v_proj beside float q and k), the layer
+        # ends in float, every shard exact.
         self.float_shards: set[int] = set()
 
     @property
@@ -76,10 +77,6 @@ class Linear(nn.Module):
             if tuple(tensor.shape) != (size, self.in_features):
                 raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected "
                                  f"{(size, self.in_features)}")
-            if self.float_shards:  # float shards already in: the layer stays float, this shard dequantized
-                self.weight.data[start:start + size].copy_(tensor.dequantize())
-                self.float_shards.add(shard)
-                return
             if isinstance(tensor, int8.Int8Blocks) or self.blocks:  # one kind of scale per layer: blocks
                 if isinstance(tensor, int8.Int8Rows):
                     tensor = int8.Int8Blocks.from_rows(tensor)
@@ -88,13 +85,19 @@ class Linear(nn.Module):
             if self.qweight is None:
                 out_features = sum(self.output_sizes)
                 device = self.weight.device
+                floats = self.weight.data
                 self.set_int8(torch.zeros(out_features, self.in_features, dtype=torch.int8, device=device),
                               torch.ones(out_features, *tensor.scale.shape[1:], device=device))
+                if self.float_shards:  # still held until each is read again as int8, or the layer ends float
+                    self.weight.data = floats
             self.qweight[start:start + size].copy_(tensor.qweight)
             self.weight_scale[start:start + size].copy_(tensor.scale)
+            self.float_shards.discard(shard)
+            if not self.float_shards:
+                self.weight.data = self.weight.data.new_empty(0, self.in_features)
             return
-        if name == "weight" and self.qweight is not None:  # int8 shards already in: the layer becomes float
-            self._int8_to_float()
+        if name == "weight" and self.weight.numel() == 0:  # after int8 shards: a float one needs the buffer again
+            self.weight.data = self.weight.data.new_zeros(sum(self.output_sizes), self.in_features)
         target = self.weight if name == "weight" else self.bias
         if target is None:
             raise ValueError(f"checkpoint has a {name} for a layer built without one")
@@ -119,9 +122,14 @@ class Linear(nn.Module):
         self.q4_shards.add(shard)
 
     def _int8_to_float(self) -> None:
-        """The int8 storage back into the float weight (a layer whose shards came in different kinds)."""
+        """A layer whose shards came as int8 and as float: the int8 ones dequantized into the float weight beside
+        the float ones, every shard exact, and the int8 storage released."""
         kind = int8.Int8Blocks if self.blocks else int8.Int8Rows
-        self.weight.data = kind(self.qweight, self.weight_scale).dequantize().to(self.weight.dtype)
+        values = kind(self.qweight, self.weight_scale).dequantize().to(self.weight.dtype)
+        for shard in self.float_shards:
+            start, size = sum(self.output_sizes[:shard]), self.output_sizes[shard]
+            values[start:start + size] = self.weight.data[start:start + size]
+        self.weight.data = values
         self.qweight, self.weight_scale = None, None
 
     def _q4_to_float(self) -> None:
@@ -165,6 +173,8 @@ class Linear(nn.Module):
         bias = None if self.bias is None else self.bias.data
         if self.q4 is not None and len(self.q4_shards) < len(self.output_sizes):
             self._q4_to_float()
+        elif self.qweight is not None and self.float_shards:
+            self._int8_to_float()
         if self.q4 is not None:
             device = self.weight.device  # the 4-bit storage is no parameter: it follows the model's device here
             self.packed = ops.pack_linear_q4(Q4Blocks(*(t.to(device) for t in self.q4)), bias)

@@ -171,7 +171,15 @@ def test_a_fused_layer_partly_int8_is_held_in_float(int8_first: bool) -> None:
     layer = Linear(64, [16, 16])
     layer.load_shard("weight", 0, torch.ones(16, 64))
     layer.load_shard("weight", 1, rows)
+    layer.process_weights_after_loading(REFERENCE_OPS)
     assert torch.equal(layer.weight.data, torch.cat((torch.ones(16, 64), rows.dequantize())))
+    # Read as float, then every shard read again as int8 (SmoothQuant's second pass): the layer ends int8.
+    layer = Linear(64, [16, 16])
+    for shard in (0, 1):
+        layer.load_shard("weight", shard, torch.randn(16, 64))
+    for shard in (0, 1):
+        layer.load_shard("weight", shard, rows)
+    assert layer.quantized and not layer.float_shards and layer.weight.numel() == 0
 
 
 def test_a_gguf_with_a_q8_0_v_beside_float_q_and_k_stays_close_to_its_float_load(tmp_path) -> None:
