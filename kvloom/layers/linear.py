@@ -85,11 +85,11 @@ class Linear(nn.Module):
             if self.qweight is None:
                 out_features = sum(self.output_sizes)
                 device = self.weight.device
-                floats = self.weight.data
+                floats, float_shards = self.weight.data, self.float_shards
                 self.set_int8(torch.zeros(out_features, self.in_features, dtype=torch.int8, device=device),
                               torch.ones(out_features, *tensor.scale.shape[1:], device=device))
-                if self.float_shards:  # still held until each is read again as int8, or the layer ends float
-                    self.weight.data = floats
+                if float_shards:  # still held until each is read again as int8, or the layer ends float
+                    self.weight.data, self.float_shards = floats, float_shards
             self.qweight[start:start + size].copy_(tensor.qweight)
             self.weight_scale[start:start + size].copy_(tensor.scale)
             self.float_shards.discard(shard)
@@ -165,6 +165,7 @@ class Linear(nn.Module):
         device = self.weight.device  # a quantized checkpoint is read on the CPU; the model may sit on a GPU
         self.qweight, self.weight_scale = qweight.to(device), scale.float().to(device)
         self.weight.data = self.weight.data.new_empty(0, self.in_features)
+        self.float_shards = set()  # the whole weight is int8 now
 
     def process_weights_after_loading(self, ops: Ops) -> None:
         """Pack the final weight for the platform's GEMM, once; the plain weight is then released."""
