@@ -122,7 +122,8 @@ def _bool_or_none(value: Any) -> bool:
     return value is None or isinstance(value, bool)
 
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # vLLM's two names of the e4m3 cache
+KV_CACHE_DTYPES = ("auto", "int8", *FP8_KV_CACHE_DTYPES)
 
 VLLM_ARGUMENT_LIMITS: dict[str, ArgumentLimit] = {
     "enable_chunked_prefill": ArgumentLimit(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvloom.config.backend import BUCKET_KEYS
+from kvloom.config.compat import FP8_KV_CACHE_DTYPES
 from kvloom.config.engine import EngineConfig
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device, attention_ba
     if attention_backend == "native":
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs the 'auto', 'cpu', 'triton' or 'reference' "
                          f"attention backend; {where}: use kv_cache_dtype='auto'")
-    if kv_cache_dtype in ("fp8", "fp8_e4m3") and attention_backend != "reference":
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES and attention_backend != "reference":
         if device.type != "cuda":
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} (float8 e4m3) runs on CUDA (or under the slow "
                              f"'reference' attention backend); {where}: use kv_cache_dtype='int8' (about the same "

@@ -324,10 +324,13 @@ def _dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return _half(blocks, 0) * _nibbles(blocks[:, 4:]).float() + _half(blocks, 2)
 
 
+def _q5_0_codes(blocks: torch.Tensor) -> torch.Tensor:
+    # block: d (f16) | 32 fifth bits (u32) | 16 bytes of low nibbles; x = (q - 16) * d: the int8 codes q - 16
+    return (_nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])).to(torch.int8) - 16
+
+
 def _dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    # block: d (f16) | 32 fifth bits (u32) | 16 bytes of low nibbles; x = (q - 16) * d
-    q = _nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])
-    return _half(blocks, 0) * (q.to(torch.int8) - 16).float()
+    return _half(blocks, 0) * _q5_0_codes(blocks).float()
 
 
 def _dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
@@ -350,8 +353,7 @@ def q5_0_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> Int8Blocks:
     products are exactly the file's values."""
     n, k = shape
     blocks = raw.view(-1, _KNOWN_LAYOUTS[GGML_Q5_0][1])
-    q = _nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])
-    return Int8Blocks((q.to(torch.int8) - 16).reshape(n, k), _half(blocks, 0).reshape(n, k // BLOCK))
+    return Int8Blocks(_q5_0_codes(blocks).reshape(n, k), _half(blocks, 0).reshape(n, k // BLOCK))
 
 
 def q8_0_weight_names(path: str) -> set[str]:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kvloom.config import ResolvedConfig
+from kvloom.config.compat import FP8_KV_CACHE_DTYPES
 from kvloom.loader.model_config import ModelConfig
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.reference import INT8_KV_SCALE_BYTES
@@ -23,7 +24,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
 # kv_cache_dtype -> the cache tensors' dtype ("auto": the model's); an int8 row ends in its fp16 scale.
-KV_CACHE_TORCH_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_TORCH_DTYPES = {"int8": torch.int8, **dict.fromkeys(FP8_KV_CACHE_DTYPES, torch.float8_e4m3fn)}
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
