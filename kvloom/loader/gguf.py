@@ -10,11 +10,13 @@ dequantized with vectorized torch ops; any other block type falls back to `gguf.
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
 import re
 import struct
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +28,8 @@ import torch
 
 from kvloom.ops.int8 import BLOCK, Int8Blocks
 from kvloom.ops.q4 import Q4Blocks
+
+logger = logging.getLogger("kvloom")
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -40,6 +44,7 @@ Q4_TYPES = (GGML_Q4_0, GGML_Q4_1, GGML_Q4_K)
 # scale are exactly its values (llama.cpp's Q4_K_M of a model whose rows fit no 256-value k-quant block is
 # mostly Q5_0).
 INT8_BLOCK_TYPES = (GGML_Q8_0, GGML_Q5_0)
+FLOAT_TYPES = (GGML_F32, GGML_F16, GGML_BF16)
 
 # Metadata value types of the GGUF spec.
 _STRING, _ARRAY = 8, 9
@@ -471,7 +476,12 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
     gguf = read_gguf(path)
     arch = str(gguf.metadata.get("general.architecture"))
     permuted = arch in PERMUTED_ROTARY
+    widened: Counter[int] = Counter()  # block-quantized weights dequantized to float although blocks were asked for
     for info in gguf.tensors.values():
+        if (keep_q8_0 or keep_q4) and info.ggml_type not in FLOAT_TYPES and len(info.shape) >= 2 and not (
+                (keep_q8_0 and info.ggml_type in INT8_BLOCK_TYPES and len(info.shape) == 2)
+                or (keep_q4 and info.ggml_type in Q4_TYPES)):
+            widened[info.ggml_type] += 1
         name = hf_tensor_name(info.name, arch)
         if name is None:
             if info.name in (ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT):
@@ -504,6 +514,27 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
             elif name.endswith("shared_expert_gate.weight"):
                 weight = weight.reshape(1, -1)  # [1, H] as HF has it, whether stored 1-D or 2-D
         yield name, weight
+    if widened:
+        logger.info("%s: %s", os.path.basename(path), widened_notice(widened, keep_q8_0, keep_q4))
+
+
+def widened_notice(widened: Counter[int], keep_q8_0: bool, keep_q4: bool) -> str:
+    """The one line saying which of a GGUF's block-quantized weights are dequantized to float at load (a type
+    kvloom has no block product for) and which types are kept in blocks."""
+    from gguf.constants import GGMLQuantizationType
+
+    def type_name(ggml_type: int) -> str:
+        try:
+            return GGMLQuantizationType(ggml_type).name
+        except ValueError:
+            return f"type {ggml_type}"
+
+    types = ", ".join(f"{count} {type_name(t)}" for t, count in sorted(widened.items()))
+    kept = ([type_name(t) for t in INT8_BLOCK_TYPES] if keep_q8_0 else []) + \
+        ([type_name(t) for t in Q4_TYPES] if keep_q4 else [])
+    total = sum(widened.values())
+    return (f"{total} weight{'s' if total != 1 else ''} dequantized to float at load ({types}); the types kept in "
+            f"their blocks are {', '.join(kept)}")
 
 
 def _expert_slices(path: str, info: GGUFTensorInfo, keep_q4: bool) -> list[torch.Tensor | Q4Blocks]:

@@ -212,6 +212,24 @@ def test_tiny_gguf_weights_are_the_checkpoint_in_hf_layout(tiny_gguf_path: str) 
         assert error < 0.2, (name, float(error))
 
 
+def test_gguf_weights_dequantized_despite_kept_blocks_are_named_in_one_line(
+        tiny_gguf_path: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The tiny file's lm_head is Q5_1, a type with no block product: kept blocks asked for, it is dequantized and
+    one log line says so (type and count) with the types that are kept; with nothing asked to be kept, no line."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="kvloom"):
+        weights = dict(iter_weights(resolve_model(tiny_gguf_path), keep_q8_0=True, keep_q4=True))
+    assert weights["lm_head.weight"].dtype == torch.float32
+    lines = [r.getMessage() for r in caplog.records if "dequantized to float at load" in r.getMessage()]
+    assert lines == [f"{os.path.basename(tiny_gguf_path)}: 1 weight dequantized to float at load (1 Q5_1); the "
+                     "types kept in their blocks are Q8_0, Q5_0, Q4_0, Q4_1, Q4_K"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvloom"):
+        dict(iter_weights(resolve_model(tiny_gguf_path)))
+    assert not [r for r in caplog.records if "dequantized to float at load" in r.getMessage()]
+
+
 SmolLM2Reference = tuple[object, dict[str, torch.Tensor]]
 
 
