@@ -11,9 +11,9 @@ GGUF Q8_0 blocks (``Int8Blocks``) keeps a scale per row and block of 32 inputs, 
 and is prepared by ``pack_linear_int8_blocks``; a fused layer with some shards in blocks and some in rows
 holds all of them as blocks (a row's scale repeated over its blocks, exactly).
 
-A GGUF's 4-bit weights (``quantization="gguf"``) arrive as ``Q4Blocks`` and stay 4-bit in ``q4``; the op
-table's ``pack_linear_q4`` prepares them. A fused layer whose shards are not all 4-bit (a Q4_K_M file's Q6_K
-v next to Q4_K q and k) is dequantized whole to float at packing: one product per layer.
+A GGUF's 4- and 5-bit weights (``quantization="gguf"``) arrive as ``Q4Blocks`` and stay in their code blocks in
+``q4``; the op table's ``pack_linear_q4`` prepares them. A fused layer whose shards are not all code blocks (a
+Q4_K_M file's Q6_K v next to Q4_K q and k) is dequantized whole to float at packing: one product per layer.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class Linear(nn.Module):
         self.qweight: torch.Tensor | None = None
         self.weight_scale: torch.Tensor | None = None
         self.packed: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # 4-bit storage (a GGUF's Q4 blocks kept): codes uint8 [out, in], d and m fp32 [out, in / 32]; the shards
-        # (indices into output_sizes) that arrived 4-bit.
+        # Code-block storage (a GGUF's 4- or 5-bit blocks kept): codes uint8 [out, in], d and m fp32 [out, in / 32];
+        # the shards (indices into output_sizes) that arrived so.
         self.q4: Q4Blocks | None = None
         self.q4_shards: set[int] = set()
         # The shards whose weight is held in float (read as float and not read again as int8, as smoothing's second

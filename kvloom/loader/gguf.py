@@ -1,6 +1,6 @@
-"""GGUF files: a fast metadata reader, float32 dequantization (or the blocks kept: Q8_0 as its int8 codes and
-block scales, ``Int8Blocks``; Q4_0, Q4_1 and Q4_K as 4-bit codes with a scale and offset per block of 32,
-``Q4Blocks``), and llama.cpp's names turned into HF's.
+"""GGUF files: a fast metadata reader, float32 dequantization (or the blocks kept: Q8_0 and Q5_0 as int8 codes and
+block scales, ``Int8Blocks``; Q4_0, Q4_1 and Q4_K as 4-bit codes, Q5_1 and Q5_K as 5-bit ones, each with a scale
+and offset per block of 32, ``Q4Blocks``), and llama.cpp's names turned into HF's.
 
 The metadata reader is ours rather than `gguf.GGUFReader` because that one builds numpy views for
 every one of the ~100k vocabulary strings and takes ~3 s on the default model; this one reads the
@@ -36,10 +36,11 @@ DEFAULT_ALIGNMENT = 32
 
 # ggml type ids (gguf.GGMLQuantizationType), for the types dequantized here without the gguf package.
 GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0, GGML_BF16 = 0, 1, 2, 3, 6, 7, 8, 30
-GGML_Q4_K = 12
-# The 4-bit types kept 4-bit (``keep_q4``): each is exactly a Q4Blocks (Q4_K's 6-bit sub-block scales times its
-# fp16 super-block scales are exact in fp32).
-Q4_TYPES = (GGML_Q4_0, GGML_Q4_1, GGML_Q4_K)
+GGML_Q4_K, GGML_Q5_K = 12, 13
+# The types kept as codes with a scale and offset per block of 32 (``keep_q4``): each is exactly a Q4Blocks (a
+# k-quant's 6-bit sub-block scales and mins times its fp16 super-block ones are exact in fp32): 4-bit codes for
+# Q4_0, Q4_1, Q4_K, 5-bit ones for Q5_1, Q5_K.
+CODE_BLOCK_TYPES = (GGML_Q4_0, GGML_Q4_1, GGML_Q4_K, GGML_Q5_1, GGML_Q5_K)
 # The types kept as int8 blocks (``keep_q8_0``): Q8_0, and Q5_0, whose codes q - 16 (-16..15) with the block's
 # scale are exactly its values (llama.cpp's Q4_K_M of a model whose rows fit no 256-value k-quant block is
 # mostly Q5_0).
@@ -339,9 +340,7 @@ def _dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    # block: d (f16) | m (f16) | 32 fifth bits (u32) | 16 bytes of low nibbles; x = q * d + m
-    q = _nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])
-    return _half(blocks, 0) * q.float() + _half(blocks, 2)
+    return _half(blocks, 0) * _q5_1_codes(blocks).float() + _half(blocks, 2)
 
 
 def q8_0_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> Int8Blocks:
@@ -375,40 +374,69 @@ def weight_names_of_types(path: str, ggml_types: tuple[int, ...]) -> set[str]:
     return {name for name in names if name}
 
 
-def has_4bit_projections(path: str) -> bool:
-    """Whether any of the file's projection weights (q/k/v/o, gate/up/down) is Q4_0, Q4_1 or Q4_K."""
-    return any(name.endswith("_proj.weight") for name in weight_names_of_types(path, Q4_TYPES))
+def has_code_block_projections(path: str) -> bool:
+    """Whether any of the file's projection weights (q/k/v/o, gate/up/down) is of a type kept as codes with block
+    scales and offsets (CODE_BLOCK_TYPES: Q4_0, Q4_1, Q4_K, Q5_1, Q5_K)."""
+    return any(name.endswith("_proj.weight") for name in weight_names_of_types(path, CODE_BLOCK_TYPES))
 
 
 def q4_blocks(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> Q4Blocks:
-    """A 2-D Q4_0, Q4_1 or Q4_K tensor as 4-bit codes with a scale and offset per block of 32, exactly the
-    values the file's dequantization gives (no rounding: each scale and offset is exact in fp32)."""
+    """A 2-D tensor of one of CODE_BLOCK_TYPES as codes (4-bit, or 5-bit for Q5_1 / Q5_K) with a scale and offset
+    per block of 32, exactly the values the file's dequantization gives (no rounding: each scale and offset is
+    exact in fp32)."""
     if ggml_type in (GGML_Q4_0, GGML_Q4_1):
         return Q4Blocks.from_gguf(raw, tuple(shape), with_offset=ggml_type == GGML_Q4_1)
-    if ggml_type != GGML_Q4_K:
-        raise ValueError(f"ggml type {ggml_type} is not a 4-bit block type kept 4-bit; those are {Q4_TYPES}")
-    return _q4_k_blocks(raw, tuple(shape))
+    if ggml_type == GGML_Q5_1:
+        return _q5_1_blocks(raw, tuple(shape))
+    if ggml_type not in (GGML_Q4_K, GGML_Q5_K):
+        raise ValueError(f"ggml type {ggml_type} is not kept as code blocks; those are {CODE_BLOCK_TYPES}")
+    return _k_quant_blocks(raw, ggml_type, tuple(shape))
 
 
-def _q4_k_blocks(raw: torch.Tensor, shape: tuple[int, int]) -> Q4Blocks:
-    """Q4_K: super-blocks of 256 = d (f16) | dmin (f16) | 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks
-    of 32 | 128 bytes of nibbles; sub-block s takes the low (s even) or high (s odd) nibbles of bytes
-    32 (s // 2) .. +32, and x = q * (d * scale_s) - dmin * min_s (ggml's dequantize_row_q4_K)."""
+def _q5_1_codes(blocks: torch.Tensor) -> torch.Tensor:
+    # block: d (f16) | m (f16) | 32 fifth bits (u32) | 16 bytes of low nibbles; x = q * d + m, q in 0..31
+    return _nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])
+
+
+def _q5_1_blocks(raw: torch.Tensor, shape: tuple[int, int]) -> Q4Blocks:
     n, k = shape
+    blocks = raw.view(-1, _KNOWN_LAYOUTS[GGML_Q5_1][1])
+    if blocks.shape[0] != n * k // BLOCK:
+        raise ValueError(f"{raw.numel()} bytes do not hold a Q5_1 weight of shape {shape}")
+    return Q4Blocks(_q5_1_codes(blocks).reshape(n, k), _half(blocks, 0).reshape(n, k // BLOCK),
+                    _half(blocks, 2).reshape(n, k // BLOCK))
+
+
+# Super-block bytes of the k-quants kept as code blocks: d | dmin | 12 bytes of scales and mins | (Q5_K: 32 bytes of
+# fifth bits) | 128 bytes of nibbles.
+_K_QUANT_BYTES = {GGML_Q4_K: 144, GGML_Q5_K: 176}
+
+
+def _k_quant_blocks(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Q4Blocks:
+    """Q4_K / Q5_K: super-blocks of 256 = d (f16) | dmin (f16) | 12 bytes of 6-bit (scale, min) pairs for 8
+    sub-blocks of 32 | (Q5_K: 32 bytes qh) | 128 bytes of nibbles; sub-block s takes the low (s even) or high (s
+    odd) nibbles of bytes 32 (s // 2) .. +32 (and, Q5_K, bit s of qh[0..32) as its fifth bit), and
+    x = q * (d * scale_s) - dmin * min_s (ggml's dequantize_row_q4_K / _q5_K)."""
+    n, k = shape
+    name = "Q4_K" if ggml_type == GGML_Q4_K else "Q5_K"
     if k % 256:
-        raise ValueError(f"a Q4_K weight needs in_features a multiple of 256, got {k}")
-    blocks = raw.view(-1, 144)
+        raise ValueError(f"a {name} weight needs in_features a multiple of 256, got {k}")
+    blocks = raw.view(-1, _K_QUANT_BYTES[ggml_type])
     if blocks.shape[0] != n * k // 256:
-        raise ValueError(f"{raw.numel()} bytes do not hold a Q4_K weight of shape {shape}")
+        raise ValueError(f"{raw.numel()} bytes do not hold a {name} weight of shape {shape}")
     d, dmin = _half(blocks, 0), _half(blocks, 2)  # [S, 1]
     packed = blocks[:, 4:16].to(torch.int32)  # [S, 12]
     low, high = packed[:, 0:4], packed[:, 4:8]  # get_scale_min_k4: j < 4 reads q[j], q[j + 4]
     top = packed[:, 8:12]
     scale = torch.cat((low & 63, (top & 0x0F) | ((low >> 6) << 4)), dim=1)  # [S, 8]
     minimum = torch.cat((high & 63, (top >> 4) | ((high >> 6) << 4)), dim=1)
-    qs = blocks[:, 16:].reshape(-1, 4, 32)  # [S, chunk, 32]: chunk j holds sub-blocks 2j (low) and 2j+1 (high)
-    codes = torch.stack((qs & 0x0F, qs >> 4), dim=2).reshape(n, k)
-    return Q4Blocks(codes.contiguous(), (d * scale.float()).reshape(n, k // BLOCK),
+    qs = blocks[:, -128:].reshape(-1, 4, 32)  # [S, chunk, 32]: chunk j holds sub-blocks 2j (low) and 2j+1 (high)
+    codes = torch.stack((qs & 0x0F, qs >> 4), dim=2)  # [S, 4, 2, 32]: sub-block s = 2 j + h
+    if ggml_type == GGML_Q5_K:
+        qh = blocks[:, 16:48]  # [S, 32]: bit s of byte l is sub-block s's fifth bit of element l
+        fifth = (qh.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1  # [S, 8, 32]
+        codes = codes | (fifth.view(-1, 4, 2, 32) << 4)
+    return Q4Blocks(codes.reshape(n, k).contiguous(), (d * scale.float()).reshape(n, k // BLOCK),
                     (-(dmin * minimum.float())).reshape(n, k // BLOCK))
 
 
@@ -467,12 +495,12 @@ def reverse_rotary_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor
 
 def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: bool = False,
                       keep_q4: bool = False) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks]]:
-    """Every weight of a GGUF (ARCHITECTURES) as (HF name, float32 tensor in HF layout); with
-    ``keep_q8_0`` a 2-D Q8_0 (or Q5_0) weight comes as ``Int8Blocks`` instead, its codes and scales as stored, and with
-    ``keep_q4`` a 2-D Q4_0 / Q4_1 / Q4_K weight as ``Q4Blocks`` (q/k rows reordered like the floats: a row
-    keeps its blocks). Family transforms undone here: Llama's q/k row permutation, Gemma's 1 + w norms; an
-    expert stack [E, rows, cols] comes as E tensors, one per expert (4-bit blocks with ``keep_q4``, else float:
-    Q8_0 experts are not kept as blocks)."""
+    """Every weight of a GGUF (ARCHITECTURES) as (HF name, float32 tensor in HF layout); with ``keep_q8_0`` a 2-D
+    Q8_0 (or Q5_0) weight comes as ``Int8Blocks`` instead, its codes and scales as stored, and with ``keep_q4`` a
+    2-D weight of CODE_BLOCK_TYPES (Q4_0 / Q4_1 / Q4_K / Q5_1 / Q5_K) as ``Q4Blocks`` (q/k rows reordered like
+    the floats: a row keeps its blocks). Family transforms undone here: Llama's q/k row permutation, Gemma's 1 + w
+    norms; an expert stack [E, rows, cols] comes as E tensors, one per expert (code blocks with ``keep_q4``, else
+    float: Q8_0 experts are not kept as blocks)."""
     gguf = read_gguf(path)
     arch = str(gguf.metadata.get("general.architecture"))
     permuted = arch in PERMUTED_ROTARY
@@ -480,7 +508,7 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
     for info in gguf.tensors.values():
         if (keep_q8_0 or keep_q4) and info.ggml_type not in FLOAT_TYPES and len(info.shape) >= 2 and not (
                 (keep_q8_0 and info.ggml_type in INT8_BLOCK_TYPES and len(info.shape) == 2)
-                or (keep_q4 and info.ggml_type in Q4_TYPES)):
+                or (keep_q4 and info.ggml_type in CODE_BLOCK_TYPES)):
             widened[info.ggml_type] += 1
         name = hf_tensor_name(info.name, arch)
         if name is None:
@@ -496,7 +524,7 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
             kept: Int8Blocks | Q4Blocks | None = None
             if keep_q8_0 and info.ggml_type in INT8_BLOCK_TYPES and len(info.shape) == 2:
                 kept = (q8_0_blocks if info.ggml_type == GGML_Q8_0 else q5_0_blocks)(raw, info.shape)
-            elif keep_q4 and info.ggml_type in Q4_TYPES and len(info.shape) == 2:
+            elif keep_q4 and info.ggml_type in CODE_BLOCK_TYPES and len(info.shape) == 2:
                 kept = q4_blocks(raw, info.ggml_type, info.shape)
             if kept is not None:
                 if permuted and (".attn_q." in info.name or ".attn_k." in info.name):
@@ -531,20 +559,20 @@ def widened_notice(widened: Counter[int], keep_q8_0: bool, keep_q4: bool) -> str
 
     types = ", ".join(f"{count} {type_name(t)}" for t, count in sorted(widened.items()))
     kept = ([type_name(t) for t in INT8_BLOCK_TYPES] if keep_q8_0 else []) + \
-        ([type_name(t) for t in Q4_TYPES] if keep_q4 else [])
+        ([type_name(t) for t in CODE_BLOCK_TYPES] if keep_q4 else [])
     total = sum(widened.values())
     return (f"{total} weight{'s' if total != 1 else ''} dequantized to float at load ({types}); the types kept in "
             f"their blocks are {', '.join(kept)}")
 
 
 def _expert_slices(path: str, info: GGUFTensorInfo, keep_q4: bool) -> list[torch.Tensor | Q4Blocks]:
-    """An expert stack [E, rows, cols] as E tensors [rows, cols]: with ``keep_q4`` a Q4_0 / Q4_1 / Q4_K stack as
-    each expert's 4-bit blocks (a row keeps its blocks, so the stack reads as one [E * rows, cols] weight), else
+    """An expert stack [E, rows, cols] as E tensors [rows, cols]: with ``keep_q4`` a CODE_BLOCK_TYPES stack as
+    each expert's code blocks (a row keeps its blocks, so the stack reads as one [E * rows, cols] weight), else
     float32."""
     experts, rows, cols = info.shape
     raw = read_tensor_bytes(path, info)
     with _single_thread():
-        if keep_q4 and info.ggml_type in Q4_TYPES:
+        if keep_q4 and info.ggml_type in CODE_BLOCK_TYPES:
             blocks = q4_blocks(raw, info.ggml_type, (experts * rows, cols))
             return [Q4Blocks(*(t[e * rows:(e + 1) * rows] for t in blocks)) for e in range(experts)]
         return list(dequantize(raw, info.ggml_type, info.shape).unbind(0))

@@ -76,13 +76,15 @@ class Int8Linear:
 
 
 class Q4Linear:
-    """A 4-bit weight (``Q4Blocks``, optional bias) for the Triton Q4 GEMM: nibbles packed once [K / 2, N]
-    (triton/q4.py pack_q4_columns), d and m transposed [K / 32, N]; calling it gives x @ W^T (+ b) with W
-    dequantized in registers."""
+    """A code-block weight (``Q4Blocks``, optional bias) for the Triton code-block GEMM: nibbles packed once
+    [K / 2, N] (triton/q4.py pack_q4_columns), or one code a byte [K, N] where a code takes 5 bits
+    (pack_code_columns), d and m transposed [K / 32, N]; calling it gives x @ W^T (+ b) with W dequantized in
+    registers."""
 
     def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = weight.codes.shape
-        self.packed = q4_kernels.pack_q4_columns(weight.codes)
+        pack = q4_kernels.pack_q4_columns if weight.fits_4_bits() else q4_kernels.pack_code_columns
+        self.packed = pack(weight.codes)
         self.d = weight.d.float().t().contiguous()
         self.m = weight.m.float().t().contiguous()
         self.bias = None if bias is None else bias.float().contiguous()

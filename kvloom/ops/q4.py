@@ -1,7 +1,8 @@
-"""4-bit weights kept 4-bit: GGUF Q4_0 / Q4_1 blocks, their product and its reference.
+"""Weights kept in GGUF's code blocks: 4-bit (Q4_0 / Q4_1 / Q4_K, GPTQ, AWQ) and 5-bit (Q5_1 / Q5_K), their
+products and their reference.
 
-A ``Q4Blocks`` weight [N, K] holds 4-bit codes q in 0..15 and per block of BLOCK = 32 consecutive k of a row a
-scale d and an offset m (fp32; the file's fp16 values, exact):
+A ``Q4Blocks`` weight [N, K] holds codes q (0..15 for the 4-bit types, 0..31 for the 5-bit ones) and per block of
+BLOCK = 32 consecutive k of a row a scale d and an offset m (fp32; the file's fp16 values, exact):
 
     W[n, k] = q[n, k] * d[n, k // 32] + m[n, k // 32]
 
@@ -13,7 +14,10 @@ W8A8 products' quantizer), and per block
 
     y[m, n] += d[n, b] dx[m, b] S[m, n, b] + m[n, b] dx[m, b] sum_k qx[m, k],   S = sum_k q[n, k] qx[m, k]
 
-with S an exact integer. ``PackedQ4Weight`` runs it with csrc/gemm_q4.cpp.
+with S an exact integer. ``PackedQ4Weight`` runs it with csrc/gemm_q4.cpp on 4-bit codes (two per byte). 5-bit
+codes take csrc/gemm_int8.cpp's product on blocks instead, one code per byte (cpu.PackedCodeBlocksWeight: the
+d term there; the m term from x's block sums in fp32, a GEMM 32 times smaller), and on CUDA the same Triton kernel
+reading one code per byte.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ STACK_Q4 = 3  # this product's kind in csrc/decoder.cpp's plan (its Projection::
 
 
 class Q4Blocks(NamedTuple):
-    """A 4-bit weight as GGUF stores it, unpacked: codes uint8 [N, K] (0..15), scales d and offsets m fp32
-    [N, K / 32]."""
+    """A code-block weight as GGUF stores it, unpacked: codes uint8 [N, K] (0..15, or 0..31 for 5-bit types),
+    scales d and offsets m fp32 [N, K / 32]."""
 
     codes: torch.Tensor
     d: torch.Tensor
@@ -73,6 +77,10 @@ class Q4Blocks(NamedTuple):
         inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
         codes = torch.round((w - lo[..., None]) * inverse[..., None]).clamp_(0, 15).to(torch.uint8)
         return cls(codes.reshape(n, k), d.half().float(), lo.half().float())
+
+    def fits_4_bits(self) -> bool:
+        """Whether every code is 0..15, so the 4-bit product (two codes per byte) takes it exactly."""
+        return self.codes.numel() == 0 or int(self.codes.max()) <= 15
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [N, K]: q * d + m per block."""
@@ -151,6 +159,8 @@ class PackedQ4Weight:
         self.out_features, self.in_features = weight.codes.shape
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"PackedQ4Weight: bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
+        if not weight.fits_4_bits():
+            raise ValueError("PackedQ4Weight takes 4-bit codes (0..15); 5-bit ones take cpu.PackedCodeBlocksWeight")
         self.data = pack_q4_weight(weight.codes)
         self.scales = pack_q4_scales(weight.d.float(), weight.m.float())
         self.bias = None if bias is None else bias.float().contiguous()

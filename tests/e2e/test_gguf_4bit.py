@@ -1,8 +1,9 @@
-"""A GGUF's 4-bit weights kept 4-bit (``quantization="gguf"``, the default for such a file).
+"""A GGUF's 4- and 5-bit weights kept in their code blocks (``quantization="gguf"``, the default for such a file).
 
-The file's Q4_0 / Q4_1 / Q4_K blocks arrive as ``Q4Blocks`` with exactly the values the file's dequantization
-gives, stay 4-bit in the projections (csrc/gemm_q4.cpp's product on the CPU, torch's under the reference backend),
-and ``quantization="none"`` dequantizes them at load as before.
+The file's Q4_0 / Q4_1 / Q4_K (4-bit) and Q5_1 / Q5_K (5-bit) blocks arrive as ``Q4Blocks`` with exactly the values
+the file's dequantization gives, stay in blocks in the projections (csrc/gemm_q4.cpp's product for 4-bit codes and
+csrc/gemm_int8.cpp's on blocks for 5-bit ones on the CPU, torch's under the reference backend), and
+``quantization="none"`` dequantizes them at load as before.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kvloom.ops import cpu
 from kvloom.ops.q4 import PackedQ4Weight, Q4Blocks
 from kvloom.ops.table import REFERENCE_OPS
 
-GGML_Q4_0, GGML_Q4_1, GGML_F16, GGML_Q8_0 = 2, 3, 1, 8
+GGML_Q4_0, GGML_Q4_1, GGML_F16, GGML_Q8_0, GGML_Q5_1 = 2, 3, 1, 8, 7
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_kept_4bit_blocks_hold_exactly_the_files_values(q4_gguf: str) -> None:
     kept = dict(iter_weights(source, keep_q4=True))
     blocks = {name: t for name, t in kept.items() if isinstance(t, Q4Blocks)}
     assert {name.rsplit(".", 2)[-2] for name in blocks} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                             "up_proj"}
+                                                             "up_proj", "lm_head"}  # the head: Q5_1
     for name, tensor in blocks.items():  # q/k rows in HF's rotary order, like the floats
         assert torch.equal(tensor.dequantize(), floats[name]), name
 
@@ -93,6 +94,56 @@ def test_q4_k_blocks_equal_the_gguf_packages_dequantization() -> None:
     blocks = gguf.q4_blocks(torch.from_numpy(raw.reshape(-1).copy()), gguf.GGML_Q4_K, (n, k))
     assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))
     assert int(blocks.codes.max()) <= 15
+
+
+def test_q5_k_blocks_equal_the_gguf_packages_dequantization() -> None:
+    """Q5_K (no Python quantizer exists): random super-blocks, decoded by kvloom and by gguf.quants; its codes
+    take all 5 bits."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(1)
+    n, k = 3, 512
+    count = n * k // 256
+    raw = rng.integers(0, 256, size=(count, 176), dtype=np.uint8)
+    for offset in (0, 2):  # d and dmin: positive fp16 scales
+        raw[:, offset:offset + 2] = rng.uniform(1e-3, 0.05, count).astype(np.float16).view(np.uint8).reshape(count, 2)
+    expected = dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q5_K)
+    blocks = gguf.q4_blocks(torch.from_numpy(raw.reshape(-1).copy()), gguf.GGML_Q5_K, (n, k))
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))
+    assert int(blocks.codes.max()) == 31 and not blocks.fits_4_bits()
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gguf.q4_blocks(torch.zeros(176 * 2, dtype=torch.uint8), gguf.GGML_Q5_K, (2, 320))
+
+
+def test_q5_1_projections_stay_in_blocks_and_close_to_the_float_load(tmp_path) -> None:
+    """A tiny Llama whose attention and MLP are Q5_1: the blocks hold exactly the file's values (5-bit codes),
+    the default keeps them (the int8 product on blocks plus the offsets on the CPU), close to the dequantized load,
+    and greedy equal to the reference backend's torch product on the same blocks."""
+    checkpoint = tiny_models.build_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", tie_word_embeddings=False)
+    path = tiny_models.write_tiny_gguf(str(tmp_path / "q5_1.gguf"), checkpoint,
+                                       types={"attn": GGML_Q5_1, "attn_o": GGML_Q5_1, "ffn": GGML_Q5_1,
+                                              "ffn_down": GGML_Q5_1})
+    source = resolve_model(path)
+    floats = dict(iter_weights(source))
+    kept = {name: t for name, t in iter_weights(source, keep_q4=True) if isinstance(t, Q4Blocks)}
+    assert any(not t.fits_4_bits() for t in kept.values())
+    for name, tensor in kept.items():
+        assert torch.equal(tensor.dequantize(), floats[name]), name
+    llm = LLM(model=path, dtype="float32", max_model_len=128)
+    assert llm.llm_engine.config.quantization == "gguf"
+    kinds = {type(m.packed).__name__ for m in _projections(llm)}
+    if cpu.int8_kernels_available():
+        assert kinds == {"PackedCodeBlocksWeight"}, kinds
+    reference = LLM(model=path, dtype="float32", max_model_len=128,
+                    override_backend_config={"attention_backend": "reference"})
+    assert {type(m.packed).__name__ for m in _projections(reference)} == {"NativeQ4Linear"}
+    prompts = mixed_prompts(400, count=4, seed=9)
+    floats_llm = LLM(model=path, dtype="float32", max_model_len=128, quantization="none")
+    # The products differ only in their activations' rounding: the reference's (llama.cpp's) product sums x's int8
+    # codes for the offsets, the C++ path x's own values (0.021 apart here; each ~0.03 from the floats).
+    assert worst_prompt_logprob_gap(llm, floats_llm, prompts) < 0.05
+    assert worst_prompt_logprob_gap(llm, reference, prompts) < 0.04
 
 
 def _projections(llm: LLM) -> list[Linear]:

@@ -158,3 +158,71 @@ def test_the_default_models_q4_1_tensor_round_trips(kernels: None) -> None:
     x = torch.randn(3, info.shape[1])
     assert_within(PackedQ4Weight(weight, None)(x), q4_linear_reference(x, weight), ulps=1,
                   slack=q4_slack(x, weight, None))
+
+
+def random_q5(n: int, k: int, seed: int) -> Q4Blocks:
+    """5-bit code blocks (GGUF Q5_1 / Q5_K: codes 0..31)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = random_q4(n, k, seed)
+    return Q4Blocks(torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8), weight.d * 0.5, weight.m)
+
+
+def code_blocks_expected(x: torch.Tensor, weight: Q4Blocks, bias: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PackedCodeBlocksWeight's product in float64, rounded once to x's dtype: the W8A8 product on blocks of the
+    centred codes q - 16 with d (x quantized per block, exact sums), plus m + 16 d (in fp32, as packed) times x's
+    own block sums; and its slack: an fp32 rounding per block for each term, and the bias add, of the sum of
+    |terms|."""
+    rows = x.reshape(-1, x.shape[-1])
+    qx, dx = quantize_per_block(rows)
+    (m, k), n = qx.shape, weight.codes.shape[0]
+    blocks = k // BLOCK
+    sums = torch.einsum("mbk,nbk->mnb", qx.view(m, blocks, BLOCK).double(),
+                        weight.codes.view(n, blocks, BLOCK).double() - 16)
+    d_terms = sums * weight.d.double()[None] * dx.double()[:, None, :]
+    offsets = (weight.m + 16 * weight.d).double()
+    x_sums = rows.double().view(m, blocks, BLOCK).sum(-1)
+    out = d_terms.sum(-1) + x_sums @ offsets.t() + (0 if bias is None else bias.double())
+    magnitude = d_terms.abs().sum(-1) + rows.double().abs().view(m, blocks, BLOCK).sum(-1) @ offsets.abs().t()
+    slack = (2 * blocks + 3) * 2.0 ** -24 * (magnitude + (0 if bias is None else bias.double().abs()))
+    return out.to(x.dtype), slack
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_cpu_5bit_product_matches_its_reference(kernels: None, dtype: torch.dtype, m: int, k: int, n: int) -> None:
+    """5-bit codes (Q5_1 / Q5_K) take csrc/gemm_int8.cpp's product on blocks (codes centred) plus the offsets'
+    term: within an ulp and a few fp32 roundings of its float64 value, and close to q4_linear_reference (x's
+    block sums there come from its int8 codes)."""
+    from kvloom.ops.table import _cpu_ops
+
+    if not cpu.int8_kernels_available():
+        pytest.skip("the int8 CPU kernels are not built here")
+    weight = random_q5(n, k, seed=m + k + n)
+    assert not weight.fits_4_bits()
+    packed = _cpu_ops(dtype, 64).pack_linear_q4(weight, None)
+    assert isinstance(packed, cpu.PackedCodeBlocksWeight)
+    for with_bias in (True, False):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)).to(dtype)
+        bias = torch.randn(n) if with_bias else None
+        fast = cpu.PackedCodeBlocksWeight(weight, bias)(x)
+        expected, slack = code_blocks_expected(x, weight, bias)
+        assert_within(fast, expected, ulps=1, slack=slack)
+        reference = q4_linear_reference(x, weight, bias).double()
+        assert (fast.double() - reference).norm() <= 0.01 * reference.norm()
+
+
+def test_5bit_codes_are_refused_by_the_4bit_product_and_close_to_the_float_product(kernels: None) -> None:
+    if not cpu.int8_kernels_available():
+        pytest.skip("the int8 CPU kernels are not built here")
+    weight = random_q5(40, 576, seed=3)
+    with pytest.raises(ValueError, match="4-bit codes"):
+        PackedQ4Weight(weight, None)
+    x = torch.randn(6, 576)
+    exact = x @ weight.dequantize().t()
+    for product in (cpu.PackedCodeBlocksWeight(weight, None), NativeQ4Linear(weight, None)):
+        out = product(x.view(2, 3, 576))
+        assert out.shape == (2, 3, 40)
+        assert (out.view(6, 40) - exact).norm() / exact.norm() < 0.02
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu.PackedCodeBlocksWeight(weight, None)(x.half())

@@ -55,6 +55,25 @@ def test_q4_linear_equals_the_dequantized_product(dtype: torch.dtype, m: int, k:
     assert out.dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 80), (20, 32, 130)])
+def test_5bit_codes_one_a_byte_equal_the_dequantized_product(dtype: torch.dtype, m: int, k: int, n: int) -> None:
+    """Q5_1 / Q5_K codes (0..31) do not fit a nibble: packed one a byte [K, N], the same kernel reads them."""
+    from kvloom.ops import cuda
+
+    g = torch.Generator().manual_seed(k + n)
+    weight = random_q4(n, k, seed=n)
+    weight = Q4Blocks(torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8), weight.d, weight.m)
+    linear = cuda.Q4Linear(Q4Blocks(*(t.to(DEVICE) for t in weight)), None)
+    assert linear.packed.shape == (k, n)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    out = linear(x.to(DEVICE)).cpu()
+    dense = weight.dequantize()
+    expected = x.float() @ (dense.to(dtype).float() if dtype != torch.float32 else dense).t()
+    tolerance = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=2e-3)
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
 def test_q4_linear_names_what_does_not_fit() -> None:
     weight = random_q4(8, 64, seed=0)
     packed = q4_kernels.pack_q4_columns(weight.codes)
