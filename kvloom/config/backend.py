@@ -57,6 +57,10 @@ class BackendConfig:
     # as llama.cpp does; smoothing is then skipped. False: Q8_0 weights are re-quantized per row (and
     # smoothed) like any other. (CUDA has no block kernel: there the blocks become per-row int8 at load.)
     int8_gguf_blocks: bool = True
+    # With quantization="gguf": a GGUF's Q5_1 and Q5_K projections kept in their code blocks (5-bit codes one a
+    # byte, the int8 product on blocks plus an offsets term) instead of dequantized at load: 0.63x of the
+    # weights' bytes, but slower today (its product is not in the C++ layer stack), so off by default.
+    gguf_5bit_blocks: bool = False
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any] | str | None) -> BackendConfig:
@@ -110,7 +114,8 @@ class BackendConfig:
         if self.compiled_artifacts is not None and not isinstance(self.compiled_artifacts, str):
             raise ValueError(f"override_backend_config: compiled_artifacts must be a folder path, "
                              f"got {self.compiled_artifacts!r}")
-        for name in ("quantized", "quantize_lm_head", "int8_activations", "int8_gguf_blocks"):
+        for name in ("quantized", "quantize_lm_head", "int8_activations", "int8_gguf_blocks",
+                     "gguf_5bit_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"override_backend_config: {name} must be true or false, got {getattr(self, name)!r}")
         alpha = self.int8_smoothing_alpha

@@ -138,7 +138,7 @@ def settle_quantization(config: EngineConfig, source: ModelSource) -> None:
                          f"; use quantization=None (the checkpoint's own format), 'none' or 'int8'")
     elif config.quantization is None and stored in ("gptq", "awq"):
         config.quantization = stored
-    elif config.quantization is None and stored == "gguf" and gguf.has_code_block_projections(source.path):
-        logger.info("Keeping the GGUF's 4- and 5-bit weights in their blocks (quantization='gguf'); "
-                    "quantization='none' dequantizes them at load instead")
+    elif config.quantization is None and stored == "gguf" and gguf.has_4bit_projections(source.path):
+        logger.info("Keeping the GGUF's 4-bit weights 4-bit (quantization='gguf'); quantization='none' "
+                    "dequantizes them at load instead")
         config.quantization = "gguf"

@@ -37,10 +37,12 @@ DEFAULT_ALIGNMENT = 32
 # ggml type ids (gguf.GGMLQuantizationType), for the types dequantized here without the gguf package.
 GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0, GGML_BF16 = 0, 1, 2, 3, 6, 7, 8, 30
 GGML_Q4_K, GGML_Q5_K = 12, 13
-# The types kept as codes with a scale and offset per block of 32 (``keep_q4``): each is exactly a Q4Blocks (a
-# k-quant's 6-bit sub-block scales and mins times its fp16 super-block ones are exact in fp32): 4-bit codes for
-# Q4_0, Q4_1, Q4_K, 5-bit ones for Q5_1, Q5_K.
-CODE_BLOCK_TYPES = (GGML_Q4_0, GGML_Q4_1, GGML_Q4_K, GGML_Q5_1, GGML_Q5_K)
+# The types kept as codes with a scale and offset per block of 32: each is exactly a Q4Blocks (a k-quant's 6-bit
+# sub-block scales and mins times its fp16 super-block ones are exact in fp32): 4-bit codes for Q4_0, Q4_1, Q4_K
+# (``keep_q4``), 5-bit ones for Q5_1, Q5_K (``keep_q5``).
+Q4_TYPES = (GGML_Q4_0, GGML_Q4_1, GGML_Q4_K)
+Q5_TYPES = (GGML_Q5_1, GGML_Q5_K)
+CODE_BLOCK_TYPES = Q4_TYPES + Q5_TYPES
 # The types kept as int8 blocks (``keep_q8_0``): Q8_0, and Q5_0, whose codes q - 16 (-16..15) with the block's
 # scale are exactly its values (llama.cpp's Q4_K_M of a model whose rows fit no 256-value k-quant block is
 # mostly Q5_0).
@@ -374,10 +376,9 @@ def weight_names_of_types(path: str, ggml_types: tuple[int, ...]) -> set[str]:
     return {name for name in names if name}
 
 
-def has_code_block_projections(path: str) -> bool:
-    """Whether any of the file's projection weights (q/k/v/o, gate/up/down) is of a type kept as codes with block
-    scales and offsets (CODE_BLOCK_TYPES: Q4_0, Q4_1, Q4_K, Q5_1, Q5_K)."""
-    return any(name.endswith("_proj.weight") for name in weight_names_of_types(path, CODE_BLOCK_TYPES))
+def has_4bit_projections(path: str) -> bool:
+    """Whether any of the file's projection weights (q/k/v/o, gate/up/down) is Q4_0, Q4_1 or Q4_K."""
+    return any(name.endswith("_proj.weight") for name in weight_names_of_types(path, Q4_TYPES))
 
 
 def q4_blocks(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> Q4Blocks:
@@ -494,21 +495,23 @@ def reverse_rotary_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor
 
 
 def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: bool = False,
-                      keep_q4: bool = False) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks]]:
+                      keep_q4: bool = False, keep_q5: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks]]:
     """Every weight of a GGUF (ARCHITECTURES) as (HF name, float32 tensor in HF layout); with ``keep_q8_0`` a 2-D
     Q8_0 (or Q5_0) weight comes as ``Int8Blocks`` instead, its codes and scales as stored, and with ``keep_q4`` a
-    2-D weight of CODE_BLOCK_TYPES (Q4_0 / Q4_1 / Q4_K / Q5_1 / Q5_K) as ``Q4Blocks`` (q/k rows reordered like
-    the floats: a row keeps its blocks). Family transforms undone here: Llama's q/k row permutation, Gemma's 1 + w
+    2-D Q4_0 / Q4_1 / Q4_K weight (and with ``keep_q5`` too a Q5_1 / Q5_K one) as ``Q4Blocks`` (q/k rows reordered
+    like the floats: a row keeps its blocks). Family transforms undone here: Llama's q/k row permutation, Gemma's 1 + w
     norms; an expert stack [E, rows, cols] comes as E tensors, one per expert (code blocks with ``keep_q4``, else
     float: Q8_0 experts are not kept as blocks)."""
     gguf = read_gguf(path)
     arch = str(gguf.metadata.get("general.architecture"))
     permuted = arch in PERMUTED_ROTARY
+    code_types = (Q4_TYPES + Q5_TYPES if keep_q5 else Q4_TYPES) if keep_q4 else ()
     widened: Counter[int] = Counter()  # block-quantized weights dequantized to float although blocks were asked for
     for info in gguf.tensors.values():
         if (keep_q8_0 or keep_q4) and info.ggml_type not in FLOAT_TYPES and len(info.shape) >= 2 and not (
                 (keep_q8_0 and info.ggml_type in INT8_BLOCK_TYPES and len(info.shape) == 2)
-                or (keep_q4 and info.ggml_type in CODE_BLOCK_TYPES)):
+                or info.ggml_type in code_types):
             widened[info.ggml_type] += 1
         name = hf_tensor_name(info.name, arch)
         if name is None:
@@ -516,7 +519,7 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
                 continue
             experts = expert_tensor_names(info.name, arch, info.shape[0] if len(info.shape) == 3 else 0)
             if experts and len(info.shape) == 3:
-                yield from zip(experts, _expert_slices(path, info, keep_q4))
+                yield from zip(experts, _expert_slices(path, info, code_types))
                 continue
             raise ValueError(f"{path}: GGUF tensor {info.name!r} has no counterpart in kvloom's {arch} model")
         raw = read_tensor_bytes(path, info)
@@ -524,7 +527,7 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
             kept: Int8Blocks | Q4Blocks | None = None
             if keep_q8_0 and info.ggml_type in INT8_BLOCK_TYPES and len(info.shape) == 2:
                 kept = (q8_0_blocks if info.ggml_type == GGML_Q8_0 else q5_0_blocks)(raw, info.shape)
-            elif keep_q4 and info.ggml_type in CODE_BLOCK_TYPES and len(info.shape) == 2:
+            elif info.ggml_type in code_types and len(info.shape) == 2:
                 kept = q4_blocks(raw, info.ggml_type, info.shape)
             if kept is not None:
                 if permuted and (".attn_q." in info.name or ".attn_k." in info.name):
@@ -543,10 +546,10 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
                 weight = weight.reshape(1, -1)  # [1, H] as HF has it, whether stored 1-D or 2-D
         yield name, weight
     if widened:
-        logger.info("%s: %s", os.path.basename(path), widened_notice(widened, keep_q8_0, keep_q4))
+        logger.info("%s: %s", os.path.basename(path), widened_notice(widened, keep_q8_0, code_types))
 
 
-def widened_notice(widened: Counter[int], keep_q8_0: bool, keep_q4: bool) -> str:
+def widened_notice(widened: Counter[int], keep_q8_0: bool, code_types: tuple[int, ...]) -> str:
     """The one line saying which of a GGUF's block-quantized weights are dequantized to float at load (a type
     kvloom has no block product for) and which types are kept in blocks."""
     from gguf.constants import GGMLQuantizationType
@@ -559,20 +562,22 @@ def widened_notice(widened: Counter[int], keep_q8_0: bool, keep_q4: bool) -> str
 
     types = ", ".join(f"{count} {type_name(t)}" for t, count in sorted(widened.items()))
     kept = ([type_name(t) for t in INT8_BLOCK_TYPES] if keep_q8_0 else []) + \
-        ([type_name(t) for t in CODE_BLOCK_TYPES] if keep_q4 else [])
+        [type_name(t) for t in code_types]
     total = sum(widened.values())
+    hint = ("; Q5_1 / Q5_K stay in blocks with override_backend_config {\"gguf_5bit_blocks\": true}"
+            if code_types and any(t in widened for t in Q5_TYPES) and Q5_TYPES[0] not in code_types else "")
     return (f"{total} weight{'s' if total != 1 else ''} dequantized to float at load ({types}); the types kept in "
-            f"their blocks are {', '.join(kept)}")
+            f"their blocks are {', '.join(kept)}{hint}")
 
 
-def _expert_slices(path: str, info: GGUFTensorInfo, keep_q4: bool) -> list[torch.Tensor | Q4Blocks]:
-    """An expert stack [E, rows, cols] as E tensors [rows, cols]: with ``keep_q4`` a CODE_BLOCK_TYPES stack as
-    each expert's code blocks (a row keeps its blocks, so the stack reads as one [E * rows, cols] weight), else
+def _expert_slices(path: str, info: GGUFTensorInfo, code_types: tuple[int, ...]) -> list[torch.Tensor | Q4Blocks]:
+    """An expert stack [E, rows, cols] as E tensors [rows, cols]: a stack of one of ``code_types`` as each expert's
+    code blocks (a row keeps its blocks, so the stack reads as one [E * rows, cols] weight), else
     float32."""
     experts, rows, cols = info.shape
     raw = read_tensor_bytes(path, info)
     with _single_thread():
-        if keep_q4 and info.ggml_type in CODE_BLOCK_TYPES:
+        if info.ggml_type in code_types:
             blocks = q4_blocks(raw, info.ggml_type, (experts * rows, cols))
             return [Q4Blocks(*(t[e * rows:(e + 1) * rows] for t in blocks)) for e in range(experts)]
         return list(dequantize(raw, info.ggml_type, info.shape).unbind(0))

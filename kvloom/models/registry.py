@@ -90,7 +90,8 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
     if engine.quantization in ("gguf", "gptq", "awq"):
         # Q8_0 projections, embedding and head as int8 blocks, unless the backend turns their products off.
         keep_q8_0 = engine.backend.int8_activations and engine.backend.int8_gguf_blocks
-        model.load_weights(kept_as_stored(iter_weights(config.source, keep_q8_0=keep_q8_0, keep_q4=True)))
+        model.load_weights(kept_as_stored(iter_weights(config.source, keep_q8_0=keep_q8_0, keep_q4=True,
+                                                             keep_q5=engine.backend.gguf_5bit_blocks)))
         finish_gguf(model)
         return
     architecture = config.model.architecture

@@ -52,7 +52,7 @@ def test_kept_4bit_blocks_hold_exactly_the_files_values(q4_gguf: str) -> None:
     kept = dict(iter_weights(source, keep_q4=True))
     blocks = {name: t for name, t in kept.items() if isinstance(t, Q4Blocks)}
     assert {name.rsplit(".", 2)[-2] for name in blocks} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                             "up_proj", "lm_head"}  # the head: Q5_1
+                                                             "up_proj"}
     for name, tensor in blocks.items():  # q/k rows in HF's rotary order, like the floats
         assert torch.equal(tensor.dequantize(), floats[name]), name
 
@@ -117,26 +117,29 @@ def test_q5_k_blocks_equal_the_gguf_packages_dequantization() -> None:
 
 
 def test_q5_1_projections_stay_in_blocks_and_close_to_the_float_load(tmp_path) -> None:
-    """A tiny Llama whose attention and MLP are Q5_1: the blocks hold exactly the file's values (5-bit codes),
-    the default keeps them (the int8 product on blocks plus the offsets on the CPU), close to the dequantized load,
-    and greedy equal to the reference backend's torch product on the same blocks."""
+    """A tiny Llama whose attention and MLP are Q5_1: the blocks hold exactly the file's values (5-bit codes); the
+    default dequantizes them (no 4-bit projections), override gguf_5bit_blocks keeps them (the int8 product on
+    blocks plus the offsets on the CPU), close to the dequantized load and to the reference backend's torch
+    product on the same blocks."""
     checkpoint = tiny_models.build_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", tie_word_embeddings=False)
     path = tiny_models.write_tiny_gguf(str(tmp_path / "q5_1.gguf"), checkpoint,
                                        types={"attn": GGML_Q5_1, "attn_o": GGML_Q5_1, "ffn": GGML_Q5_1,
                                               "ffn_down": GGML_Q5_1})
     source = resolve_model(path)
     floats = dict(iter_weights(source))
-    kept = {name: t for name, t in iter_weights(source, keep_q4=True) if isinstance(t, Q4Blocks)}
+    assert not any(isinstance(t, Q4Blocks) for _, t in iter_weights(source, keep_q4=True))
+    kept = {name: t for name, t in iter_weights(source, keep_q4=True, keep_q5=True) if isinstance(t, Q4Blocks)}
     assert any(not t.fits_4_bits() for t in kept.values())
     for name, tensor in kept.items():
         assert torch.equal(tensor.dequantize(), floats[name]), name
-    llm = LLM(model=path, dtype="float32", max_model_len=128)
-    assert llm.llm_engine.config.quantization == "gguf"
+    assert LLM(model=path, dtype="float32", max_model_len=128).llm_engine.config.quantization is None
+    llm = LLM(model=path, dtype="float32", max_model_len=128, quantization="gguf",
+              override_backend_config={"gguf_5bit_blocks": True})
     kinds = {type(m.packed).__name__ for m in _projections(llm)}
     if cpu.int8_kernels_available():
         assert kinds == {"PackedCodeBlocksWeight"}, kinds
-    reference = LLM(model=path, dtype="float32", max_model_len=128,
-                    override_backend_config={"attention_backend": "reference"})
+    reference = LLM(model=path, dtype="float32", max_model_len=128, quantization="gguf",
+                    override_backend_config={"attention_backend": "reference", "gguf_5bit_blocks": True})
     assert {type(m.packed).__name__ for m in _projections(reference)} == {"NativeQ4Linear"}
     prompts = mixed_prompts(400, count=4, seed=9)
     floats_llm = LLM(model=path, dtype="float32", max_model_len=128, quantization="none")

@@ -214,9 +214,9 @@ def test_tiny_gguf_weights_are_the_checkpoint_in_hf_layout(tiny_gguf_path: str) 
 
 def test_gguf_weights_dequantized_despite_kept_blocks_are_named_in_one_line(
         tiny_gguf_path: str, caplog: pytest.LogCaptureFixture) -> None:
-    """Code blocks kept but not int8 ones (a backend with int8_gguf_blocks off): the tiny file's Q8_0 embedding and
-    Q5_0 attention are dequantized, and one log line says so (types and counts) with the types that are kept; with
-    nothing asked to be kept, no line."""
+    """4-bit blocks kept but not int8 ones (a backend with int8_gguf_blocks off): the tiny file's Q8_0 embedding, Q5_0
+    attention and Q5_1 head are dequantized, and one log line says so (types and counts) with the types that are
+    kept and how to keep Q5_1; with nothing asked to be kept, no line."""
     import logging
     import re
 
@@ -226,7 +226,8 @@ def test_gguf_weights_dequantized_despite_kept_blocks_are_named_in_one_line(
     lines = [r.getMessage() for r in caplog.records if "dequantized to float at load" in r.getMessage()]
     assert len(lines) == 1
     assert re.fullmatch(re.escape(os.path.basename(tiny_gguf_path)) + r": \d+ weights dequantized to float at load "
-                        r"\(\d+ Q5_0, 1 Q8_0\); the types kept in their blocks are Q4_0, Q4_1, Q4_K, Q5_1, Q5_K",
+                        r"\(\d+ Q5_0, 1 Q5_1, 1 Q8_0\); the types kept in their blocks are Q4_0, Q4_1, Q4_K; "
+                        r"Q5_1 / Q5_K stay in blocks with override_backend_config \{\"gguf_5bit_blocks\": true\}",
                         lines[0]), lines[0]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="kvloom"):
