@@ -15,9 +15,9 @@ W8A8 products' quantizer), and per block
     y[m, n] += d[n, b] dx[m, b] S[m, n, b] + m[n, b] dx[m, b] sum_k qx[m, k],   S = sum_k q[n, k] qx[m, k]
 
 with S an exact integer. ``PackedQ4Weight`` runs it with csrc/gemm_q4.cpp on 4-bit codes (two per byte). 5-bit
-codes take csrc/gemm_int8.cpp's product on blocks instead, one code per byte (cpu.PackedCodeBlocksWeight: the
-d term there; the m term from x's block sums in fp32, a GEMM 32 times smaller), and on CUDA the same Triton kernel
-reading one code per byte.
+codes (kept only with the backend's ``gguf_5bit_blocks``) take csrc/gemm_int8.cpp's product on blocks instead, one
+centred code q - 16 per byte (cpu.PackedCodeBlocksWeight: the d term there; the offsets m + 16 d times x's block
+sums in fp32, a GEMM 32 times smaller), and on CUDA the same Triton kernel reading one code per byte.
 """
 
 from __future__ import annotations
