@@ -79,41 +79,26 @@ def test_q5_0_weights_are_kept_as_int8_blocks_with_exactly_the_files_values(tmp_
     assert worst_prompt_logprob_gap(llm, floats_llm, mixed_prompts(400, count=4, seed=5)) < 0.05
 
 
-def test_q4_k_blocks_equal_the_gguf_packages_dequantization() -> None:
-    """Q4_K (no Python quantizer exists): random super-blocks, decoded by kvloom and by gguf.quants."""
+@pytest.mark.parametrize(("name", "block_bytes", "top_code"), [("Q4_K", 144, 15), ("Q5_K", 176, 31)])
+def test_k_quant_blocks_equal_the_gguf_packages_dequantization(name: str, block_bytes: int, top_code: int) -> None:
+    """Q4_K and Q5_K (no Python quantizer exists): random super-blocks, decoded by kvloom and by gguf.quants; their
+    codes take all 4 or 5 bits."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(block_bytes)
     n, k = 3, 512
     count = n * k // 256
-    raw = rng.integers(0, 256, size=(count, 144), dtype=np.uint8)
+    raw = rng.integers(0, 256, size=(count, block_bytes), dtype=np.uint8)
     for offset in (0, 2):  # d and dmin: positive fp16 scales
         raw[:, offset:offset + 2] = rng.uniform(1e-3, 0.05, count).astype(np.float16).view(np.uint8).reshape(count, 2)
-    expected = dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q4_K)
-    blocks = gguf.q4_blocks(torch.from_numpy(raw.reshape(-1).copy()), gguf.GGML_Q4_K, (n, k))
+    ggml_type = GGMLQuantizationType[name]
+    expected = dequantize(raw.reshape(n, -1), ggml_type)
+    blocks = gguf.q4_blocks(torch.from_numpy(raw.reshape(-1).copy()), int(ggml_type), (n, k))
     assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))
-    assert int(blocks.codes.max()) <= 15
-
-
-def test_q5_k_blocks_equal_the_gguf_packages_dequantization() -> None:
-    """Q5_K (no Python quantizer exists): random super-blocks, decoded by kvloom and by gguf.quants; its codes
-    take all 5 bits."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    rng = np.random.default_rng(1)
-    n, k = 3, 512
-    count = n * k // 256
-    raw = rng.integers(0, 256, size=(count, 176), dtype=np.uint8)
-    for offset in (0, 2):  # d and dmin: positive fp16 scales
-        raw[:, offset:offset + 2] = rng.uniform(1e-3, 0.05, count).astype(np.float16).view(np.uint8).reshape(count, 2)
-    expected = dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q5_K)
-    blocks = gguf.q4_blocks(torch.from_numpy(raw.reshape(-1).copy()), gguf.GGML_Q5_K, (n, k))
-    assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))
-    assert int(blocks.codes.max()) == 31 and not blocks.fits_4_bits()
+    assert int(blocks.codes.max()) == top_code
     with pytest.raises(ValueError, match="multiple of 256"):
-        gguf.q4_blocks(torch.zeros(176 * 2, dtype=torch.uint8), gguf.GGML_Q5_K, (2, 320))
+        gguf.q4_blocks(torch.zeros(block_bytes * 2, dtype=torch.uint8), int(ggml_type), (2, 320))
 
 
 def test_q5_1_projections_stay_in_blocks_and_close_to_the_float_load(tmp_path) -> None:
