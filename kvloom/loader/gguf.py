@@ -507,11 +507,12 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
     arch = str(gguf.metadata.get("general.architecture"))
     permuted = arch in PERMUTED_ROTARY
     code_types = (Q4_TYPES + Q5_TYPES if keep_q5 else Q4_TYPES) if keep_q4 else ()
+    int8_types = INT8_BLOCK_TYPES if keep_q8_0 else ()
     widened: Counter[int] = Counter()  # block-quantized weights dequantized to float although blocks were asked for
     for info in gguf.tensors.values():
-        if (keep_q8_0 or keep_q4) and info.ggml_type not in FLOAT_TYPES and len(info.shape) >= 2 and not (
-                (keep_q8_0 and info.ggml_type in INT8_BLOCK_TYPES and len(info.shape) == 2)
-                or info.ggml_type in code_types):
+        # Kept: a 2-D tensor of an int8-block or code-block type asked for, an expert stack of a code-block type.
+        kept_type = code_types if len(info.shape) == 3 else int8_types + code_types if len(info.shape) == 2 else ()
+        if (int8_types or code_types) and info.ggml_type not in FLOAT_TYPES + kept_type and len(info.shape) >= 2:
             widened[info.ggml_type] += 1
         name = hf_tensor_name(info.name, arch)
         if name is None:
@@ -525,7 +526,7 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
         raw = read_tensor_bytes(path, info)
         with _single_thread():
             kept: Int8Blocks | Q4Blocks | None = None
-            if keep_q8_0 and info.ggml_type in INT8_BLOCK_TYPES and len(info.shape) == 2:
+            if info.ggml_type in int8_types and len(info.shape) == 2:
                 kept = (q8_0_blocks if info.ggml_type == GGML_Q8_0 else q5_0_blocks)(raw, info.shape)
             elif info.ggml_type in code_types and len(info.shape) == 2:
                 kept = q4_blocks(raw, info.ggml_type, info.shape)
@@ -546,10 +547,10 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
                 weight = weight.reshape(1, -1)  # [1, H] as HF has it, whether stored 1-D or 2-D
         yield name, weight
     if widened:
-        logger.info("%s: %s", os.path.basename(path), widened_notice(widened, keep_q8_0, code_types))
+        logger.info("%s: %s", os.path.basename(path), widened_notice(widened, int8_types, code_types))
 
 
-def widened_notice(widened: Counter[int], keep_q8_0: bool, code_types: tuple[int, ...]) -> str:
+def widened_notice(widened: Counter[int], int8_types: tuple[int, ...], code_types: tuple[int, ...]) -> str:
     """The one line saying which of a GGUF's block-quantized weights are dequantized to float at load (a type
     kvloom has no block product for) and which types are kept in blocks."""
     from gguf.constants import GGMLQuantizationType
@@ -561,8 +562,7 @@ def widened_notice(widened: Counter[int], keep_q8_0: bool, code_types: tuple[int
             return f"type {ggml_type}"
 
     types = ", ".join(f"{count} {type_name(t)}" for t, count in sorted(widened.items()))
-    kept = ([type_name(t) for t in INT8_BLOCK_TYPES] if keep_q8_0 else []) + \
-        [type_name(t) for t in code_types]
+    kept = [type_name(t) for t in int8_types + code_types]
     total = sum(widened.values())
     hint = ("; Q5_1 / Q5_K stay in blocks with override_backend_config {\"gguf_5bit_blocks\": true}"
             if code_types and any(t in widened for t in Q5_TYPES) and Q5_TYPES[0] not in code_types else "")
