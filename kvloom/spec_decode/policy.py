@@ -21,9 +21,10 @@ Three parts, nothing else:
 
    With ``FIXED_TOKENS`` = 8 (the CPU): 0.11 at batch 1 (a request at the prior drafts 4), 0.5 at batch 8
    (1 draft at the prior), 0.89 at batch 64: above the prior, so a large batch drafts only for the requests
-   whose drafts have kept holding (a rate earned while the batch was smaller). A draft model's or EAGLE
-   head's own passes are not priced: pick a drafter much smaller than the target, and set
-   ``disable_by_batch_size`` where its passes still cost too much.
+   whose drafts have kept holding (a rate earned while the batch was smaller). On a GPU
+   (``FIXED_TOKENS_CUDA`` = 64): 0.015 at batch 1 (up to 8 drafts at the prior), 0.5 at batch 64.
+   A draft model's or EAGLE head's own passes are not priced: pick a drafter much smaller than the target,
+   and set ``disable_by_batch_size`` where its passes still cost too much.
 
 3. **A batch-size cutoff.** ``disable_by_batch_size`` (vLLM's key): no drafts while that many requests or more
    share the step.
@@ -40,6 +41,9 @@ from dataclasses import dataclass
 # memory-bound up to ~8 tokens (the GEMM reads each weight panel once per 8 rows): ~10 ms at batch 1,
 # ~1 ms for each further token past that.
 FIXED_TOKENS = 8.0
+# On a GPU a step's fixed cost is far larger against its per-token cost: at small batches a step (a captured
+# graph, also for verification: worker/graphs.py) takes about as long with 1 token a request as with 8.
+FIXED_TOKENS_CUDA = 64.0
 # The acceptance rate a request starts from, and how many tries that prior weighs.
 PRIOR_RATE = 0.6
 PRIOR_TRIES = 2.0

@@ -187,8 +187,10 @@ class ModelRunner:
         # EAGLE-3's target returns auxiliary hidden states too: its decode steps run eagerly.
         if engine.enforce_eager or engine.tensor_parallel_size > 1 or self.model.aux_hidden_state_layers:
             return
+        # With speculation, verification steps (a token and up to k drafts a request) replay graphs too.
+        max_query_len = 1 + (0 if self.speculator is None else self.speculator.k)
         self.graphs = DecodeGraphs(self._forward_tokens, self._token_gen_buckets(), self.config.max_blocks_per_seq,
-                                   self.block_size, self.sliding_window, self.device)
+                                   self.block_size, self.sliding_window, self.device, max_query_len)
         if backend.graph_capture == "start":
             self.graphs.capture()
 
@@ -233,14 +235,18 @@ class ModelRunner:
             if state is not None:
                 state.draft_resumes = True
         scheduled = scheduler_output.scheduled
-        # A vision-language model's steps run eagerly: a one-token chunk may be an image row.
-        use_graph = (self.graphs is not None and self.graphs.can_run(len(scheduled)) and self.encoder_cache is None
-                     and all(item.num_new_tokens == 1 for item in scheduled)
-                     and (self.lora is None or not self.lora.any_adapter([item.request_id for item in scheduled])))
+        # A graph runs a step whose requests all have the same number of new tokens: one (a decode), or a
+        # verification's token and drafts. A vision-language model's steps run eagerly: a one-token chunk may be
+        # an image row.
+        query_len = scheduled[0].num_new_tokens if scheduled else 0
         previous, self._last_sampled = self._last_sampled, None
+        use_graph = (self.graphs is not None and self.graphs.can_run(len(scheduled), query_len)
+                     and self.encoder_cache is None and all(item.num_new_tokens == query_len for item in scheduled)
+                     and (query_len == 1 or previous is None)
+                     and (self.lora is None or not self.lora.any_adapter([item.request_id for item in scheduled])))
         if use_graph:
             items, inputs = scheduled, None
-            query_start_loc = list(range(len(items) + 1))
+            query_start_loc = list(range(0, (len(items) + 1) * query_len, query_len))
         else:
             items, inputs = self.input_batch.prepare(scheduled, self.sliding_window)
             query_start_loc = inputs.metadata.query_start_loc
@@ -368,22 +374,32 @@ class ModelRunner:
 
     def _decode_with_graph(self, items: list[ScheduledRequest],
                            previous: tuple[torch.Tensor, dict[str, int]] | None = None) -> torch.Tensor:
-        """A decode-only step through the captured graph of its bucket -> hidden states [n, H]. ``previous``
-        (async scheduling): the last step's sampled tokens, where the placeholder tokens are read."""
+        """A step of n requests with q new tokens each (decodes, or verifications) through the captured graph of
+        its bucket and q -> hidden states [n * q, H]. ``previous`` (async scheduling, decodes): the last step's
+        sampled tokens, where the placeholder tokens are read."""
         block_size = self.block_size
-        positions = [item.num_computed_tokens for item in items]
         block_rows = [item.block_ids for item in items]
-        input_ids = [item.token_ids[0] for item in items]
+        if items[0].num_new_tokens == 1:
+            positions = [item.num_computed_tokens for item in items]
+            input_ids = [item.token_ids[0] for item in items]
+            slot_mapping = [row[p // block_size] * block_size + p % block_size for row, p in zip(block_rows, positions)]
+            seq_lens = [p + 1 for p in positions]
+        else:
+            input_ids, positions, slot_mapping, seq_lens = [], [], [], []
+            for item, row in zip(items, block_rows):
+                start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+                input_ids.extend(item.token_ids)
+                positions.extend(range(start, end))
+                slot_mapping.extend(row[p // block_size] * block_size + p % block_size for p in range(start, end))
+                seq_lens.append(end)
         sources = None
         if previous is not None and PLACEHOLDER_TOKEN_ID in input_ids:
             rows = previous[1]
             sources = [rows[item.request_id] if token == PLACEHOLDER_TOKEN_ID else -1
                        for item, token in zip(items, input_ids)]
         return self.graphs.run(
-            input_ids=input_ids, positions=positions,
-            slot_mapping=[row[p // block_size] * block_size + p % block_size for row, p in zip(block_rows, positions)],
-            seq_lens=[p + 1 for p in positions], block_rows=block_rows, sources=sources,
-            previous=None if sources is None else previous[0])
+            input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, seq_lens=seq_lens,
+            block_rows=block_rows, sources=sources, previous=None if sources is None else previous[0])
 
     def _fill_placeholders(self, items: list[ScheduledRequest], query_start_loc: list[int], input_ids: torch.Tensor,
                            previous: tuple[torch.Tensor, dict[str, int]]) -> None:

@@ -25,7 +25,7 @@ from kvloom.sample.sampler import Sampler, SamplingMetadata
 from kvloom.spec_decode import can_speculate
 from kvloom.spec_decode.draft_model import BuildInputs, DraftModelProposer
 from kvloom.spec_decode.ngram import NgramProposer
-from kvloom.spec_decode.policy import SpeculationPolicy
+from kvloom.spec_decode.policy import FIXED_TOKENS, FIXED_TOKENS_CUDA, SpeculationPolicy
 from kvloom.step_io import ModelRunnerOutput, ScheduledRequest
 from kvloom.worker.draft_kv import DraftKV
 from kvloom.worker.input_batch import RequestState, generator_for, sampling_metadata
@@ -61,7 +61,8 @@ class Speculator:
         self.proposer = proposer
         self.ngram = None if proposer is not None else NgramProposer(
             self.k, speculative.prompt_lookup_max, speculative.prompt_lookup_min)
-        self.policy = SpeculationPolicy(self.k, speculative.disable_by_batch_size)
+        self.policy = SpeculationPolicy(self.k, speculative.disable_by_batch_size,
+                                        FIXED_TOKENS_CUDA if device.type == "cuda" else FIXED_TOKENS)
         # No drafts at or past this position (the draft's own context length).
         self.max_model_len = min(speculative.max_model_len or max_model_len, max_model_len)
         self.draft_kv: DraftKV | None = None  # with the KV cache

@@ -52,3 +52,15 @@ def test_cuda_target_as_its_own_draft_has_every_guess_accepted(tiny_llama3_dir: 
     assert run(llm, greedy_params(len(prompts)), prompts) == plain_cuda
     stats = llm.llm_engine.scheduler.stats()
     assert stats.num_draft_tokens > 50 and stats.num_accepted_tokens == stats.num_draft_tokens, stats
+
+
+def test_cuda_verification_steps_replay_graphs(tiny_llama3_dir: str, plain_cuda: list) -> None:
+    """At batch 1 every verification step has the same shape (a token and k drafts): it replays the graph
+    captured for (bucket 1, k + 1 tokens), and the tokens stay the plain engine's."""
+    prompts = varied_prompts()
+    llm = _llm(tiny_llama3_dir, max_num_seqs=1, speculative_config={
+        "method": "draft_model", "model": tiny_llama3_dir, "num_speculative_tokens": 4})
+    driver = llm.llm_engine.executor.driver
+    driver.speculator.policy.adaptive = False
+    assert run(llm, greedy_params(len(prompts)), prompts) == plain_cuda
+    assert (1, 5) in driver.graphs.captured, sorted(driver.graphs.captured)
