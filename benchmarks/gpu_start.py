@@ -23,17 +23,30 @@ from pathlib import Path
 CHILD = """
 import json, sys, time
 start = time.perf_counter()
+if sys.argv[3]:  # this start under cProfile: where its seconds go, written as text to argv[3]
+    import cProfile
+    profile = cProfile.Profile()
+    profile.enable()
 from kvloom import LLM, SamplingParams
+imported = time.perf_counter()
 llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5,
           override_backend_config={"graph_capture": sys.argv[2]})
 ready = time.perf_counter()
 llm.generate([{"prompt_token_ids": list(range(100, 228))}], SamplingParams(temperature=0, max_tokens=1),
              use_tqdm=False)
 done = time.perf_counter()
+if sys.argv[3]:
+    import io, pstats
+    profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(30)
+    open(sys.argv[3], "w").write(text.getvalue())
 # Then 8 requests decoding 32 tokens: what a lazy graph capture (the default) left for the first decodes.
 llm.generate([{"prompt_token_ids": list(range(100 + i, 164 + i))} for i in range(8)],
              SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
-print(json.dumps({"start_s": ready - start, "first_token_s": done - start,
+print(json.dumps({"import_s": imported - start, "start_s": ready - start, "first_token_s": done - start,
                   "then_decode_s": time.perf_counter() - done,
                   "artifacts": llm.llm_engine.executor.driver.artifacts.status}))
 """
@@ -50,23 +63,29 @@ def main() -> int:
     parser.add_argument("--graph-capture", choices=["lazy", "start"], default="lazy",
                         help="when the decode graphs are captured (override_backend_config graph_capture)")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--profile", metavar="PATH",
+                        help="also run one more warm start under cProfile, to first token, and write its top functions "
+                             "(by cumulative and own time) to PATH")
     args = parser.parse_args()
     store = Path(tempfile.mkdtemp(prefix="kvloom-artifacts-"))
     env = dict(os.environ, KVLOOM_COMPILED_ARTIFACTS=str(store), KVLOOM_LOGGING_LEVEL="WARNING")
     rows = []
-    for index in range(args.starts):
+    for index in range(args.starts + (args.profile is not None)):
+        profiled = index == args.starts
         before = count_files(store)
         wall = time.perf_counter()
-        result = subprocess.run([sys.executable, "-c", CHILD, args.model, args.graph_capture], env=env,
-                                capture_output=True, text=True)
+        result = subprocess.run([sys.executable, "-c", CHILD, args.model, args.graph_capture,
+                                 args.profile if profiled else ""], env=env, capture_output=True, text=True)
         if result.returncode:
             print(result.stderr[-3000:], file=sys.stderr)
             return 1
         row = json.loads(result.stdout.strip().splitlines()[-1])
-        row.update(kind="cold" if index == 0 else "warm", process_s=time.perf_counter() - wall,
-                   new_kernel_files=count_files(store) - before)
-        rows.append(row)
-        print(f"{row['kind']}: engine ready {row['start_s']:.1f} s, first token {row['first_token_s']:.1f} s "
+        row.update(kind="cold" if index == 0 else "warm, profiled" if profiled else "warm",
+                   process_s=time.perf_counter() - wall, new_kernel_files=count_files(store) - before)
+        if not profiled:
+            rows.append(row)
+        print(f"{row['kind']}: imports {row['import_s']:.1f} s, engine ready {row['start_s']:.1f} s, first token "
+              f"{row['first_token_s']:.1f} s "
               f"(process {row['process_s']:.1f} s), then 8 x 32 tokens {row['then_decode_s']:.2f} s, "
               f"store {row['artifacts']}, "
               f"{row['new_kernel_files']} new kernel files", flush=True)
