@@ -4,7 +4,8 @@
 # transformers on a Llama-3.2-1B-shaped model, the decode step against the HBM bound, cold/warm start,
 # n-gram speculation at batch 1). Each stage has its own time limit, so one that hangs costs only its share.
 #
-#   OUT=/tmp/gpu-out bash benchmarks/gpu_suite.sh [tests] [throughput] [step] [start] [spec]   # default: all
+#   OUT=/tmp/gpu-out bash benchmarks/gpu_suite.sh [tests] [throughput] [step] [start] [spec] [variants]
+#   (default: all; variants: 4-bit GPTQ weights, int8 weights and an fp8 KV cache against bf16, 256 prompts)
 #
 # Logs and JSON land in $OUT (default ./bench_results/gpu). The spec stage needs SmolLM2's GGUF: set SMOLLM2_GGUF
 # to its path (it is skipped without one). Python: $PYTHON (default python3).
@@ -16,7 +17,7 @@ BW=${HBM_BANDWIDTH:-3.35e12}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export KVLOOM_COMPILED_ARTIFACTS=${KVLOOM_COMPILED_ARTIFACTS:-/tmp/kvloom-artifacts}
-stages=${*:-tests throughput step start spec}
+stages=${*:-tests throughput step start spec variants}
 
 stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, say how it ended
     local name=$1 limit=$2; shift 2
@@ -52,14 +53,20 @@ step)
     stage step-sync 60 $PY benchmarks/gpu_step_profile.py --model "$CKPT" -n 256 --bandwidth "$BW" \
         --no-detokenize --sync-scheduling ;;
 start)
-    stage start 60 $PY benchmarks/gpu_start.py --model "$CKPT" --starts 3 --json "$OUT/start.json"
+    stage start 90 $PY benchmarks/gpu_start.py --model "$CKPT" --starts 3 --json "$OUT/start.json" \
+        --profile "$OUT/start-profile.txt"
     stage start-eager-capture 60 $PY benchmarks/gpu_start.py --model "$CKPT" --starts 2 --graph-capture start ;;
 spec)
     if [ -n "${SMOLLM2_GGUF:-}" ]; then
         stage spec "${SPEC_LIMIT:-150}" $PY benchmarks/speculative.py --model "$SMOLLM2_GGUF" --batch 1 \
-            --repeats "${SPEC_REPEATS:-3}" --workload copy --max-tokens 128 --full-warmup
+            --num-prompts "${SPEC_PROMPTS:-6}" --repeats "${SPEC_REPEATS:-3}" --workload copy --max-tokens 128 \
+            --full-warmup --step-times
     else
         echo "== spec: skipped (SMOLLM2_GGUF unset)"
     fi ;;
+variants)
+    stage variants "${VARIANTS_LIMIT:-180}" $PY benchmarks/gpu_throughput.py --workload 256 \
+        --engines kvloom,kvloom-gptq,kvloom-int8,kvloom-kv-fp8 --checkpoint-dir "$CKPT" --repeats "${REPEATS:-3}" \
+        --bandwidth "$BW" --json "$OUT/variants.json" ;;
 *) echo "unknown stage $s" ;;
 esac; done

@@ -13,6 +13,10 @@ kvloom, hf, ...) for ``--repeats`` timed runs in this one process.
 - kvloom: ``LLM.generate`` over all prompts; continuous batching decides the batches.
 - hf: ``model.generate`` on static batches of ``--hf-batch-size`` prompts in input order (default: all of
   them in one batch), left-padded, ``min_new_tokens = max_new_tokens`` so every row makes 128 tokens.
+- kvloom variants, each its own engine in this process: ``kvloom-gptq`` (a GPTQ copy of the checkpoint, 4-bit
+  codes in groups of 128, random, written once beside it: the Triton 4-bit product), ``kvloom-int8``
+  (``quantization="int8"``), ``kvloom-kv-int8`` / ``kvloom-kv-fp8`` (``kv_cache_dtype``). With more than one
+  kvloom engine each takes a fixed ``--kv-cache-memory`` (two engines' memory profiles would count each other).
 
 Prints output tok/s per engine (median, min..max), the ratio kvloom / hf of the medians, and the HBM
 bandwidth bound of one decode step at the workload's batch size. ``--profile`` adds kvloom's decode step:
@@ -49,7 +53,13 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 H100_SXM_BANDWIDTH = 3.35e12  # bytes/s of HBM3 on an H100 SXM
-ENGINES = ("kvloom", "kvloom-sync", "hf")
+ENGINES = ("kvloom", "kvloom-sync", "hf", "kvloom-gptq", "kvloom-int8", "kvloom-kv-int8", "kvloom-kv-fp8")
+# Each kvloom variant: its LLM(...) arguments beside the plain engine's ("model": the GPTQ copy).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "kvloom-gptq": {"model": "gptq"}, "kvloom-int8": {"quantization": "int8"},
+    "kvloom-kv-int8": {"kv_cache_dtype": "int8"}, "kvloom-kv-fp8": {"kv_cache_dtype": "fp8"},
+}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The config.json keys that must match for a --checkpoint-dir to be reused.
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
               "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
@@ -151,6 +161,47 @@ def prepare_checkpoint(args: argparse.Namespace) -> tuple[Path, tempfile.Tempora
     return directory, None
 
 
+def build_gptq_copy(checkpoint: Path, group_size: int) -> Path:
+    """A GPTQ copy of the checkpoint (written once, beside it): every projection as 4-bit codes in groups of
+    ``group_size`` along K (random codes, zero point 8, fp16 scales that give the bf16 init's spread), the rest
+    as it is. For speed only: its weights are not the bf16 ones."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target = checkpoint.parent / f"{checkpoint.name}-gptq{group_size}"
+    if (target / "config.json").is_file():
+        return target
+    start = time.perf_counter()
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(checkpoint, partial, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    generator = torch.Generator().manual_seed(0)
+    scale = 0.02 / 4.6  # codes - 8 spread ~4.6: weights of std ~0.02, as transformers' init
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        packed = {}
+        for name, weight in load_file(path).items():
+            prefix = name.removesuffix(".weight")
+            if not prefix.endswith(PROJECTIONS):
+                packed[name] = weight
+                continue
+            n, k = weight.shape
+            packed[f"{prefix}.qweight"] = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32,
+                                                        generator=generator)  # 8 random codes a word
+            packed[f"{prefix}.qzeros"] = torch.full((k // group_size, n // 8), 0x77777777, dtype=torch.int32)
+            packed[f"{prefix}.scales"] = torch.full((k // group_size, n), scale, dtype=torch.float16)
+            packed[f"{prefix}.g_idx"] = torch.arange(k, dtype=torch.int32) // group_size
+        save_file(packed, partial / path.name)
+    config = json.loads((partial / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False,
+                                     "sym": False, "checkpoint_format": "gptq"}
+    (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    partial.rename(target)
+    log(f"wrote {target} (GPTQ, group {group_size}) in {time.perf_counter() - start:.1f} s")
+    return target
+
+
 def weight_bytes(directory: Path) -> int:
     """Bytes of every stored tensor (tied embeddings once), from the safetensors headers."""
     total = 0
@@ -179,14 +230,19 @@ class KvloomRunner:
 
     name = "kvloom"
 
-    def __init__(self, checkpoint: Path, args: argparse.Namespace) -> None:
+    def __init__(self, checkpoint: Path, args: argparse.Namespace, variant: str = "kvloom") -> None:
         from kvloom import LLM, SamplingParams
 
         self.device = args.device
+        extra = dict(VARIANTS.get(variant, {}))
+        if extra.pop("model", None) == "gptq":
+            checkpoint = build_gptq_copy(checkpoint, args.gptq_group_size)
+        if sum(name == "kvloom" or name in VARIANTS for name in args.engines) > 1:
+            extra["kv_cache_memory"] = args.kv_cache_memory
         self.llm = LLM(model=str(checkpoint), dtype="bfloat16", device=args.device,
                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization,
-                       override_backend_config=args.override_backend_config)
+                       override_backend_config=args.override_backend_config, **extra)
         self.params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True,
                                      detokenize=args.detokenize)
 
@@ -263,7 +319,8 @@ def set_async_scheduling(llm: Any, on: bool) -> None:
     engine.async_scheduling = engine.scheduler.async_scheduling = engine.executor.driver.async_scheduling = on
 
 
-RUNNERS = {"kvloom": KvloomRunner, "kvloom-sync": KvloomSyncRunner, "hf": HFRunner}
+RUNNERS = {"kvloom": KvloomRunner, "kvloom-sync": KvloomSyncRunner, "hf": HFRunner,
+           **{name: lambda checkpoint, args, name=name: KvloomRunner(checkpoint, args, name) for name in VARIANTS}}
 
 
 def timed_run(runner: KvloomRunner | HFRunner, prompts: list[list[int]], expected_tokens: int) -> dict[str, Any]:
@@ -420,7 +477,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", type=int, default=256, help="number of prompts (issue 9: 256 or 64)")
-    p.add_argument("--engines", default="kvloom,hf", help="comma-separated, from kvloom,kvloom-sync,hf")
+    p.add_argument("--engines", default="kvloom,hf", help=f"comma-separated, from {','.join(ENGINES)}")
+    p.add_argument("--kv-cache-memory", default="12GiB",
+                   help="each kvloom engine's KV cache where several run in this process")
+    p.add_argument("--gptq-group-size", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per engine, after one warm-up")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     p.add_argument("--output-tokens", type=int, default=128)
@@ -542,18 +602,21 @@ def run_benchmark(args: argparse.Namespace, checkpoint: Path, info: dict[str, An
     print(f"workload: {len(prompts)} prompts of {args.min_prompt_len}..{args.max_prompt_len} tokens "
           f"({prompt_tokens:,} prompt tokens), {args.output_tokens} greedy output tokens each; "
           f"HF static batches of {args.hf_batch_size}")
-    print(f"{'engine':<12} {'output tok/s':>13} {'min .. max':>21} {'runs':>5} {'start-up s':>11} {'warm-up s':>10}")
+    print(f"{'engine':<15} {'output tok/s':>13} {'min .. max':>21} {'runs':>5} {'start-up s':>11} {'warm-up s':>10}")
     for name, result in engines.items():
         if not result["runs"]:
-            print(f"{name:<12} {'failed':>13}")
+            print(f"{name:<15} {'failed':>13}")
             continue
         spread = f"{result['min']:,.0f} .. {result['max']:,.0f}"
-        print(f"{name:<12} {result['median']:>13,.1f} {spread:>21} {len(result['runs']):>5} "
+        print(f"{name:<15} {result['median']:>13,.1f} {spread:>21} {len(result['runs']):>5} "
               f"{result['build_s']:>11.1f} {result['warmup_s']:>10.2f}")
     ratio = None
     if engines.get("kvloom", {}).get("runs") and engines.get("hf", {}).get("runs"):
         ratio = engines["kvloom"]["median"] / engines["hf"]["median"]
         print(f"kvloom / hf: {ratio:.2f}x (medians)")
+    for variant in VARIANTS:
+        if engines.get(variant, {}).get("runs") and engines.get("kvloom", {}).get("runs"):
+            print(f"{variant} / kvloom: {engines[variant]['median'] / engines['kvloom']['median']:.2f}x (medians)")
     if engines.get("kvloom-sync", {}).get("runs"):
         for other in ("hf", "kvloom"):
             if engines.get(other, {}).get("runs"):
