@@ -50,12 +50,16 @@ throughput)
     done ;;
 step)
     stage step 60 $PY benchmarks/gpu_step_profile.py --model "$CKPT" -n 256 --bandwidth "$BW" --no-detokenize
-    stage step-sync 60 $PY benchmarks/gpu_step_profile.py --model "$CKPT" -n 256 --bandwidth "$BW" \
-        --no-detokenize --sync-scheduling ;;
+    if [ "${STEP_SYNC:-1}" = 1 ]; then
+        stage step-sync 60 $PY benchmarks/gpu_step_profile.py --model "$CKPT" -n 256 --bandwidth "$BW" \
+            --no-detokenize --sync-scheduling
+    fi ;;
 start)
     stage start 90 $PY benchmarks/gpu_start.py --model "$CKPT" --starts 3 --json "$OUT/start.json" \
         --profile "$OUT/start-profile.txt"
-    stage start-eager-capture 60 $PY benchmarks/gpu_start.py --model "$CKPT" --starts 2 --graph-capture start ;;
+    if [ "${START_EAGER_CAPTURE:-1}" = 1 ]; then
+        stage start-eager-capture 60 $PY benchmarks/gpu_start.py --model "$CKPT" --starts 2 --graph-capture start
+    fi ;;
 spec)
     if [ -n "${SMOLLM2_GGUF:-}" ]; then
         stage spec "${SPEC_LIMIT:-150}" $PY benchmarks/speculative.py --model "$SMOLLM2_GGUF" --batch 1 \
