@@ -74,6 +74,16 @@ def copy_prompt(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": request.format(text=text)}]
 
 
+def _same_tokens(ours: list, plain: list) -> str:
+    """True, or how many outputs differ and where each first departs from the plain engine's (near-ties in
+    bf16: a verification step's product over several rows rounds differently from a one-row decode)."""
+    if ours == plain:
+        return "True"
+    firsts = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+              for x, y in zip(ours, plain) if x != y]
+    return f"False ({len(firsts)} of {len(plain)} outputs differ, first at tokens {firsts})"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -101,6 +111,7 @@ def main() -> int:
     parser.add_argument("--drafts-off-at", type=int, default=None, metavar="N",
                         help="also run each method with disable_by_batch_size=N: at batches of N or more no "
                              "drafts, so what remains is the drafter's own cost (a head's KV catching up)")
+    parser.add_argument("--dtype", default="auto", help="the engines' dtype (LLM(dtype=...))")
     parser.add_argument("--full-warmup", action="store_true",
                         help="warm each fresh engine up on the whole workload, not 4 tokens of one prompt (on a GPU: "
                              "the kernels of every step shape compiled and graphs captured before the timed run)")
@@ -152,7 +163,7 @@ def main() -> int:
             order = list(configs.items())
             for name, config in (order if repeat % 2 == 0 else order[::-1]):
                 llm = LLM(model=args.model, max_model_len=512 if args.workload != "standard" else 1024,
-                          max_num_seqs=max_num_seqs, speculative_config=config)
+                          max_num_seqs=max_num_seqs, speculative_config=config, dtype=args.dtype)
                 if name.endswith("-fixed-k"):
                     llm.llm_engine.executor.driver.speculator.policy.adaptive = False
                 generate = llm.generate if args.workload == "standard" else llm.chat
@@ -196,7 +207,7 @@ def main() -> int:
             pairs = [r / p for r, p in zip(rates[name], rates["plain"])]
             line.append(f"{name} {rate:.1f} ({' / '.join(f'{r:.1f}' for r in rates[name])}): {rate / plain:.2f}x "
                         f"(per pair {' / '.join(f'{r:.2f}' for r in pairs)}, median {statistics.median(pairs):.2f}x), "
-                        f"{acceptance[name]}, same tokens: {tokens[name] == tokens['plain']}")
+                        f"{acceptance[name]}, same tokens: {_same_tokens(tokens[name], tokens['plain'])}")
             if name in drafter_shares:
                 shares = drafter_shares[name]
                 line[-1] += (f", the drafter's passes {100 * statistics.median(s for s, _ in shares):.1f}% of the run "

@@ -177,7 +177,11 @@ class ModelRunner:
         """After the KV cache exists: on CUDA with the Triton ops, capture a CUDA graph per decode bucket
         (unless enforce_eager or bucketing is off, or the ranks are tensor-parallel)."""
         engine, backend = self.config.engine, self.config.engine.backend
-        bucketing = backend.enable_bucketing if backend.enable_bucketing is not None else self.device.type == "cuda"
+        # Left to the platform: on where it can run (CUDA with the Triton ops); asked for (turned on, or buckets
+        # named) where it cannot: the error below.
+        bucketing = self.device.type == "cuda" and (self.ops.name == "triton" or backend.sets_buckets())
+        if backend.enable_bucketing is not None:
+            bucketing = backend.enable_bucketing
         if not bucketing:
             return
         if self.device.type != "cuda" or self.ops.name != "triton":
