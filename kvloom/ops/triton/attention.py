@@ -166,10 +166,10 @@ def _store_rows(cache_ptr, row_offs, x, heads_mask, dims, mask,
                 HEAD_DIM: tl.constexpr, KV_INT8: tl.constexpr, KV_FP8: tl.constexpr):
     """x [heads, dims] fp32 into the cache rows at row_offs [heads], in the cache's format."""
     offs = row_offs[:, None] + dims[None, :]
-    if KV_INT8:  # ops/reference.py quantize_kv_rows, bit for bit
-        scale = tl.minimum(tl.max(tl.abs(x), 1) / 127.0, 65504.0).to(tl.float16)
+    if KV_INT8:  # ops/reference.py quantize_kv_rows, bit for bit (IEEE division: a GPU's '/' is approximate)
+        scale = tl.minimum(tl.div_rn(tl.max(tl.abs(x), 1), 127.0), 65504.0).to(tl.float16)
         scale_f = scale.to(tl.float32)
-        codes = _round_half_even(x / tl.where(scale_f > 0, scale_f, 1.0)[:, None])
+        codes = _round_half_even(tl.div_rn(x, tl.where(scale_f > 0, scale_f, 1.0)[:, None]))
         codes = tl.minimum(tl.maximum(tl.where(scale_f[:, None] > 0, codes, 0.0), -127.0), 127.0)
         tl.store(cache_ptr + offs, codes.to(tl.int8), mask=mask)
         bits = scale.to(tl.int16, bitcast=True)
