@@ -362,6 +362,7 @@ class PackedWeight:
 # ---- every decoder layer in one call ----------------------------------------------------------------
 # The projections' kinds in csrc/decoder.cpp's plan (its Projection::Kind).
 STACK_BF16, STACK_INT8_ROWS, STACK_INT8_BLOCKS = 0, 1, 2  # and q4.STACK_Q4 = 3
+STACK_CODE_BLOCKS = 4
 
 
 class LlamaLayerStack:
@@ -610,6 +611,10 @@ class PackedCodeBlocksWeight:
         centred = (codes.to(torch.int16) - self.SHIFT).to(torch.int8)
         self._blocks = PackedInt8BlocksWeight(centred, weight.d, bias)
         self.offsets = (weight.m.float() + self.SHIFT * weight.d.float()).t().contiguous()  # [K / 32, N]
+
+    def stack_args(self) -> tuple[int, list[torch.Tensor | None], int]:
+        """csrc/decoder.cpp's kCodeBlocks: the same two products, in the same order."""
+        return STACK_CODE_BLOCKS, [self._blocks.data, self.offsets, self._blocks.scale, self._blocks.bias], 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in INT8_ACTIVATION_DTYPES:

@@ -1,7 +1,8 @@
 """The Llama layer stack (csrc/decoder.cpp: every decoder layer in one native call) against the layers run
 module by module, its reference: the same hidden states bit for bit, on a mixed batch (decodes, a chunk
 with a cached prefix, a whole prompt) in both KV-cache layouts and with int8 weights (per row, weight-only
-or W8A8, and Q8_0 blocks), and the same tokens through the engine; an EAGLE-1 head's layer likewise."""
+or W8A8, and Q8_0 blocks) or 5-bit code blocks (Q5_K), and the same tokens through the engine; an EAGLE-1
+head's layer likewise."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kvloom.models.registry import build_model, process_weights_after_loading
 from kvloom.ops import cpu
 from kvloom.ops.int8 import Int8Blocks, Int8Rows
 from kvloom.ops.metadata import AttentionMetadata
+from kvloom.ops.q4 import Q4Blocks
 from kvloom.ops.table import select_ops
 
 BLOCK_SIZE = 16
@@ -41,7 +43,16 @@ def _model(path: str, int8: str | None = None):
     finally:
         torch.set_default_dtype(previous)
     model.load_weights(iter_weights(source))
-    if int8 is not None:
+    if int8 == "q5":  # every projection as 5-bit code blocks (a GGUF's Q5_K), random codes, scales and offsets
+        generator = torch.Generator().manual_seed(5)
+        for module in model.layers.modules():
+            if isinstance(module, Linear):
+                n, k = module.weight.shape
+                module.q4 = Q4Blocks(torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=generator),
+                                     torch.rand(n, k // 32, generator=generator) * 0.01,
+                                     -torch.rand(n, k // 32, generator=generator) * 0.16)
+                module.q4_shards = set(range(len(module.output_sizes)))
+    elif int8 is not None:
         for module in model.layers.modules():
             if isinstance(module, Linear):
                 module.quantize()
@@ -104,13 +115,15 @@ def test_stack_equals_the_layers_module_by_module(stack_kernel: None, tmp_path, 
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-@pytest.mark.parametrize("int8", ["rows", "rows-w8a8", "blocks"])
+@pytest.mark.parametrize("int8", ["rows", "rows-w8a8", "blocks", "q5"])
 def test_stack_equals_the_layers_module_by_module_with_int8_weights(stack_kernel: None, tiny_llama_dir: str,
                                                                     int8: str) -> None:
     if not cpu.int8_kernels_available():
         pytest.skip("the int8 GEMMs need the CPU kernels built for AVX2 or AVX-512")
     model, config, ops = _model(tiny_llama_dir, int8=int8)
     assert model.layer_stack is not None
+    if int8 == "q5":  # the code-block product (csrc/decoder.cpp kCodeBlocks), not the 4-bit one
+        assert isinstance(model.layers[0].mlp.down_proj.packed, cpu.PackedCodeBlocksWeight)
     # Decodes alone (one row: the weight-only product where W8A8 starts at 2 rows, W8A8 on AVX2), then a mixed batch.
     for query_lens, context_lens in (([1], [12]), ([1, 1, 9, 20], [30, 3, 16, 0])):
         (stacked, plain), _ = _forward_both_ways(model, config, ops, query_lens, context_lens)

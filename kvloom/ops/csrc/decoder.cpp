@@ -6,7 +6,8 @@
 //
 // Per layer (kvloom/ops/cpu.py LlamaLayerStack says when a model qualifies and builds the plan), each
 // projection the product its Linear would call: kvloom's bf16 GEMM, an int8 one (W8A8 from a number
-// of rows on, else weight-only; or W8A8 on Q8_0 blocks) or the 4-bit one (a GGUF's Q4 blocks):
+// of rows on, else weight-only; or W8A8 on Q8_0 blocks), the 4-bit one (a GGUF's Q4 blocks) or the code-block
+// one (a GGUF's Q5_1 / Q5_K blocks: W8A8 on centred codes plus their offsets' term):
 //
 //     layer 0:  residual = hidden; hidden = rms_norm(hidden) (without an input norm, EAGLE-1's first
 //               layer: hidden as it is)
@@ -50,11 +51,13 @@ namespace k = kvloom::kernels;
     call;                                                     \
   } while (0)
 
+constexpr int64_t kCodeBlock = 32;  // values per block of a code-block weight (cpu.py CODE_BLOCK)
+
 // One projection: which product, and its tensors as the Python objects hold them (cpu.py stack_args).
 struct Projection {
-  enum Kind : int64_t { kBf16 = 0, kInt8Rows = 1, kInt8Blocks = 2, kQ4 = 3 };
+  enum Kind : int64_t { kBf16 = 0, kInt8Rows = 1, kInt8Blocks = 2, kQ4 = 3, kCodeBlocks = 4 };
   int64_t kind = kBf16;
-  at::Tensor packed, compensation, scale;
+  at::Tensor packed, compensation, scale;  // code blocks: compensation holds the blocks' offsets [K / 32, N]
   c10::optional<at::Tensor> bias;
   int64_t w8a8_min_rows = 0;  // int8 rows: W8A8 from this many rows on, weight-only below
   int64_t out_features = 0;
@@ -76,6 +79,16 @@ struct Projection {
         KVLOOM_PROFILED("kvloom::gemm_w8a8_blocks", k::gemm_w8a8_blocks(y, x, packed, scale, bias, false));
         break;
       case kQ4: KVLOOM_PROFILED("kvloom::gemm_q4", k::gemm_q4(y, x, packed, scale, bias, false)); break;
+      case kCodeBlocks: {
+        // cpu.py PackedCodeBlocksWeight: the centred codes' W8A8 product on blocks in fp32, plus each block's
+        // offset times x's sum over the block, rounded once to x's dtype (the same ops in the same order).
+        const at::Tensor rows = x.to(at::kFloat);
+        at::Tensor sums = at::empty({x.size(0), out_features}, rows.options());
+        KVLOOM_PROFILED("kvloom::gemm_w8a8_blocks", k::gemm_w8a8_blocks(sums, rows, packed, scale, bias, false));
+        sums.addmm_(rows.view({x.size(0), -1, kCodeBlock}).sum(-1), compensation);
+        y.copy_(sums);
+        break;
+      }
       default: TORCH_CHECK(false, "LlamaLayerStack: unknown projection kind ", kind);
     }
     return y;
@@ -154,6 +167,11 @@ struct LlamaLayerStack : torch::CustomClassHolder {
           case Projection::kQ4:
             TORCH_CHECK(slot(1).has_value(), "LlamaLayerStack: a block-scaled projection needs its scales");
             p.scale = *slot(1), p.bias = slot(2);
+            break;
+          case Projection::kCodeBlocks:
+            TORCH_CHECK(slot(1).has_value() && slot(2).has_value(), "LlamaLayerStack: a code-block projection "
+                        "needs its offsets and scales");
+            p.compensation = *slot(1), p.scale = *slot(2), p.bias = slot(3);
             break;
           default: TORCH_CHECK(false, "LlamaLayerStack: unknown projection kind ", p.kind);
         }
