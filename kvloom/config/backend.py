@@ -59,7 +59,7 @@ class BackendConfig:
     int8_gguf_blocks: bool = True
     # With quantization="gguf": a GGUF's Q5_1 and Q5_K projections kept in their code blocks (5-bit codes one a
     # byte, the int8 product on blocks plus an offsets term) instead of dequantized at load: 0.63x of the
-    # weights' bytes, but slower today (its product is not in the C++ layer stack), so off by default.
+    # weights' bytes, but slower on AVX2 today (0.79x of bf16 at N=8, docs/quantization.md), so off by default.
     gguf_5bit_blocks: bool = False
 
     @classmethod

@@ -361,8 +361,7 @@ class PackedWeight:
 
 # ---- every decoder layer in one call ----------------------------------------------------------------
 # The projections' kinds in csrc/decoder.cpp's plan (its Projection::Kind).
-STACK_BF16, STACK_INT8_ROWS, STACK_INT8_BLOCKS = 0, 1, 2  # and q4.STACK_Q4 = 3
-STACK_CODE_BLOCKS = 4
+STACK_BF16, STACK_INT8_ROWS, STACK_INT8_BLOCKS, STACK_CODE_BLOCKS = 0, 1, 2, 4  # and q4.STACK_Q4 = 3
 
 
 class LlamaLayerStack:
