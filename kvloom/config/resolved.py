@@ -123,7 +123,8 @@ def settle_buckets(config: EngineConfig, device_type: str) -> None:
 
 def settle_quantization(config: EngineConfig, source: ModelSource) -> None:
     """``quantization`` against the checkpoint. None becomes the checkpoint's own 4-bit format, kept 4-bit as vLLM
-    does: 'gguf' for a GGUF whose projections are 4-bit, 'gptq' / 'awq' for such a safetensors checkpoint. 'none'
+    does: 'gguf' for a GGUF whose projections are 4- or 5-bit code blocks (5-bit unless the backend's
+    ``gguf_5bit_blocks`` is off), 'gptq' / 'awq' for such a safetensors checkpoint. 'none'
     becomes None (everything dequantized at load). A format the checkpoint is not in is a ValueError."""
     from kvloom.loader import gguf
     from kvloom.loader.weights import int4_format
@@ -138,7 +139,8 @@ def settle_quantization(config: EngineConfig, source: ModelSource) -> None:
                          f"; use quantization=None (the checkpoint's own format), 'none' or 'int8'")
     elif config.quantization is None and stored in ("gptq", "awq"):
         config.quantization = stored
-    elif config.quantization is None and stored == "gguf" and gguf.has_4bit_projections(source.path):
-        logger.info("Keeping the GGUF's 4-bit weights 4-bit (quantization='gguf'); quantization='none' "
-                    "dequantizes them at load instead")
+    elif (config.quantization is None and stored == "gguf"
+          and gguf.has_code_block_projections(source.path, config.backend.gguf_5bit_blocks)):
+        logger.info("Keeping the GGUF's 4- and 5-bit weights in their blocks (quantization='gguf'); "
+                    "quantization='none' dequantizes them at load instead")
         config.quantization = "gguf"

@@ -376,9 +376,11 @@ def weight_names_of_types(path: str, ggml_types: tuple[int, ...]) -> set[str]:
     return {name for name in names if name}
 
 
-def has_4bit_projections(path: str) -> bool:
-    """Whether any of the file's projection weights (q/k/v/o, gate/up/down) is Q4_0, Q4_1 or Q4_K."""
-    return any(name.endswith("_proj.weight") for name in weight_names_of_types(path, Q4_TYPES))
+def has_code_block_projections(path: str, five_bits: bool = True) -> bool:
+    """Whether any of the file's projection weights (q/k/v/o, gate/up/down) is Q4_0, Q4_1 or Q4_K (or, with
+    ``five_bits``, Q5_1 or Q5_K): the types kept in code blocks."""
+    types = Q4_TYPES + Q5_TYPES if five_bits else Q4_TYPES
+    return any(name.endswith("_proj.weight") for name in weight_names_of_types(path, types))
 
 
 def q4_blocks(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> Q4Blocks:

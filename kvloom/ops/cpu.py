@@ -50,8 +50,6 @@ from kvloom.cpu_capability import cpu_capability
 from kvloom.ops.int8 import check_blocks_shape
 from kvloom.ops.layer_stack import LayerShape, LayerWeights
 from kvloom.ops.metadata import AttentionMetadata
-from kvloom.ops.q4 import BLOCK as CODE_BLOCK
-from kvloom.ops.q4 import Q4Blocks
 from kvloom.ops.reference import write_kv_cache
 
 logger = logging.getLogger("kvloom")
@@ -361,7 +359,7 @@ class PackedWeight:
 
 # ---- every decoder layer in one call ----------------------------------------------------------------
 # The projections' kinds in csrc/decoder.cpp's plan (its Projection::Kind).
-STACK_BF16, STACK_INT8_ROWS, STACK_INT8_BLOCKS, STACK_CODE_BLOCKS = 0, 1, 2, 4  # and q4.STACK_Q4 = 3
+STACK_BF16, STACK_INT8_ROWS, STACK_INT8_BLOCKS = 0, 1, 2  # and q4.STACK_Q4 = 3
 
 
 class LlamaLayerStack:
@@ -588,40 +586,3 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
 
     def _compute(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         self._product(out, rows, self.data, self.scale, self.bias)
-
-
-class PackedCodeBlocksWeight:
-    """A code-block weight whose codes take 5 bits (GGUF Q5_1 / Q5_K: ``Q4Blocks`` with codes 0..31) for
-    csrc/gemm_int8.cpp: the codes centred, q - 16, one per byte as a block-scaled int8 weight with the blocks'
-    scales d, run by the W8A8 product on blocks (x quantized per block, exact int32 sums), plus the offsets' term,
-    (m + 16 d) times x's sum over the block, as an fp32 GEMM over the K / 32 block sums. x [..., K] float32 or
-    bfloat16 -> [..., N] in x's dtype, rounded once. Centred codes keep the activations' rounding error where
-    llama.cpp's product has it (times the weight's centred values, not its codes 0..31); the offsets' term sums x's
-    own values rather than its codes."""
-
-    SHIFT = 16
-
-    def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None) -> None:
-        codes = weight.codes
-        if codes.dtype != torch.uint8 or (codes.numel() and int(codes.max()) > 2 * self.SHIFT - 1):
-            raise ValueError(f"PackedCodeBlocksWeight takes uint8 codes of at most 5 bits (0..31), got {codes.dtype}"
-                             f" codes up to {int(codes.max()) if codes.numel() else 0}")
-        self.out_features, self.in_features = codes.shape
-        centred = (codes.to(torch.int16) - self.SHIFT).to(torch.int8)
-        self._blocks = PackedInt8BlocksWeight(centred, weight.d, bias)
-        self.offsets = (weight.m.float() + self.SHIFT * weight.d.float()).t().contiguous()  # [K / 32, N]
-
-    def stack_args(self) -> tuple[int, list[torch.Tensor | None], int]:
-        """csrc/decoder.cpp's kCodeBlocks: the same two products, in the same order."""
-        return STACK_CODE_BLOCKS, [self._blocks.data, self.offsets, self._blocks.scale, self._blocks.bias], 0
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in INT8_ACTIVATION_DTYPES:
-            raise ValueError(f"the code-block CPU linear takes float32 or bfloat16 activations, got {x.dtype}")
-        rows = x.reshape(-1, self.in_features).float()  # fp32 out: the offsets' term added before the one rounding
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty((rows.shape[0], self.out_features), dtype=torch.float32)
-        self._blocks._compute(out, rows)
-        out.addmm_(rows.view(rows.shape[0], -1, CODE_BLOCK).sum(dim=-1), self.offsets)
-        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)

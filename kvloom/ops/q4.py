@@ -14,10 +14,10 @@ W8A8 products' quantizer), and per block
 
     y[m, n] += d[n, b] dx[m, b] S[m, n, b] + m[n, b] dx[m, b] sum_k qx[m, k],   S = sum_k q[n, k] qx[m, k]
 
-with S an exact integer. ``PackedQ4Weight`` runs it with csrc/gemm_q4.cpp on 4-bit codes (two per byte). 5-bit
-codes (kept only with the backend's ``gguf_5bit_blocks``) take csrc/gemm_int8.cpp's product on blocks instead, one
-centred code q - 16 per byte (cpu.PackedCodeBlocksWeight: the d term there; the offsets m + 16 d times x's block
-sums in fp32, a GEMM 32 times smaller), and on CUDA the same Triton kernel reading one code per byte.
+with S an exact integer, so the result is W times the quantized activations, whatever the codes' range.
+``PackedQ4Weight`` runs it with csrc/gemm_q4.cpp on the codes' low 4 bits (two per byte) and, for 5-bit codes, their
+fifth bits in a plane beside them (``pack_q5_high``: one bit a weight, put back into each nibble in registers); on
+CUDA the Triton kernel reads 5-bit codes one per byte.
 """
 
 from __future__ import annotations
@@ -119,6 +119,22 @@ def pack_q4_weight(codes: torch.Tensor) -> torch.Tensor:
     return (q[..., 0] | (q[..., 1] << 4)).contiguous().view(panels, blocks, 4 * PANEL * 4)
 
 
+def pack_q5_high(codes: torch.Tensor) -> torch.Tensor:
+    """The fifth bits of 5-bit codes [N, K] (0..31) -> uint8 [ceil(N / 8), K / 32, 32]: byte 4 c + i of a panel's
+    block holds in bit 2 j + h the fifth bit of code (c, 32 b + 8 j + 4 h + i), the one pack_q4_weight puts in
+    pair j's byte (c, i), low nibble (h = 0) or high (h = 1). Zero past N."""
+    n, k = codes.shape
+    panels, blocks = -(-n // PANEL), k // BLOCK
+    padded = codes.new_zeros(panels * PANEL, k)
+    padded[:n] = codes >> 4
+    # [panels, c, blocks, j, h, i] -> [panels, blocks, c, i, j, h]: the 8 bits of a byte last
+    bits = padded.view(panels, PANEL, blocks, 4, 2, 4).permute(0, 2, 1, 5, 3, 4).reshape(panels, blocks, 32, 8)
+    high = bits[..., 0].clone()
+    for t in range(1, 8):
+        high |= bits[..., t] << t
+    return high
+
+
 def pack_q4_scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """fp32 [N, blocks] scales and offsets -> [ceil(N / 8), blocks, 2, 8] (d, then m, per column; zero past N), in
     fp16 where every value is exactly one (GGUF Q4_0 / Q4_1, GPTQ, AWQ: half the scale bytes to stream), else fp32
@@ -159,9 +175,14 @@ class PackedQ4Weight:
         self.out_features, self.in_features = weight.codes.shape
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"PackedQ4Weight: bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
-        if not weight.fits_4_bits():
-            raise ValueError("PackedQ4Weight takes 4-bit codes (0..15); 5-bit ones take cpu.PackedCodeBlocksWeight")
-        self.data = pack_q4_weight(weight.codes)
+        codes = weight.codes
+        top = int(codes.max()) if codes.numel() else 0
+        if codes.dtype != torch.uint8 or top > 31:
+            raise ValueError(f"PackedQ4Weight takes uint8 codes of 4 or 5 bits (0..31), got {codes.dtype} codes up to "
+                             f"{top}")
+        self.data = pack_q4_weight(codes & 0x0F)
+        # 5-bit codes (GGUF Q5_1 / Q5_K): their fifth bits beside the nibbles, read by the same kernel.
+        self.high = None if top <= 15 else pack_q5_high(codes)
         self.scales = pack_q4_scales(weight.d.float(), weight.m.float())
         self.bias = None if bias is None else bias.float().contiguous()
         self.portable = portable
@@ -169,7 +190,7 @@ class PackedQ4Weight:
 
     def stack_args(self) -> tuple[int, list[torch.Tensor | None], int]:
         """(kind, tensors, W8A8 rows) for csrc/decoder.cpp's plan (cpu.py llama_layer_stack)."""
-        return STACK_Q4, [self.data, self.scales, self.bias], 0
+        return STACK_Q4, [self.data, self.scales, self.bias, self.high], 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.bfloat16):
@@ -178,6 +199,6 @@ class PackedQ4Weight:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype)
-        self._product(out, rows, self.data, self.scales, self.bias, self.portable)
+        self._product(out, rows, self.data, self.scales, self.bias, self.portable, self.high)
         return out.view(*x.shape[:-1], self.out_features)
 

@@ -16,9 +16,9 @@ weights (``pack_linear_int8_blocks``: a GGUF Q8_0 kept as stored) take the C++ W
 CPU (cpu.PackedInt8BlocksWeight) and torch ops (int8.NativeInt8BlocksLinear) under the reference
 backend; CUDA has no block-scaled kernel, so there they are re-quantized per row once, as they are packed,
 for the Triton weight-only GEMM (the same int8 weights as a per-row load of the same file). Code-block weights
-(``pack_linear_q4``: a GGUF's 4- and 5-bit blocks kept) take the C++ Q4 GEMM on the CPU where every code fits
-4 bits (q4.PackedQ4Weight, llama.cpp's product) and the C++ W8A8-on-blocks GEMM plus an offsets term where
-they take 5 (cpu.PackedCodeBlocksWeight), torch ops (q4.NativeQ4Linear) under the reference backend, and on CUDA
+(``pack_linear_q4``: a GGUF's 4- and 5-bit blocks kept) take the C++ Q4 GEMM on the CPU (q4.PackedQ4Weight,
+llama.cpp's product; 5-bit codes with their fifth bits in a plane beside the nibbles), torch ops
+(q4.NativeQ4Linear) under the reference backend, and on CUDA
 the Triton code-block GEMM (cuda.Q4Linear: the weight dequantized in registers, activations as they are; two
 codes a byte, or one).
 
@@ -178,8 +178,7 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
         return dataclasses.replace(NATIVE_OPS, pack_linear=pack, pack_experts=pack_experts)
     # csrc/gemm_q4.cpp: its AVX2 kernel where built, else the same product on plain loops (still faster than
     # torch ops, which dequantize the whole weight every call).
-    pack_q4 = functools.partial(_pack_code_blocks, five_bits=cpu.PackedCodeBlocksWeight
-                                if cpu.int8_kernels_available() else q4.NativeQ4Linear)
+    pack_q4 = q4.PackedQ4Weight
     # csrc/gemm_int8.cpp for float32 and bfloat16 activations alike, where its AVX-512 or AVX2 kernels are built.
     pack_int8, pack_int8_blocks = int8.NativeInt8Linear, int8.NativeInt8BlocksLinear
     if cpu.int8_kernels_available():
@@ -193,12 +192,6 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
                pack_linear=pack, pack_linear_int8=pack_int8, pack_linear_int8_blocks=pack_int8_blocks,
                pack_linear_q4=pack_q4, pairs_layout=cpu.pairs_layout, llama_layer_stack=cpu.llama_layer_stack,
                pack_experts=pack_experts)
-
-
-def _pack_code_blocks(weight: q4.Q4Blocks, bias: torch.Tensor | None, five_bits: PackQ4Fn
-                      ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The CPU's code-block product: csrc/gemm_q4.cpp where every code fits 4 bits, else ``five_bits``."""
-    return q4.PackedQ4Weight(weight, bias) if weight.fits_4_bits() else five_bits(weight, bias)
 
 
 def _cuda_ops() -> Ops:

@@ -122,8 +122,8 @@ def test_stack_equals_the_layers_module_by_module_with_int8_weights(stack_kernel
         pytest.skip("the int8 GEMMs need the CPU kernels built for AVX2 or AVX-512")
     model, config, ops = _model(tiny_llama_dir, int8=int8)
     assert model.layer_stack is not None
-    if int8 == "q5":  # the code-block product (csrc/decoder.cpp kCodeBlocks), not the 4-bit one
-        assert isinstance(model.layers[0].mlp.down_proj.packed, cpu.PackedCodeBlocksWeight)
+    if int8 == "q5":  # the 4-bit product's kernel with the fifth bits beside the nibbles (csrc/decoder.cpp kQ4)
+        assert model.layers[0].mlp.down_proj.packed.high is not None
     # Decodes alone (one row: the weight-only product where W8A8 starts at 2 rows, W8A8 on AVX2), then a mixed batch.
     for query_lens, context_lens in (([1], [12]), ([1, 1, 9, 20], [30, 3, 16, 0])):
         (stacked, plain), _ = _forward_both_ways(model, config, ops, query_lens, context_lens)

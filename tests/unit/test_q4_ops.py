@@ -23,6 +23,7 @@ from kvloom.ops.q4 import (
     Q4Blocks,
     pack_q4_scales,
     pack_q4_weight,
+    pack_q5_high,
     q4_linear_reference,
 )
 from unit.test_int8_ops import DTYPE_NAMES, DTYPES, assert_within
@@ -167,62 +168,63 @@ def random_q5(n: int, k: int, seed: int) -> Q4Blocks:
     return Q4Blocks(torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8), weight.d * 0.5, weight.m)
 
 
-def code_blocks_expected(x: torch.Tensor, weight: Q4Blocks, bias: torch.Tensor | None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PackedCodeBlocksWeight's product in float64, rounded once to x's dtype: the W8A8 product on blocks of the
-    centred codes q - 16 with d (x quantized per block, exact sums), plus m + 16 d (in fp32, as packed) times x's
-    own block sums; and its slack: an fp32 rounding per block for each term, and the bias add, of the sum of
-    |terms|."""
-    rows = x.reshape(-1, x.shape[-1])
-    qx, dx = quantize_per_block(rows)
-    (m, k), n = qx.shape, weight.codes.shape[0]
-    blocks = k // BLOCK
-    sums = torch.einsum("mbk,nbk->mnb", qx.view(m, blocks, BLOCK).double(),
-                        weight.codes.view(n, blocks, BLOCK).double() - 16)
-    d_terms = sums * weight.d.double()[None] * dx.double()[:, None, :]
-    offsets = (weight.m + 16 * weight.d).double()
-    x_sums = rows.double().view(m, blocks, BLOCK).sum(-1)
-    out = d_terms.sum(-1) + x_sums @ offsets.t() + (0 if bias is None else bias.double())
-    magnitude = d_terms.abs().sum(-1) + rows.double().abs().view(m, blocks, BLOCK).sum(-1) @ offsets.abs().t()
-    slack = (2 * blocks + 3) * 2.0 ** -24 * (magnitude + (0 if bias is None else bias.double().abs()))
-    return out.to(x.dtype), slack
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
 def test_cpu_5bit_product_matches_its_reference(kernels: None, dtype: torch.dtype, m: int, k: int, n: int) -> None:
-    """5-bit codes (Q5_1 / Q5_K) take csrc/gemm_int8.cpp's product on blocks (codes centred) plus the offsets'
-    term: within an ulp and a few fp32 roundings of its float64 value, and close to q4_linear_reference (x's
-    block sums there come from its int8 codes)."""
+    """5-bit codes (Q5_1 / Q5_K) take the 4-bit product's kernel with their fifth bits beside the nibbles: within
+    an ulp and a few fp32 roundings of q4_linear_reference, bit for bit the plain loops' result."""
     from kvloom.ops.table import _cpu_ops
 
-    if not cpu.int8_kernels_available():
-        pytest.skip("the int8 CPU kernels are not built here")
     weight = random_q5(n, k, seed=m + k + n)
     assert not weight.fits_4_bits()
     packed = _cpu_ops(dtype, 64).pack_linear_q4(weight, None)
-    assert isinstance(packed, cpu.PackedCodeBlocksWeight)
+    assert isinstance(packed, PackedQ4Weight) and packed.high is not None
     for with_bias in (True, False):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)).to(dtype)
         bias = torch.randn(n) if with_bias else None
-        fast = cpu.PackedCodeBlocksWeight(weight, bias)(x)
-        expected, slack = code_blocks_expected(x, weight, bias)
-        assert_within(fast, expected, ulps=1, slack=slack)
-        reference = q4_linear_reference(x, weight, bias).double()
-        assert (fast.double() - reference).norm() <= 0.01 * reference.norm()
+        expected = q4_linear_reference(x, weight, bias)
+        fast = PackedQ4Weight(weight, bias)(x)
+        assert_within(fast, expected, ulps=1, slack=q4_slack(x, weight, bias))
+        assert torch.equal(PackedQ4Weight(weight, bias, portable=True)(x), fast)
 
 
-def test_5bit_codes_are_refused_by_the_4bit_product_and_close_to_the_float_product(kernels: None) -> None:
-    if not cpu.int8_kernels_available():
-        pytest.skip("the int8 CPU kernels are not built here")
+def test_pack_q5_high_layout() -> None:
+    """Bit 2 j + h of byte 4 c + i of panel p, block b: the fifth bit of code (8p + c, 32b + 8j + 4h + i), the
+    code whose low 4 bits pack_q4_weight puts in load j's byte (c, i), low nibble (h = 0) or high (h = 1)."""
+    codes = torch.randint(0, 32, (11, 64), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
+    high = pack_q5_high(codes)
+    assert high.shape == (2, 2, 32) and high.dtype == torch.uint8
+    for p in range(2):
+        for b in range(2):
+            for c in range(8):
+                for i in range(4):
+                    for j in range(4):
+                        for h in range(2):
+                            bit = (int(high[p, b, 4 * c + i]) >> (2 * j + h)) & 1
+                            n = 8 * p + c
+                            assert bit == (int(codes[n, 32 * b + 8 * j + 4 * h + i]) >> 4 if n < 11 else 0)
+
+
+def test_5bit_sums_at_their_limit_do_not_overflow(kernels: None) -> None:
+    """Every code 31 against activations that all quantize to +-127: each block's exact sum is 32 * 31 * 127, far
+    past 16 bits; the kernel widens its 16-bit sums in time (the same for 4-bit codes 15)."""
+    for top in (15, 31):
+        weight = Q4Blocks(torch.full((9, 96), top, dtype=torch.uint8), torch.full((9, 3), 0.5), torch.zeros(9, 3))
+        for sign in (1.0, -1.0):
+            x = torch.full((5, 96), sign)
+            expected = q4_linear_reference(x, weight)
+            assert torch.equal(expected, torch.full((5, 9), sign * 96 * top * 0.5))
+            assert torch.equal(PackedQ4Weight(weight, None)(x), expected)
+            assert torch.equal(PackedQ4Weight(weight, None, portable=True)(x), expected)
+
+
+def test_5bit_codes_are_close_to_the_float_product_and_6bit_ones_refused(kernels: None) -> None:
     weight = random_q5(40, 576, seed=3)
-    with pytest.raises(ValueError, match="4-bit codes"):
-        PackedQ4Weight(weight, None)
     x = torch.randn(6, 576)
     exact = x @ weight.dequantize().t()
-    for product in (cpu.PackedCodeBlocksWeight(weight, None), NativeQ4Linear(weight, None)):
+    for product in (PackedQ4Weight(weight, None), NativeQ4Linear(weight, None)):
         out = product(x.view(2, 3, 576))
         assert out.shape == (2, 3, 40)
         assert (out.view(6, 40) - exact).norm() / exact.norm() < 0.02
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
-        cpu.PackedCodeBlocksWeight(weight, None)(x.half())
+    with pytest.raises(ValueError, match="4 or 5 bits"):
+        PackedQ4Weight(Q4Blocks(weight.codes * 2, weight.d, weight.m), None)

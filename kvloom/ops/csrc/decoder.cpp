@@ -51,14 +51,12 @@ namespace k = kvloom::kernels;
     call;                                                     \
   } while (0)
 
-constexpr int64_t kCodeBlock = 32;  // values per block of a code-block weight (cpu.py CODE_BLOCK)
-
 // One projection: which product, and its tensors as the Python objects hold them (cpu.py stack_args).
 struct Projection {
-  enum Kind : int64_t { kBf16 = 0, kInt8Rows = 1, kInt8Blocks = 2, kQ4 = 3, kCodeBlocks = 4 };
+  enum Kind : int64_t { kBf16 = 0, kInt8Rows = 1, kInt8Blocks = 2, kQ4 = 3 };
   int64_t kind = kBf16;
-  at::Tensor packed, compensation, scale;  // code blocks: compensation holds the blocks' offsets [K / 32, N]
-  c10::optional<at::Tensor> bias;
+  at::Tensor packed, compensation, scale;
+  c10::optional<at::Tensor> bias, high;  // high: a 5-bit code-block weight's fifth bits (kQ4)
   int64_t w8a8_min_rows = 0;  // int8 rows: W8A8 from this many rows on, weight-only below
   int64_t out_features = 0;
 
@@ -78,17 +76,7 @@ struct Projection {
       case kInt8Blocks:
         KVLOOM_PROFILED("kvloom::gemm_w8a8_blocks", k::gemm_w8a8_blocks(y, x, packed, scale, bias, false));
         break;
-      case kQ4: KVLOOM_PROFILED("kvloom::gemm_q4", k::gemm_q4(y, x, packed, scale, bias, false)); break;
-      case kCodeBlocks: {
-        // cpu.py PackedCodeBlocksWeight: the centred codes' W8A8 product on blocks in fp32, plus each block's
-        // offset times x's sum over the block, rounded once to x's dtype (the same ops in the same order).
-        const at::Tensor rows = x.to(at::kFloat);
-        at::Tensor sums = at::empty({x.size(0), out_features}, rows.options());
-        KVLOOM_PROFILED("kvloom::gemm_w8a8_blocks", k::gemm_w8a8_blocks(sums, rows, packed, scale, bias, false));
-        sums.addmm_(rows.view({x.size(0), -1, kCodeBlock}).sum(-1), compensation);
-        y.copy_(sums);
-        break;
-      }
+      case kQ4: KVLOOM_PROFILED("kvloom::gemm_q4", k::gemm_q4(y, x, packed, scale, bias, false, high)); break;
       default: TORCH_CHECK(false, "LlamaLayerStack: unknown projection kind ", kind);
     }
     return y;
@@ -166,12 +154,7 @@ struct LlamaLayerStack : torch::CustomClassHolder {
           case Projection::kInt8Blocks:
           case Projection::kQ4:
             TORCH_CHECK(slot(1).has_value(), "LlamaLayerStack: a block-scaled projection needs its scales");
-            p.scale = *slot(1), p.bias = slot(2);
-            break;
-          case Projection::kCodeBlocks:
-            TORCH_CHECK(slot(1).has_value() && slot(2).has_value(), "LlamaLayerStack: a code-block projection "
-                        "needs its offsets and scales");
-            p.compensation = *slot(1), p.scale = *slot(2), p.bias = slot(3);
+            p.scale = *slot(1), p.bias = slot(2), p.high = slot(3);
             break;
           default: TORCH_CHECK(false, "LlamaLayerStack: unknown projection kind ", p.kind);
         }
