@@ -108,8 +108,8 @@ struct LlamaLayerStack : torch::CustomClassHolder {
   std::vector<std::array<LoRAProjection, kProjections>> lora;
 
   // norms: 2 per layer (input, post-attention); projections: kSlots per projection, kProjections per layer
-  // (bf16: packed, bias; int8 rows: packed, compensation, scale, bias; int8 blocks and 4-bit: packed, scales,
-  // bias; the rest None); kinds, min_rows: one per projection; dims: num_heads, num_kv_heads, head_dim,
+  // (bf16: packed, bias; int8 rows: packed, compensation, scale, bias; int8 blocks: packed, scales, bias; code
+  // blocks: packed, scales, bias, the fifth bits of 5-bit codes; the rest None); kinds, min_rows: one per projection; dims: num_heads, num_kv_heads, head_dim,
   // intermediate_size, hidden_size.
   LlamaLayerStack(std::vector<at::Tensor> norms, c10::List<c10::optional<at::Tensor>> projections,
                   std::vector<int64_t> kinds, std::vector<int64_t> min_rows, at::Tensor cos_table,
