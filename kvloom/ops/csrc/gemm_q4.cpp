@@ -1,5 +1,6 @@
-// 4-bit weights kept 4-bit: y[M, N] = x[M, K] W[N, K]^T (+ bias) for a weight stored as GGUF Q4_0 / Q4_1
-// blocks, W[n, k] = q[n, k] * d[n, b] + m[n, b] with q in 0..15 and b = k / 32 (Q4_0 is m = -8 d).
+// 4- and 5-bit weights kept in their blocks: y[M, N] = x[M, K] W[N, K]^T (+ bias) for a weight stored as GGUF
+// Q4_0 / Q4_1 (/ Q4_K, Q5_1, Q5_K, GPTQ, AWQ) blocks, W[n, k] = q[n, k] * d[n, b] + m[n, b] with q in 0..15 (or
+// 0..31) and b = k / 32 (Q4_0 is m = -8 d).
 // kvloom/ops/q4.py says what the product means; q4_linear_reference is the oracle the tests compare with.
 //
 // The product is llama.cpp's (vec_dot_q4_1_q8_1): x is quantized per (row, block of 32 k) to s8 codes with an
@@ -17,7 +18,10 @@
 // of 8 columns, vpdpbusd's layout once the nibbles are split. The block scales are packed beside it as
 // scales[panel][block][2][8] (d, then m, per column; zero past N), in fp16 where every value is one (GGUF Q4_0 /
 // Q4_1, GPTQ and AWQ store fp16: 2 bytes a block less to stream, widened by vcvtph2ps) and fp32 otherwise (Q4_K's
-// products of two scales). Without AVX2 the same layout is read
+// products of two scales). 5-bit codes (GGUF Q5_1 / Q5_K) keep their low 4 bits in the same panels and their fifth
+// bits in a plane beside them (pack_q5_high: high[panel][block][32], bit 2 j + h of byte 4 c + i is the fifth bit of
+// the code in nibble h of pair j's byte (c, i)), OR-ed into the nibbles in registers; their 16-bit sums are widened
+// every two pairs (a pair reaches 2 * 31 * 127 = 7874). Without AVX2 the same layout is read
 // by plain loops (`portable=True` runs those anywhere): the same integers and fp32 steps, bit for bit.
 
 #include "avx2_columns.h"
