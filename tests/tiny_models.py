@@ -164,6 +164,38 @@ def build_tiny_checkpoint(
     return path
 
 
+def quantize_tensor(w: Any, ggml_type: int) -> Any:
+    """gguf.quants.quantize, and Q6_K (which it lacks) by quantize_q6_k."""
+    import gguf
+
+    return quantize_q6_k(w) if ggml_type == int(gguf.GGMLQuantizationType.Q6_K) else gguf.quants.quantize(w,
+                                                                                                         ggml_type)
+
+
+def quantize_q6_k(w: Any) -> Any:
+    """A float32 [rows, K] (K a multiple of 256) as GGUF Q6_K bytes [rows, K / 256 * 210], laid out as ggml's
+    dequantize_row_q6_K reads them: per super-block of 256 an fp16 d, an int8 scale per 16 values (max |x| / 31 of
+    the 16, in units of d = the largest of them / 127) and codes round(x / (d * scale)) + 32 in 0..63, their low
+    nibbles in ql and top two bits in qh."""
+    import numpy as np
+
+    rows, k = w.shape
+    x = w.astype(np.float32).reshape(-1, 256)  # [S, 256]
+    sub = np.abs(x.reshape(-1, 16, 16)).max(axis=2) / 31  # [S, 16]
+    d = (np.abs(sub).max(axis=1) / 127).astype(np.float16)  # [S]
+    d32 = d.astype(np.float32)
+    safe = np.where(d32 > 0, d32, 1)
+    scale = np.clip(np.round(sub / safe[:, None]), -128, 127).astype(np.int8)  # [S, 16]
+    step = d32[:, None] * scale.astype(np.float32)
+    q = np.round(x.reshape(-1, 16, 16) / np.where(step != 0, step, 1)[..., None])
+    codes = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [S, half, quarter, l]
+    low, high = codes & 0x0F, codes >> 4
+    ql = np.concatenate((low[:, :, 0:2] | (low[:, :, 2:4] << 4),), axis=2).reshape(-1, 128)  # [S, half, q % 2, l]
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(-1, 64)
+    out = np.concatenate((ql, qh, scale.view(np.uint8), d.reshape(-1, 1).view(np.uint8)), axis=1)  # [S, 210]
+    return out.reshape(rows, k // 256 * 210)
+
+
 def write_tiny_gguf(path: str, checkpoint_dir: str, *, types: dict[str, int] | None = None, arch: str = "llama"
                     ) -> str:
     """The checkpoint's weights and tokenizer as a llama GGUF, written the way llama.cpp's converter does.
@@ -235,7 +267,7 @@ def write_tiny_gguf(path: str, checkpoint_dir: str, *, types: dict[str, int] | N
             w = permute(w, kv_heads)
         part = gguf_name.split(".")[-2]  # a type named for one tensor ("attn_v") overrides its kind's
         ggml_type = chosen[part] if part in chosen and gguf_name.startswith("blk.") else chosen[kind]
-        writer.add_tensor(gguf_name, gguf.quants.quantize(w, ggml_type), raw_dtype=ggml_type)
+        writer.add_tensor(gguf_name, quantize_tensor(w, ggml_type), raw_dtype=ggml_type)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(config))

@@ -61,6 +61,10 @@ class BackendConfig:
     # product's kernel with a plane of fifth bits: 6 bits a weight with the scales, 1.2-1.6x bf16's speed,
     # docs/quantization.md) instead of dequantized at load. False dequantizes them, for comparison.
     gguf_5bit_blocks: bool = True
+    # With quantization="gguf": a GGUF's Q6_K projections (Q4_K_M's and Q5_K_M's v and down in half the layers, a
+    # Q6_K file's all) kept as 6-bit codes with a scale per 16 inputs (the same kernel, two bit planes) instead of
+    # dequantized at load. False dequantizes them.
+    gguf_6bit_blocks: bool = True
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any] | str | None) -> BackendConfig:
@@ -115,7 +119,7 @@ class BackendConfig:
             raise ValueError(f"override_backend_config: compiled_artifacts must be a folder path, "
                              f"got {self.compiled_artifacts!r}")
         for name in ("quantized", "quantize_lm_head", "int8_activations", "int8_gguf_blocks",
-                     "gguf_5bit_blocks"):
+                     "gguf_5bit_blocks", "gguf_6bit_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"override_backend_config: {name} must be true or false, got {getattr(self, name)!r}")
         alpha = self.int8_smoothing_alpha

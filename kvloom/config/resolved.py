@@ -140,7 +140,8 @@ def settle_quantization(config: EngineConfig, source: ModelSource) -> None:
     elif config.quantization is None and stored in ("gptq", "awq"):
         config.quantization = stored
     elif (config.quantization is None and stored == "gguf"
-          and gguf.has_code_block_projections(source.path, config.backend.gguf_5bit_blocks)):
-        logger.info("Keeping the GGUF's 4- and 5-bit weights in their blocks (quantization='gguf'); "
+          and gguf.has_code_block_projections(source.path, config.backend.gguf_5bit_blocks,
+                                                config.backend.gguf_6bit_blocks)):
+        logger.info("Keeping the GGUF's 4-, 5- and 6-bit weights in their blocks (quantization='gguf'); "
                     "quantization='none' dequantizes them at load instead")
         config.quantization = "gguf"

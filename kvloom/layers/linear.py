@@ -114,9 +114,11 @@ class Linear(nn.Module):
         if tuple(tensor.shape) != (size, self.in_features):
             raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected {(size, self.in_features)}")
         if self.q4 is None:
-            out_features, blocks = sum(self.output_sizes), self.in_features // int8.BLOCK
+            out_features, groups = sum(self.output_sizes), self.in_features // tensor.group
             self.q4 = Q4Blocks(torch.zeros(out_features, self.in_features, dtype=torch.uint8),
-                               torch.zeros(out_features, blocks), torch.zeros(out_features, blocks))
+                               torch.zeros(out_features, groups), torch.zeros(out_features, groups))
+        if tensor.group != self.q4.group:  # a Q6_K shard (scales per 16) beside blocks of 32: all per 16, exactly
+            self.q4, tensor = self.q4.in_groups_of_16(), tensor.in_groups_of_16()
         for target, part in zip(self.q4, tensor):
             target[start:start + size].copy_(part)
         self.q4_shards.add(shard)

@@ -201,11 +201,11 @@ def _shard_rows_in(linear: Linear, rank: int, world_size: int, group: ProcessGro
     if linear.q4 is not None:  # a rank keeps its inputs' codes and their blocks' scales and offsets
         if size % BLOCK:
             raise ValueError(_cuts_blocks("layer's inputs", linear.in_features, world_size))
-        blocks = size // BLOCK
+        groups = size // linear.q4.group  # blocks of 32, or Q6_K's groups of 16
         codes, d, m = linear.q4
         linear.q4 = Q4Blocks(codes[:, rank * size:(rank + 1) * size].contiguous(),
-                             d[:, rank * blocks:(rank + 1) * blocks].contiguous(),
-                             m[:, rank * blocks:(rank + 1) * blocks].contiguous())
+                             d[:, rank * groups:(rank + 1) * groups].contiguous(),
+                             m[:, rank * groups:(rank + 1) * groups].contiguous())
     if linear.quantized:  # per-row scales apply to every rank's partial sum: every rank keeps all of them
         linear.qweight = linear.qweight[:, rank * size:(rank + 1) * size].contiguous()
         linear.weight.data = linear.weight.data.new_empty(0, size)

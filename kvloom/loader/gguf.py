@@ -36,13 +36,14 @@ DEFAULT_ALIGNMENT = 32
 
 # ggml type ids (gguf.GGMLQuantizationType), for the types dequantized here without the gguf package.
 GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0, GGML_BF16 = 0, 1, 2, 3, 6, 7, 8, 30
-GGML_Q4_K, GGML_Q5_K = 12, 13
-# The types kept as codes with a scale and offset per block of 32: each is exactly a Q4Blocks (a k-quant's 6-bit
-# sub-block scales and mins times its fp16 super-block ones are exact in fp32): 4-bit codes for Q4_0, Q4_1, Q4_K
-# (``keep_q4``), 5-bit ones for Q5_1, Q5_K (``keep_q5``).
+GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 12, 13, 14
+# The types kept as codes with a scale and offset per block of 32 (Q6_K: per 16): each is exactly a Q4Blocks (a
+# k-quant's sub-block scales and mins times its fp16 super-block ones are exact in fp32): 4-bit codes for Q4_0,
+# Q4_1, Q4_K (``keep_q4``), 5-bit ones for Q5_1, Q5_K (``keep_q5``), 6-bit ones for Q6_K (``keep_q6``).
 Q4_TYPES = (GGML_Q4_0, GGML_Q4_1, GGML_Q4_K)
 Q5_TYPES = (GGML_Q5_1, GGML_Q5_K)
-CODE_BLOCK_TYPES = Q4_TYPES + Q5_TYPES
+Q6_TYPES = (GGML_Q6_K,)
+CODE_BLOCK_TYPES = Q4_TYPES + Q5_TYPES + Q6_TYPES
 # The types kept as int8 blocks (``keep_q8_0``): Q8_0, and Q5_0, whose codes q - 16 (-16..15) with the block's
 # scale are exactly its values (llama.cpp's Q4_K_M of a model whose rows fit no 256-value k-quant block is
 # mostly Q5_0).
@@ -376,10 +377,10 @@ def weight_names_of_types(path: str, ggml_types: tuple[int, ...]) -> set[str]:
     return {name for name in names if name}
 
 
-def has_code_block_projections(path: str, five_bits: bool = True) -> bool:
+def has_code_block_projections(path: str, five_bits: bool = True, six_bits: bool = True) -> bool:
     """Whether any of the file's projection weights (q/k/v/o, gate/up/down) is Q4_0, Q4_1 or Q4_K (or, with
-    ``five_bits``, Q5_1 or Q5_K): the types kept in code blocks."""
-    types = Q4_TYPES + Q5_TYPES if five_bits else Q4_TYPES
+    ``five_bits``, Q5_1 or Q5_K; with ``six_bits``, Q6_K): the types kept in code blocks."""
+    types = Q4_TYPES + (Q5_TYPES if five_bits else ()) + (Q6_TYPES if six_bits else ())
     return any(name.endswith("_proj.weight") for name in weight_names_of_types(path, types))
 
 
@@ -391,9 +392,35 @@ def q4_blocks(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> Q4Bl
         return Q4Blocks.from_gguf(raw, tuple(shape), with_offset=ggml_type == GGML_Q4_1)
     if ggml_type == GGML_Q5_1:
         return _q5_1_blocks(raw, tuple(shape))
+    if ggml_type == GGML_Q6_K:
+        return _q6_k_blocks(raw, tuple(shape))
     if ggml_type not in (GGML_Q4_K, GGML_Q5_K):
         raise ValueError(f"ggml type {ggml_type} is not kept as code blocks; those are {CODE_BLOCK_TYPES}")
     return _k_quant_blocks(raw, ggml_type, tuple(shape))
+
+
+_Q6_K_BYTES = 210  # ql (128 bytes of low nibbles) | qh (64 bytes of 2-bit highs) | 16 int8 scales | d (f16)
+
+
+def _q6_k_blocks(raw: torch.Tensor, shape: tuple[int, int]) -> Q4Blocks:
+    """Q6_K: super-blocks of 256, two halves of 128; in half n, element 32 q + l (quarter q, l < 32) takes the low
+    (q < 2) or high (q >= 2) nibble of ql[64 n + 32 (q % 2) + l] and bits 2 q, 2 q + 1 of qh[32 n + l] as its 5th and
+    6th bits; x = d * scale[e // 16] * (code - 32) for element e (ggml's dequantize_row_q6_K). Kept as codes 0..63
+    with d * scale and -32 d * scale per 16 elements (exact in fp32)."""
+    n, k = shape
+    if k % 256:
+        raise ValueError(f"a Q6_K weight needs in_features a multiple of 256, got {k}")
+    blocks = raw.view(-1, _Q6_K_BYTES)
+    if blocks.shape[0] != n * k // 256:
+        raise ValueError(f"{raw.numel()} bytes do not hold a Q6_K weight of shape {shape}")
+    ql = blocks[:, :128].reshape(-1, 2, 2, 32)  # [S, half, q % 2, l]
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)  # [S, half, 1, l]
+    low = torch.cat((ql & 0x0F, ql >> 4), dim=2)  # [S, half, quarter, l]
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8).view(1, 1, 4, 1)
+    codes = low | (((qh >> shifts) & 3) << 4)
+    scale = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [S, 16]
+    d = _half(blocks, 208) * scale  # [S, 16]
+    return Q4Blocks(codes.reshape(n, k).contiguous(), d.reshape(n, k // 16), (-32 * d).reshape(n, k // 16))
 
 
 def _q5_1_codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -497,18 +524,19 @@ def reverse_rotary_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor
 
 
 def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: bool = False,
-                      keep_q4: bool = False, keep_q5: bool = False
+                      keep_q4: bool = False, keep_q5: bool = False, keep_q6: bool = False
                       ) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks]]:
     """Every weight of a GGUF (ARCHITECTURES) as (HF name, float32 tensor in HF layout); with ``keep_q8_0`` a 2-D
     Q8_0 (or Q5_0) weight comes as ``Int8Blocks`` instead, its codes and scales as stored, and with ``keep_q4`` a
-    2-D Q4_0 / Q4_1 / Q4_K weight (and with ``keep_q5`` too a Q5_1 / Q5_K one) as ``Q4Blocks`` (q/k rows reordered
+    2-D Q4_0 / Q4_1 / Q4_K weight (with ``keep_q5`` too a Q5_1 / Q5_K one, with ``keep_q6`` a Q6_K one) as
+    ``Q4Blocks`` (q/k rows reordered
     like the floats: a row keeps its blocks). Family transforms undone here: Llama's q/k row permutation, Gemma's 1 + w
     norms; an expert stack [E, rows, cols] comes as E tensors, one per expert (code blocks with ``keep_q4``, else
     float: Q8_0 experts are not kept as blocks)."""
     gguf = read_gguf(path)
     arch = str(gguf.metadata.get("general.architecture"))
     permuted = arch in PERMUTED_ROTARY
-    code_types = (Q4_TYPES + Q5_TYPES if keep_q5 else Q4_TYPES) if keep_q4 else ()
+    code_types = (Q4_TYPES + (Q5_TYPES if keep_q5 else ()) + (Q6_TYPES if keep_q6 else ())) if keep_q4 else ()
     int8_types = INT8_BLOCK_TYPES if keep_q8_0 else ()
     widened: Counter[int] = Counter()  # block-quantized weights dequantized to float although blocks were asked for
     for info in gguf.tensors.values():

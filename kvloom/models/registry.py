@@ -91,7 +91,8 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
         # Q8_0 projections, embedding and head as int8 blocks, unless the backend turns their products off.
         keep_q8_0 = engine.backend.int8_activations and engine.backend.int8_gguf_blocks
         model.load_weights(kept_as_stored(iter_weights(config.source, keep_q8_0=keep_q8_0, keep_q4=True,
-                                                             keep_q5=engine.backend.gguf_5bit_blocks)))
+                                                             keep_q5=engine.backend.gguf_5bit_blocks,
+                                                             keep_q6=engine.backend.gguf_6bit_blocks)))
         finish_gguf(model)
         return
     architecture = config.model.architecture

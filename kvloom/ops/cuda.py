@@ -96,3 +96,23 @@ class Q4Linear:
         out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
         q4_kernels.q4_linear(out.view(-1, self.out_features), rows, self.packed, self.d, self.m, self.bias)
         return out
+
+
+class DequantizedLinear:
+    """Code blocks the Triton kernel does not read (Q6_K's scales per 16 inputs): dequantized once, held in the
+    first activations' dtype, multiplied by F.linear (cuBLAS)."""
+
+    def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None) -> None:
+        self.weight = weight.dequantize()
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype != x.dtype:
+            self.weight = self.weight.to(x.dtype)
+            self.bias = None if self.bias is None else self.bias.to(x.dtype)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def pack_code_blocks(weight: Q4Blocks, bias: torch.Tensor | None) -> Q4Linear | DequantizedLinear:
+    """The CUDA code-block product: the Triton kernel for blocks of 32, else the weight dequantized."""
+    return Q4Linear(weight, bias) if weight.group == 32 else DequantizedLinear(weight, bias)

@@ -16,7 +16,7 @@ W8A8 products' quantizer), and per block
 
 with S an exact integer, so the result is W times the quantized activations, whatever the codes' range.
 ``PackedQ4Weight`` runs it with csrc/gemm_q4.cpp on the codes' low 4 bits (two per byte) and, for 5-bit codes, their
-fifth bits in a plane beside them (``pack_q5_high``: one bit a weight, put back into each nibble in registers); on
+fifth bits in a plane beside them (``pack_high_bits``: one bit a weight, put back into each nibble in registers); on
 CUDA the Triton kernel reads 5-bit codes one per byte.
 """
 
@@ -29,13 +29,14 @@ import torch
 from kvloom.ops.int8 import quantize_per_block
 
 BLOCK = 32
+SUB_BLOCK = 16  # Q6_K's scale granularity: two groups per block of 32
 PANEL = 8  # output columns per packed panel (csrc/gemm_q4.cpp's kPanel)
 STACK_Q4 = 3  # this product's kind in csrc/decoder.cpp's plan (its Projection::kQ4)
 
 
 class Q4Blocks(NamedTuple):
-    """A code-block weight as GGUF stores it, unpacked: codes uint8 [N, K] (0..15, or 0..31 for 5-bit types),
-    scales d and offsets m fp32 [N, K / 32]."""
+    """A code-block weight as GGUF stores it, unpacked: codes uint8 [N, K] (0..15, 0..31 for 5-bit types, 0..63 for
+    Q6_K), scales d and offsets m fp32 [N, K / group], a group of 32 inputs (16 for Q6_K's sub-blocks)."""
 
     codes: torch.Tensor
     d: torch.Tensor
@@ -44,6 +45,18 @@ class Q4Blocks(NamedTuple):
     @property
     def shape(self) -> torch.Size:
         return self.codes.shape
+
+    @property
+    def group(self) -> int:
+        """Inputs per scale and offset: 32, or 16."""
+        n, k = self.codes.shape
+        return k // self.d.shape[1] if self.d.dim() == 2 and self.d.shape[1] else BLOCK
+
+    def in_groups_of_16(self) -> Q4Blocks:
+        """The same weight with a scale and an offset per 16 inputs (a group of 32's repeated: exact)."""
+        if self.group == SUB_BLOCK:
+            return self
+        return Q4Blocks(self.codes, self.d.repeat_interleave(2, dim=1), self.m.repeat_interleave(2, dim=1))
 
     @classmethod
     def from_gguf(cls, raw: torch.Tensor, shape: tuple[int, int], with_offset: bool) -> Q4Blocks:
@@ -83,22 +96,25 @@ class Q4Blocks(NamedTuple):
         return self.codes.numel() == 0 or int(self.codes.max()) <= 15
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 [N, K]: q * d + m per block."""
+        """fp32 [N, K]: q * d + m per group."""
         n, k = self.codes.shape
-        q = self.codes.float().view(n, k // BLOCK, BLOCK)
+        group = self.group
+        q = self.codes.float().view(n, k // group, group)
         return (q * self.d[..., None] + self.m[..., None]).view(n, k)
 
 
 def q4_linear_reference(x: torch.Tensor, weight: Q4Blocks, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The Q4 product in float64 from exact block sums, rounded once to x's dtype: x [..., K] -> [..., N]."""
+    """The Q4 product in float64 from exact sums per group (x quantized per block of 32 all the same), rounded once
+    to x's dtype: x [..., K] -> [..., N]."""
     rows = x.reshape(-1, x.shape[-1])
     qx, dx = quantize_per_block(rows)
     (m, k), n = rows.shape, weight.codes.shape[0]
-    blocks = k // BLOCK
-    qxb = qx.view(m, blocks, BLOCK).double()
-    sums = torch.einsum("mbk,nbk->mnb", qxb, weight.codes.view(n, blocks, BLOCK).double())  # exact
-    code_sums = qxb.sum(dim=-1)  # [M, blocks]
-    dxd = dx.double()
+    group = weight.group
+    groups = k // group
+    qxb = qx.view(m, groups, group).double()
+    sums = torch.einsum("mbk,nbk->mnb", qxb, weight.codes.view(n, groups, group).double())  # exact
+    code_sums = qxb.sum(dim=-1)  # [M, groups]
+    dxd = dx.double().repeat_interleave(BLOCK // group, dim=1)
     out = (sums * weight.d.double()[None] * dxd[:, None, :]).sum(-1) \
         + (weight.m.double()[None] * (dxd * code_sums)[:, None, :]).sum(-1)
     if bias is not None:
@@ -119,31 +135,38 @@ def pack_q4_weight(codes: torch.Tensor) -> torch.Tensor:
     return (q[..., 0] | (q[..., 1] << 4)).contiguous().view(panels, blocks, 4 * PANEL * 4)
 
 
-def pack_q5_high(codes: torch.Tensor) -> torch.Tensor:
-    """The fifth bits of 5-bit codes [N, K] (0..31) -> uint8 [ceil(N / 8), K / 32, 32]: byte 4 c + i of a panel's
-    block holds in bit 2 j + h the fifth bit of code (c, 32 b + 8 j + 4 h + i), the one pack_q4_weight puts in
-    pair j's byte (c, i), low nibble (h = 0) or high (h = 1). Zero past N."""
+def pack_high_bits(codes: torch.Tensor, planes: int) -> torch.Tensor:
+    """The bits above the fourth of 5- or 6-bit codes [N, K] -> uint8 [ceil(N / 8), K / 32, planes, 32]: in plane p
+    (bit 4 + p of the codes) byte 4 c + i of a panel's block holds in bit 2 j + h that bit of code
+    (c, 32 b + 8 j + 4 h + i), the code pack_q4_weight puts in pair j's byte (c, i), low nibble (h = 0) or high
+    (h = 1). Zero past N."""
     n, k = codes.shape
     panels, blocks = -(-n // PANEL), k // BLOCK
     padded = codes.new_zeros(panels * PANEL, k)
     padded[:n] = codes >> 4
     # [panels, c, blocks, j, h, i] -> [panels, blocks, c, i, j, h]: the 8 bits of a byte last
-    bits = padded.view(panels, PANEL, blocks, 4, 2, 4).permute(0, 2, 1, 5, 3, 4).reshape(panels, blocks, 32, 8)
-    high = bits[..., 0].clone()
-    for t in range(1, 8):
-        high |= bits[..., t] << t
-    return high
+    upper = padded.view(panels, PANEL, blocks, 4, 2, 4).permute(0, 2, 1, 5, 3, 4).reshape(panels, blocks, 32, 8)
+    out = []
+    for p in range(planes):
+        bits = (upper >> p) & 1
+        plane = bits[..., 0].clone()
+        for t in range(1, 8):
+            plane |= bits[..., t] << t
+        out.append(plane)
+    return torch.stack(out, dim=2).contiguous()
 
 
-def pack_q4_scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """fp32 [N, blocks] scales and offsets -> [ceil(N / 8), blocks, 2, 8] (d, then m, per column; zero past N), in
-    fp16 where every value is exactly one (GGUF Q4_0 / Q4_1, GPTQ, AWQ: half the scale bytes to stream), else fp32
-    (Q4_K's products of two scales)."""
-    n, blocks = d.shape
-    panels = -(-n // PANEL)
-    both = d.new_zeros(2, panels * PANEL, blocks)
+def pack_q4_scales(d: torch.Tensor, m: torch.Tensor, groups_per_block: int = 1) -> torch.Tensor:
+    """fp32 [N, groups] scales and offsets -> [ceil(N / 8), blocks, 2 G, 8] for G groups per block of 32 (d of each
+    group, then m of each, per column; zero past N), in fp16 where every value is exactly one (GGUF Q4_0 / Q4_1, GPTQ,
+    AWQ: half the scale bytes to stream), else fp32 (Q4_K's and Q6_K's products of two scales)."""
+    n, groups = d.shape
+    panels, g = -(-n // PANEL), groups_per_block
+    both = d.new_zeros(2, panels * PANEL, groups)
     both[0, :n], both[1, :n] = d, m
-    packed = both.view(2, panels, PANEL, blocks).permute(1, 3, 0, 2).contiguous()
+    # [kind, panels, c, blocks, g] -> [panels, blocks, kind, g, c]
+    packed = both.view(2, panels, PANEL, groups // g, g).permute(1, 3, 0, 4, 2).reshape(panels, groups // g, 2 * g,
+                                                                                         PANEL).contiguous()
     half = packed.half()
     return half if torch.equal(half.float(), packed) else packed
 
@@ -177,13 +200,21 @@ class PackedQ4Weight:
             raise ValueError(f"PackedQ4Weight: bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
         codes = weight.codes
         top = int(codes.max()) if codes.numel() else 0
-        if codes.dtype != torch.uint8 or top > 31:
-            raise ValueError(f"PackedQ4Weight takes uint8 codes of 4 or 5 bits (0..31), got {codes.dtype} codes up to "
-                             f"{top}")
+        if codes.dtype != torch.uint8 or top > 63:
+            raise ValueError(f"PackedQ4Weight takes uint8 codes of 4, 5 or 6 bits (0..63), got {codes.dtype} codes up "
+                             f"to {top}")
+        if weight.group not in (BLOCK, SUB_BLOCK):
+            raise ValueError(f"PackedQ4Weight takes a scale per {BLOCK} or {SUB_BLOCK} inputs, got {weight.group}")
+        # 6-bit codes (Q6_K) go with a scale and an offset per 16 inputs, and groups of 16 with 6-bit planes (a
+        # layer fusing Q4_K and Q6_K shards): the kernel's two forms are 4 or 5 bits per 32, and 6 bits per 16.
+        halves = top > 31 or weight.group == SUB_BLOCK
+        if halves:
+            weight = weight.in_groups_of_16()
+        planes = 2 if halves else 1 if top > 15 else 0
         self.data = pack_q4_weight(codes & 0x0F)
-        # 5-bit codes (GGUF Q5_1 / Q5_K): their fifth bits beside the nibbles, read by the same kernel.
-        self.high = None if top <= 15 else pack_q5_high(codes)
-        self.scales = pack_q4_scales(weight.d.float(), weight.m.float())
+        # The codes' fifth (and sixth) bits in planes beside the nibbles, read by the same kernel.
+        self.high = pack_high_bits(codes, planes) if planes else None
+        self.scales = pack_q4_scales(weight.d.float(), weight.m.float(), 2 if halves else 1)
         self.bias = None if bias is None else bias.float().contiguous()
         self.portable = portable
         self._product = torch.ops.kvloom.gemm_q4.default

@@ -101,6 +101,59 @@ def test_k_quant_blocks_equal_the_gguf_packages_dequantization(name: str, block_
         gguf.q4_blocks(torch.zeros(block_bytes * 2, dtype=torch.uint8), int(ggml_type), (2, 320))
 
 
+def test_q6_k_blocks_equal_the_gguf_packages_dequantization() -> None:
+    """Q6_K: random super-blocks decoded by kvloom (codes 0..63, a scale and an offset per 16) and by gguf.quants."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(6)
+    n, k = 3, 512
+    count = n * k // 256
+    raw = rng.integers(0, 256, size=(count, 210), dtype=np.uint8)
+    raw[:, 208:210] = rng.uniform(1e-3, 0.05, count).astype(np.float16).view(np.uint8).reshape(count, 2)
+    expected = dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q6_K)
+    blocks = gguf.q4_blocks(torch.from_numpy(raw.reshape(-1).copy()), gguf.GGML_Q6_K, (n, k))
+    assert blocks.group == 16 and int(blocks.codes.max()) == 63
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gguf.q4_blocks(torch.zeros(210 * 2, dtype=torch.uint8), gguf.GGML_Q6_K, (2, 320))
+
+
+def test_q6_k_projections_stay_in_blocks_beside_4bit_ones(tmp_path) -> None:
+    """A tiny Llama (width 256) whose v and down are Q6_K and the rest 4-bit, as llama.cpp's Q4_K_M has them (Q4_1
+    here for Q4_K, which the gguf package cannot write; both are 4-bit codes with a scale and offset per 32): the
+    fused q|k|v holds all three in groups of 16 (the 4-bit blocks' repeated), every projection stays in code blocks
+    (the CPU's 6-bit form where a Q6_K shard is), as close to the dequantized load as the reference backend's torch
+    product on the same blocks; gguf_6bit_blocks false dequantizes the layers with Q6_K shards."""
+    q4_1, q6_k = 3, 14
+    checkpoint = tiny_models.build_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", hidden_size=256,
+                                                   intermediate_size=256, tie_word_embeddings=False)
+    path = tiny_models.write_tiny_gguf(str(tmp_path / "q4_k_m.gguf"), checkpoint,
+                                       types={"attn": q4_1, "attn_o": q4_1, "ffn": q4_1, "attn_v": q6_k,
+                                              "ffn_down": q6_k})
+    llm = LLM(model=path, dtype="float32", max_model_len=128)
+    assert llm.llm_engine.config.quantization == "gguf"
+    projections = _projections(llm)
+    if cpu.cpu_kernel_available():
+        assert {type(m.packed).__name__ for m in projections} == {"PackedQ4Weight"}
+        six = [m for m in projections if m.packed.high is not None and m.packed.high.shape[2] == 2]
+        assert len(six) == 4  # q|k|v and down of both layers
+    reference = LLM(model=path, dtype="float32", max_model_len=128,
+                    override_backend_config={"attention_backend": "reference"})
+    floats_llm = LLM(model=path, dtype="float32", max_model_len=128, quantization="none")
+    prompts = mixed_prompts(400, count=4, seed=11)
+    # The C++ and torch products are the same (tests/unit/test_q4_ops.py pins them to fp32 rounding), but a last-bit
+    # difference can move an activation's int8 code at a rounding tie, and this random 4-bit model amplifies that
+    # (0.042 here, as with no Q6_K at all: 0.039); both stand as far from the floats (0.118 and 0.116).
+    to_floats, reference_to_floats = (worst_prompt_logprob_gap(ours, floats_llm, prompts) for ours in (llm, reference))
+    assert worst_prompt_logprob_gap(llm, reference, prompts) < 0.08
+    assert to_floats < 0.2 and abs(to_floats - reference_to_floats) < 0.01
+    off = LLM(model=path, dtype="float32", max_model_len=128, override_backend_config={"gguf_6bit_blocks": False})
+    kept = [m for m in _projections(off) if type(m.packed).__name__ == "PackedQ4Weight"]
+    if cpu.cpu_kernel_available():
+        assert len(kept) == 4  # o and gate|up of both layers; the ones with a Q6_K shard dequantized
+
+
 def test_q5_1_projections_stay_in_blocks_and_close_to_the_float_load(tmp_path) -> None:
     """A tiny Llama whose attention and MLP are Q5_1: the blocks hold exactly the file's values (5-bit codes); the
     default keeps them (quantization resolves to 'gguf'; on the CPU the 4-bit product with the fifth bits beside

@@ -21,9 +21,9 @@ from kvloom.ops.q4 import (
     NativeQ4Linear,
     PackedQ4Weight,
     Q4Blocks,
+    pack_high_bits,
     pack_q4_scales,
     pack_q4_weight,
-    pack_q5_high,
     q4_linear_reference,
 )
 from unit.test_int8_ops import DTYPE_NAMES, DTYPES, assert_within
@@ -47,16 +47,18 @@ def random_q4(n: int, k: int, seed: int) -> Q4Blocks:
 
 
 def q4_slack(x: torch.Tensor, weight: Q4Blocks, bias: torch.Tensor | None) -> torch.Tensor:
-    """Two fp32 FMAs per block and the bias add: (2 blocks + 2) fp32 roundings of the sum of |terms|."""
+    """Two fp32 FMAs per group and the bias add: (2 groups + 2) fp32 roundings of the sum of |terms|."""
     rows = x.reshape(-1, x.shape[-1])
     qx, dx = quantize_per_block(rows)
     (m, k), n = qx.shape, weight.codes.shape[0]
-    blocks = k // BLOCK
-    qxb = qx.view(m, blocks, BLOCK).double()
-    sums = torch.einsum("mbk,nbk->mnb", qxb, weight.codes.view(n, blocks, BLOCK).double()).abs()
-    terms = (sums * weight.d.double()[None] * dx.double()[:, None, :]).sum(-1) \
-        + (weight.m.double().abs()[None] * (dx.double() * qxb.sum(-1).abs())[:, None, :]).sum(-1)
-    return (2 * blocks + 2) * 2.0 ** -24 * (terms + (0 if bias is None else bias.double().abs()))
+    group = weight.group
+    groups = k // group
+    qxb = qx.view(m, groups, group).double()
+    dxg = dx.double().repeat_interleave(BLOCK // group, dim=1)
+    sums = torch.einsum("mbk,nbk->mnb", qxb, weight.codes.view(n, groups, group).double()).abs()
+    terms = (sums * weight.d.double().abs()[None] * dxg[:, None, :]).sum(-1) \
+        + (weight.m.double().abs()[None] * (dxg * qxb.sum(-1).abs())[:, None, :]).sum(-1)
+    return (2 * groups + 2) * 2.0 ** -24 * (terms + (0 if bias is None else bias.double().abs()))
 
 
 def test_pack_layout() -> None:
@@ -188,21 +190,24 @@ def test_cpu_5bit_product_matches_its_reference(kernels: None, dtype: torch.dtyp
         assert torch.equal(PackedQ4Weight(weight, bias, portable=True)(x), fast)
 
 
-def test_pack_q5_high_layout() -> None:
-    """Bit 2 j + h of byte 4 c + i of panel p, block b: the fifth bit of code (8p + c, 32b + 8j + 4h + i), the
-    code whose low 4 bits pack_q4_weight puts in load j's byte (c, i), low nibble (h = 0) or high (h = 1)."""
-    codes = torch.randint(0, 32, (11, 64), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
-    high = pack_q5_high(codes)
-    assert high.shape == (2, 2, 32) and high.dtype == torch.uint8
-    for p in range(2):
-        for b in range(2):
-            for c in range(8):
-                for i in range(4):
-                    for j in range(4):
-                        for h in range(2):
-                            bit = (int(high[p, b, 4 * c + i]) >> (2 * j + h)) & 1
-                            n = 8 * p + c
-                            assert bit == (int(codes[n, 32 * b + 8 * j + 4 * h + i]) >> 4 if n < 11 else 0)
+def test_pack_high_bits_layout() -> None:
+    """Bit 2 j + h of byte 4 c + i of plane p of panel q, block b: bit 4 + p of code (8q + c, 32b + 8j + 4h + i),
+    the code whose low 4 bits pack_q4_weight puts in load j's byte (c, i), low nibble (h = 0) or high (h = 1)."""
+    codes = torch.randint(0, 64, (11, 64), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
+    for planes in (1, 2):
+        high = pack_high_bits(codes % (16 << planes), planes)
+        assert high.shape == (2, 2, planes, 32) and high.dtype == torch.uint8
+        for q in range(2):
+            for b in range(2):
+                for p in range(planes):
+                    for c in range(8):
+                        for i in range(4):
+                            for j in range(4):
+                                for h in range(2):
+                                    bit = (int(high[q, b, p, 4 * c + i]) >> (2 * j + h)) & 1
+                                    n = 8 * q + c
+                                    code = int(codes[n, 32 * b + 8 * j + 4 * h + i]) % (16 << planes) if n < 11 else 0
+                                    assert bit == (code >> (4 + p)) & 1
 
 
 def test_5bit_sums_at_their_limit_do_not_overflow(kernels: None) -> None:
@@ -226,5 +231,76 @@ def test_5bit_codes_are_close_to_the_float_product_and_6bit_ones_refused(kernels
         out = product(x.view(2, 3, 576))
         assert out.shape == (2, 3, 40)
         assert (out.view(6, 40) - exact).norm() / exact.norm() < 0.02
-    with pytest.raises(ValueError, match="4 or 5 bits"):
-        PackedQ4Weight(Q4Blocks(weight.codes * 2, weight.d, weight.m), None)
+    with pytest.raises(ValueError, match="4, 5 or 6 bits"):
+        PackedQ4Weight(Q4Blocks(weight.codes * 4, weight.d, weight.m), None)
+
+
+def random_q6(n: int, k: int, seed: int, top: int = 64) -> Q4Blocks:
+    """Q6_K-like code blocks: codes 0..63 with a scale per 16 inputs (fp16 d times an int8 scale: not an fp16
+    value) and the offset -32 d."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, top, (n, k), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, k // 16, generator=g) * 0.001).half().float() * torch.randint(-128, 128, (n, k // 16),
+                                                                                      generator=g).float()
+    return Q4Blocks(codes, d, -32 * d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_cpu_6bit_product_matches_its_reference(kernels: None, dtype: torch.dtype, m: int, k: int, n: int) -> None:
+    """6-bit codes with a scale and offset per 16 inputs (GGUF Q6_K): the same kernel with two bit planes and two
+    groups a block, within an ulp and the fp32 roundings of q4_linear_reference, bit for bit the plain loops."""
+    weight = random_q6(n, k, seed=m + k + n)
+    assert weight.group == 16
+    packed = PackedQ4Weight(weight, None)
+    assert packed.high.shape[2] == 2 and packed.scales.shape[2] == 4 and packed.scales.dtype == torch.float32
+    for with_bias in (True, False):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)).to(dtype)
+        bias = torch.randn(n) if with_bias else None
+        expected = q4_linear_reference(x, weight, bias)
+        fast = PackedQ4Weight(weight, bias)(x)
+        assert_within(fast, expected, ulps=1, slack=q4_slack(x, weight, bias))
+        assert torch.equal(PackedQ4Weight(weight, bias, portable=True)(x), fast)
+
+
+def test_groups_of_16_with_small_codes_and_6bit_codes_with_groups_of_32(kernels: None) -> None:
+    """A layer fusing Q4_K rows (codes 0..15, a scale per 32, repeated per 16) with Q6_K ones takes the 6-bit form;
+    6-bit codes with scales per 32 are regrouped per 16: both equal their reference."""
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2))
+    six_bits_per_32 = Q4Blocks(random_q6(20, 96, seed=5).codes, *random_q4(20, 96, 5)[1:])
+    for weight in (random_q6(20, 96, seed=4, top=16), six_bits_per_32):
+        packed = PackedQ4Weight(weight, None)
+        assert packed.high.shape[2] == 2
+        assert_within(packed(x), q4_linear_reference(x, weight), ulps=1, slack=q4_slack(x, weight, None))
+
+
+def test_6bit_sums_at_their_limit_do_not_overflow(kernels: None) -> None:
+    """Every code 63 against activations at +-127: 16 x 63 x 127 per group, widened from 16 bits in time."""
+    weight = Q4Blocks(torch.full((9, 96), 63, dtype=torch.uint8), torch.full((9, 6), 0.5), torch.zeros(9, 6))
+    for sign in (1.0, -1.0):
+        x = torch.full((5, 96), sign)
+        expected = q4_linear_reference(x, weight)
+        assert torch.equal(expected, torch.full((5, 9), sign * 96 * 63 * 0.5))
+        assert torch.equal(PackedQ4Weight(weight, None)(x), expected)
+        assert torch.equal(PackedQ4Weight(weight, None, portable=True)(x), expected)
+
+
+def test_groups_of_16_shard_and_merge_exactly() -> None:
+    """A Q6_K shard beside a 4-bit one in a fused layer regroups the layer per 16 (exact), and a row-parallel split
+    keeps each rank's inputs with their own groups' scales and offsets."""
+    from kvloom.layers.linear import Linear
+    from kvloom.layers.tensor_parallel import _shard_rows_in
+
+    four, six = random_q4(8, 512, seed=1), random_q6(4, 512, seed=2)
+    linear = Linear(512, [8, 4])
+    linear.load_shard("weight", 0, four)
+    linear.load_shard("weight", 1, six)
+    assert linear.q4.group == 16
+    whole = torch.cat([four.dequantize(), six.dequantize()])
+    assert torch.equal(linear.q4.dequantize(), whole)
+    for rank in range(2):
+        part = Linear(512, [8, 4])
+        part.load_shard("weight", 0, four)
+        part.load_shard("weight", 1, six)
+        _shard_rows_in(part, rank, 2, None)
+        assert torch.equal(part.q4.dequantize(), whole[:, rank * 256:(rank + 1) * 256])

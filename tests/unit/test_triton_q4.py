@@ -96,3 +96,20 @@ def test_gpu_q4_linear_at_model_size() -> None:
     out = cuda.Q4Linear(Q4Blocks(*(t.cuda() for t in weight)), None)(x)
     expected = x.float() @ weight.dequantize().cuda().to(torch.bfloat16).float().t()
     torch.testing.assert_close(out.float(), expected, atol=5e-2, rtol=2e-2)
+
+
+def test_groups_of_16_are_dequantized_for_cuda() -> None:
+    """Q6_K's scales per 16 inputs, which the Triton kernel does not read: cuda.pack_code_blocks dequantizes them
+    once (F.linear in the activations' dtype); blocks of 32 keep the kernel."""
+    from kvloom.ops import cuda
+
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 64, (24, 64), generator=g, dtype=torch.uint8)
+    d = torch.rand(24, 4, generator=g) * 0.01
+    weight = Q4Blocks(codes, d, -32 * d)
+    bias = torch.randn(24)
+    linear = cuda.pack_code_blocks(weight, bias)
+    assert isinstance(linear, cuda.DequantizedLinear)
+    x = torch.randn(3, 64, generator=g)
+    torch.testing.assert_close(linear(x), x @ weight.dequantize().t() + bias)
+    assert isinstance(cuda.pack_code_blocks(random_q4(24, 64, seed=1), None), cuda.Q4Linear)

@@ -71,22 +71,39 @@ inline __m256 load_scales(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// The fifth bits of slot t = 2 j + h (pair j, its low h = 0 or high h = 1 nibbles) as 0x10 in each byte: bit t of
-// the panel's high-bit vector moved to bit 4 (a 16-bit shift keeps a byte's own bit there; the mask drops the rest).
-template <int t>
-inline __m256i fifth_bits(__m256i high) {
-  const __m256i bit = _mm256_set1_epi8(0x10);
-  if constexpr (t < 4) return _mm256_and_si256(_mm256_slli_epi16(high, 4 - t), bit);
-  if constexpr (t == 4) return _mm256_and_si256(high, bit);
-  if constexpr (t > 4) return _mm256_and_si256(_mm256_srli_epi16(high, t - 4), bit);
+// Bit t (slot t = 2 j + h: pair j, its low h = 0 or high h = 1 nibbles) of each byte of a bit plane moved to bit
+// `to` (4: a code's fifth bit, 5: its sixth), the rest masked off; a 16-bit shift keeps a byte's own bit there.
+template <int t, int to>
+inline __m256i plane_bits(__m256i plane) {
+  const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << to));
+  if constexpr (t < to) return _mm256_and_si256(_mm256_slli_epi16(plane, to - t), bit);
+  if constexpr (t == to) return _mm256_and_si256(plane, bit);
+  if constexpr (t > to) return _mm256_and_si256(_mm256_srli_epi16(plane, t - to), bit);
 }
 
-// Five: 5-bit codes (the nibbles plus a fifth bit from `high`, one 32-byte vector per panel and block). A 16-bit
-// pair sum is then at most 2 * 31 * 127 = 7874, so the 16-bit sums are widened every two pairs, not once a block.
-template <int R, bool Five, typename T, typename S>
+// Pair j's codes (low and high nibbles) with their bits above the fourth from the planes.
+template <int Bits, int j>
+inline void add_planes(__m256i& lo, __m256i& hi, const __m256i* planes) {
+  if constexpr (Bits >= 5) {
+    lo = _mm256_or_si256(lo, plane_bits<2 * j, 4>(planes[0]));
+    hi = _mm256_or_si256(hi, plane_bits<2 * j + 1, 4>(planes[0]));
+  }
+  if constexpr (Bits == 6) {
+    lo = _mm256_or_si256(lo, plane_bits<2 * j, 5>(planes[1]));
+    hi = _mm256_or_si256(hi, plane_bits<2 * j + 1, 5>(planes[1]));
+  }
+}
+
+// Bits: 4, 5 or 6 (the codes' low 4 bits in the panel, the rest in Bits - 4 planes of 32 bytes per block after
+// it in `high`). Halves: a scale and an offset per 16 k (Q6_K's sub-blocks): scales [blocks][4][8] (d0, d1, m0,
+// m1) and sx per (row, half block), stride lds = 2 blocks. The 16-bit sums are widened into each half's int32 sums
+// before they can overflow: a pair reaches 2 * 15 * 127 (4 bits), 2 * 31 * 127 or 2 * 63 * 127 = 16002 (6 bits).
+template <int R, int Bits, bool Halves, typename T, typename S>
 inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, int64_t lds,
                       const uint8_t* panel, const uint8_t* high, const S* scales, int64_t blocks, const float* bias,
                       T* y, int64_t ldy, int64_t columns) {
+  constexpr int kPlanes = Bits - 4;
+  constexpr int kScales = Halves ? 4 : 2;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   KVLOOM_UNROLL
@@ -95,46 +112,59 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
     const uint8_t* w = panel + b * kBlockBytes;
     _mm_prefetch(reinterpret_cast<const char*>(w + 4 * kBlockBytes), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + 4 * kBlockBytes + 64), _MM_HINT_T0);
-    __m256i hb = _mm256_setzero_si256();
-    if constexpr (Five) {
-      hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + b * kHighBytes));
-      _mm_prefetch(reinterpret_cast<const char*>(high + (b + 4) * kHighBytes), _MM_HINT_T0);
-    }
-    __m256i sums[R], wide[R];
+    __m256i planes[kPlanes > 0 ? kPlanes : 1];
     KVLOOM_UNROLL
-    for (int r = 0; r < R; ++r) sums[r] = wide[r] = _mm256_setzero_si256();
+    for (int p = 0; p < kPlanes; ++p) {
+      const uint8_t* h = high + (b * kPlanes + p) * kHighBytes;
+      planes[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
+      _mm_prefetch(reinterpret_cast<const char*>(h + 4 * kPlanes * kHighBytes), _MM_HINT_T0);
+    }
+    __m256i sums[R], part[R][2];
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) sums[r] = part[r][0] = part[r][1] = _mm256_setzero_si256();
     const int8_t* xb = xq + b * kBlock;
     KVLOOM_UNROLL
     for (int j = 0; j < kPairs; ++j) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
       __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      if constexpr (Five) {
-        switch (j) {  // j is a constant of the unrolled loop: one arm is compiled in each copy
-          case 0: lo = _mm256_or_si256(lo, fifth_bits<0>(hb)), hi = _mm256_or_si256(hi, fifth_bits<1>(hb)); break;
-          case 1: lo = _mm256_or_si256(lo, fifth_bits<2>(hb)), hi = _mm256_or_si256(hi, fifth_bits<3>(hb)); break;
-          case 2: lo = _mm256_or_si256(lo, fifth_bits<4>(hb)), hi = _mm256_or_si256(hi, fifth_bits<5>(hb)); break;
-          default: lo = _mm256_or_si256(lo, fifth_bits<6>(hb)), hi = _mm256_or_si256(hi, fifth_bits<7>(hb)); break;
-        }
+      switch (j) {  // j is a constant of the unrolled loop: one arm is compiled in each copy
+        case 0: add_planes<Bits, 0>(lo, hi, planes); break;
+        case 1: add_planes<Bits, 1>(lo, hi, planes); break;
+        case 2: add_planes<Bits, 2>(lo, hi, planes); break;
+        default: add_planes<Bits, 3>(lo, hi, planes); break;
       }
+      const bool widen = Bits == 6 || j == 3 || (j == 1 && (Bits == 5 || Halves));
       KVLOOM_UNROLL
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = xb + r * ldq + 8 * j;
         sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, broadcast_word(xr)));
         sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, broadcast_word(xr + 4)));
-        if (Five && j == 1) {
-          wide[r] = _mm256_madd_epi16(sums[r], ones);
+        if (widen) {
+          part[r][j / 2] = _mm256_add_epi32(part[r][j / 2], _mm256_madd_epi16(sums[r], ones));
           sums[r] = _mm256_setzero_si256();
         }
       }
     }
-    const __m256 d = load_scales(scales + b * 2 * kPanel), m = load_scales(scales + b * 2 * kPanel + kPanel);
-    KVLOOM_UNROLL
-    for (int r = 0; r < R; ++r) {
-      __m256i total = _mm256_madd_epi16(sums[r], ones);
-      if constexpr (Five) total = _mm256_add_epi32(total, wide[r]);
-      const __m256 s = _mm256_cvtepi32_ps(total);
-      acc[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(dx[r * lds + b])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * lds + b]), acc[r]);
+    const S* sb = scales + b * kScales * kPanel;
+    if constexpr (Halves) {
+      const __m256 d0 = load_scales(sb), d1 = load_scales(sb + kPanel);
+      const __m256 m0 = load_scales(sb + 2 * kPanel), m1 = load_scales(sb + 3 * kPanel);
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m256 scale = _mm256_set1_ps(dx[r * blocks + b]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[r][0]), _mm256_mul_ps(d0, scale), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[r][1]), _mm256_mul_ps(d1, scale), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m0, _mm256_set1_ps(sx[r * lds + 2 * b]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m1, _mm256_set1_ps(sx[r * lds + 2 * b + 1]), acc[r]);
+      }
+    } else {
+      const __m256 d = load_scales(sb), m = load_scales(sb + kPanel);
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m256 s = _mm256_cvtepi32_ps(_mm256_add_epi32(part[r][0], part[r][1]));
+        acc[r] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(dx[r * blocks + b])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * lds + b]), acc[r]);
+      }
     }
   }
   const __m256 bv = bias ? load_columns(bias, columns) : _mm256_setzero_ps();
@@ -146,37 +176,50 @@ template <typename T, typename S>
 using Q4Kernel = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t, const uint8_t*,
                           const uint8_t*, const S*, int64_t, const float*, T*, int64_t, int64_t);
 
-template <bool Five, typename T, typename S>
-constexpr Q4Kernel<T, S> kQ4Kernels[kRows + 1] = {nullptr, &q4_kernel<1, Five, T, S>, &q4_kernel<2, Five, T, S>,
-                                                  &q4_kernel<3, Five, T, S>, &q4_kernel<4, Five, T, S>};
+template <int Bits, bool Halves, typename T, typename S>
+constexpr Q4Kernel<T, S> kQ4Kernels[kRows + 1] = {
+    nullptr, &q4_kernel<1, Bits, Halves, T, S>, &q4_kernel<2, Bits, Halves, T, S>, &q4_kernel<3, Bits, Halves, T, S>,
+    &q4_kernel<4, Bits, Halves, T, S>};
 #endif
 
 // The same integers and fp32 operations in the same order, by plain loops.
 template <typename T, typename S>
 void q4_portable_panel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, int64_t lds,
-                       const uint8_t* panel, const uint8_t* high, const S* scales, int64_t blocks, const float* bias,
-                       T* y, int64_t ldy, int64_t rows, int64_t columns) {
+                       const uint8_t* panel, const uint8_t* high, int planes, bool halves, const S* scales,
+                       int64_t blocks, const float* bias, T* y, int64_t ldy, int64_t rows, int64_t columns) {
+  const int64_t scale_rows = halves ? 4 : 2;
   for (int64_t r = 0; r < rows; ++r) {
     float acc[kPanel] = {};
     for (int64_t b = 0; b < blocks; ++b) {
-      int32_t sums[kPanel] = {};
+      int32_t sums[2][kPanel] = {};
       for (int64_t j = 0; j < kPairs; ++j) {
         const uint8_t* w = panel + b * kBlockBytes + 32 * j;
         const int8_t* xr = xq + r * ldq + b * kBlock + 8 * j;
         for (int64_t c = 0; c < kPanel; ++c)
           for (int64_t i = 0; i < 4; ++i) {
             const int64_t byte = 4 * c + i;
-            const int32_t h = high ? high[b * kHighBytes + byte] : 0;
-            const int32_t lo = (w[byte] & 0x0F) | (((h >> (2 * j)) & 1) << 4);
-            const int32_t hi = (w[byte] >> 4) | (((h >> (2 * j + 1)) & 1) << 4);
-            sums[c] += lo * xr[i] + hi * xr[4 + i];
+            int32_t lo = w[byte] & 0x0F, hi = w[byte] >> 4;
+            for (int p = 0; p < planes; ++p) {
+              const int32_t bits = high[(b * planes + p) * kHighBytes + byte];
+              lo |= ((bits >> (2 * j)) & 1) << (4 + p);
+              hi |= ((bits >> (2 * j + 1)) & 1) << (4 + p);
+            }
+            sums[j / 2][c] += lo * xr[i] + hi * xr[4 + i];
           }
       }
-      const S* d = scales + b * 2 * kPanel;
-      const S* m = d + kPanel;
+      const S* sb = scales + b * scale_rows * kPanel;
       for (int64_t c = 0; c < kPanel; ++c) {
-        acc[c] = std::fma(static_cast<float>(sums[c]), static_cast<float>(d[c]) * dx[r * lds + b], acc[c]);
-        acc[c] = std::fma(static_cast<float>(m[c]), sx[r * lds + b], acc[c]);
+        if (halves) {
+          const float scale = dx[r * blocks + b];
+          acc[c] = std::fma(static_cast<float>(sums[0][c]), static_cast<float>(sb[c]) * scale, acc[c]);
+          acc[c] = std::fma(static_cast<float>(sums[1][c]), static_cast<float>(sb[kPanel + c]) * scale, acc[c]);
+          acc[c] = std::fma(static_cast<float>(sb[2 * kPanel + c]), sx[r * lds + 2 * b], acc[c]);
+          acc[c] = std::fma(static_cast<float>(sb[3 * kPanel + c]), sx[r * lds + 2 * b + 1], acc[c]);
+        } else {
+          acc[c] = std::fma(static_cast<float>(sums[0][c] + sums[1][c]), static_cast<float>(sb[c]) * dx[r * blocks + b],
+                            acc[c]);
+          acc[c] = std::fma(static_cast<float>(sb[kPanel + c]), sx[r * lds + b], acc[c]);
+        }
       }
     }
     for (int64_t c = 0; c < columns; ++c) y[r * ldy + c] = static_cast<T>(acc[c] + (bias ? bias[c] : 0.0f));
@@ -184,42 +227,54 @@ void q4_portable_panel(const int8_t* xq, int64_t ldq, const float* dx, const flo
 }
 
 template <typename T, typename S>
-void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const uint8_t* high, const S* scales,
-              const float* bias, int64_t M, int64_t K, int64_t N, bool portable) {
+void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const uint8_t* high, int planes, bool halves,
+              const S* scales, const float* bias, int64_t M, int64_t K, int64_t N, bool portable) {
   const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
+  const int64_t parts = halves ? 2 : 1, lds = parts * blocks;  // sx: per (row, block) or (row, half block)
   std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * blocks), sx(M * blocks);
+  std::vector<float> dx(M * blocks), sx(M * lds);
   std::vector<int32_t> code_sums(M * blocks);
   kvloom::kernels::quantize_blocks_s8(x, xq.data(), dx.data(), code_sums.data(), portable);
-  for (int64_t i = 0; i < M * blocks; ++i) sx[i] = dx[i] * static_cast<float>(code_sums[i]);
+  if (halves) {
+    for (int64_t i = 0; i < M * lds; ++i) {
+      const int8_t* q = xq.data() + i * (kBlock / 2);
+      int32_t sum = 0;
+      for (int64_t k = 0; k < kBlock / 2; ++k) sum += q[k];
+      sx[i] = dx[i / 2] * static_cast<float>(sum);
+    }
+  } else {
+    for (int64_t i = 0; i < M * blocks; ++i) sx[i] = dx[i] * static_cast<float>(code_sums[i]);
+  }
   T* ys = y.data_ptr<T>();
 #if defined(KVLOOM_Q4_AVX2)
   const bool fast = !portable;
-  const Q4Kernel<T, S>* kernels = high ? kQ4Kernels<true, T, S> : kQ4Kernels<false, T, S>;
+  const Q4Kernel<T, S>* kernels = halves ? kQ4Kernels<6, true, T, S>
+                                  : planes == 1 ? kQ4Kernels<5, false, T, S> : kQ4Kernels<4, false, T, S>;
 #else
   const bool fast = false;
 #endif
   const int64_t step = fast ? kRows : kRowChunk;
+  const int64_t scales_size = blocks * (halves ? 4 : 2) * kPanel;
   parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
       const int64_t m1 = std::min(M, m0 + kRowChunk);
       for (int64_t panel = begin; panel < end; ++panel) {
         const int64_t n0 = panel * kPanel, columns = std::min(kPanel, N - n0);
         const uint8_t* wp = packed + panel * blocks * kBlockBytes;
-        const uint8_t* hp = high ? high + panel * blocks * kHighBytes : nullptr;
-        const S* sp = scales + panel * blocks * 2 * kPanel;
+        const uint8_t* hp = planes ? high + panel * blocks * planes * kHighBytes : nullptr;
+        const S* sp = scales + panel * scales_size;
         const float* bp = bias ? bias + n0 : nullptr;
         for (int64_t m = m0; m < m1; m += step) {
           const int64_t rows = std::min(step, m1 - m);
 #if defined(KVLOOM_Q4_AVX2)
           if (fast) {
-            kernels[rows](xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * blocks, blocks, wp, hp, sp,
-                          blocks, bp, ys + m * N + n0, N, columns);
+            kernels[rows](xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds, wp, hp, sp, blocks,
+                          bp, ys + m * N + n0, N, columns);
             continue;
           }
 #endif
-          q4_portable_panel(xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * blocks, blocks, wp, hp, sp,
-                            blocks, bp, ys + m * N + n0, N, rows, columns);
+          q4_portable_panel(xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds, wp, hp, planes,
+                            halves, sp, blocks, bp, ys + m * N + n0, N, rows, columns);
         }
       }
     }
@@ -227,8 +282,9 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
 }
 
 // y = the Q4 product (+ bias). x: [M, K] float32 or bfloat16 (K a multiple of 32), rows contiguous; packed:
-// pack_q4_weight's uint8 [panels, K / 32, 128]; scales: float32 or float16 [panels, K / 32, 2, 8]; bias: float32 [N];
-// high (5-bit codes): pack_q5_high's uint8 [panels, K / 32, 32], the codes' fifth bits; y: [M, N] in x's dtype.
+// pack_q4_weight's uint8 [panels, K / 32, 128]; scales: float32 or float16 [panels, K / 32, 2, 8] (d, m per block of
+// 32) or [panels, K / 32, 4, 8] (d0, d1, m0, m1 per 16: 6-bit codes); bias: float32 [N]; high (5- and 6-bit codes):
+// pack_high_bits' uint8 [panels, K / 32, planes, 32], the codes' fifth (and sixth) bits; y: [M, N] in x's dtype.
 void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> bias,
              bool portable, c10::optional<at::Tensor> high) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.is_contiguous() && packed.is_contiguous(),
@@ -242,8 +298,10 @@ void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c
   TORCH_CHECK(y.size(0) == M && packed.scalar_type() == at::kByte && packed.numel() == panels * blocks * kBlockBytes,
               "gemm_q4: the packed weight does not match x [", M, ", ", K, "] and y [", y.size(0), ", ", N, "]");
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
-                  scales.numel() == panels * blocks * 2 * kPanel,
-              "gemm_q4: scales must be the contiguous float32 or float16 block scales packed [panels, K / 32, 2, 8]");
+                  (scales.numel() == panels * blocks * 2 * kPanel || scales.numel() == panels * blocks * 4 * kPanel),
+              "gemm_q4: scales must be the contiguous float32 or float16 block scales packed [panels, K / 32, 2, 8] "
+              "(a scale and an offset per block of 32) or [panels, K / 32, 4, 8] (per 16)");
+  const bool halves = scales.numel() == panels * blocks * 4 * kPanel;
   const float* bs = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
@@ -251,20 +309,24 @@ void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c
     bs = bias->data_ptr<float>();
   }
   const uint8_t* hp = nullptr;
+  int planes = 0;
   if (high.has_value() && high->defined()) {
     TORCH_CHECK(high->scalar_type() == at::kByte && high->is_contiguous() &&
-                    high->numel() == panels * blocks * kHighBytes,
-                "gemm_q4: high must be the contiguous uint8 fifth bits packed [panels, K / 32, 32]");
+                    (high->numel() == panels * blocks * kHighBytes || high->numel() == panels * blocks * 2 * kHighBytes),
+                "gemm_q4: high must be the contiguous uint8 bit planes packed [panels, K / 32, planes, 32], 1 or 2 "
+                "planes");
     hp = high->data_ptr<uint8_t>();
+    planes = static_cast<int>(high->numel() / (panels * blocks * kHighBytes));
   }
+  TORCH_CHECK(halves == (planes == 2), "gemm_q4: 6-bit codes (two bit planes) go with scales per 16 k, and only they");
   if (M == 0 || N == 0) return;
   const auto* wp = packed.data_ptr<uint8_t>();
   auto run = [&](const auto* sp) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sp)>>;
     if (x.scalar_type() == at::kFloat) {
-      q4_typed<float, S>(y, x, wp, hp, sp, bs, M, K, N, portable);
+      q4_typed<float, S>(y, x, wp, hp, planes, halves, sp, bs, M, K, N, portable);
     } else {
-      q4_typed<c10::BFloat16, S>(y, x, wp, hp, sp, bs, M, K, N, portable);
+      q4_typed<c10::BFloat16, S>(y, x, wp, hp, planes, halves, sp, bs, M, K, N, portable);
     }
   };
   if (scales.scalar_type() == at::kHalf) {
