@@ -1,10 +1,10 @@
-"""Weights kept in GGUF's code blocks: 4-bit (Q4_0 / Q4_1 / Q4_K, GPTQ, AWQ) and 5-bit (Q5_1 / Q5_K), their
-products and their reference.
+"""Weights kept in GGUF's code blocks: 4-bit (Q4_0 / Q4_1 / Q4_K, GPTQ, AWQ), 5-bit (Q5_1 / Q5_K) and 6-bit (Q6_K,
+a scale and an offset per 16 inputs instead of 32), their products and their reference.
 
-A ``Q4Blocks`` weight [N, K] holds codes q (0..15 for the 4-bit types, 0..31 for the 5-bit ones) and per block of
-BLOCK = 32 consecutive k of a row a scale d and an offset m (fp32; the file's fp16 values, exact):
+A ``Q4Blocks`` weight [N, K] holds codes q (0..15 for the 4-bit types, 0..31 for the 5-bit ones, 0..63 for Q6_K) and
+per group of G = 32 consecutive k of a row (16 for Q6_K) a scale d and an offset m (fp32; exact):
 
-    W[n, k] = q[n, k] * d[n, k // 32] + m[n, k // 32]
+    W[n, k] = q[n, k] * d[n, k // G] + m[n, k // G]
 
 Q4_1 stores d and m; Q4_0 stores d and means q - 8, which is m = -8 d (exact in fp32).
 
@@ -15,9 +15,10 @@ W8A8 products' quantizer), and per block
     y[m, n] += d[n, b] dx[m, b] S[m, n, b] + m[n, b] dx[m, b] sum_k qx[m, k],   S = sum_k q[n, k] qx[m, k]
 
 with S an exact integer, so the result is W times the quantized activations, whatever the codes' range.
-``PackedQ4Weight`` runs it with csrc/gemm_q4.cpp on the codes' low 4 bits (two per byte) and, for 5-bit codes, their
-fifth bits in a plane beside them (``pack_high_bits``: one bit a weight, put back into each nibble in registers); on
-CUDA the Triton kernel reads 5-bit codes one per byte.
+``PackedQ4Weight`` runs it with csrc/gemm_q4.cpp on the codes' low 4 bits (two per byte) and, for 5- and 6-bit codes,
+their upper bits in planes beside them (``pack_high_bits``: one bit a weight a plane, put back into each nibble in
+registers); Q6_K's groups of 16 are two per block, each with its own sums and scales (the activations still
+quantized per 32). On CUDA the Triton kernel reads 5-bit codes one per byte; groups of 16 are dequantized there.
 """
 
 from __future__ import annotations

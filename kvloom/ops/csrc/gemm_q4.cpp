@@ -18,10 +18,11 @@
 // of 8 columns, vpdpbusd's layout once the nibbles are split. The block scales are packed beside it as
 // scales[panel][block][2][8] (d, then m, per column; zero past N), in fp16 where every value is one (GGUF Q4_0 /
 // Q4_1, GPTQ and AWQ store fp16: 2 bytes a block less to stream, widened by vcvtph2ps) and fp32 otherwise (Q4_K's
-// products of two scales). 5-bit codes (GGUF Q5_1 / Q5_K) keep their low 4 bits in the same panels and their fifth
-// bits in a plane beside them (pack_q5_high: high[panel][block][32], bit 2 j + h of byte 4 c + i is the fifth bit of
-// the code in nibble h of pair j's byte (c, i)), OR-ed into the nibbles in registers; their 16-bit sums are widened
-// every two pairs (a pair reaches 2 * 31 * 127 = 7874). Without AVX2 the same layout is read
+// products of two scales). 5- and 6-bit codes (GGUF Q5_1 / Q5_K, Q6_K) keep their low 4 bits in the same panels and
+// their upper bits in planes beside them (pack_high_bits: high[panel][block][plane][32], bit 2 j + h of byte 4 c + i
+// is bit 4 + plane of the code in nibble h of pair j's byte (c, i)), OR-ed into the nibbles in registers. Q6_K has a
+// scale and an offset per 16 k: its scales are packed [panel][block][4][8] (d0, d1, m0, m1), pairs 0-1 and 2-3 of a
+// block sum apart, and sx comes per half block. Without AVX2 the same layout is read
 // by plain loops (`portable=True` runs those anywhere): the same integers and fp32 steps, bit for bit.
 
 #include "avx2_columns.h"
