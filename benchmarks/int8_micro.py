@@ -1,15 +1,16 @@
-"""The int8 and 4-bit linears of the default model's shapes (csrc/gemm_int8.cpp, gemm_q4.cpp) against kvloom's
+"""The int8 and 4/5/6-bit linears of the default model's shapes (csrc/gemm_int8.cpp, gemm_q4.cpp) against kvloom's
 bf16 GEMM.
 
     .venv/bin/python benchmarks/int8_micro.py                 # batches 1, 8, 64, 256, 2048
     .venv/bin/python benchmarks/int8_micro.py --rows 1 64 --repeats 41
 
 Per shape and batch: the bf16 packed GEMM (csrc/gemm.cpp), the int8 W8A8 product, the int8 weight-only
-product, the W8A8 product on Q8_0 blocks (scales per 32 k, activations quantized per block) and the 4-bit
-product on Q4_1 blocks, timed in turn within each repeat (so a burst of load from elsewhere hits them all
-alike), with the weight hot in cache: median microseconds, the spread (25th-75th percentile, in % of the
-median) and each quantized product's speed-up over bf16. Then gemm_micro's model-like pass: 30 layers' worth
-of distinct weights (more than the L3 holds), as a decode step streams them.
+product, the W8A8 product on Q8_0 blocks (scales per 32 k, activations quantized per block) and the code-block
+product on Q4_1 blocks, on Q5_1-like 5-bit ones and on Q6_K-like 6-bit ones (scales per 16 k), timed in turn
+within each repeat (so a burst of load from elsewhere hits them all alike), with the weight hot in cache: median
+microseconds, the spread (25th-75th percentile, in % of the median) and each quantized product's speed-up over
+bf16. Then gemm_micro's model-like pass: 30 layers' worth of distinct weights (more than the L3 holds), as a
+decode step streams them.
 Activations are bf16 (the model's dtype on the CPU); run it on a quiet machine.
 """
 
@@ -51,16 +52,17 @@ def summary(samples: list[float]) -> tuple[float, float]:
 
 
 def products(weight: torch.Tensor, rows: int) -> list[object]:
-    """bf16 packed GEMM, int8 W8A8, int8 weight-only, W8A8 on Q8_0 blocks and the 4-bit (Q4_1) product, for
-    one bf16 [N, K] weight."""
+    """bf16 packed GEMM, int8 W8A8, int8 weight-only, W8A8 on Q8_0 blocks and the code-block products (4-bit Q4_1,
+    5-bit, 6-bit in groups of 16), for one bf16 [N, K] weight."""
     qweight, scale = quantize_per_channel(weight)
     return [PackedWeight(weight, None, "kvloom", rows), PackedInt8Weight(qweight, scale, None, w8a8_min_rows=0),
             PackedInt8Weight(qweight, scale, None, w8a8_min_rows=NEVER),
             PackedInt8BlocksWeight(*quantize_per_block(weight), None),
-            PackedQ4Weight(Q4Blocks.quantize(weight), None)]
+            PackedQ4Weight(Q4Blocks.quantize(weight), None), PackedQ4Weight(Q4Blocks.quantize(weight, 5), None),
+            PackedQ4Weight(Q4Blocks.quantize(weight, 6, 16), None)]
 
 
-NAMES = ("bf16", "w8a8", "w-only", "blocks", "q4")
+NAMES = ("bf16", "w8a8", "w-only", "blocks", "q4", "q5", "q6")
 
 
 def report(label: str, times: list[list[float]]) -> str:

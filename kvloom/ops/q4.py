@@ -79,17 +79,19 @@ class Q4Blocks(NamedTuple):
         return cls(codes.contiguous(), d, m)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Q4Blocks:
-        """Q4_1-style blocks of a float weight (min/max per block, as llama.cpp's quantize_row_q4_1): for tests
-        and for weights that arrive in float."""
+    def quantize(cls, weight: torch.Tensor, bits: int = 4, group: int = BLOCK) -> Q4Blocks:
+        """Q4_1-style blocks of a float weight (min/max per group, as llama.cpp's quantize_row_q4_1; ``bits`` 5
+        as Q5_1's, 6 with ``group`` 16 shaped as Q6_K's): for tests, benchmarks and weights that arrive in float."""
         n, k = weight.shape
-        if k % BLOCK:
-            raise ValueError(f"a Q4 weight needs in_features a multiple of {BLOCK}, got {k}")
-        w = weight.float().reshape(n, k // BLOCK, BLOCK)
+        if k % BLOCK or group not in (BLOCK, SUB_BLOCK) or bits not in (4, 5, 6):
+            raise ValueError(f"a code-block weight needs in_features a multiple of {BLOCK} (got {k}), a group of "
+                             f"{BLOCK} or {SUB_BLOCK} (got {group}) and 4, 5 or 6 bits (got {bits})")
+        top = (1 << bits) - 1
+        w = weight.float().reshape(n, k // group, group)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-        d = (hi - lo) / 15
+        d = (hi - lo) / top
         inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-        codes = torch.round((w - lo[..., None]) * inverse[..., None]).clamp_(0, 15).to(torch.uint8)
+        codes = torch.round((w - lo[..., None]) * inverse[..., None]).clamp_(0, top).to(torch.uint8)
         return cls(codes.reshape(n, k), d.half().float(), lo.half().float())
 
     def fits_4_bits(self) -> bool:

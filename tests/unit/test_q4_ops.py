@@ -304,3 +304,15 @@ def test_groups_of_16_shard_and_merge_exactly() -> None:
         part.load_shard("weight", 1, six)
         _shard_rows_in(part, rank, 2, None)
         assert torch.equal(part.q4.dequantize(), whole[:, rank * 256:(rank + 1) * 256])
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 32), (6, 16)])
+def test_quantize_to_4_5_and_6_bits(bits: int, group: int) -> None:
+    """Q4Blocks.quantize: min/max per group to 2^bits - 1 levels; each value within half a step of its group."""
+    weight = torch.randn(6, 64, generator=torch.Generator().manual_seed(bits))
+    blocks = Q4Blocks.quantize(weight, bits, group)
+    assert blocks.group == group and int(blocks.codes.max()) <= (1 << bits) - 1
+    step = blocks.d.repeat_interleave(group, dim=1)
+    assert ((blocks.dequantize() - weight).abs() <= 0.5 * step + 1e-3 * weight.abs().max()).all()
+    with pytest.raises(ValueError, match="4, 5 or 6 bits"):
+        Q4Blocks.quantize(weight, 7)
