@@ -61,6 +61,21 @@ def q4_slack(x: torch.Tensor, weight: Q4Blocks, bias: torch.Tensor | None) -> to
     return (2 * groups + 2) * 2.0 ** -24 * (terms + (0 if bias is None else bias.double().abs()))
 
 
+def check_against_reference(weight: Q4Blocks, m: int, dtype: torch.dtype, native: bool = False) -> None:
+    """The C++ product on m rows, with and without a bias: within an ulp and the fp32 roundings of
+    q4_linear_reference, bit for bit the plain loops (and, with ``native``, torch's product within 64 times that)."""
+    n, k = weight.codes.shape
+    for with_bias in (True, False):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)).to(dtype)
+        bias = torch.randn(n) if with_bias else None
+        expected = q4_linear_reference(x, weight, bias)
+        fast = PackedQ4Weight(weight, bias)(x)
+        assert_within(fast, expected, ulps=1, slack=q4_slack(x, weight, bias))
+        assert torch.equal(PackedQ4Weight(weight, bias, portable=True)(x), fast)
+        if native:
+            assert_within(NativeQ4Linear(weight, bias)(x), expected, ulps=1, slack=q4_slack(x, weight, bias) * 64)
+
+
 def test_pack_layout() -> None:
     """Byte (c, i) of load j of panel p, block b: code (8p + c, 32b + 8j + i) low, (.., + 4) high."""
     codes = torch.randint(0, 16, (11, 64), dtype=torch.uint8)
@@ -94,14 +109,7 @@ def test_gguf_blocks_hold_what_the_loader_dequantizes(with_offset: bool) -> None
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
 def test_cpu_q4_product_matches_its_reference(kernels: None, dtype: torch.dtype, m: int, k: int, n: int) -> None:
     weight = random_q4(n, k, seed=m + k + n)
-    for with_bias in (True, False):
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)).to(dtype)
-        bias = torch.randn(n) if with_bias else None
-        expected = q4_linear_reference(x, weight, bias)
-        fast = PackedQ4Weight(weight, bias)(x)
-        assert_within(fast, expected, ulps=1, slack=q4_slack(x, weight, bias))
-        assert torch.equal(PackedQ4Weight(weight, bias, portable=True)(x), fast)
-        assert_within(NativeQ4Linear(weight, bias)(x), expected, ulps=1, slack=q4_slack(x, weight, bias) * 64)
+    check_against_reference(weight, m, dtype, native=True)
 
 
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 576, 961), (5, 576, 97), (17, 1536, 49)])
@@ -181,13 +189,7 @@ def test_cpu_5bit_product_matches_its_reference(kernels: None, dtype: torch.dtyp
     assert not weight.fits_4_bits()
     packed = _cpu_ops(dtype, 64).pack_linear_q4(weight, None)
     assert isinstance(packed, PackedQ4Weight) and packed.high is not None
-    for with_bias in (True, False):
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)).to(dtype)
-        bias = torch.randn(n) if with_bias else None
-        expected = q4_linear_reference(x, weight, bias)
-        fast = PackedQ4Weight(weight, bias)(x)
-        assert_within(fast, expected, ulps=1, slack=q4_slack(x, weight, bias))
-        assert torch.equal(PackedQ4Weight(weight, bias, portable=True)(x), fast)
+    check_against_reference(weight, m, dtype)
 
 
 def test_pack_high_bits_layout() -> None:
@@ -254,13 +256,7 @@ def test_cpu_6bit_product_matches_its_reference(kernels: None, dtype: torch.dtyp
     assert weight.group == 16
     packed = PackedQ4Weight(weight, None)
     assert packed.high.shape[2] == 2 and packed.scales.shape[2] == 4 and packed.scales.dtype == torch.float32
-    for with_bias in (True, False):
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)).to(dtype)
-        bias = torch.randn(n) if with_bias else None
-        expected = q4_linear_reference(x, weight, bias)
-        fast = PackedQ4Weight(weight, bias)(x)
-        assert_within(fast, expected, ulps=1, slack=q4_slack(x, weight, bias))
-        assert torch.equal(PackedQ4Weight(weight, bias, portable=True)(x), fast)
+    check_against_reference(weight, m, dtype)
 
 
 def test_groups_of_16_with_small_codes_and_6bit_codes_with_groups_of_32(kernels: None) -> None:
