@@ -41,7 +41,7 @@ GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 12, 13, 14
 # k-quant's sub-block scales and mins times its fp16 super-block ones are exact in fp32): 4-bit codes for Q4_0,
 # Q4_1, Q4_K (``keep_q4``), 5-bit ones for Q5_1, Q5_K (``keep_q5``), 6-bit ones for Q6_K (``keep_q6``).
 Q4_TYPES = (GGML_Q4_0, GGML_Q4_1, GGML_Q4_K)
-Q5_TYPES = (GGML_Q5_1, GGML_Q5_K)
+Q5_TYPES = (GGML_Q5_1, GGML_Q5_K, GGML_Q5_0)  # Q5_0: codes q with m = -16 d (a projection; else int8 blocks)
 Q6_TYPES = (GGML_Q6_K,)
 CODE_BLOCK_TYPES = Q4_TYPES + Q5_TYPES + Q6_TYPES
 # The types kept as int8 blocks (``keep_q8_0``): Q8_0, and Q5_0, whose codes q - 16 (-16..15) with the block's
@@ -392,6 +392,9 @@ def q4_blocks(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> Q4Bl
         return Q4Blocks.from_gguf(raw, tuple(shape), with_offset=ggml_type == GGML_Q4_1)
     if ggml_type == GGML_Q5_1:
         return _q5_1_blocks(raw, tuple(shape))
+    if ggml_type == GGML_Q5_0:
+        blocks = q5_0_blocks(raw, shape)  # codes q - 16 and d: as codes q with the offset -16 d (exact)
+        return Q4Blocks((blocks.qweight.to(torch.int16) + 16).to(torch.uint8), blocks.scale, -16 * blocks.scale)
     if ggml_type == GGML_Q6_K:
         return _q6_k_blocks(raw, tuple(shape))
     if ggml_type not in (GGML_Q4_K, GGML_Q5_K):
@@ -556,7 +559,9 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
         raw = read_tensor_bytes(path, info)
         with _single_thread():
             kept: Int8Blocks | Q4Blocks | None = None
-            if info.ggml_type in int8_types and len(info.shape) == 2:
+            if info.ggml_type == GGML_Q5_0 and GGML_Q5_0 in code_types and name.endswith("_proj.weight"):
+                kept = q4_blocks(raw, info.ggml_type, info.shape)  # the 5-bit code-block product, not int8's
+            elif info.ggml_type in int8_types and len(info.shape) == 2:
                 kept = (q8_0_blocks if info.ggml_type == GGML_Q8_0 else q5_0_blocks)(raw, info.shape)
             elif info.ggml_type in code_types and len(info.shape) == 2:
                 kept = q4_blocks(raw, info.ggml_type, info.shape)

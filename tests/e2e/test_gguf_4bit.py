@@ -57,26 +57,38 @@ def test_kept_4bit_blocks_hold_exactly_the_files_values(q4_gguf: str) -> None:
         assert torch.equal(tensor.dequantize(), floats[name]), name
 
 
-def test_q5_0_weights_are_kept_as_int8_blocks_with_exactly_the_files_values(tmp_path) -> None:
-    """Q5_0 q/k/v (write_tiny_gguf's default for attention) beside a Q4_1 MLP: kept as int8 blocks (codes q - 16,
-    the block's scale), equal to the file's values, and the model stays close to its dequantized load."""
+def test_q5_0_weights_are_kept_with_exactly_the_files_values(tmp_path) -> None:
+    """Q5_0 q/k/v (write_tiny_gguf's default for attention) beside a Q4_1 MLP: as int8 blocks (codes q - 16, the
+    block's scale) for the int8 products, as 5-bit code blocks (codes q, offset -16 d) for quantization="gguf",
+    both equal to the file's values; the model runs the 5-bit code-block product by default (the int8 one with
+    gguf_5bit_blocks off), and stays close to its dequantized load either way."""
     from kvloom.ops.int8 import Int8Blocks
 
     checkpoint = tiny_models.build_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", tie_word_embeddings=False)
     path = tiny_models.write_tiny_gguf(str(tmp_path / "q5.gguf"), checkpoint, types={"ffn_down": GGML_F16})
     source = resolve_model(path)
     floats = dict(iter_weights(source))
-    kept = {name: t for name, t in iter_weights(source, keep_q8_0=True) if isinstance(t, Int8Blocks)}
-    assert {name.rsplit(".", 2)[-2] for name in kept if ".layers." in name} == {"q_proj", "k_proj", "v_proj"}
-    for name, blocks in kept.items():
+    as_int8 = {name: t for name, t in iter_weights(source, keep_q8_0=True) if isinstance(t, Int8Blocks)}
+    as_codes = {name: t for name, t in iter_weights(source, keep_q8_0=True, keep_q4=True, keep_q5=True)
+                if isinstance(t, Q4Blocks) and name in as_int8}
+    assert {name.rsplit(".", 2)[-2] for name in as_int8 if ".layers." in name} == {"q_proj", "k_proj", "v_proj"}
+    assert {name.rsplit(".", 2)[-2] for name in as_codes} == {"q_proj", "k_proj", "v_proj"}
+    for name, blocks in as_int8.items():
         if ".layers." in name:
             assert blocks.qweight.min() >= -16 and blocks.qweight.max() <= 15
         assert torch.equal(blocks.dequantize(), floats[name]), name
-    llm = LLM(model=path, dtype="float32", max_model_len=128)
-    model = llm.llm_engine.executor.driver.model
-    assert all("Int8Blocks" in type(layer.self_attn.qkv_proj.packed).__name__ for layer in model.layers)
+    for name, blocks in as_codes.items():
+        assert int(blocks.codes.max()) <= 31 and torch.equal(blocks.m, -16 * blocks.d)
+        assert torch.equal(blocks.dequantize(), floats[name]), name
     floats_llm = LLM(model=path, dtype="float32", max_model_len=128, quantization="none")
-    assert worst_prompt_logprob_gap(llm, floats_llm, mixed_prompts(400, count=4, seed=5)) < 0.05
+    prompts = mixed_prompts(400, count=4, seed=5)
+    for backend, kind in (({}, "PackedQ4Weight"), ({"gguf_5bit_blocks": False}, "Int8Blocks")):
+        llm = LLM(model=path, dtype="float32", max_model_len=128, override_backend_config=backend)
+        model = llm.llm_engine.executor.driver.model
+        if cpu.cpu_kernel_available():
+            assert all(kind in type(layer.self_attn.qkv_proj.packed).__name__ for layer in model.layers)
+        assert worst_prompt_logprob_gap(llm, floats_llm, prompts) < 0.05
+        del llm, model
 
 
 @pytest.mark.parametrize(("name", "block_bytes", "top_code"), [("Q4_K", 144, 15), ("Q5_K", 176, 31)])
