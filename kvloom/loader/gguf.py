@@ -1,6 +1,7 @@
 """GGUF files: a fast metadata reader, float32 dequantization (or the blocks kept: Q8_0 and Q5_0 as int8 codes and
-block scales, ``Int8Blocks``; Q4_0, Q4_1 and Q4_K as 4-bit codes, Q5_1 and Q5_K as 5-bit ones, each with a scale
-and offset per block of 32, ``Q4Blocks``), and llama.cpp's names turned into HF's.
+block scales, ``Int8Blocks``; Q4_0, Q4_1 and Q4_K as 4-bit codes, Q5_0 (projections), Q5_1 and Q5_K as 5-bit ones,
+each with a scale and offset per block of 32, Q6_K as 6-bit ones with a scale and offset per 16, ``Q4Blocks``), and
+llama.cpp's names turned into HF's.
 
 The metadata reader is ours rather than `gguf.GGUFReader` because that one builds numpy views for
 every one of the ~100k vocabulary strings and takes ~3 s on the default model; this one reads the
