@@ -57,7 +57,7 @@ class BackendConfig:
     # as llama.cpp does; smoothing is then skipped. False: Q8_0 weights are re-quantized per row (and
     # smoothed) like any other. (CUDA has no block kernel: there the blocks become per-row int8 at load.)
     int8_gguf_blocks: bool = True
-    # With quantization="gguf": a GGUF's Q5_1 and Q5_K projections kept in their code blocks (on the CPU the 4-bit
+    # With quantization="gguf": a GGUF's Q5_0, Q5_1 and Q5_K projections kept in their code blocks (on the CPU the 4-bit
     # product's kernel with a plane of fifth bits: 6 bits a weight with the scales, 1.2-1.6x bf16's speed,
     # docs/quantization.md) instead of dequantized at load. False dequantizes them, for comparison.
     gguf_5bit_blocks: bool = True

@@ -123,8 +123,8 @@ def settle_buckets(config: EngineConfig, device_type: str) -> None:
 
 def settle_quantization(config: EngineConfig, source: ModelSource) -> None:
     """``quantization`` against the checkpoint. None becomes the checkpoint's own 4-bit format, kept 4-bit as vLLM
-    does: 'gguf' for a GGUF whose projections are 4- or 5-bit code blocks (5-bit unless the backend's
-    ``gguf_5bit_blocks`` is off), 'gptq' / 'awq' for such a safetensors checkpoint. 'none'
+    does: 'gguf' for a GGUF whose projections are 4-, 5- or 6-bit code blocks (5- and 6-bit unless the backend's
+    ``gguf_5bit_blocks`` / ``gguf_6bit_blocks`` is off), 'gptq' / 'awq' for such a safetensors checkpoint. 'none'
     becomes None (everything dequantized at load). A format the checkpoint is not in is a ValueError."""
     from kvloom.loader import gguf
     from kvloom.loader.weights import int4_format

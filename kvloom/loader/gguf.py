@@ -336,7 +336,12 @@ def _dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
 
 def _q5_0_codes(blocks: torch.Tensor) -> torch.Tensor:
     # block: d (f16) | 32 fifth bits (u32) | 16 bytes of low nibbles; x = (q - 16) * d: the int8 codes q - 16
-    return (_nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])).to(torch.int8) - 16
+    return _q5_0_unsigned(blocks).to(torch.int8) - 16
+
+
+def _q5_0_unsigned(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_0's codes q as stored, 0..31 (uint8)."""
+    return _nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])
 
 
 def _dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -378,10 +383,14 @@ def weight_names_of_types(path: str, ggml_types: tuple[int, ...]) -> set[str]:
     return {name for name in names if name}
 
 
+def code_block_types(five_bits: bool, six_bits: bool) -> tuple[int, ...]:
+    """The types kept as code blocks: the 4-bit ones, with ``five_bits`` the 5-bit ones, with ``six_bits`` Q6_K."""
+    return Q4_TYPES + (Q5_TYPES if five_bits else ()) + (Q6_TYPES if six_bits else ())
+
+
 def has_code_block_projections(path: str, five_bits: bool = True, six_bits: bool = True) -> bool:
-    """Whether any of the file's projection weights (q/k/v/o, gate/up/down) is Q4_0, Q4_1 or Q4_K (or, with
-    ``five_bits``, Q5_1 or Q5_K; with ``six_bits``, Q6_K): the types kept in code blocks."""
-    types = Q4_TYPES + (Q5_TYPES if five_bits else ()) + (Q6_TYPES if six_bits else ())
+    """Whether any of the file's projection weights (q/k/v/o, gate/up/down) is of a type ``code_block_types`` keeps."""
+    types = code_block_types(five_bits, six_bits)
     return any(name.endswith("_proj.weight") for name in weight_names_of_types(path, types))
 
 
@@ -393,9 +402,11 @@ def q4_blocks(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> Q4Bl
         return Q4Blocks.from_gguf(raw, tuple(shape), with_offset=ggml_type == GGML_Q4_1)
     if ggml_type == GGML_Q5_1:
         return _q5_1_blocks(raw, tuple(shape))
-    if ggml_type == GGML_Q5_0:
-        blocks = q5_0_blocks(raw, shape)  # codes q - 16 and d: as codes q with the offset -16 d (exact)
-        return Q4Blocks((blocks.qweight.to(torch.int16) + 16).to(torch.uint8), blocks.scale, -16 * blocks.scale)
+    if ggml_type == GGML_Q5_0:  # x = (q - 16) d: codes q with the offset -16 d (exact)
+        n, k = shape
+        blocks = raw.view(-1, _KNOWN_LAYOUTS[GGML_Q5_0][1])
+        d = _half(blocks, 0).reshape(n, k // BLOCK)
+        return Q4Blocks(_q5_0_unsigned(blocks).reshape(n, k), d, -16 * d)
     if ggml_type == GGML_Q6_K:
         return _q6_k_blocks(raw, tuple(shape))
     if ggml_type not in (GGML_Q4_K, GGML_Q5_K):
@@ -540,7 +551,7 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
     gguf = read_gguf(path)
     arch = str(gguf.metadata.get("general.architecture"))
     permuted = arch in PERMUTED_ROTARY
-    code_types = (Q4_TYPES + (Q5_TYPES if keep_q5 else ()) + (Q6_TYPES if keep_q6 else ())) if keep_q4 else ()
+    code_types = code_block_types(keep_q5, keep_q6) if keep_q4 else ()
     int8_types = INT8_BLOCK_TYPES if keep_q8_0 else ()
     widened: Counter[int] = Counter()  # block-quantized weights dequantized to float although blocks were asked for
     for info in gguf.tensors.values():

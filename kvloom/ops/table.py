@@ -16,8 +16,8 @@ weights (``pack_linear_int8_blocks``: a GGUF Q8_0 kept as stored) take the C++ W
 CPU (cpu.PackedInt8BlocksWeight) and torch ops (int8.NativeInt8BlocksLinear) under the reference
 backend; CUDA has no block-scaled kernel, so there they are re-quantized per row once, as they are packed,
 for the Triton weight-only GEMM (the same int8 weights as a per-row load of the same file). Code-block weights
-(``pack_linear_q4``: a GGUF's 4- and 5-bit blocks kept) take the C++ Q4 GEMM on the CPU (q4.PackedQ4Weight,
-llama.cpp's product; 5-bit codes with their fifth bits in a plane beside the nibbles), torch ops
+(``pack_linear_q4``: a GGUF's 4-, 5- and 6-bit blocks kept) take the C++ Q4 GEMM on the CPU (q4.PackedQ4Weight,
+llama.cpp's product; 5- and 6-bit codes with their upper bits in planes beside the nibbles), torch ops
 (q4.NativeQ4Linear) under the reference backend, and on CUDA
 the Triton code-block GEMM (cuda.Q4Linear: the weight dequantized in registers, activations as they are; two
 codes a byte, or one; Q6_K's scales per 16 inputs, which it does not read, dequantized once: cuda.DequantizedLinear).

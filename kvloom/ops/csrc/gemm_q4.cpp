@@ -1,6 +1,6 @@
-// 4- and 5-bit weights kept in their blocks: y[M, N] = x[M, K] W[N, K]^T (+ bias) for a weight stored as GGUF
-// Q4_0 / Q4_1 (/ Q4_K, Q5_1, Q5_K, GPTQ, AWQ) blocks, W[n, k] = q[n, k] * d[n, b] + m[n, b] with q in 0..15 (or
-// 0..31) and b = k / 32 (Q4_0 is m = -8 d).
+// 4-, 5- and 6-bit weights kept in their blocks: y[M, N] = x[M, K] W[N, K]^T (+ bias) for a weight stored as GGUF
+// Q4_0 / Q4_1 (/ Q4_K, Q5_0, Q5_1, Q5_K, GPTQ, AWQ) blocks, W[n, k] = q[n, k] * d[n, b] + m[n, b] with q in 0..15
+// (or 0..31) and b = k / 32 (Q4_0 is m = -8 d); Q6_K: q in 0..63 with d and m per 16 k.
 // kvloom/ops/q4.py says what the product means; q4_linear_reference is the oracle the tests compare with.
 //
 // The product is llama.cpp's (vec_dot_q4_1_q8_1): x is quantized per (row, block of 32 k) to s8 codes with an
@@ -55,7 +55,7 @@ constexpr int64_t kPanel = 8;              // output columns per panel: one vect
 constexpr int64_t kBlock = 32;             // k per scale (a GGUF block)
 constexpr int64_t kPairs = 4;              // 32-byte loads per panel and block (each two groups of 4 k)
 constexpr int64_t kBlockBytes = kPanel * kBlock / 2;
-constexpr int64_t kHighBytes = kPanel * kBlock / 8;  // a 5-bit weight's fifth bits per panel and block
+constexpr int64_t kHighBytes = kPanel * kBlock / 8;  // one bit plane (bit 4 or 5 of the codes) per panel and block
 constexpr int64_t kRows = 4;               // rows per micro-kernel: 4 x (16-bit sums, fp32 sums)
 constexpr int64_t kRowChunk = 256;         // rows whose codes stay in L2 while panels stream
 
@@ -96,14 +96,16 @@ inline void add_planes(__m256i& lo, __m256i& hi, const __m256i* planes) {
 }
 
 // Bits: 4, 5 or 6 (the codes' low 4 bits in the panel, the rest in Bits - 4 planes of 32 bytes per block after
-// it in `high`). Halves: a scale and an offset per 16 k (Q6_K's sub-blocks): scales [blocks][4][8] (d0, d1, m0,
-// m1) and sx per (row, half block), stride lds = 2 blocks. The 16-bit sums are widened into each half's int32 sums
-// before they can overflow: a pair reaches 2 * 15 * 127 (4 bits), 2 * 31 * 127 or 2 * 63 * 127 = 16002 (6 bits).
-template <int R, int Bits, bool Halves, typename T, typename S>
+// it in `high`). 6-bit codes come with a scale and an offset per 16 k (Q6_K's sub-blocks, "halves"): scales
+// [blocks][4][8] (d0, d1, m0, m1) and sx per (row, half block), stride lds = 2 blocks. The 16-bit sums are widened
+// into each half's int32 sums before they can overflow: a pair reaches 2 * 15 * 127 (4 bits), 2 * 31 * 127 or
+// 2 * 63 * 127 = 16002 (6 bits).
+template <int R, int Bits, typename T, typename S>
 inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, int64_t lds,
                       const uint8_t* panel, const uint8_t* high, const S* scales, int64_t blocks, const float* bias,
                       T* y, int64_t ldy, int64_t columns) {
   constexpr int kPlanes = Bits - 4;
+  constexpr bool Halves = Bits == 6;
   constexpr int kScales = Halves ? 4 : 2;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[R];
@@ -134,7 +136,7 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
         case 2: add_planes<Bits, 2>(lo, hi, planes); break;
         default: add_planes<Bits, 3>(lo, hi, planes); break;
       }
-      const bool widen = Bits == 6 || j == 3 || (j == 1 && (Bits == 5 || Halves));
+      const bool widen = Bits == 6 || j == 3 || (j == 1 && Bits == 5);
       KVLOOM_UNROLL
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = xb + r * ldq + 8 * j;
@@ -177,17 +179,17 @@ template <typename T, typename S>
 using Q4Kernel = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t, const uint8_t*,
                           const uint8_t*, const S*, int64_t, const float*, T*, int64_t, int64_t);
 
-template <int Bits, bool Halves, typename T, typename S>
-constexpr Q4Kernel<T, S> kQ4Kernels[kRows + 1] = {
-    nullptr, &q4_kernel<1, Bits, Halves, T, S>, &q4_kernel<2, Bits, Halves, T, S>, &q4_kernel<3, Bits, Halves, T, S>,
-    &q4_kernel<4, Bits, Halves, T, S>};
+template <int Bits, typename T, typename S>
+constexpr Q4Kernel<T, S> kQ4Kernels[kRows + 1] = {nullptr, &q4_kernel<1, Bits, T, S>, &q4_kernel<2, Bits, T, S>,
+                                                  &q4_kernel<3, Bits, T, S>, &q4_kernel<4, Bits, T, S>};
 #endif
 
 // The same integers and fp32 operations in the same order, by plain loops.
 template <typename T, typename S>
 void q4_portable_panel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, int64_t lds,
-                       const uint8_t* panel, const uint8_t* high, int planes, bool halves, const S* scales,
-                       int64_t blocks, const float* bias, T* y, int64_t ldy, int64_t rows, int64_t columns) {
+                       const uint8_t* panel, const uint8_t* high, int planes, const S* scales, int64_t blocks,
+                       const float* bias, T* y, int64_t ldy, int64_t rows, int64_t columns) {
+  const bool halves = planes == 2;  // 6-bit codes: a scale and an offset per 16 k
   const int64_t scale_rows = halves ? 4 : 2;
   for (int64_t r = 0; r < rows; ++r) {
     float acc[kPanel] = {};
@@ -228,9 +230,10 @@ void q4_portable_panel(const int8_t* xq, int64_t ldq, const float* dx, const flo
 }
 
 template <typename T, typename S>
-void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const uint8_t* high, int planes, bool halves,
+void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const uint8_t* high, int planes,
               const S* scales, const float* bias, int64_t M, int64_t K, int64_t N, bool portable) {
   const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
+  const bool halves = planes == 2;  // 6-bit codes: a scale and an offset per 16 k
   const int64_t parts = halves ? 2 : 1, lds = parts * blocks;  // sx: per (row, block) or (row, half block)
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * blocks), sx(M * lds);
@@ -249,8 +252,8 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
   T* ys = y.data_ptr<T>();
 #if defined(KVLOOM_Q4_AVX2)
   const bool fast = !portable;
-  const Q4Kernel<T, S>* kernels = halves ? kQ4Kernels<6, true, T, S>
-                                  : planes == 1 ? kQ4Kernels<5, false, T, S> : kQ4Kernels<4, false, T, S>;
+  const Q4Kernel<T, S>* kernels = planes == 2 ? kQ4Kernels<6, T, S>
+                                  : planes == 1 ? kQ4Kernels<5, T, S> : kQ4Kernels<4, T, S>;
 #else
   const bool fast = false;
 #endif
@@ -275,7 +278,7 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
           }
 #endif
           q4_portable_panel(xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds, wp, hp, planes,
-                            halves, sp, blocks, bp, ys + m * N + n0, N, rows, columns);
+                            sp, blocks, bp, ys + m * N + n0, N, rows, columns);
         }
       }
     }
@@ -325,9 +328,9 @@ void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c
   auto run = [&](const auto* sp) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sp)>>;
     if (x.scalar_type() == at::kFloat) {
-      q4_typed<float, S>(y, x, wp, hp, planes, halves, sp, bs, M, K, N, portable);
+      q4_typed<float, S>(y, x, wp, hp, planes, sp, bs, M, K, N, portable);
     } else {
-      q4_typed<c10::BFloat16, S>(y, x, wp, hp, planes, halves, sp, bs, M, K, N, portable);
+      q4_typed<c10::BFloat16, S>(y, x, wp, hp, planes, sp, bs, M, K, N, portable);
     }
   };
   if (scales.scalar_type() == at::kHalf) {
