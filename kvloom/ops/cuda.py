@@ -78,12 +78,14 @@ class Int8Linear:
 class Q4Linear:
     """A code-block weight (``Q4Blocks``, optional bias) for the Triton code-block GEMM: nibbles packed once
     [K / 2, N] (triton/q4.py pack_q4_columns), or one code a byte [K, N] where a code takes 5 bits
-    (pack_code_columns), d and m transposed [K / 32, N]; calling it gives x @ W^T (+ b) with W dequantized in
-    registers."""
+    (pack_code_columns), d and m transposed [K / 32, N] ([K / 16, N] for Q6_K's groups of 16); calling it gives
+    x @ W^T (+ b) with W dequantized in registers."""
 
     def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = weight.codes.shape
-        pack = q4_kernels.pack_q4_columns if weight.fits_4_bits() else q4_kernels.pack_code_columns
+        # Groups of 16 are read from one code a byte (the kernel's two halves of a block each with their scales).
+        four_bits = weight.fits_4_bits() and weight.group == 32
+        pack = q4_kernels.pack_q4_columns if four_bits else q4_kernels.pack_code_columns
         self.packed = pack(weight.codes)
         self.d = weight.d.float().t().contiguous()
         self.m = weight.m.float().t().contiguous()
@@ -96,23 +98,3 @@ class Q4Linear:
         out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
         q4_kernels.q4_linear(out.view(-1, self.out_features), rows, self.packed, self.d, self.m, self.bias)
         return out
-
-
-class DequantizedLinear:
-    """Code blocks the Triton kernel does not read (Q6_K's scales per 16 inputs): dequantized once, held in the
-    first activations' dtype, multiplied by F.linear (cuBLAS)."""
-
-    def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None) -> None:
-        self.weight = weight.dequantize()
-        self.bias = bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype != x.dtype:
-            self.weight = self.weight.to(x.dtype)
-            self.bias = None if self.bias is None else self.bias.to(x.dtype)
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-
-
-def pack_code_blocks(weight: Q4Blocks, bias: torch.Tensor | None) -> Q4Linear | DequantizedLinear:
-    """The CUDA code-block product: the Triton kernel for blocks of 32, else the weight dequantized."""
-    return Q4Linear(weight, bias) if weight.group == 32 else DequantizedLinear(weight, bias)

@@ -18,7 +18,7 @@ with S an exact integer, so the result is W times the quantized activations, wha
 ``PackedQ4Weight`` runs it with csrc/gemm_q4.cpp on the codes' low 4 bits (two per byte) and, for 5- and 6-bit codes,
 their upper bits in planes beside them (``pack_high_bits``: one bit a weight a plane, put back into each nibble in
 registers); Q6_K's groups of 16 are two per block, each with its own sums and scales (the activations still
-quantized per 32). On CUDA the Triton kernel reads 5-bit codes one per byte; groups of 16 are dequantized there.
+quantized per 32). On CUDA the Triton kernel reads 5- and 6-bit codes one per byte, groups of 16 with their scales.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ for the Triton weight-only GEMM (the same int8 weights as a per-row load of the 
 llama.cpp's product; 5- and 6-bit codes with their upper bits in planes beside the nibbles), torch ops
 (q4.NativeQ4Linear) under the reference backend, and on CUDA
 the Triton code-block GEMM (cuda.Q4Linear: the weight dequantized in registers, activations as they are; two
-codes a byte, or one; Q6_K's scales per 16 inputs, which it does not read, dequantized once: cuda.DequantizedLinear).
+codes a byte, or one, with Q6_K's scales per 16 inputs).
 
 A mixture of experts (``pack_experts``) runs the Triton grouped GEMM on CUDA (triton/moe.py TritonExperts), each
 expert's products through the packed bf16 GEMM on the CPU (native.PackedExperts), and the plain-torch grouped
@@ -204,7 +204,7 @@ def _cuda_ops() -> Ops:
     return Ops(name="triton", attention=cuda.attention, rms_norm=cuda.rms_norm, add_rms_norm=cuda.add_rms_norm,
                rotary_embedding=cuda.rotary_embedding, silu_and_mul=cuda.silu_and_mul, argmax=native.argmax,
                pack_linear_int8=cuda.Int8Linear, pack_linear_int8_blocks=_blocks_as_rows(cuda.Int8Linear),
-               pack_linear_q4=cuda.pack_code_blocks,
+               pack_linear_q4=cuda.Q4Linear,
                pack_experts=triton_moe.TritonExperts)
 
 

@@ -98,18 +98,41 @@ def test_gpu_q4_linear_at_model_size() -> None:
     torch.testing.assert_close(out.float(), expected, atol=5e-2, rtol=2e-2)
 
 
-def test_groups_of_16_are_dequantized_for_cuda() -> None:
-    """Q6_K's scales per 16 inputs, which the Triton kernel does not read: cuda.pack_code_blocks dequantizes them
-    once (F.linear in the activations' dtype); blocks of 32 keep the kernel."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 80), (20, 32, 130)])
+def test_q6_k_groups_of_16_equal_the_dequantized_product(dtype: torch.dtype, m: int, k: int, n: int) -> None:
+    """Q6_K: 6-bit codes with a scale and an offset per 16 inputs, one code a byte, d and m [K / 16, N]: each half
+    of a block widened with its own pair (a kernel reading one pair per block would be off in every second half)."""
     from kvloom.ops import cuda
 
-    g = torch.Generator().manual_seed(3)
-    codes = torch.randint(0, 64, (24, 64), generator=g, dtype=torch.uint8)
-    d = torch.rand(24, 4, generator=g) * 0.01
+    g = torch.Generator().manual_seed(k + n + 1)
+    codes = torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8)
+    d = torch.rand(n, k // 16, generator=g) * 0.01 + 1e-3
+    weight = Q4Blocks(codes, d, -32 * d * torch.rand(n, k // 16, generator=g))
+    assert weight.group == 16
+    bias = torch.randn(n, generator=g)
+    linear = cuda.Q4Linear(Q4Blocks(*(t.to(DEVICE) for t in weight)), bias.to(DEVICE))
+    assert linear.packed.shape == (k, n) and linear.d.shape == (k // 16, n)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    out = linear(x.to(DEVICE)).cpu()
+    dense = weight.dequantize()
+    expected = x.float() @ (dense.to(dtype).float() if dtype != torch.float32 else dense).t() + bias
+    tolerance = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=2e-3)
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+    # Against the weight with each block's first pair for both halves: the kernel must tell the halves apart.
+    wrong = Q4Blocks(codes, d[:, 0::2].repeat_interleave(2, dim=1), weight.m[:, 0::2].repeat_interleave(2, dim=1))
+    assert (out.float() - (x.float() @ wrong.dequantize().t() + bias)).abs().max() > 1e-2
+
+
+@gpu
+def test_gpu_q6_k_at_model_size() -> None:
+    from kvloom.ops import cuda
+
+    g = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 64, (1536, 576), generator=g, dtype=torch.uint8)
+    d = torch.rand(1536, 36, generator=g) * 0.002
     weight = Q4Blocks(codes, d, -32 * d)
-    bias = torch.randn(24)
-    linear = cuda.pack_code_blocks(weight, bias)
-    assert isinstance(linear, cuda.DequantizedLinear)
-    x = torch.randn(3, 64, generator=g)
-    torch.testing.assert_close(linear(x), x @ weight.dequantize().t() + bias)
-    assert isinstance(cuda.pack_code_blocks(random_q4(24, 64, seed=1), None), cuda.Q4Linear)
+    x = torch.randn(64, 576, device="cuda", dtype=torch.bfloat16)
+    out = cuda.Q4Linear(Q4Blocks(*(t.cuda() for t in weight)), None)(x)
+    expected = x.float() @ weight.dequantize().cuda().to(torch.bfloat16).float().t()
+    torch.testing.assert_close(out.float(), expected, atol=5e-2, rtol=2e-2)
