@@ -4,10 +4,11 @@
 Each program computes a [BLOCK_M, BLOCK_N] tile of y, one block of 32 k per step: it loads 16 bytes of each of
 BLOCK_N columns (``pack_q4_columns``: byte i of block b holds k = 32 b + i in its low nibble and 32 b + 16 + i
 in its high one, GGUF's own order), splits the nibbles, widens them with the block's d and m to x's dtype and
-takes two ``tl.dot``s of 16. 5-bit codes (Q5_1, Q5_K) are packed one a byte instead (``pack_code_columns``, two
-loads of 16 bytes per block, ``BYTE_CODES``). Q6_K's scale and offset per 16 k (``GROUP16``: d and m [K / 16, N])
-fit the same two halves of a block, each widened with its own pair. The weight crosses memory at 4 bits (plus its fp32 d and m per block); the
-activations stay as they are (no int8 quantization: on the GPU the product is the dequantized weight's).
+takes two ``tl.dot``s of 16. 5- and 6-bit codes (Q5_1, Q5_K, Q6_K) are packed one a byte instead
+(``pack_code_columns``, two loads of 16 bytes per block, ``BYTE_CODES``). Q6_K's scale and offset per 16 k
+(``GROUP16``: d and m [K / 16, N]) fit the same two halves of a block, each widened with its own pair. The weight
+crosses memory at 4 bits (plus its fp32 d and m per block); the activations stay as they are (no int8
+quantization: on the GPU the product is the dequantized weight's).
 Sums are fp32 ("ieee" for fp32 activations, not TF32); bias added once; the tile rounded once to x's dtype.
 Like the other kernels here it takes a preallocated output and never syncs the host (CUDA-graph safe).
 """
@@ -126,4 +127,5 @@ def q4_linear(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, d: torch
     grid = (triton.cdiv(rows, block_m), triton.cdiv(n, BLOCK_N))
     _q4_linear_kernel[grid](out, x, packed, d, m, d if bias is None else bias, rows, n, k, x.stride(0),
                             out.stride(0), HAS_BIAS=bias is not None, IS_FP32=x.dtype == torch.float32,
-                            BYTE_CODES=byte_codes, GROUP16=group16, BLOCK_M=block_m, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
+                            BYTE_CODES=byte_codes, GROUP16=group16, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+                            num_warps=NUM_WARPS)
