@@ -10,7 +10,8 @@
 //
 // with S exact in integers. On AVX2 vpmaddubsw multiplies the u8 nibbles by the s8 codes: each 16-bit pair
 // is at most 2 * 15 * 127 = 3810, so a whole block's 8 groups of 4 k add up in 16 bits (8 * 3810 < 32768)
-// before one vpmaddwd widens them; no sign trick, half the work of an 8-bit weight per k.
+// before one vpmaddwd widens them; no sign trick, half the work of an 8-bit weight per k. With AVX512-VNNI
+// (vpdpbusd in its 256-bit AVX512VL form) each 4 products go straight into an int32 lane: the same exact sums.
 //
 // The weight is packed once (kvloom/ops/q4.py, pack_q4_weight) into panels of kPanel = 8 output columns:
 // packed[panel][block][pair][8][4] bytes, where byte (c, i) of pair j holds q[n0 + c, 32 b + 8 j + i] in its
@@ -107,7 +108,10 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
   constexpr int kPlanes = Bits - 4;
   constexpr bool Halves = Bits == 6;
   constexpr int kScales = Halves ? 4 : 2;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+#if !defined(KVLOOM_VNNI_DOT)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
   __m256 acc[R];
   KVLOOM_UNROLL
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -122,9 +126,16 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
       planes[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
       _mm_prefetch(reinterpret_cast<const char*>(h + 4 * kPlanes * kHighBytes), _MM_HINT_T0);
     }
-    __m256i sums[R], part[R][2];
+    __m256i part[R][2];  // int32 sums per column of pairs 0-1 and 2-3 (Q6_K's two groups of 16)
+#if defined(KVLOOM_VNNI_DOT)
+    __m256i high_part[R][2];
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = high_part[r][0] = high_part[r][1] = _mm256_setzero_si256();
+#else
+    __m256i sums[R];  // 16-bit pair sums, widened into part before they can overflow
     KVLOOM_UNROLL
     for (int r = 0; r < R; ++r) sums[r] = part[r][0] = part[r][1] = _mm256_setzero_si256();
+#endif
     const int8_t* xb = xq + b * kBlock;
     KVLOOM_UNROLL
     for (int j = 0; j < kPairs; ++j) {
@@ -136,6 +147,16 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
         case 2: add_planes<Bits, 2>(lo, hi, planes); break;
         default: add_planes<Bits, 3>(lo, hi, planes); break;
       }
+#if defined(KVLOOM_VNNI_DOT)
+      // vpdpbusd adds each 4 u8 x s8 products straight into an int32 lane: exact, nothing to widen. The low and
+      // high nibbles' sums go to separate registers (two dependency chains), added before the scales.
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xb + r * ldq + 8 * j;
+        part[r][j / 2] = _mm256_dpbusd_epi32(part[r][j / 2], lo, broadcast_word(xr));
+        high_part[r][j / 2] = _mm256_dpbusd_epi32(high_part[r][j / 2], hi, broadcast_word(xr + 4));
+      }
+#else
       const bool widen = Bits == 6 || j == 3 || (j == 1 && Bits == 5);
       KVLOOM_UNROLL
       for (int r = 0; r < R; ++r) {
@@ -147,7 +168,15 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
           sums[r] = _mm256_setzero_si256();
         }
       }
+#endif
     }
+#if defined(KVLOOM_VNNI_DOT)
+    KVLOOM_UNROLL
+    for (int r = 0; r < R; ++r) {
+      part[r][0] = _mm256_add_epi32(part[r][0], high_part[r][0]);
+      part[r][1] = _mm256_add_epi32(part[r][1], high_part[r][1]);
+    }
+#endif
     const S* sb = scales + b * kScales * kPanel;
     if constexpr (Halves) {
       const __m256 d0 = load_scales(sb), d1 = load_scales(sb + kPanel);
