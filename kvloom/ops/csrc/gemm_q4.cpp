@@ -126,11 +126,12 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
       planes[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
       _mm_prefetch(reinterpret_cast<const char*>(h + 4 * kPlanes * kHighBytes), _MM_HINT_T0);
     }
-    __m256i part[R][2];  // int32 sums per column of pairs 0-1 and 2-3 (Q6_K's two groups of 16)
+    // int32 sums per column, two per row: pairs 0-1 and 2-3 (with 6-bit codes Q6_K's two groups of 16, kept apart);
+    // with 4- and 5-bit codes any split of the block's products (their sum is what counts).
+    __m256i part[R][2];
 #if defined(KVLOOM_VNNI_DOT)
-    __m256i high_part[R][2];
     KVLOOM_UNROLL
-    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = high_part[r][0] = high_part[r][1] = _mm256_setzero_si256();
+    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm256_setzero_si256();
 #else
     __m256i sums[R];  // 16-bit pair sums, widened into part before they can overflow
     KVLOOM_UNROLL
@@ -148,13 +149,15 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
         default: add_planes<Bits, 3>(lo, hi, planes); break;
       }
 #if defined(KVLOOM_VNNI_DOT)
-      // vpdpbusd adds each 4 u8 x s8 products straight into an int32 lane: exact, nothing to widen. The low and
-      // high nibbles' sums go to separate registers (two dependency chains), added before the scales.
+      // vpdpbusd adds each 4 u8 x s8 products straight into an int32 lane: exact, nothing to widen. Two
+      // dependency chains per row: a block's halves (6-bit codes), else the low and the high nibbles.
       KVLOOM_UNROLL
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = xb + r * ldq + 8 * j;
-        part[r][j / 2] = _mm256_dpbusd_epi32(part[r][j / 2], lo, broadcast_word(xr));
-        high_part[r][j / 2] = _mm256_dpbusd_epi32(high_part[r][j / 2], hi, broadcast_word(xr + 4));
+        __m256i& low_sums = part[r][Halves ? j / 2 : 0];
+        __m256i& high_sums = part[r][Halves ? j / 2 : 1];
+        low_sums = _mm256_dpbusd_epi32(low_sums, lo, broadcast_word(xr));
+        high_sums = _mm256_dpbusd_epi32(high_sums, hi, broadcast_word(xr + 4));
       }
 #else
       const bool widen = Bits == 6 || j == 3 || (j == 1 && Bits == 5);
@@ -170,13 +173,6 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
       }
 #endif
     }
-#if defined(KVLOOM_VNNI_DOT)
-    KVLOOM_UNROLL
-    for (int r = 0; r < R; ++r) {
-      part[r][0] = _mm256_add_epi32(part[r][0], high_part[r][0]);
-      part[r][1] = _mm256_add_epi32(part[r][1], high_part[r][1]);
-    }
-#endif
     const S* sb = scales + b * kScales * kPanel;
     if constexpr (Halves) {
       const __m256 d0 = load_scales(sb), d1 = load_scales(sb + kPanel);
