@@ -32,7 +32,13 @@ if [ ! -x "$DEST/bin/llama-server" ] || [ ! -x "$DEST/bin/llama-quantize" ]; the
     fi
     # LLAMA_CURL=OFF: no downloads at run time (and no libcurl needed). GGML_NATIVE builds for this
     # CPU's own instruction set (-march=native: AVX2 here, AVX-512 / bf16 where the CPU has them).
+    # Built without AMX: on an Intel Xeon with AMX (2 cores of a VM) this version's AMX path segfaults in
+    # ggml_backend_amx_mul_mat at llama-server's first batch of SmolLM2 (and so does llama-perplexity);
+    # without it ggml runs its AVX-512 VNNI kernels. LLAMA_CPP_AMX=1 keeps AMX in.
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    if [ "${LLAMA_CPP_AMX:-0}" = 1 ]; then NO_AMX=""; fi
     cmake -S "$DEST/src" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+        -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
         -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
         -DBUILD_SHARED_LIBS=OFF
     cmake --build "$DEST/build" --target llama-server llama-quantize -j "$JOBS"

@@ -12,8 +12,10 @@ and is prepared by ``pack_linear_int8_blocks``; a fused layer with some shards i
 holds all of them as blocks (a row's scale repeated over its blocks, exactly).
 
 A GGUF's 4- and 5-bit weights (``quantization="gguf"``) arrive as ``Q4Blocks`` and stay in their code blocks in
-``q4``; the op table's ``pack_linear_q4`` prepares them. A fused layer whose shards are not all code blocks (a
-Q4_K_M file's Q6_K v next to Q4_K q and k) is dequantized whole to float at packing: one product per layer.
+``q4``; the op table's ``pack_linear_q4`` prepares them. A fused layer whose shards are not all code blocks (float
+shards beside them, or Q8_0 int8 blocks beside Q4_1 / Q4_K ones) is dequantized whole to float at packing: one
+product per layer; where the others are int8 blocks and the code blocks are exactly int8 codes with a scale per 32
+(Q4_0, Q5_0: a 576-wide model's Q4_K_M has Q5_0 q and k beside a Q8_0 v), all go to the int8 blocks instead.
 """
 
 from __future__ import annotations
@@ -146,6 +148,24 @@ class Linear(nn.Module):
         self.weight.data = weight
         self.q4, self.q4_shards = None, set()
 
+    def _q4_to_int8_blocks(self) -> bool:
+        """A layer of code blocks and int8 blocks (a Q4_K_M file's Q5_0 q and k beside a Q8_0 v): the code blocks
+        moved into the int8 ones where they are exactly int8 codes times a scale per 32 (Q4_0, Q5_0), for one
+        int8 product per layer; False (nothing changed) where any is not."""
+        shards = sorted(self.q4_shards)
+        converted = []
+        for shard in shards:
+            start, size = sum(self.output_sizes[:shard]), self.output_sizes[shard]
+            rows = Q4Blocks(*(t[start:start + size] for t in self.q4)).as_int8_blocks()
+            if rows is None:
+                return False
+            converted.append((start, size, rows))
+        for start, size, (qweight, scale) in converted:
+            self.qweight[start:start + size].copy_(qweight)
+            self.weight_scale[start:start + size].copy_(scale)
+        self.q4, self.q4_shards = None, set()
+        return True
+
     def quantize(self) -> None:
         """Store the weight as int8 with a scale per output row; the float weight is released."""
         qweight, scale = int8.quantize_per_channel(self.weight.data)
@@ -175,7 +195,8 @@ class Linear(nn.Module):
             return
         bias = None if self.bias is None else self.bias.data
         if self.q4 is not None and len(self.q4_shards) < len(self.output_sizes):
-            self._q4_to_float()
+            if not (self.qweight is not None and self.blocks and not self.float_shards and self._q4_to_int8_blocks()):
+                self._q4_to_float()
         elif self.qweight is not None and self.float_shards:
             self._int8_to_float()
         if self.q4 is not None:

@@ -98,6 +98,24 @@ class Q4Blocks(NamedTuple):
         """Whether every code is 0..15, so the 4-bit product (two codes per byte) takes it exactly."""
         return self.codes.numel() == 0 or int(self.codes.max()) <= 15
 
+    def as_int8_blocks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The same values as int8 codes with a scale per block of 32 ([N, K] int8, [N, K / 32] fp32), where every
+        block's offset is a whole number of its scales that leaves the codes in int8 (GGUF Q4_0: m = -8 d, Q5_0:
+        -16 d), so q * d + m = (q + m / d) * d exactly; None for any other weight (offsets of their own, Q6_K's
+        scales per 16)."""
+        if self.group != BLOCK:
+            return None
+        zero = self.d == 0
+        shift = torch.where(zero, torch.zeros_like(self.m), self.m / torch.where(zero, torch.ones_like(self.d), self.d))
+        if bool((zero & (self.m != 0)).any()) or not torch.equal(shift, shift.round()) \
+                or not torch.equal(shift * self.d, torch.where(zero, torch.zeros_like(self.m), self.m)):
+            return None
+        n, k = self.codes.shape
+        codes = self.codes.view(n, k // BLOCK, BLOCK).to(torch.int16) + shift.to(torch.int16)[..., None]
+        if codes.numel() and (int(codes.min()) < -128 or int(codes.max()) > 127):
+            return None
+        return codes.view(n, k).to(torch.int8), self.d.float().clone()
+
     def dequantize(self) -> torch.Tensor:
         """fp32 [N, K]: q * d + m per group."""
         n, k = self.codes.shape

@@ -288,6 +288,58 @@ def test_a_fused_layer_partly_int8_is_held_in_float(int8_first: bool) -> None:
     assert layer.quantized and not layer.float_shards and layer.weight.numel() == 0
 
 
+@pytest.mark.parametrize("int8_first", [False, True])
+def test_q5_0_code_blocks_beside_a_q8_0_v_join_its_int8_blocks(int8_first: bool) -> None:
+    """llama.cpp's Q4_K_M of a 576-wide model: Q5_0 q and k (code blocks, offset -16 d) beside a Q8_0 v (int8
+    blocks). Q5_0's values are int8 codes q - 16 times d, so the layer holds all three as int8 blocks, exactly, and
+    packs one int8 product (it was dequantized whole); code blocks with offsets of their own (Q4_1) beside Q8_0
+    still make the layer float."""
+    from kvloom.ops.int8 import Int8Blocks, w8a8_blocks_linear_reference
+
+    g = torch.Generator().manual_seed(4)
+
+    def q5_0(rows: int) -> Q4Blocks:
+        d = (torch.rand(rows, 2, generator=g) * 0.02).half().float()  # fp16 scales, as a file has
+        return Q4Blocks(torch.randint(0, 32, (rows, 64), generator=g, dtype=torch.uint8), d, -16 * d)
+
+    q, k = q5_0(32), q5_0(16)
+    v = Int8Blocks(torch.randint(-127, 128, (16, 64), generator=g, dtype=torch.int8), torch.rand(16, 2, generator=g))
+    layer = Linear(64, [32, 16, 16])
+    order = [(2, v), (0, q), (1, k)] if int8_first else [(0, q), (1, k), (2, v)]
+    for shard, tensor in order:
+        layer.load_shard("weight", shard, tensor)
+    layer.process_weights_after_loading(REFERENCE_OPS)
+    assert layer.q4 is None and layer.weight.numel() == 0
+    assert "Int8Blocks" in type(layer.packed).__name__
+    expected = torch.cat((q.dequantize(), k.dequantize(), v.dequantize()))
+    held = Int8Blocks(layer.packed.qweight, layer.packed.scale)
+    assert torch.equal(held.dequantize(), expected)
+    x = torch.randn(3, 64, generator=g)
+    torch.testing.assert_close(layer(x), w8a8_blocks_linear_reference(x, *held), rtol=1e-5, atol=1e-4)
+    q4_1 = Q4Blocks.quantize(torch.randn(32, 64, generator=g))
+    assert q4_1.as_int8_blocks() is None and q.as_int8_blocks() is not None
+    layer = Linear(64, [32, 16])
+    layer.load_shard("weight", 0, q4_1)
+    layer.load_shard("weight", 1, Int8Blocks(v.qweight, v.scale))
+    layer.process_weights_after_loading(REFERENCE_OPS)
+    assert layer.qweight is None and torch.equal(layer.weight.data, torch.cat((q4_1.dequantize(), v.dequantize())))
+
+
+def test_a_gguf_with_a_q8_0_v_beside_q5_0_q_and_k_runs_the_int8_product(tmp_path) -> None:
+    checkpoint = tiny_models.build_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", tie_word_embeddings=False)
+    path = tiny_models.write_tiny_gguf(str(tmp_path / "mixed.gguf"), checkpoint,
+                                       types={"attn_v": GGML_Q8_0, "ffn_down": GGML_F16})
+    kept = LLM(model=path, dtype="float32", max_model_len=128)
+    assert kept.llm_engine.config.quantization == "gguf"
+    if cpu.cpu_kernel_available():
+        model = kept.llm_engine.executor.driver.model
+        assert all(type(layer.self_attn.qkv_proj.packed).__name__ == "PackedInt8BlocksWeight"
+                   for layer in model.layers)
+    floats = LLM(model=path, dtype="float32", max_model_len=128, quantization="none")
+    worst = worst_prompt_logprob_gap(kept, floats, mixed_prompts(400, count=4, seed=3))
+    assert worst < 0.05, worst
+
+
 def test_a_gguf_with_a_q8_0_v_beside_float_q_and_k_stays_close_to_its_float_load(tmp_path) -> None:
     """The file's 4-bit MLP makes quantization 'gguf' (Q8_0 kept as blocks); the attention's q/k/v (F16, F16,
     Q8_0) are held in float, so the model stays as close to its dequantized load as the 4-bit product allows."""
