@@ -11,8 +11,10 @@ both engines alike. Prints the median of each figure and the ratio kvloom / peer
     .venv/bin/python benchmarks/compare.py --peer vllm            # N=64, 3 repeats each
     .venv/bin/python benchmarks/compare.py --peer llamacpp -n 8 --repeats 5 --json cmp.json
     .venv/bin/python benchmarks/compare.py --base hf --peer vllm   # two peers, no kvloom
-    # one engine, two settings: kvloom int8 against kvloom bf16
+    # one engine, two settings: kvloom int8 against kvloom bf16; AMX products against kvloom's GEMM alone
     .venv/bin/python benchmarks/compare.py --peer kvloom --base-arg=--engine-arg=quantization=int8
+    .venv/bin/python benchmarks/compare.py --peer kvloom --peer-env=KVLOOM_CPU_AMX=0 \
+        '--base-arg=--engine-arg=quantization="none"' '--peer-arg=--engine-arg=quantization="none"'
     # a noisy neighbour: one process spinning on a core for the whole comparison (as a busy HTTP
     # server, tokenizer or build would)
     .venv/bin/python benchmarks/compare.py --peer vllm --background-load 1
@@ -67,13 +69,20 @@ def engine_command(engine: str, num_prompts: int, json_path: str, extra: list[st
     raise SystemExit(f"unknown engine {engine!r}; choose from {ENGINES}")
 
 
-def engine_env() -> dict[str, str]:
-    """The runs import this checkout's kvloom (whatever the venv has installed as kvloom)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+def engine_env(extra: list[str] | None = None) -> dict[str, str]:
+    """The runs import this checkout's kvloom (whatever the venv has installed as kvloom); ``extra``: KEY=VALUE
+    settings for this side's environment (--base-env / --peer-env)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    for item in extra or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"an environment setting must be KEY=VALUE, got {item!r}")
+        env[key] = value
+    return env
 
 
 def run_once(engine: str, num_prompts: int, extra: list[str], timeout: float,
-             log_dir: Path) -> dict[str, Any] | None:
+             log_dir: Path, env: list[str] | None = None) -> dict[str, Any] | None:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         json_path = f.name
     command = engine_command(engine, num_prompts, json_path, extra)
@@ -82,7 +91,7 @@ def run_once(engine: str, num_prompts: int, extra: list[str], timeout: float,
     try:
         with open(log_path, "w") as log:
             proc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
-                                  cwd=ROOT, env=engine_env())
+                                  cwd=ROOT, env=engine_env(env))
         if proc.returncode != 0:
             tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
             print(f"  {engine} failed (exit {proc.returncode}, log {log_path}):", *tail, sep="\n    ")
@@ -121,21 +130,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-arg", action="append", default=[],
                         help="extra argument for the peer's script, repeatable "
                              "(e.g. --peer-arg=--dtype=float32, llama.cpp: --peer-arg=--gguf=f16)")
+    parser.add_argument("--base-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable for the base engine's runs, repeatable "
+                             "(e.g. --base-env=KVLOOM_CPU_AMX=0)")
+    parser.add_argument("--peer-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable for the peer's runs, repeatable")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--json", metavar="PATH", help="write every run and the medians as JSON")
     parser.add_argument("--background-load", type=int, default=0, metavar="N",
                         help="N processes spinning on the CPU through every run (default 0)")
     args = parser.parse_args(argv)
-    if args.base == args.peer and args.base_arg == args.peer_arg:
-        raise SystemExit("--base and --peer must differ (in engine or in --base-arg / --peer-arg)")
+    if args.base == args.peer and args.base_arg == args.peer_arg and args.base_env == args.peer_env:
+        raise SystemExit("--base and --peer must differ (in engine, in --base-arg / --peer-arg or in --base-env / "
+                         "--peer-env)")
 
     log_dir = ROOT / ".peers" / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     # Two sides, each an engine and its extra arguments; labelled apart when the engine is the same.
     sides = {"base": (args.base, args.base_arg), "peer": (args.peer, args.peer_arg)}
+    envs = {"base": args.base_env, "peer": args.peer_env}
     labels = {"base": args.base, "peer": args.peer}
     if args.base == args.peer:
-        labels = {side: f"{engine}[{' '.join(extra) or 'default'}]" for side, (engine, extra) in sides.items()}
+        labels = {side: f"{engine}[{' '.join(envs[side] + extra) or 'default'}]"
+                  for side, (engine, extra) in sides.items()}
         labels = {side: label.replace("--engine-arg=", "") for side, label in labels.items()}
     runs: dict[str, list[dict[str, Any]]] = {"base": [], "peer": []}
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.background_load)]
@@ -147,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"repeat {repeat + 1}/{args.repeats}", flush=True)
             for side in order:
                 engine, extra = sides[side]
-                result = run_once(engine, args.num_prompts, extra, args.timeout, log_dir)
+                result = run_once(engine, args.num_prompts, extra, args.timeout, log_dir, envs[side])
                 if result is not None:
                     runs[side].append(result)
     finally:

@@ -81,7 +81,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if linear_format(torch.bfloat16) != "kvloom" or not int8_kernels_available():
+    if linear_format(torch.bfloat16) not in ("kvloom", "hybrid") or not int8_kernels_available():
         print("kvloom's GEMMs are not available here (they need AVX2 or AVX-512 and the built CPU kernels)")
         return 1
     print(f"threads {args.threads}; median us [interquartile spread %]; x = bf16 time / int8 time")

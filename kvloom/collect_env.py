@@ -39,7 +39,7 @@ def _ops_summary(dtype: Any) -> dict[str, Any]:
     int8 = getattr(ops.pack_linear_int8, "func", ops.pack_linear_int8)
     return {"table": ops.name, "linear": cpu.linear_format(dtype) or "F.linear (torch)",
             "int8_linear": getattr(int8, "__name__", str(int8)),
-            "layer_stack": ops.llama_layer_stack is not None and cpu.linear_format(dtype) == "kvloom"}
+            "layer_stack": ops.llama_layer_stack is not None and cpu.linear_format(dtype) in ("kvloom", "hybrid")}
 
 
 def collect() -> dict[str, Any]:

@@ -196,7 +196,7 @@ class EagleHead(nn.Module):
             embeds = self.embedding_layernorm(embeds)
             hidden = self.hidden_states_layernorm(hidden)
         hidden = self.fc(torch.cat([embeds, hidden], dim=-1))
-        if self.layer_stack is not None:
+        if self.layer_stack is not None and self.layer_stack.takes(hidden.shape[0]):
             hidden, residual = self.layer_stack(hidden, positions, kv_caches, metadata)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):

@@ -255,8 +255,9 @@ class LlamaForCausalLM(nn.Module):
         ``inputs_embeds`` [T, H]: the input rows in place of the token embeddings (a vision-language model's,
         image embeddings among them)."""
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if self.layer_stack is not None and not self.aux_hidden_state_layers:
-            hidden, residual = self.layer_stack(hidden, positions, kv_caches, metadata)
+        stack = self.layer_stack
+        if stack is not None and not self.aux_hidden_state_layers and stack.takes(hidden.shape[0]):
+            hidden, residual = stack(hidden, positions, kv_caches, metadata)
             return self.norm(hidden, residual)[0]
         residual = None
         streams: dict[int, torch.Tensor] = {}

@@ -298,12 +298,29 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 GEMM_PANEL = 48
 
 
+# On a CPU with AMX (Intel Xeon 4th gen on), oneDNN's bf16 products run on its tiles: on 2 cores of one, against
+# kvloom's AVX512-BF16 GEMM at SmolLM2's shapes, 0.6-0.8x as fast at 1 row, even at 3, 1.1-1.25x at 4, 1.4-2x at 8,
+# 5.6-6.3x at 64 and 5.6-12x at 512 (ad-hoc timing of PackedWeight both ways, medians of 5). So a "hybrid" weight
+# holds both packings (twice the bf16 bytes) and takes oneDNN's from AMX_MIN_ROWS rows; a step of at least
+# AMX_STACK_ROWS tokens runs the layers module by module (the layer stack calls kvloom's GEMM only).
+AMX_MIN_ROWS = 4
+AMX_STACK_ROWS = 16
+
+
+def amx_bf16() -> bool:
+    """Whether oneDNN's bf16 products run on AMX here (the CPU has AMX-BF16 at the ISA level in force, torch has
+    oneDNN) and KVLOOM_CPU_AMX is not 0."""
+    return (cpu_capability().has("amx_bf16") and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and envs.get_bool("KVLOOM_CPU_AMX", default=True))
+
+
 def linear_format(dtype: torch.dtype) -> str | None:
-    """The fastest packed GEMM this process has for ``dtype`` on the CPU, or None (F.linear)."""
+    """The fastest packed GEMM this process has for ``dtype`` on the CPU, or None (F.linear): kvloom's, with
+    oneDNN's beside it on an AMX CPU ("hybrid"), or oneDNN's alone where kvloom's library is not built."""
     if dtype != torch.bfloat16:
         return None
     if cpu_kernel_available() and hasattr(torch.ops.kvloom, "gemm_bf16"):
-        return "kvloom"
+        return "hybrid" if amx_bf16() else "kvloom"
     # oneDNN refuses bf16 weights where the CPU lacks AVX-512 BW/VL/DQ and AVX-NE-CONVERT (or the level is capped).
     if (cpu_capability().onednn_bf16 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
@@ -333,22 +350,26 @@ class PackedWeight:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, batch_hint: int = 64) -> None:
         self.format = fmt
         self.out_features, self.in_features = weight.shape
-        if fmt == "kvloom":
+        # oneDNN's packing (fmt "onednn", or beside kvloom's in "hybrid": from AMX_MIN_ROWS rows), or None.
+        self.onednn: torch.Tensor | None = None
+        self.onednn_bias: torch.Tensor | None = None
+        if fmt not in ("kvloom", "onednn", "hybrid"):
+            raise ValueError(f"unknown packed weight format {fmt!r}; expected 'kvloom', 'onednn' or 'hybrid'")
+        if fmt in ("kvloom", "hybrid"):
             self.data = pack_gemm_weight(weight, gemm_panel())
             self.bias = None if bias is None else bias.float()  # added to the fp32 sums before rounding
-        elif fmt == "onednn":
-            self.data = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-            self.bias = bias
-        else:
-            raise ValueError(f"unknown packed weight format {fmt!r}; expected 'kvloom' or 'onednn'")
+        if fmt in ("onednn", "hybrid"):
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+            self.onednn_bias = bias
+        self.onednn_min_rows = AMX_MIN_ROWS if fmt == "hybrid" else 0
 
     def stack_args(self) -> tuple[int, list[torch.Tensor | None], int] | None:
         """(kind, tensors, W8A8 rows) for csrc/decoder.cpp's plan; None: oneDNN's product, which it cannot call."""
-        return (STACK_BF16, [self.data, self.bias], 0) if self.format == "kvloom" else None
+        return None if self.format == "onednn" else (STACK_BF16, [self.data, self.bias], 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.format == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.data, self.bias, "none", [], "")
+        if self.onednn is not None and x.numel() >= self.onednn_min_rows * self.in_features:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.onednn_bias, "none", [], "")
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
@@ -386,6 +407,14 @@ class LlamaLayerStack:
                                                           shape.eps, shape.scale)
         # LoRA (kvloom/lora/model_manager.py): each token's compute slot [T] int64 for the next calls, or None.
         self.lora_token_slots: torch.Tensor | None = None
+        # Steps of this many tokens or more run module by module, where a hybrid weight takes oneDNN's AMX product.
+        hybrid = any(getattr(packed, "format", None) == "hybrid" for layer in layers
+                     for packed in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        self.max_rows = AMX_STACK_ROWS - 1 if hybrid else sys.maxsize
+
+    def takes(self, rows: int) -> bool:
+        """Whether a step of ``rows`` tokens should run here (else module by module: see AMX_STACK_ROWS)."""
+        return rows <= self.max_rows
 
     def set_lora(self, lora_a: list[torch.Tensor], lora_b_t: list[torch.Tensor], shard_rank: int) -> None:
         """The adapters' compute slots, per layer those of qkv, o, gate_up, down (csrc/lora.h's layout: A

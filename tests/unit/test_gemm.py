@@ -28,7 +28,7 @@ def _assert_rounding_close(actual: torch.Tensor, x: torch.Tensor, weight: torch.
 
 @pytest.fixture(scope="module")
 def gemm_kernel() -> None:
-    if linear_format(torch.bfloat16) != "kvloom":
+    if linear_format(torch.bfloat16) not in ("kvloom", "hybrid"):
         pytest.skip("the kvloom GEMM needs AVX512-BF16 or AVX2 and the built CPU kernels")
 
 
@@ -76,12 +76,14 @@ def test_gemm_rejects_a_weight_of_another_shape(gemm_kernel: None) -> None:
         torch.ops.kvloom.gemm_bf16(torch.empty(4, 96, dtype=torch.bfloat16), x, packed, None)
 
 
-@pytest.mark.parametrize("fmt", ["kvloom", "onednn"])
+@pytest.mark.parametrize("fmt", ["kvloom", "onednn", "hybrid"])
 def test_packed_linear_and_lm_head_match_f_linear(fmt: str) -> None:
+    """Each packing (hybrid: kvloom's below AMX_MIN_ROWS rows, oneDNN's from there) against F.linear's sums; made
+    where the CPU can run it, AMX or not (hybrid is the default only with AMX)."""
     available = linear_format(torch.bfloat16)
-    if available is None or (fmt == "kvloom" and available != "kvloom"):
+    if available is None or (fmt in ("kvloom", "hybrid") and available not in ("kvloom", "hybrid")):
         pytest.skip(f"the {fmt} GEMM is not available here")
-    if fmt == "onednn" and not cpu_capability().onednn_bf16:
+    if fmt in ("onednn", "hybrid") and not cpu_capability().onednn_bf16:
         pytest.skip("oneDNN's bf16 linear needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
     torch.manual_seed(0)
     layer = Linear(96, [64, 32], bias=True).to(torch.bfloat16)
@@ -93,7 +95,7 @@ def test_packed_linear_and_lm_head_match_f_linear(fmt: str) -> None:
     head = LMHead(200, 96).to(torch.bfloat16)
     head.weight.data.normal_()
     head.process_weights_after_loading(ops)
-    for rows in (1, 16, 333):
+    for rows in (1, 3, 4, 16, 333):
         x = torch.randn(rows, 96, dtype=torch.bfloat16)
         _assert_rounding_close(layer(x), x, weight, bias)
         _assert_rounding_close(head(x), x, head.weight.data, None)

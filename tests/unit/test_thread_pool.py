@@ -17,7 +17,7 @@ from kvloom.ops.cpu import PackedWeight, cpu_kernel_available, linear_format
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    if not cpu_kernel_available() or linear_format(torch.bfloat16) != "kvloom":
+    if not cpu_kernel_available() or linear_format(torch.bfloat16) not in ("kvloom", "hybrid"):
         pytest.skip("needs the built CPU kernels with the bf16 GEMM")
     torch.ops.kvloom.use_thread_pool(True)  # KVLOOM_CPU_THREAD_POOL=1
     yield
