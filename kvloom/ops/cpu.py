@@ -303,8 +303,12 @@ GEMM_PANEL = 48
 # 5.6-6.3x at 64 and 5.6-12x at 512 (ad-hoc timing of PackedWeight both ways, medians of 5). So a "hybrid" weight
 # holds both packings (twice the bf16 bytes) and takes oneDNN's from AMX_MIN_ROWS rows; a step of at least
 # AMX_STACK_ROWS tokens runs the layers module by module (the layer stack calls kvloom's GEMM only).
+# A weight too large for the caches streams from memory at 1 row either way (2048 x 8192: 0.94x, 4096 x 4096:
+# 1.03x), so from AMX_ONLY_ELEMENTS values it holds oneDNN's packing alone, not twice its bytes (a 7B model's
+# every projection; a 1B model's MLP).
 AMX_MIN_ROWS = 4
 AMX_STACK_ROWS = 16
+AMX_ONLY_ELEMENTS = 1 << 24
 
 
 def amx_bf16() -> bool:
@@ -326,6 +330,11 @@ def linear_format(dtype: torch.dtype) -> str | None:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return "onednn"
     return None
+
+
+def weight_format(fmt: str, weight: torch.Tensor) -> str:
+    """The packing of one weight under ``linear_format``'s answer: a hybrid's large weights take oneDNN's alone."""
+    return "onednn" if fmt == "hybrid" and weight.numel() >= AMX_ONLY_ELEMENTS else fmt
 
 
 def gemm_panel() -> int:

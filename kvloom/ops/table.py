@@ -170,7 +170,8 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
     from kvloom.ops import cpu
 
     fmt = cpu.linear_format(dtype)  # oneDNN's packed GEMM even where our library is not built
-    pack = None if fmt is None else (lambda weight, bias: cpu.PackedWeight(weight, bias, fmt, batch_hint))
+    pack = None if fmt is None else (
+        lambda weight, bias: cpu.PackedWeight(weight, bias, cpu.weight_format(fmt, weight), batch_hint))
     # Experts packed one by one for the same GEMM as the linears (bf16); else the reference's F.linear.
     pack_experts = reference.ReferenceExperts if pack is None else functools.partial(native.PackedExperts,
                                                                                      pack_linear=pack)

@@ -109,3 +109,26 @@ def test_packed_linear_and_lm_head_match_f_linear(fmt: str) -> None:
 def test_packed_weight_names_an_unknown_format() -> None:
     with pytest.raises(ValueError, match="unknown packed weight format 'amx'"):
         PackedWeight(torch.zeros(4, 4, dtype=torch.bfloat16), None, "amx", 1)
+
+
+def test_hybrid_weights_take_onednns_product_from_amx_min_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AMX CPU's bf16 weights ("hybrid"): kvloom's GEMM below AMX_MIN_ROWS rows, oneDNN's from there, each the
+    very product its own format gives; a weight of AMX_ONLY_ELEMENTS values or more holds oneDNN's alone."""
+    from kvloom.ops import cpu
+
+    if linear_format(torch.bfloat16) not in ("kvloom", "hybrid") or not cpu_capability().onednn_bf16:
+        pytest.skip("needs kvloom's GEMM and oneDNN's bf16 linear")
+    torch.manual_seed(1)
+    weight, bias = torch.randn(80, 96, dtype=torch.bfloat16), torch.randn(80, dtype=torch.bfloat16)
+    hybrid = PackedWeight(weight, bias, "hybrid", 8)
+    alone = {fmt: PackedWeight(weight, bias, fmt, 8) for fmt in ("kvloom", "onednn")}
+    assert hybrid.stack_args()[1][0] is hybrid.data and alone["onednn"].stack_args() is None
+    calls = []
+    onednn = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape[0]) or onednn(*a))
+    for rows in (1, cpu.AMX_MIN_ROWS - 1, cpu.AMX_MIN_ROWS, 40):
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        torch.testing.assert_close(hybrid(x), alone["kvloom"](x), rtol=8e-3, atol=1e-2)
+    assert calls == [cpu.AMX_MIN_ROWS, 40]  # the rows of the calls that took oneDNN's product
+    assert cpu.weight_format("hybrid", torch.empty(cpu.AMX_ONLY_ELEMENTS // 1024, 1024)) == "onednn"
+    assert cpu.weight_format("hybrid", weight) == "hybrid" and cpu.weight_format("kvloom", weight) == "kvloom"

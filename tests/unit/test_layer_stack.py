@@ -154,6 +154,23 @@ def test_stack_keeps_out_what_it_cannot_run(stack_kernel: None, tiny_llama_dir: 
     assert model.layer_stack is None
 
 
+def test_stack_leaves_large_steps_to_onednn_where_weights_are_hybrid(stack_kernel: None, tiny_llama_dir: str,
+                                                                     monkeypatch) -> None:
+    """On an AMX CPU (bf16 weights holding oneDNN's packing beside kvloom's) a step of AMX_STACK_ROWS tokens or
+    more runs module by module, where oneDNN's AMX products take it; with KVLOOM_CPU_AMX=0 the stack takes all."""
+    monkeypatch.setenv("KVLOOM_CPU_AMX", "0")
+    model, _, _ = _model(tiny_llama_dir)
+    assert model.layer_stack.takes(4096)
+    monkeypatch.setenv("KVLOOM_CPU_AMX", "1")
+    model, _, _ = _model(tiny_llama_dir)
+    if not cpu.amx_bf16():
+        assert cpu.linear_format(torch.bfloat16) == "kvloom" and model.layer_stack.takes(4096)
+        return
+    assert model.layers[0].mlp.down_proj.packed.format == "hybrid"
+    stack = model.layer_stack
+    assert stack.takes(cpu.AMX_STACK_ROWS - 1) and not stack.takes(cpu.AMX_STACK_ROWS)
+
+
 def test_engine_tokens_equal_with_and_without_the_stack(stack_kernel: None, tiny_llama_dir: str,
                                                          monkeypatch) -> None:
     from kvloom import LLM, SamplingParams
