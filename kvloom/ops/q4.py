@@ -108,6 +108,7 @@ class Q4Blocks(NamedTuple):
         zero = self.d == 0
         shift = torch.where(zero, torch.zeros_like(self.m), self.m / torch.where(zero, torch.ones_like(self.d), self.d))
         if bool((zero & (self.m != 0)).any()) or not torch.equal(shift, shift.round()) \
+                or (shift.numel() and float(shift.abs().max()) > 255) \
                 or not torch.equal(shift * self.d, torch.where(zero, torch.zeros_like(self.m), self.m)):
             return None
         n, k = self.codes.shape

@@ -318,6 +318,7 @@ def test_q5_0_code_blocks_beside_a_q8_0_v_join_its_int8_blocks(int8_first: bool)
     torch.testing.assert_close(layer(x), w8a8_blocks_linear_reference(x, *held), rtol=1e-5, atol=1e-4)
     q4_1 = Q4Blocks.quantize(torch.randn(32, 64, generator=g))
     assert q4_1.as_int8_blocks() is None and q.as_int8_blocks() is not None
+    assert Q4Blocks(q.codes, q.d, q.d * 1e6).as_int8_blocks() is None  # a whole but far too large offset
     layer = Linear(64, [32, 16])
     layer.load_shard("weight", 0, q4_1)
     layer.load_shard("weight", 1, Int8Blocks(v.qweight, v.scale))
