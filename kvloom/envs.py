@@ -24,7 +24,7 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "KVLOOM_CPU_AMX": "0: bf16 products run kvloom's own GEMM at every batch size; default 1: on a CPU with AMX "
     "they hold oneDNN's packing too (twice the bytes; a weight of 16M+ values holds oneDNN's alone) and take its AMX "
     "product from 4 rows, and steps of "
-    "16 tokens or more run the layers module by module (5-12x kvloom's GEMM at 64-512 rows)",
+    "4 tokens or more run the layers module by module (5-12x kvloom's GEMM at 64-512 rows)",
     "KVLOOM_CPU_ISA": "avx512, avx2 or generic: run as on a CPU with at most that instruction set (kvloom's kernels "
     "are built for it, torch's ATen and oneDNN capped to it); default: what the CPU has (kvloom env shows it)",
     "KVLOOM_LOGGING_LEVEL": "log level of the kvloom logger (default INFO)",

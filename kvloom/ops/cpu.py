@@ -301,13 +301,13 @@ GEMM_PANEL = 48
 # On a CPU with AMX (Intel Xeon 4th gen on), oneDNN's bf16 products run on its tiles: on 2 cores of one, against
 # kvloom's AVX512-BF16 GEMM at SmolLM2's shapes, 0.6-0.8x as fast at 1 row, even at 3, 1.1-1.25x at 4, 1.4-2x at 8,
 # 5.6-6.3x at 64 and 5.6-12x at 512 (ad-hoc timing of PackedWeight both ways, medians of 5). So a "hybrid" weight
-# holds both packings (twice the bf16 bytes) and takes oneDNN's from AMX_MIN_ROWS rows; a step of at least
-# AMX_STACK_ROWS tokens runs the layers module by module (the layer stack calls kvloom's GEMM only).
+# holds both packings (twice the bf16 bytes) and takes oneDNN's from AMX_MIN_ROWS rows; a step of as many tokens
+# runs the layers module by module (the layer stack calls kvloom's GEMM only; from 8 tokens that is 1.13x the
+# stack at N=8, from 4 the same again, benchmarks/compare.py).
 # A weight too large for the caches streams from memory at 1 row either way (2048 x 8192: 0.94x, 4096 x 4096:
 # 1.03x), so from AMX_ONLY_ELEMENTS values it holds oneDNN's packing alone, not twice its bytes (a 7B model's
 # every projection; a 1B model's MLP).
 AMX_MIN_ROWS = 4
-AMX_STACK_ROWS = 16
 AMX_ONLY_ELEMENTS = 1 << 24
 
 
@@ -416,13 +416,13 @@ class LlamaLayerStack:
                                                           shape.eps, shape.scale)
         # LoRA (kvloom/lora/model_manager.py): each token's compute slot [T] int64 for the next calls, or None.
         self.lora_token_slots: torch.Tensor | None = None
-        # Steps of this many tokens or more run module by module, where a hybrid weight takes oneDNN's AMX product.
+        # Steps of more tokens run module by module, where a hybrid weight takes oneDNN's AMX product.
         hybrid = any(getattr(packed, "format", None) == "hybrid" for layer in layers
                      for packed in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        self.max_rows = AMX_STACK_ROWS - 1 if hybrid else sys.maxsize
+        self.max_rows = AMX_MIN_ROWS - 1 if hybrid else sys.maxsize
 
     def takes(self, rows: int) -> bool:
-        """Whether a step of ``rows`` tokens should run here (else module by module: see AMX_STACK_ROWS)."""
+        """Whether a step of ``rows`` tokens should run here (else module by module: see AMX_MIN_ROWS)."""
         return rows <= self.max_rows
 
     def set_lora(self, lora_a: list[torch.Tensor], lora_b_t: list[torch.Tensor], shard_rank: int) -> None:

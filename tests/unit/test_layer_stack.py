@@ -156,7 +156,7 @@ def test_stack_keeps_out_what_it_cannot_run(stack_kernel: None, tiny_llama_dir: 
 
 def test_stack_leaves_large_steps_to_onednn_where_weights_are_hybrid(stack_kernel: None, tiny_llama_dir: str,
                                                                      monkeypatch) -> None:
-    """On an AMX CPU (bf16 weights holding oneDNN's packing beside kvloom's) a step of AMX_STACK_ROWS tokens or
+    """On an AMX CPU (bf16 weights holding oneDNN's packing beside kvloom's) a step of AMX_MIN_ROWS tokens or
     more runs module by module, where oneDNN's AMX products take it; with KVLOOM_CPU_AMX=0 the stack takes all."""
     monkeypatch.setenv("KVLOOM_CPU_AMX", "0")
     model, _, _ = _model(tiny_llama_dir)
@@ -168,7 +168,7 @@ def test_stack_leaves_large_steps_to_onednn_where_weights_are_hybrid(stack_kerne
         return
     assert model.layers[0].mlp.down_proj.packed.format == "hybrid"
     stack = model.layer_stack
-    assert stack.takes(cpu.AMX_STACK_ROWS - 1) and not stack.takes(cpu.AMX_STACK_ROWS)
+    assert stack.takes(cpu.AMX_MIN_ROWS - 1) and not stack.takes(cpu.AMX_MIN_ROWS)
 
 
 def test_engine_tokens_equal_with_and_without_the_stack(stack_kernel: None, tiny_llama_dir: str,
