@@ -7,7 +7,9 @@
 - the bf16 GEMM (csrc/gemm.cpp): weights packed once after loading (``pack_linear``) into panels for an
   AVX512-BF16 micro-kernel (1.05-1.2x oneDNN at batch 64, about 2x at batches of 1-8 on SmolLM2's shapes,
   ``benchmarks/gemm_micro.py``) or, on AVX2, bf16 widened to fp32 in registers for FMAs; oneDNN's
-  pre-packed linear where our kernel is not built. All compute F.linear's answer: fp32 sums, rounded once.
+  pre-packed linear where our kernel is not built, and beside it on a CPU with AMX, whose tiles run oneDNN's
+  product 1.4-12x ours from 4 rows ("hybrid", ``AMX_MIN_ROWS``). All compute F.linear's answer: fp32 sums, rounded
+  once.
 - the int8 GEMMs (csrc/gemm_int8.cpp) for int8 weights (``pack_linear_int8``, ``PackedInt8Weight``):
   one packing into 48-column panels of 4-k groups serves W8A8 (activations quantized per token inside
   the op, exact int32 sums: AVX512-VNNI, or AVX2's vpmaddubsw with the weight's sign moved onto the
