@@ -48,6 +48,16 @@
 #define KVLOOM_Q4_AVX2
 #endif
 
+// AMX-INT8 tiles (Intel Xeon 4th gen on, with AVX-512 for the epilogue) where the build has them.
+#if defined(KVLOOM_Q4_AVX2) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
+    defined(__AVX512DQ__) && defined(__linux__)
+#define KVLOOM_Q4_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#endif
+
 namespace {
 
 using kvloom::parallel_for;
@@ -209,6 +219,124 @@ constexpr Q4Kernel<T, S> kQ4Kernels[kRows + 1] = {nullptr, &q4_kernel<1, Bits, T
                                                   &q4_kernel<3, Bits, T, S>, &q4_kernel<4, Bits, T, S>};
 #endif
 
+#if defined(KVLOOM_Q4_AMX)
+// With AMX, 16 rows at a time take tiles: per block of 32 k and two panels (16 columns), one tdpbsud multiplies
+// the rows' s8 codes (tile A, 16 x 32 bytes, read in place) by the columns' codes (tile B: 8 quads of k x 16
+// columns x 4 bytes, unpacked once per panel pair from the nibbles and bit planes) into 16 x 16 exact int32 sums,
+// which the same fp32 FMAs as the AVX2 kernel's, in the same order, scale into the rows' sums: bit for bit its
+// result. 4- and 5-bit codes (scales per 32); 6-bit ones (per 16) and the last rows short of 16 keep the kernel
+// above.
+constexpr int64_t kAmxRows = 16;
+constexpr int64_t kTileBytes = 8 * 64;  // one block's B tile
+
+// Whether this process may use the tiles (Linux grants them on request, once) and KVLOOM_CPU_AMX is not 0.
+bool amx_ready() {
+  static const bool ready = [] {
+    const char* env = std::getenv("KVLOOM_CPU_AMX");
+    if (env != nullptr && env[0] == '0' && env[1] == '\0') return false;
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return ready;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tile 0: C, 16 rows x 16 int32 sums; 1: A, 16 rows x 32 s8 codes; 2: B, 8 quads x 16 columns x 4 u8 codes.
+inline void configure_tiles() {
+  TileConfig config;
+  config.rows[0] = 16;
+  config.colsb[0] = 64;
+  config.rows[1] = 16;
+  config.colsb[1] = 32;
+  config.rows[2] = 8;
+  config.colsb[2] = 64;
+  _tile_loadconfig(&config);
+}
+
+// Two panels' codes as B tiles, one per block: row 2 j + h holds, for each of the 16 columns, the 4 codes of pair
+// j's low (h = 0) or high (h = 1) nibbles with their upper bits (panel1 null: its 8 columns zero).
+template <int Bits>
+void unpack_tiles(const uint8_t* panel0, const uint8_t* high0, const uint8_t* panel1, const uint8_t* high1,
+                  int64_t blocks, uint8_t* out) {
+  constexpr int kPlanes = Bits - 4;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* w = half ? panel1 : panel0;
+      uint8_t* tile = out + b * kTileBytes + 32 * half;
+      if (w == nullptr) {
+        for (int row = 0; row < 8; ++row) std::memset(tile + 64 * row, 0, 32);
+        continue;
+      }
+      w += b * kBlockBytes;
+      __m256i planes[kPlanes > 0 ? kPlanes : 1];
+      KVLOOM_UNROLL
+      for (int p = 0; p < kPlanes; ++p)
+        planes[p] = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>((half ? high1 : high0) + (b * kPlanes + p) * kHighBytes));
+      KVLOOM_UNROLL
+      for (int j = 0; j < kPairs; ++j) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+        __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+        switch (j) {
+          case 0: add_planes<Bits, 0>(lo, hi, planes); break;
+          case 1: add_planes<Bits, 1>(lo, hi, planes); break;
+          case 2: add_planes<Bits, 2>(lo, hi, planes); break;
+          default: add_planes<Bits, 3>(lo, hi, planes); break;
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + 64 * (2 * j)), lo);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + 64 * (2 * j + 1)), hi);
+      }
+    }
+  }
+}
+
+// 16 columns' scales (8 per panel) as one vector; a missing second panel gives zeros.
+template <typename S>
+inline __m512 load_scales16(const S* first, const S* second) {
+  const __m256 a = load_scales(first), b = second ? load_scales(second) : _mm256_setzero_ps();
+  return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
+}
+
+// 16 rows of y for two panels (columns [0, cols0) and [8, 8 + cols1)).
+template <typename T, typename S>
+void q4_amx_rows(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, int64_t lds, const uint8_t* tiles,
+                 const S* scales0, const S* scales1, int64_t blocks, const float* bias0, const float* bias1, T* y,
+                 int64_t ldy, int64_t cols0, int64_t cols1) {
+  __m512 acc[kAmxRows];
+  KVLOOM_UNROLL
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  alignas(64) int32_t sums[kAmxRows][16];
+  for (int64_t b = 0; b < blocks; ++b) {
+    _tile_zero(0);
+    _tile_loadd(1, xq + b * kBlock, ldq);
+    _tile_loadd(2, tiles + b * kTileBytes, 64);
+    _tile_dpbsud(0, 1, 2);
+    _tile_stored(0, sums, 64);
+    const __m512 d = load_scales16(scales0 + b * 2 * kPanel, scales1 ? scales1 + b * 2 * kPanel : nullptr);
+    const __m512 m = load_scales16(scales0 + b * 2 * kPanel + kPanel, scales1 ? scales1 + b * 2 * kPanel + kPanel
+                                                                              : nullptr);
+    KVLOOM_UNROLL
+    for (int r = 0; r < kAmxRows; ++r) {
+      const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]));
+      acc[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(dx[r * blocks + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * lds + b]), acc[r]);
+    }
+  }
+  const __m256 b0 = bias0 ? load_columns(bias0, cols0) : _mm256_setzero_ps();
+  const __m256 b1 = bias1 && cols1 > 0 ? load_columns(bias1, cols1) : _mm256_setzero_ps();
+  for (int r = 0; r < kAmxRows; ++r) {
+    store_columns(y + r * ldy, _mm256_add_ps(_mm512_castps512_ps256(acc[r]), b0), cols0);
+    if (cols1 > 0) store_columns(y + r * ldy + kPanel, _mm256_add_ps(_mm512_extractf32x8_ps(acc[r], 1), b1), cols1);
+  }
+}
+#endif
+
 // The same integers and fp32 operations in the same order, by plain loops.
 template <typename T, typename S>
 void q4_portable_panel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, int64_t lds,
@@ -284,6 +412,45 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
 #endif
   const int64_t step = fast ? kRows : kRowChunk;
   const int64_t scales_size = blocks * (halves ? 4 : 2) * kPanel;
+#if defined(KVLOOM_Q4_AMX)
+  if (fast && !halves && M >= kAmxRows && amx_ready()) {
+    const int64_t whole = M - M % kAmxRows;  // rows the tiles take; the rest go to the AVX2 kernel
+    parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      configure_tiles();
+      std::vector<uint8_t> tiles(blocks * kTileBytes);
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t p0 = 2 * pair, n0 = p0 * kPanel;
+        const bool second = p0 + 1 < panels;
+        const uint8_t* w0 = packed + p0 * blocks * kBlockBytes;
+        const uint8_t* w1 = second ? w0 + blocks * kBlockBytes : nullptr;
+        const uint8_t* h0 = planes ? high + p0 * blocks * planes * kHighBytes : nullptr;
+        const uint8_t* h1 = planes && second ? h0 + blocks * planes * kHighBytes : nullptr;
+        if (planes) {
+          unpack_tiles<5>(w0, h0, w1, h1, blocks, tiles.data());
+        } else {
+          unpack_tiles<4>(w0, h0, w1, h1, blocks, tiles.data());
+        }
+        const S* s0 = scales + p0 * scales_size;
+        const S* s1 = second ? s0 + scales_size : nullptr;
+        const int64_t cols0 = std::min(kPanel, N - n0), cols1 = second ? std::min(kPanel, N - n0 - kPanel) : 0;
+        const float* b0 = bias ? bias + n0 : nullptr;
+        const float* b1 = bias && second ? bias + n0 + kPanel : nullptr;
+        for (int64_t m = 0; m < whole; m += kAmxRows)
+          q4_amx_rows(xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds, tiles.data(), s0, s1,
+                      blocks, b0, b1, ys + m * N + n0, N, cols0, cols1);
+        for (int64_t part = 0; part < (second ? 2 : 1); ++part) {
+          const int64_t n = n0 + part * kPanel;
+          for (int64_t m = whole; m < M; m += kRows)
+            kernels[std::min(kRows, M - m)](xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds,
+                                            part ? w1 : w0, part ? h1 : h0, part ? s1 : s0, blocks,
+                                            part ? b1 : b0, ys + m * N + n, N, part ? cols1 : cols0);
+        }
+      }
+      _tile_release();
+    });
+    return;
+  }
+#endif
   parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
       const int64_t m1 = std::min(M, m0 + kRowChunk);
