@@ -12,6 +12,7 @@
 // is at most 2 * 15 * 127 = 3810, so a whole block's 8 groups of 4 k add up in 16 bits (8 * 3810 < 32768)
 // before one vpmaddwd widens them; no sign trick, half the work of an 8-bit weight per k. With AVX512-VNNI
 // (vpdpbusd in its 256-bit AVX512VL form) each 4 products go straight into an int32 lane: the same exact sums.
+// With AMX-INT8, 16 rows at a time take tiles (q4_amx_rows below): again the same sums and fp32 steps.
 //
 // The weight is packed once (kvloom/ops/q4.py, pack_q4_weight) into panels of kPanel = 8 output columns:
 // packed[panel][block][pair][8][4] bytes, where byte (c, i) of pair j holds q[n0 + c, 32 b + 8 j + i] in its
