@@ -62,9 +62,9 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name
                      for name in ("fused_ops.cpp", "gemm.cpp", "gemm_int8.cpp", "gemm_q4.cpp", "parallel.cpp",
                                   "decoder.cpp", "lora.cpp")))
-# Included by them: the ISA flags (all), the thread pool's loops and the int8/4-bit GEMMs' AVX2 columns.
+# Included by them: the ISA flags (all), the thread pool's loops, the int8/4-bit GEMMs' AVX2 columns and AMX tiles.
 HEADERS = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("cpu_capability.h", "kernels.h", "parallel.h", "avx2_columns.h", "lora.h"))
+                for name in ("cpu_capability.h", "kernels.h", "parallel.h", "avx2_columns.h", "lora.h", "amx.h"))
 # Tried in order: built for the ISA level in force (kvloom.cpu_capability: this CPU's own -march=native, or
 # the capped level's baseline), then portable (for compilers that reject those flags).
 PORTABLE = ("portable", [])

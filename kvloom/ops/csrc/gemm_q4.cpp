@@ -50,13 +50,9 @@
 #endif
 
 // AMX-INT8 tiles (Intel Xeon 4th gen on, with AVX-512 for the epilogue) where the build has them.
-#if defined(KVLOOM_Q4_AVX2) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
-    defined(__AVX512DQ__) && defined(__linux__)
+#include "amx.h"
+#if defined(KVLOOM_Q4_AVX2) && defined(KVLOOM_AMX_INT8)
 #define KVLOOM_Q4_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <cstdlib>
 #endif
 
 namespace {
@@ -230,35 +226,6 @@ constexpr Q4Kernel<T, S> kQ4Kernels[kRows + 1] = {nullptr, &q4_kernel<1, Bits, T
 constexpr int64_t kAmxRows = 16;
 constexpr int64_t kTileBytes = 8 * 64;  // one block's B tile
 
-// Whether this process may use the tiles (Linux grants them on request, once) and KVLOOM_CPU_AMX is not 0.
-bool amx_ready() {
-  static const bool ready = [] {
-    const char* env = std::getenv("KVLOOM_CPU_AMX");
-    if (env != nullptr && env[0] == '0' && env[1] == '\0') return false;
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return ready;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tile 0: C, 16 rows x 16 int32 sums; 1: A, 16 rows x 32 s8 codes; 2: B, 8 quads x 16 columns x 4 u8 codes.
-inline void configure_tiles() {
-  TileConfig config;
-  config.rows[0] = 16;
-  config.colsb[0] = 64;
-  config.rows[1] = 16;
-  config.colsb[1] = 32;
-  config.rows[2] = 8;
-  config.colsb[2] = 64;
-  _tile_loadconfig(&config);
-}
-
 // Two panels' codes as B tiles, one per block: row 2 j + h holds, for each of the 16 columns, the 4 codes of pair
 // j's low (h = 0) or high (h = 1) nibbles with their upper bits (panel1 null: its 8 columns zero).
 template <int Bits>
@@ -414,10 +381,10 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
   const int64_t step = fast ? kRows : kRowChunk;
   const int64_t scales_size = blocks * (halves ? 4 : 2) * kPanel;
 #if defined(KVLOOM_Q4_AMX)
-  if (fast && !halves && M >= kAmxRows && amx_ready()) {
+  if (fast && !halves && M >= kAmxRows && kvloom::amx::ready()) {
     const int64_t whole = M - M % kAmxRows;  // rows the tiles take; the rest go to the AVX2 kernel
     parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-      configure_tiles();
+      kvloom::amx::configure();
       std::vector<uint8_t> tiles(blocks * kTileBytes);
       for (int64_t pair = begin; pair < end; ++pair) {
         const int64_t p0 = 2 * pair, n0 = p0 * kPanel;
