@@ -151,10 +151,12 @@ class Linear(nn.Module):
     def _q4_to_int8_blocks(self) -> bool:
         """A layer of code blocks and int8 blocks (a Q4_K_M file's Q5_0 q and k beside a Q8_0 v): the code blocks
         moved into the int8 ones where they are exactly int8 codes times a scale per 32 (Q4_0, Q5_0), for one
-        int8 product per layer; False (nothing changed) where any is not."""
-        shards = sorted(self.q4_shards)
+        int8 product per layer; False (nothing changed) where the other shards are not all int8 blocks or any code
+        block is not such."""
+        if self.qweight is None or not self.blocks or self.float_shards:
+            return False
         converted = []
-        for shard in shards:
+        for shard in sorted(self.q4_shards):
             start, size = sum(self.output_sizes[:shard]), self.output_sizes[shard]
             rows = Q4Blocks(*(t[start:start + size] for t in self.q4)).as_int8_blocks()
             if rows is None:
@@ -195,7 +197,7 @@ class Linear(nn.Module):
             return
         bias = None if self.bias is None else self.bias.data
         if self.q4 is not None and len(self.q4_shards) < len(self.output_sizes):
-            if not (self.qweight is not None and self.blocks and not self.float_shards and self._q4_to_int8_blocks()):
+            if not self._q4_to_int8_blocks():
                 self._q4_to_float()
         elif self.qweight is not None and self.float_shards:
             self._int8_to_float()

@@ -105,11 +105,10 @@ class Q4Blocks(NamedTuple):
         scales per 16)."""
         if self.group != BLOCK:
             return None
-        zero = self.d == 0
-        shift = torch.where(zero, torch.zeros_like(self.m), self.m / torch.where(zero, torch.ones_like(self.d), self.d))
-        if bool((zero & (self.m != 0)).any()) or not torch.equal(shift, shift.round()) \
-                or (shift.numel() and float(shift.abs().max()) > 255) \
-                or not torch.equal(shift * self.d, torch.where(zero, torch.zeros_like(self.m), self.m)):
+        zero = self.d == 0  # a block of zeros (its offset must be 0 too)
+        shift = self.m / torch.where(zero, torch.ones_like(self.d), self.d)
+        if not torch.equal(shift, shift.round()) or (shift.numel() and float(shift.abs().max()) > 255) \
+                or not torch.equal(shift * self.d, self.m):
             return None
         n, k = self.codes.shape
         codes = self.codes.view(n, k // BLOCK, BLOCK).to(torch.int16) + shift.to(torch.int16)[..., None]

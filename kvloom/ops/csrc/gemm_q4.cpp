@@ -103,6 +103,21 @@ inline void add_planes(__m256i& lo, __m256i& hi, const __m256i* planes) {
   }
 }
 
+// Pair j's 8 columns x 4 codes of its low (lo) and high (hi) nibbles, upper bits included, from its 32 bytes at w.
+template <int Bits>
+inline void pair_codes(const uint8_t* w, int j, const __m256i* planes, __m256i& lo, __m256i& hi) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+  lo = _mm256_and_si256(bytes, low);
+  hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+  switch (j) {  // j is a constant of the callers' unrolled loops: one arm is compiled in each copy
+    case 0: add_planes<Bits, 0>(lo, hi, planes); break;
+    case 1: add_planes<Bits, 1>(lo, hi, planes); break;
+    case 2: add_planes<Bits, 2>(lo, hi, planes); break;
+    default: add_planes<Bits, 3>(lo, hi, planes); break;
+  }
+}
+
 // Bits: 4, 5 or 6 (the codes' low 4 bits in the panel, the rest in Bits - 4 planes of 32 bytes per block after
 // it in `high`). 6-bit codes come with a scale and an offset per 16 k (Q6_K's sub-blocks, "halves"): scales
 // [blocks][4][8] (d0, d1, m0, m1) and sx per (row, half block), stride lds = 2 blocks. The 16-bit sums are widened
@@ -115,7 +130,6 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
   constexpr int kPlanes = Bits - 4;
   constexpr bool Halves = Bits == 6;
   constexpr int kScales = Halves ? 4 : 2;
-  const __m256i low = _mm256_set1_epi8(0x0F);
 #if !defined(KVLOOM_VNNI_DOT)
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
@@ -147,14 +161,8 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
     const int8_t* xb = xq + b * kBlock;
     KVLOOM_UNROLL
     for (int j = 0; j < kPairs; ++j) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
-      __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      switch (j) {  // j is a constant of the unrolled loop: one arm is compiled in each copy
-        case 0: add_planes<Bits, 0>(lo, hi, planes); break;
-        case 1: add_planes<Bits, 1>(lo, hi, planes); break;
-        case 2: add_planes<Bits, 2>(lo, hi, planes); break;
-        default: add_planes<Bits, 3>(lo, hi, planes); break;
-      }
+      __m256i lo, hi;
+      pair_codes<Bits>(w, j, planes, lo, hi);
 #if defined(KVLOOM_VNNI_DOT)
       // vpdpbusd adds each 4 u8 x s8 products straight into an int32 lane: exact, nothing to widen. Two
       // dependency chains per row: a block's halves (6-bit codes), else the low and the high nibbles.
@@ -232,7 +240,6 @@ template <int Bits>
 void unpack_tiles(const uint8_t* panel0, const uint8_t* high0, const uint8_t* panel1, const uint8_t* high1,
                   int64_t blocks, uint8_t* out) {
   constexpr int kPlanes = Bits - 4;
-  const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
     for (int half = 0; half < 2; ++half) {
       const uint8_t* w = half ? panel1 : panel0;
@@ -249,14 +256,8 @@ void unpack_tiles(const uint8_t* panel0, const uint8_t* high0, const uint8_t* pa
             reinterpret_cast<const __m256i*>((half ? high1 : high0) + (b * kPlanes + p) * kHighBytes));
       KVLOOM_UNROLL
       for (int j = 0; j < kPairs; ++j) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
-        __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-        switch (j) {
-          case 0: add_planes<Bits, 0>(lo, hi, planes); break;
-          case 1: add_planes<Bits, 1>(lo, hi, planes); break;
-          case 2: add_planes<Bits, 2>(lo, hi, planes); break;
-          default: add_planes<Bits, 3>(lo, hi, planes); break;
-        }
+        __m256i lo, hi;
+        pair_codes<Bits>(w, j, planes, lo, hi);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + 64 * (2 * j)), lo);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + 64 * (2 * j + 1)), hi);
       }
@@ -264,10 +265,10 @@ void unpack_tiles(const uint8_t* panel0, const uint8_t* high0, const uint8_t* pa
   }
 }
 
-// 16 columns' scales (8 per panel) as one vector; a missing second panel gives zeros.
+// 16 columns' scales (8 per panel, at `offset` in each) as one vector; a missing second panel gives zeros.
 template <typename S>
-inline __m512 load_scales16(const S* first, const S* second) {
-  const __m256 a = load_scales(first), b = second ? load_scales(second) : _mm256_setzero_ps();
+inline __m512 load_scales16(const S* first, const S* second, int64_t offset) {
+  const __m256 a = load_scales(first + offset), b = second ? load_scales(second + offset) : _mm256_setzero_ps();
   return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
 }
 
@@ -286,9 +287,8 @@ void q4_amx_rows(const int8_t* xq, int64_t ldq, const float* dx, const float* sx
     _tile_loadd(2, tiles + b * kTileBytes, 64);
     _tile_dpbsud(0, 1, 2);
     _tile_stored(0, sums, 64);
-    const __m512 d = load_scales16(scales0 + b * 2 * kPanel, scales1 ? scales1 + b * 2 * kPanel : nullptr);
-    const __m512 m = load_scales16(scales0 + b * 2 * kPanel + kPanel, scales1 ? scales1 + b * 2 * kPanel + kPanel
-                                                                              : nullptr);
+    const __m512 d = load_scales16(scales0, scales1, b * 2 * kPanel);
+    const __m512 m = load_scales16(scales0, scales1, b * 2 * kPanel + kPanel);
     KVLOOM_UNROLL
     for (int r = 0; r < kAmxRows; ++r) {
       const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]));
@@ -297,7 +297,7 @@ void q4_amx_rows(const int8_t* xq, int64_t ldq, const float* dx, const float* sx
     }
   }
   const __m256 b0 = bias0 ? load_columns(bias0, cols0) : _mm256_setzero_ps();
-  const __m256 b1 = bias1 && cols1 > 0 ? load_columns(bias1, cols1) : _mm256_setzero_ps();
+  const __m256 b1 = bias1 ? load_columns(bias1, cols1) : _mm256_setzero_ps();
   for (int r = 0; r < kAmxRows; ++r) {
     store_columns(y + r * ldy, _mm256_add_ps(_mm512_castps512_ps256(acc[r]), b0), cols0);
     if (cols1 > 0) store_columns(y + r * ldy + kPanel, _mm256_add_ps(_mm512_extractf32x8_ps(acc[r], 1), b1), cols1);
@@ -387,32 +387,34 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
       kvloom::amx::configure();
       std::vector<uint8_t> tiles(blocks * kTileBytes);
       for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t p0 = 2 * pair, n0 = p0 * kPanel;
-        const bool second = p0 + 1 < panels;
-        const uint8_t* w0 = packed + p0 * blocks * kBlockBytes;
-        const uint8_t* w1 = second ? w0 + blocks * kBlockBytes : nullptr;
-        const uint8_t* h0 = planes ? high + p0 * blocks * planes * kHighBytes : nullptr;
-        const uint8_t* h1 = planes && second ? h0 + blocks * planes * kHighBytes : nullptr;
-        if (planes) {
-          unpack_tiles<5>(w0, h0, w1, h1, blocks, tiles.data());
-        } else {
-          unpack_tiles<4>(w0, h0, w1, h1, blocks, tiles.data());
+        // The pair's two panels (a last odd one alone: the second's pointers null, its columns 0).
+        const int64_t p0 = 2 * pair, n0 = p0 * kPanel, count = std::min<int64_t>(2, panels - p0);
+        const uint8_t* w[2] = {};
+        const uint8_t* h[2] = {};
+        const S* sc[2] = {};
+        const float* bs[2] = {};
+        int64_t cols[2] = {};
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t p = p0 + i, n = p * kPanel;
+          w[i] = packed + p * blocks * kBlockBytes;
+          h[i] = planes ? high + p * blocks * planes * kHighBytes : nullptr;
+          sc[i] = scales + p * scales_size;
+          bs[i] = bias ? bias + n : nullptr;
+          cols[i] = std::min(kPanel, N - n);
         }
-        const S* s0 = scales + p0 * scales_size;
-        const S* s1 = second ? s0 + scales_size : nullptr;
-        const int64_t cols0 = std::min(kPanel, N - n0), cols1 = second ? std::min(kPanel, N - n0 - kPanel) : 0;
-        const float* b0 = bias ? bias + n0 : nullptr;
-        const float* b1 = bias && second ? bias + n0 + kPanel : nullptr;
+        if (planes) {
+          unpack_tiles<5>(w[0], h[0], w[1], h[1], blocks, tiles.data());
+        } else {
+          unpack_tiles<4>(w[0], h[0], w[1], h[1], blocks, tiles.data());
+        }
         for (int64_t m = 0; m < whole; m += kAmxRows)
-          q4_amx_rows(xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds, tiles.data(), s0, s1,
-                      blocks, b0, b1, ys + m * N + n0, N, cols0, cols1);
-        for (int64_t part = 0; part < (second ? 2 : 1); ++part) {
-          const int64_t n = n0 + part * kPanel;
+          q4_amx_rows(xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds, tiles.data(), sc[0],
+                      sc[1], blocks, bs[0], bs[1], ys + m * N + n0, N, cols[0], cols[1]);
+        for (int64_t i = 0; i < count; ++i)
           for (int64_t m = whole; m < M; m += kRows)
             kernels[std::min(kRows, M - m)](xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds,
-                                            part ? w1 : w0, part ? h1 : h0, part ? s1 : s0, blocks,
-                                            part ? b1 : b0, ys + m * N + n, N, part ? cols1 : cols0);
-        }
+                                            w[i], h[i], sc[i], blocks, bs[i], ys + m * N + n0 + i * kPanel, N,
+                                            cols[i]);
       }
       _tile_release();
     });
