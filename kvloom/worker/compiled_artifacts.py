@@ -70,18 +70,20 @@ def _digest(path: Path) -> str:
 
 def _checksums(directory: Path) -> dict[str, str]:
     """Every whole file's checksum: Triton's temporary folders (``tmp.pid_*``, renamed into place when done) and
-    files another process removes while this one reads are left out."""
+    files another process removes while this one reads are left out. (os.walk skips a folder renamed away between
+    listing and reading it, where Path.rglob raised FileNotFoundError from inside its generator.)"""
     sums = {}
-    for path in sorted(directory.rglob("*")):
-        relative = path.relative_to(directory)
-        if any(part.startswith("tmp.") for part in relative.parts):
-            continue
-        try:
-            if path.is_file():
-                sums[str(relative)] = _digest(path)
-        except FileNotFoundError:
-            continue
-    return sums
+    for root, folders, files in os.walk(directory):
+        folders[:] = [name for name in folders if not name.startswith("tmp.")]
+        for name in files:
+            if name.startswith("tmp."):
+                continue
+            path = Path(root) / name
+            try:
+                sums[str(path.relative_to(directory))] = _digest(path)
+            except FileNotFoundError:
+                continue
+    return dict(sorted(sums.items()))
 
 
 def _intact(directory: Path, files: dict[str, str]) -> bool:
