@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/profile_step.py            # N=64, bf16, the default model
     .venv/bin/python benchmarks/profile_step.py -n 8 --profile-steps 5
+    .venv/bin/python benchmarks/profile_step.py --quantization none   # the GGUF dequantized to bf16
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--profile-steps", type=int, default=3, help="decode steps under torch.profiler")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--quantization", default=None,
+                        help="as LLM(quantization=...): by default a GGUF keeps its blocks; \"none\": bf16")
     args = parser.parse_args()
 
-    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=1024, max_num_seqs=args.num_prompts)
+    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=1024, max_num_seqs=args.num_prompts,
+              quantization=args.quantization)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for i, prompt in enumerate(make_workload(args.num_prompts)):

@@ -19,6 +19,13 @@ with S an exact integer, so the result is W times the quantized activations, wha
 their upper bits in planes beside them (``pack_high_bits``: one bit a weight a plane, put back into each nibble in
 registers); Q6_K's groups of 16 are two per block, each with its own sums and scales (the activations still
 quantized per 32). On CUDA the Triton kernel reads 5- and 6-bit codes one per byte, groups of 16 with their scales.
+
+On a CPU with AMX-BF16, bf16 activations of ``bf16_tiles_min_rows()`` rows or more take a second product instead:
+the weight dequantized per call, block by block, into bf16 tiles (q d + m in fp32, rounded once to bf16: the values
+``quantization="none"`` would hold) and multiplied by the unquantized activations with fp32 sums
+(``q4_dequantized_linear_reference``). Measured at SmolLM2's shapes on 2 cores: 1.5-2x llama.cpp's product on AMX-INT8
+tiles at 32-64 rows, 3-4x at 256-2,048 (benchmarks/int8_micro.py's q4 rows and docs/quantization.md). Fewer rows
+keep llama.cpp's product, where the 4-bit weight's fewer bytes are what count.
 """
 
 from __future__ import annotations
@@ -143,6 +150,30 @@ def q4_linear_reference(x: torch.Tensor, weight: Q4Blocks, bias: torch.Tensor | 
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+def q4_dequantized_linear_reference(x: torch.Tensor, weight: Q4Blocks, bias: torch.Tensor | None = None
+                                    ) -> torch.Tensor:
+    """The bf16 tiles' product in float64: x times the weight dequantized and rounded to x's dtype, plus the bias,
+    rounded once to x's dtype: x [..., K] -> [..., N]."""
+    n, k = weight.codes.shape
+    group = weight.group
+    # q d + m rounded once to fp32 (the kernel's FMA), then to x's dtype
+    w = (weight.codes.double().view(n, k // group, group) * weight.d.double()[..., None]
+         + weight.m.double()[..., None]).view(n, k).float()
+    rows = x.reshape(-1, x.shape[-1]).double()
+    out = rows @ w.to(x.dtype).double().t()
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.codes.shape[0])
+
+
+def bf16_tiles_min_rows() -> int:
+    """From how many rows PackedQ4Weight takes bf16 activations to the AMX-BF16 product (csrc/gemm_q4.cpp); 0: never
+    here (no AMX-BF16 in this CPU or build, KVLOOM_CPU_AMX=0, or no C++ kernels)."""
+    if not hasattr(torch.ops.kvloom, "q4_bf16_tiles_min_rows"):
+        return 0
+    return int(torch.ops.kvloom.q4_bf16_tiles_min_rows())
+
+
 def pack_q4_weight(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [N, K] -> uint8 [ceil(N / 8), K / 32, 128]: per panel of 8 columns and block, 4 loads of 32
     bytes; byte (c, i) of load j holds code (c, 32 b + 8 j + i) low and (c, 32 b + 8 j + 4 + i) high. Zero
@@ -213,9 +244,11 @@ class NativeQ4Linear:
 
 class PackedQ4Weight:
     """A Q4 weight packed once for csrc/gemm_q4.cpp: x [..., K] (float32 or bfloat16) -> [..., N] in x's
-    dtype, the product of q4_linear_reference."""
+    dtype, the product of q4_linear_reference; with ``bf16_tiles`` (the default) bf16 x of bf16_tiles_min_rows()
+    rows or more take that of q4_dequantized_linear_reference (on a CPU with AMX-BF16)."""
 
-    def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None, portable: bool = False) -> None:
+    def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None, portable: bool = False,
+                 bf16_tiles: bool = True) -> None:
         self.out_features, self.in_features = weight.codes.shape
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"PackedQ4Weight: bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
@@ -238,6 +271,7 @@ class PackedQ4Weight:
         self.scales = pack_q4_scales(weight.d.float(), weight.m.float(), 2 if halves else 1)
         self.bias = None if bias is None else bias.float().contiguous()
         self.portable = portable
+        self.bf16_tiles = bf16_tiles
         self._product = torch.ops.kvloom.gemm_q4.default
 
     def stack_args(self) -> tuple[int, list[torch.Tensor | None], int]:
@@ -251,6 +285,6 @@ class PackedQ4Weight:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype)
-        self._product(out, rows, self.data, self.scales, self.bias, self.portable, self.high)
+        self._product(out, rows, self.data, self.scales, self.bias, self.portable, self.high, self.bf16_tiles)
         return out.view(*x.shape[:-1], self.out_features)
 

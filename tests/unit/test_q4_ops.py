@@ -2,7 +2,9 @@
 
 Its block sums are exact integers and each block adds two fp32 FMAs, so the kernel lands within one unit in the
 last place of the reference (float64, one rounding) plus a few fp32 roundings per block of the sum of
-|terms|; its vector and plain-loop versions agree bit for bit.
+|terms|; its vector and plain-loop versions agree bit for bit. On an AMX-BF16 CPU bf16 activations of
+bf16_tiles_min_rows() rows or more take the dequantizing product instead (``bf16_tiles=False`` keeps llama.cpp's):
+within an ulp of q4_dequantized_linear_reference plus K fp32 roundings of the sum of |terms|.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from kvloom.ops.q4 import (
     NativeQ4Linear,
     PackedQ4Weight,
     Q4Blocks,
+    bf16_tiles_min_rows,
     pack_high_bits,
     pack_q4_scales,
     pack_q4_weight,
+    q4_dequantized_linear_reference,
     q4_linear_reference,
 )
 from unit.test_int8_ops import DTYPE_NAMES, DTYPES, assert_within
@@ -61,19 +65,34 @@ def q4_slack(x: torch.Tensor, weight: Q4Blocks, bias: torch.Tensor | None) -> to
     return (2 * groups + 2) * 2.0 ** -24 * (terms + (0 if bias is None else bias.double().abs()))
 
 
+def dequantized_slack(x: torch.Tensor, weight: Q4Blocks, bias: torch.Tensor | None) -> torch.Tensor:
+    """The bf16 tiles' fp32 sums over K and the bias add: (K + 1) fp32 roundings of the sum of |terms|."""
+    rows = x.reshape(-1, x.shape[-1]).double()
+    terms = rows.abs() @ weight.dequantize().to(x.dtype).double().abs().t()
+    return (x.shape[-1] + 1) * 2.0 ** -24 * (terms + (0 if bias is None else bias.double().abs()))
+
+
+def takes_bf16_tiles(m: int, dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and 0 < bf16_tiles_min_rows() <= m
+
+
 def check_against_reference(weight: Q4Blocks, m: int, dtype: torch.dtype, native: bool = False) -> None:
     """The C++ product on m rows, with and without a bias: within an ulp and the fp32 roundings of
-    q4_linear_reference, bit for bit the plain loops (and, with ``native``, torch's product within 64 times that)."""
+    q4_linear_reference, bit for bit the plain loops (and, with ``native``, torch's product within 64 times that);
+    where the bf16 tiles take these rows, their product within an ulp and fp32 roundings of its own reference."""
     n, k = weight.codes.shape
     for with_bias in (True, False):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)).to(dtype)
         bias = torch.randn(n) if with_bias else None
         expected = q4_linear_reference(x, weight, bias)
-        fast = PackedQ4Weight(weight, bias)(x)
+        fast = PackedQ4Weight(weight, bias, bf16_tiles=False)(x)
         assert_within(fast, expected, ulps=1, slack=q4_slack(x, weight, bias))
         assert torch.equal(PackedQ4Weight(weight, bias, portable=True)(x), fast)
         if native:
             assert_within(NativeQ4Linear(weight, bias)(x), expected, ulps=1, slack=q4_slack(x, weight, bias) * 64)
+        if takes_bf16_tiles(m, dtype):
+            assert_within(PackedQ4Weight(weight, bias)(x), q4_dequantized_linear_reference(x, weight, bias), ulps=1,
+                          slack=dequantized_slack(x, weight, bias))
 
 
 def test_pack_layout() -> None:
@@ -120,7 +139,7 @@ def test_scales_packed_in_fp16_where_exact_and_fp32_where_not(kernels: None, m: 
     q4_k = Q4Blocks(exact.codes, exact.d * 61, exact.m * 37)  # d * sc, dmin * min: not fp16 values in general
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
     for weight, dtype in ((exact, torch.float16), (q4_k, torch.float32)):
-        packed = PackedQ4Weight(weight, None)
+        packed = PackedQ4Weight(weight, None, bf16_tiles=False)
         assert packed.scales.dtype == dtype
         fast = packed(x)
         assert_within(fast, q4_linear_reference(x, weight), ulps=1, slack=q4_slack(x, weight, None))
@@ -135,6 +154,31 @@ def test_q4_product_is_close_to_the_float_product(kernels: None) -> None:
     exact = x @ weight.dequantize().t()
     error = (PackedQ4Weight(weight, None)(x) - exact).norm() / exact.norm()
     assert error < 0.02
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6])
+@pytest.mark.parametrize(("m", "k", "n"), [(16, 64, 33), (17, 576, 95), (50, 96, 8), (64, 576, 961),
+                                            (700, 1536, 49)])
+def test_bf16_tiles_product_matches_its_reference(kernels: None, bits: int, m: int, k: int, n: int) -> None:
+    """On an AMX-BF16 CPU, bf16 activations from bf16_tiles_min_rows() rows: the weight dequantized to bf16 times x
+    with fp32 sums, within an ulp and K fp32 roundings (llama.cpp's product, its activations rounded to 8 bits per
+    block, is about 1% off that: it would fail here). Rows past whole tiles, columns past whole panels, passes over
+    several chunks of rows (700 rows of K = 1536), x with a row stride of its own."""
+    if not bf16_tiles_min_rows():
+        pytest.skip("no AMX-BF16 tiles here: bf16 activations take llama.cpp's product at every size")
+    assert m >= bf16_tiles_min_rows()
+    g = torch.Generator().manual_seed(m + k + n + bits)
+    weight = {4: random_q4(n, k, seed=m), 5: random_q5(n, k, seed=m), 6: random_q6(n, k, seed=m)}[bits]
+    wide = torch.randn(m, k + 32, generator=g).to(torch.bfloat16)
+    x = wide[:, 16:16 + k]  # rows k + 32 apart
+    bias = torch.randn(n, generator=g)
+    for b in (bias, None):
+        assert_within(PackedQ4Weight(weight, b)(x), q4_dequantized_linear_reference(x, weight, b), ulps=1,
+                      slack=dequantized_slack(x, weight, b))
+    # float32 activations keep llama.cpp's product at any size
+    x32 = x.float()
+    assert_within(PackedQ4Weight(weight, bias)(x32), q4_linear_reference(x32, weight, bias), ulps=1,
+                  slack=q4_slack(x32, weight, bias))
 
 
 def test_packed_q4_weight_reads_leading_dims_and_names_what_it_cannot_take(kernels: None) -> None:

@@ -33,6 +33,6 @@ void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor 
 void quantize_blocks_s8(const at::Tensor& x, int8_t* q, float* scales, int32_t* code_sums, bool portable);
 // gemm_q4.cpp
 void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> bias,
-             bool portable, c10::optional<at::Tensor> high = c10::nullopt);
+             bool portable, c10::optional<at::Tensor> high = c10::nullopt, bool bf16_tiles = true);
 
 }  // namespace kvloom::kernels
