@@ -64,7 +64,8 @@ SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name
                                   "decoder.cpp", "lora.cpp")))
 # Included by them: the ISA flags (all), the thread pool's loops, the int8/4-bit GEMMs' AVX2 columns and AMX tiles.
 HEADERS = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("cpu_capability.h", "kernels.h", "parallel.h", "avx2_columns.h", "lora.h", "amx.h"))
+                for name in ("cpu_capability.h", "kernels.h", "parallel.h", "avx2_columns.h", "lora.h", "amx.h",
+                                  "amx_bf16.h"))
 # Tried in order: built for the ISA level in force (kvloom.cpu_capability: this CPU's own -march=native, or
 # the capped level's baseline), then portable (for compilers that reject those flags).
 PORTABLE = ("portable", [])
@@ -606,9 +607,12 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
     """A block-scaled int8 weight (``Int8Blocks``: int8 [N, K], fp32 scales [N, K / 32]; optional bias)
     packed once for csrc/gemm_int8.cpp; calling it gives ``w8a8_blocks_linear_reference``'s product in x's
     dtype (float32 or bfloat16) at every batch size: per-block activations are accurate enough that there
-    is no weight-only product to fall back on, as in llama.cpp."""
+    is no weight-only product to fall back on, as in llama.cpp. On an AMX-BF16 CPU, with ``bf16_tiles`` (the
+    default), bf16 x of ``w8a8_blocks_bf16_tiles_min_rows()`` rows or more take the dequantizing product instead
+    (``w8a8_blocks_dequantized_reference``: no activation quantization)."""
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 bf16_tiles: bool = True) -> None:
         check_blocks_shape(qweight, scale)
         self.out_features, self.in_features = qweight.shape
         if bias is not None and bias.shape != (self.out_features,):
@@ -619,10 +623,19 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
         self.data = pack_int8_weight(qweight).view(torch.uint8).bitwise_xor(0x80).view(torch.int8)
         self.scale = pack_block_columns(scale.float())
         self.bias = None if bias is None else bias.float().contiguous()
+        self.bf16_tiles = bf16_tiles
         self._product = torch.ops.kvloom.gemm_w8a8_blocks.default
 
     def stack_args(self) -> tuple[int, list[torch.Tensor | None], int]:
         return STACK_INT8_BLOCKS, [self.data, self.scale, self.bias], 0
 
     def _compute(self, out: torch.Tensor, rows: torch.Tensor) -> None:
-        self._product(out, rows, self.data, self.scale, self.bias)
+        self._product(out, rows, self.data, self.scale, self.bias, False, self.bf16_tiles)
+
+
+def w8a8_blocks_bf16_tiles_min_rows() -> int:
+    """From how many rows PackedInt8BlocksWeight takes bf16 activations to the AMX-BF16 product; 0: never here (no
+    AMX-BF16 in this CPU or build, KVLOOM_CPU_AMX=0, or no C++ kernels)."""
+    if not hasattr(torch.ops.kvloom, "w8a8_blocks_bf16_tiles_min_rows"):
+        return 0
+    return int(torch.ops.kvloom.w8a8_blocks_bf16_tiles_min_rows())

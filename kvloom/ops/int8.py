@@ -176,6 +176,19 @@ def w8a8_blocks_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scale: 
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+def w8a8_blocks_dequantized_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the AMX-BF16 tiles compute for a block-scaled weight and bf16 x of enough rows (csrc/amx_bf16.h): x
+    times the weight dequantized (q d rounded once to fp32) and rounded to x's dtype, plus the bias, in float64,
+    rounded once to x's dtype."""
+    check_blocks_shape(qweight, scale)
+    rows = x.reshape(-1, x.shape[-1]).double()
+    out = rows @ dequantize_blocks(qweight, scale).to(x.dtype).double().t()  # q d: one fp32 rounding
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
+
+
 class NativeInt8Linear:
     """Weight-only int8 in torch ops: int8_linear_reference's arithmetic. The int8 weight is cast to fp32 per
     call (exact), multiplied by torch's fp32 GEMM, scaled and biased in fp32 and rounded once to x's dtype:

@@ -26,10 +26,12 @@ from kvloom.ops.int8 import (  # noqa: E402
     NativeInt8BlocksLinear,
     NativeInt8Linear,
     dequantize,
+    dequantize_blocks,
     int8_linear_reference,
     quantize_per_block,
     quantize_per_channel,
     quantize_per_token,
+    w8a8_blocks_dequantized_reference,
     w8a8_blocks_linear_reference,
     w8a8_linear_reference,
 )
@@ -136,7 +138,8 @@ def run_w8a8_blocks(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     m, n = x.shape[0], qweight.shape[0]
     buffer = torch.full((m * n + 64,), 7.0, dtype=x.dtype)
     packed = cpu.PackedInt8BlocksWeight(qweight, scale, bias)
-    torch.ops.kvloom.gemm_w8a8_blocks(buffer[:m * n].view(m, n), x, packed.data, packed.scale, packed.bias, portable)
+    torch.ops.kvloom.gemm_w8a8_blocks(buffer[:m * n].view(m, n), x, packed.data, packed.scale, packed.bias, portable,
+                                      bf16_tiles=False)
     assert (buffer[m * n:] == 7.0).all()
     return buffer[:m * n].view(m, n)
 
@@ -202,6 +205,32 @@ def test_cpu_int8_product_matches_its_reference(int8_kernels: None, product: str
             assert torch.equal(portable, fast)
         else:
             assert_within(portable, expected, ulps=1, slack=slack)
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(32, 576, 961), (33, 32, 3), (64, 576, 95), (70, 1536, 1), (300, 64, 200),
+                                            (1000, 1536, 49)])
+def test_w8a8_blocks_bf16_tiles_match_their_reference(int8_kernels: None, m: int, k: int, n: int) -> None:
+    """On an AMX-BF16 CPU, bf16 activations of w8a8_blocks_bf16_tiles_min_rows() rows or more: the block-scaled
+    weight dequantized to bf16 times x with fp32 sums (w8a8_blocks_dequantized_reference), within an ulp and K
+    fp32 roundings of the sum of |terms| (llama.cpp's product, 8-bit activations per block, is ~1% off that and
+    would fail). Rows past whole tiles and several passes over them, units of 96 columns and a part-filled last one,
+    x with a row stride of its own; float32 x keeps llama.cpp's product."""
+    min_rows = cpu.w8a8_blocks_bf16_tiles_min_rows()
+    if not min_rows:
+        pytest.skip("no AMX-BF16 tiles here: bf16 activations take llama.cpp's product at every size")
+    assert m >= min_rows
+    torch.manual_seed(m + k + n)
+    qweight, scale = quantize_per_block(torch.randn(n, k) * 0.05)
+    x = (torch.randn(m, k + 64) * 2).to(torch.bfloat16)[:, 32:32 + k]
+    for bias in (torch.randn(n), None):
+        expected = w8a8_blocks_dequantized_reference(x, qweight, scale, bias)
+        w = dequantize_blocks(qweight, scale).to(torch.bfloat16).double().abs()
+        slack = (k + 1) * 2.0 ** -24 * (x.double().abs() @ w.t() + (0 if bias is None else bias.double().abs()))
+        assert_within(cpu.PackedInt8BlocksWeight(qweight, scale, bias)(x), expected, ulps=1, slack=slack)
+    x32 = x.float()
+    assert_within(cpu.PackedInt8BlocksWeight(qweight, scale, None)(x32),
+                  w8a8_blocks_linear_reference(x32, qweight, scale), ulps=1,
+                  slack=w8a8_blocks_slack(x32, qweight, scale, None))
 
 
 def test_w8a8_quantizes_each_row_as_the_reference(int8_kernels: None) -> None:

@@ -47,18 +47,7 @@ inline void configure() {
 }
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define KVLOOM_AMX_BF16
-// For the bf16 tiles (gemm_q4.cpp's dequantizing product): tiles 0-3 C, 16 rows x 16 fp32 sums; 4-5 A, 16 rows x
-// 32 bf16 (a block of 32 k); 6-7 B, 16 pairs of k x 16 columns x 2 bf16. Per thread, before its first tile
-// instruction.
-inline void configure_bf16() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = 16;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
+#define KVLOOM_AMX_BF16  // the dequantizing bf16 product: amx_bf16.h
 #endif
 
 }  // namespace kvloom::amx

@@ -51,6 +51,7 @@
 
 // AMX-INT8 tiles (Intel Xeon 4th gen on, with AVX-512 for the epilogue) where the build has them.
 #include "amx.h"
+#include "amx_bf16.h"
 #if defined(KVLOOM_Q4_AVX2) && defined(KVLOOM_AMX_INT8)
 #define KVLOOM_Q4_AMX
 #endif
@@ -308,48 +309,27 @@ void q4_amx_rows(const int8_t* xq, int64_t ldq, const float* dx, const float* sx
 #if defined(KVLOOM_Q4_AMX) && defined(KVLOOM_AMX_BF16)
 #define KVLOOM_Q4_AMX_BF16
 // With AMX-BF16 and bf16 activations, from kBf16MinRows rows the weight is dequantized instead (the issue's
-// "dequantize in register for larger batches"): per panel pair and block, W[n, k] = q d + m in fp32 (one FMA),
-// rounded to bf16 into a B tile (16 pairs of k x 16 columns x 2), and tdpbf16ps multiplies the rows of x, read in
-// place as A tiles, into fp32 sums that run the whole K without a per-block epilogue. No activation quantization:
-// the product of x and the weight rounded to bf16, as the same weight dequantized at load would give
+// "dequantize in register for larger batches", amx_bf16.h): per panel pair and block, W[n, k] = q d + m in fp32 (one
+// FMA), rounded to bf16 into a B tile, multiplied by the unquantized activations with fp32 sums over the whole K: the
+// product of x and the weight rounded to bf16, as the same weight dequantized at load would give
 // (q4_dequantized_linear_reference), not llama.cpp's. On 2 cores of an AMX Xeon, SmolLM2's 30 layers of projections
 // with their weights streaming from memory (each used once, as in a step) took 10.5 ms either way at 16 rows, 12.7
 // vs 14.9 at 24, 11.9 vs 14.9 at 32 and 15.1 vs 23.5 at 64 (oneDNN's bf16 products of the dequantized weights: 14.8,
 // 16.2, 16.6, 17.7); at 8 and 12 rows the int8 kernel was ahead (8.3 vs 11.1, 9.3 vs 10.7).
 constexpr int64_t kBf16MinRows = 16;
-constexpr int64_t kBf16ChunkBytes = 1 << 20;  // x's rows per pass over the columns: about this many bytes (in L2)
-constexpr int64_t kBf16TileWords = 16 * 32;  // one block's B tile, in bf16 words
-constexpr int64_t kAhead = 2;  // units of 32 columns whose weight bytes are fetched ahead
-
-// v's 8 lanes (one per column of a panel) each 4 times: cols 0-3 in lo, 4-7 in hi (the order of a pair's codes).
-inline void spread4(__m256 v, __m512& lo, __m512& hi) {
-  const __m512 z = _mm512_castps256_ps512(v);
-  lo = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), z);
-  hi = _mm512_permutexvar_ps(_mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7), z);
-}
-
-// 32 codes (byte 4 c + i: column c's code i of 4) as q d + m in bf16 (RNE), as 16 words: word 2 c + p holds
-// column c's codes 2 p and 2 p + 1.
-inline __m512i dequantize_pairs(__m256i codes, const __m512 d[2], const __m512 m[2]) {
-  const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes)));
-  const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)));
-  const __m512bh words = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(q1, d[1], m[1]), _mm512_fmadd_ps(q0, d[0], m[0]));
-  return reinterpret_cast<const __m512i&>(words);
-}
+constexpr int64_t kBf16Unit = 32;  // columns per unit of the dequantized product: two panel pairs
 
 // Two panels' weights (panel w[1] null: its 8 columns zero) dequantized to bf16 B tiles, one per block (`stride`
-// words apart): row r holds k = 32 b + 2 r and 2 r + 1 of each of the 16 columns. Bits: 4, 5 or 6 (6: a scale and
-// an offset per 16 k).
+// words apart). Bits: 4, 5 or 6 (6: a scale and an offset per 16 k).
 template <int Bits, typename S>
 void dequantize_tiles(const uint8_t* const w[2], const uint8_t* const h[2], const S* const sc[2], int64_t blocks,
                       uint16_t* out, int64_t stride) {
+  using kvloom::amx::spread4;
   constexpr int kPlanes = Bits - 4;
   constexpr bool Halves = Bits == 6;
   constexpr int kScales = Halves ? 4 : 2;
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i words[2][kPairs][2];  // [panel][pair j][low / high nibbles]
+    __m512i words[2][kPairs][2];  // [panel][pair j][low / high nibbles]: kvloom::amx::bf16_pairs' words
     for (int panel = 0; panel < 2; ++panel) {
       if (w[panel] == nullptr) {
         for (int j = 0; j < kPairs; ++j) words[panel][j][0] = words[panel][j][1] = _mm512_setzero_si512();
@@ -359,24 +339,26 @@ void dequantize_tiles(const uint8_t* const w[2], const uint8_t* const h[2], cons
       KVLOOM_UNROLL
       for (int p = 0; p < kPlanes; ++p)
         planes[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h[panel] + (b * kPlanes + p) * kHighBytes));
-      // [half of the block][cols 0-3, 4-7]: Q6_K's pairs 0-1 and 2-3 have scales of their own.
+      // d and m per half of the block (Q6_K's pairs 0-1 and 2-3 have their own), as 8 columns.
       const S* sb = sc[panel] + b * kScales * kPanel;
-      __m512 d[2][2], m[2][2];
-      spread4(load_scales(sb), d[0][0], d[0][1]);
-      spread4(load_scales(sb + (Halves ? 2 : 1) * kPanel), m[0][0], m[0][1]);
-      if constexpr (Halves) {
-        spread4(load_scales(sb + kPanel), d[1][0], d[1][1]);
-        spread4(load_scales(sb + 3 * kPanel), m[1][0], m[1][1]);
-      } else {
-        d[1][0] = d[0][0], d[1][1] = d[0][1], m[1][0] = m[0][0], m[1][1] = m[0][1];
-      }
+      __m512 d[2], m[2];
+      d[0] = _mm512_castps256_ps512(load_scales(sb));
+      m[0] = _mm512_castps256_ps512(load_scales(sb + (Halves ? 2 : 1) * kPanel));
+      d[1] = Halves ? _mm512_castps256_ps512(load_scales(sb + kPanel)) : d[0];
+      m[1] = Halves ? _mm512_castps256_ps512(load_scales(sb + 3 * kPanel)) : m[0];
       const uint8_t* wb = w[panel] + b * kBlockBytes;
       KVLOOM_UNROLL
       for (int j = 0; j < kPairs; ++j) {
-        __m256i lo, hi;
-        pair_codes<Bits>(wb, j, planes, lo, hi);
-        words[panel][j][0] = dequantize_pairs(lo, d[j / 2], m[j / 2]);
-        words[panel][j][1] = dequantize_pairs(hi, d[j / 2], m[j / 2]);
+        __m256i codes[2];
+        pair_codes<Bits>(wb, j, planes, codes[0], codes[1]);
+        KVLOOM_UNROLL
+        for (int half = 0; half < 2; ++half) {  // columns 0-3 and 4-7 of the pair's 8 x 4 codes
+          const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes[half])));
+          const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes[half], 1)));
+          const __m512 dj = d[j / 2], mj = m[j / 2];
+          words[panel][j][half] = kvloom::amx::bf16_pairs(_mm512_fmadd_ps(q0, spread4(dj, 0), spread4(mj, 0)),
+                                                          _mm512_fmadd_ps(q1, spread4(dj, 1), spread4(mj, 1)));
+        }
       }
     }
     // Pair j's low nibbles are k = 8 j + 0..3 (rows 4 j, 4 j + 1), its high ones 8 j + 4..7 (rows 4 j + 2, 4 j + 3).
@@ -384,149 +366,47 @@ void dequantize_tiles(const uint8_t* const w[2], const uint8_t* const h[2], cons
     KVLOOM_UNROLL
     for (int j = 0; j < kPairs; ++j)
       KVLOOM_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        const __m512i a = words[0][j][half], c = words[1][j][half];
-        _mm512_storeu_si512(tile + 32 * (4 * j + 2 * half), _mm512_permutex2var_epi32(a, even, c));
-        _mm512_storeu_si512(tile + 32 * (4 * j + 2 * half + 1), _mm512_permutex2var_epi32(a, odd, c));
-      }
+      for (int half = 0; half < 2; ++half)
+        kvloom::amx::store_pair_rows(tile + 32 * (4 * j + 2 * half), words[0][j][half], words[1][j][half]);
   }
 }
 
-// [p, p + bytes) toward L2 (the weight streams from memory; its tiles' products leave the loads time to land).
-inline void prefetch_l2(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
-}
-
-// The output columns one call of q4_bf16_rows writes: P panel pairs of 16 (P = 1 or 2), up to 8 columns a panel.
-struct Bf16Columns {
-  const float* bias[4] = {};
-  int64_t count[4] = {};
-};
-
-// Rows [0, 16 G) of x (G = 1 or 2 groups of 16) times P panel pairs' tiles (P pairs of B tiles per block, one after
-// the other) into y. Up to 2 x 2 C tiles (0-3), so four chains of tdpbf16ps run side by side; A tiles 4-5, B 6-7.
-template <int G, int P>
-void q4_bf16_rows(const c10::BFloat16* x, int64_t ldx, const uint16_t* tiles, int64_t blocks,
-                  const Bf16Columns& columns, c10::BFloat16* y, int64_t ldy, int64_t rows) {
-  _tile_zero(0);
-  if constexpr (G == 2) _tile_zero(1);
-  if constexpr (P == 2) _tile_zero(2);
-  if constexpr (G == 2 && P == 2) _tile_zero(3);
-  const int64_t stride = ldx * static_cast<int64_t>(sizeof(c10::BFloat16));
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint16_t* tile = tiles + b * P * kBf16TileWords;
-    // Each load as late as it can be, so it overlaps the products before it.
-    _tile_stream_loadd(4, x + b * kBlock, stride);
-    _tile_loadd(6, tile, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (P == 2) {
-      _tile_loadd(7, tile + kBf16TileWords, 64);
-      _tile_dpbf16ps(2, 4, 7);
-    }
-    if constexpr (G == 2) {
-      _tile_stream_loadd(5, x + 16 * ldx + b * kBlock, stride);
-      _tile_dpbf16ps(1, 5, 6);
-      if constexpr (P == 2) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  alignas(64) float sums[P][G][16][16];  // [pair][row group]: tile 2 p + g
-  _tile_stored(0, sums[0][0], 64);
-  if constexpr (G == 2) _tile_stored(1, sums[0][G - 1], 64);
-  if constexpr (P == 2) _tile_stored(2, sums[P - 1][0], 64);
-  if constexpr (G == 2 && P == 2) _tile_stored(3, sums[P - 1][G - 1], 64);
-  for (int pair = 0; pair < P; ++pair) {  // 16 whole columns: rounded to bf16 16 at a time
-    if (columns.count[2 * pair] != kPanel || columns.count[2 * pair + 1] != kPanel) continue;
-    const __m512 bias = _mm512_insertf32x8(
-        _mm512_castps256_ps512(columns.bias[2 * pair] ? _mm256_loadu_ps(columns.bias[2 * pair]) : _mm256_setzero_ps()),
-        columns.bias[2 * pair + 1] ? _mm256_loadu_ps(columns.bias[2 * pair + 1]) : _mm256_setzero_ps(), 1);
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[pair][r / 16][r % 16]), bias));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 2 * pair * kPanel),
-                          reinterpret_cast<const __m256i&>(out));
-    }
-  }
-  for (int p = 0; p < 2 * P; ++p) {  // the rest a panel at a time: panel p is pair p / 2's columns 8 (p % 2) on
-    if (columns.count[p] == 0 || (columns.count[p & ~1] == kPanel && columns.count[p | 1] == kPanel)) continue;
-    const __m256 bias = columns.bias[p] ? load_columns(columns.bias[p], columns.count[p]) : _mm256_setzero_ps();
-    for (int64_t r = 0; r < rows; ++r)
-      store_columns(y + r * ldy + p * kPanel, _mm256_add_ps(_mm256_load_ps(sums[p / 2][r / 16][r % 16] + 8 * (p % 2)),
-                                                            bias), columns.count[p]);
-  }
-}
-
-template <int P>
-void q4_bf16_range(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* tail, int64_t K, int64_t m0,
-                   int64_t m1, int64_t whole, const uint16_t* tiles, int64_t blocks, const Bf16Columns& columns,
-                   c10::BFloat16* y, int64_t ldy) {
-  const int64_t full = std::min(m1, whole);
-  int64_t m = m0;
-  for (; m + 32 <= full; m += 32) q4_bf16_rows<2, P>(x + m * ldx, ldx, tiles, blocks, columns, y + m * ldy, ldy, 32);
-  for (; m < full; m += 16) q4_bf16_rows<1, P>(x + m * ldx, ldx, tiles, blocks, columns, y + m * ldy, ldy, 16);
-  if (m < m1) q4_bf16_rows<1, P>(tail, K, tiles, blocks, columns, y + m * ldy, ldy, m1 - m);  // m == whole
-}
-
-// y = x W^T (+ bias) on bf16 tiles: parallel over units of 32 columns (2 panel pairs); per pass over about
-// kBf16ChunkBytes of x's rows each unit's tiles are dequantized once and multiplied by every 32 (or 16) rows of the
-// pass, while the next units' bytes are fetched. The last M % 16 rows go through a zero-padded copy (a tile reads 16
-// rows).
+// y = x W^T (+ bias) on bf16 tiles, a unit of two panel pairs at a time.
 template <typename S>
 void q4_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
                  const uint8_t* packed, const uint8_t* high, int planes, const S* scales, const float* bias) {
   const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
   const int64_t scales_size = blocks * (planes == 2 ? 4 : 2) * kPanel;
-  const int64_t whole = M - M % 16;
-  const int64_t chunk = std::max<int64_t>(32, kBf16ChunkBytes / (K * 2) / 32 * 32);
-  std::vector<c10::BFloat16> tail(whole < M ? 16 * K : 0, c10::BFloat16(0.0f));
-  for (int64_t r = whole; r < M; ++r)
-    std::memcpy(tail.data() + (r - whole) * K, x + r * ldx, K * sizeof(c10::BFloat16));
-  parallel_for(0, (panels + 3) / 4, 1, [&](int64_t begin, int64_t end) {
-    kvloom::amx::configure_bf16();
-    std::vector<uint16_t> buffer(blocks * 2 * kBf16TileWords + 32);  // tiles 64-byte aligned: a row a cache line
-    uint16_t* tiles = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-      const int64_t m1 = std::min(M, m0 + chunk);
-      for (int64_t unit = begin; unit < end; ++unit) {
-        const int64_t p0 = 4 * unit, n0 = p0 * kPanel, count = std::min<int64_t>(4, panels - p0);
-        const int64_t pairs = (count + 1) / 2;
-        const uint8_t* w[4] = {};
-        const uint8_t* h[4] = {};
-        const S* sc[4] = {};
-        Bf16Columns columns;
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t p = p0 + i, n = p * kPanel;
-          w[i] = packed + p * blocks * kBlockBytes;
-          h[i] = planes ? high + p * blocks * planes * kHighBytes : nullptr;
-          sc[i] = scales + p * scales_size;
-          columns.bias[i] = bias ? bias + n : nullptr;
-          columns.count[i] = std::min(kPanel, N - n);
-        }
-        for (int64_t pair = 0; pair < pairs; ++pair) {
-          uint16_t* out = tiles + pair * kBf16TileWords;
-          const int64_t stride = pairs * kBf16TileWords;
-          switch (planes) {
-            case 0: dequantize_tiles<4>(w + 2 * pair, h + 2 * pair, sc + 2 * pair, blocks, out, stride); break;
-            case 1: dequantize_tiles<5>(w + 2 * pair, h + 2 * pair, sc + 2 * pair, blocks, out, stride); break;
-            default: dequantize_tiles<6>(w + 2 * pair, h + 2 * pair, sc + 2 * pair, blocks, out, stride); break;
-          }
-        }
-        // The units after this one on their way to L2 while these tiles multiply (the first call of a pass: two).
-        for (int64_t ahead = (unit == begin && m0 == 0) ? 1 : kAhead; ahead <= kAhead; ++ahead) {
-          if (unit + ahead >= end) break;
-          const int64_t q0 = p0 + 4 * ahead, next = std::min<int64_t>(4, panels - q0);
-          prefetch_l2(packed + q0 * blocks * kBlockBytes, next * blocks * kBlockBytes);
-          prefetch_l2(scales + q0 * scales_size, next * scales_size * sizeof(S));
-          if (planes) prefetch_l2(high + q0 * blocks * planes * kHighBytes, next * blocks * planes * kHighBytes);
-        }
-        if (pairs == 2) {
-          q4_bf16_range<2>(x, ldx, tail.data(), K, m0, m1, whole, tiles, blocks, columns, y + n0, N);
-        } else {
-          q4_bf16_range<1>(x, ldx, tail.data(), K, m0, m1, whole, tiles, blocks, columns, y + n0, N);
-        }
+  constexpr int64_t kUnitPanels = kBf16Unit / kPanel;
+  auto dequantize = [&](int64_t unit, uint16_t* tiles) {
+    const int64_t p0 = unit * kUnitPanels, count = std::min(kUnitPanels, panels - p0), pairs = (count + 1) / 2;
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const uint8_t* w[2] = {};
+      const uint8_t* h[2] = {};
+      const S* sc[2] = {};
+      for (int64_t i = 0; i < 2 && 2 * pair + i < count; ++i) {
+        const int64_t p = p0 + 2 * pair + i;
+        w[i] = packed + p * blocks * kBlockBytes;
+        h[i] = planes ? high + p * blocks * planes * kHighBytes : nullptr;
+        sc[i] = scales + p * scales_size;
+      }
+      uint16_t* out = tiles + pair * kvloom::amx::kTileWords;
+      const int64_t stride = pairs * kvloom::amx::kTileWords;
+      switch (planes) {
+        case 0: dequantize_tiles<4>(w, h, sc, blocks, out, stride); break;
+        case 1: dequantize_tiles<5>(w, h, sc, blocks, out, stride); break;
+        default: dequantize_tiles<6>(w, h, sc, blocks, out, stride); break;
       }
     }
-    _tile_release();
-  });
+    return pairs;
+  };
+  auto prefetch = [&](int64_t unit) {
+    const int64_t p0 = unit * kUnitPanels, count = std::min(kUnitPanels, panels - p0);
+    kvloom::amx::prefetch_l2(packed + p0 * blocks * kBlockBytes, count * blocks * kBlockBytes);
+    kvloom::amx::prefetch_l2(scales + p0 * scales_size, count * scales_size * sizeof(S));
+    if (planes) kvloom::amx::prefetch_l2(high + p0 * blocks * planes * kHighBytes, count * blocks * planes * kHighBytes);
+  };
+  kvloom::amx::dequantized_product(y, x, ldx, M, K, N, kBf16Unit, bias, dequantize, prefetch);
 }
 #endif
 

@@ -26,7 +26,7 @@ void gemm_w8a8(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor compens
 void gemm_int8_weight_only(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale,
                            c10::optional<at::Tensor> bias, bool portable);
 void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
-                      bool portable);
+                      bool portable, bool bf16_tiles = true);
 
 // x's rows quantized per block of 32 as kvloom.ops.int8.quantize_per_block does: s8 codes [M, K], fp32 scales
 // and int32 code sums [M, K / 32] (the W8A8 products' own quantizer, for gemm_q4.cpp).

@@ -1,0 +1,183 @@
+// The dequantizing product on AMX-BF16 tiles, shared by the code-block (gemm_q4.cpp) and Q8_0-block (gemm_int8.cpp)
+// weights: y[M, N] = x[M, K] W[N, K]^T (+ bias) for bf16 x, where W is dequantized per call, a unit of columns at a
+// time, into bf16 B tiles by the caller's `dequantize`, and tdpbf16ps multiplies the rows of x, read in place as A
+// tiles, into fp32 sums that run the whole K (no per-block epilogue, no activation quantization). The result is x
+// times the weight rounded to bf16, summed in fp32 and rounded once to bf16 (bias added in fp32 first).
+//
+// Layout: a B tile is one block of 32 k by 16 columns: row r holds (W[n, 32 b + 2 r], W[n, 32 b + 2 r + 1]) for each
+// of the 16 columns n, 64 bytes. A unit's tiles are [blocks][groups of 16 columns][512 bf16 words].
+//
+// Loop: threads split the units; per pass over about kChunkBytes of x's rows (they stay in L2) each unit is
+// dequantized once and multiplied by every 32 (then 16) rows of the pass, two groups of 16 columns at a time (2 x 2
+// C tiles: four chains of products side by side, and as many tile loads as products), while the next units' weight
+// bytes are fetched toward L2. The last M % 16 rows go through a zero-padded copy (a tile reads 16 rows).
+#pragma once
+
+#include "amx.h"
+
+#if defined(KVLOOM_AMX_BF16)
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "parallel.h"
+
+namespace kvloom::amx {
+
+constexpr int64_t kTileWords = 16 * 32;     // one B tile, in bf16 words
+constexpr int64_t kChunkBytes = 1 << 20;    // x's rows per pass over the units: about this many bytes
+constexpr int64_t kMaxUnitGroups = 6;       // groups of 16 columns a unit may have
+constexpr int64_t kAheadUnits = 2;          // units whose weight bytes are fetched ahead
+
+// [p, p + bytes) toward L2 (the weight streams from memory; the tiles' products leave the loads time to land).
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
+}
+
+// 8 fp32 values per lane group spread as 16: v's lanes [4 q, 4 q + 4) each 4 times (q = 0..3 picks which four).
+inline __m512 spread4(__m512 v, int q) {
+  const __m512i index = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                         _mm512_set1_epi32(4 * q));
+  return _mm512_permutexvar_ps(index, v);
+}
+
+// Two vectors of 16 fp32 values, each 4 columns x 4 k (a column's 4 k in a row), as bf16 (RNE) words: word 2 c + p
+// holds column c's k pair p (columns 0-3 from lo, 4-7 from hi).
+inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+  const __m512bh words = _mm512_cvtne2ps_pbh(hi, lo);
+  return reinterpret_cast<const __m512i&>(words);
+}
+
+// Rows 2 r and 2 r + 1 of a B tile from the words of columns 0-7 (a) and 8-15 (b) for k pairs r (p = 0) and r + 1
+// (p = 1), as bf16_pairs gives them.
+inline void store_pair_rows(uint16_t* row, __m512i a, __m512i b) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  _mm512_storeu_si512(row, _mm512_permutex2var_epi32(a, even, b));
+  _mm512_storeu_si512(row + 32, _mm512_permutex2var_epi32(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b));
+}
+
+// Tiles 0-3: C, 16 rows x 16 fp32 sums; 4-5: A, 16 rows x 32 bf16 (a block of 32 k); 6-7: B. Per thread, before
+// its first tile instruction.
+inline void configure_bf16() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Rows [0, 16 G) of x (G = 1 or 2 groups of 16) times V = 1 or 2 groups of 16 columns (tiles: the unit's, at the
+// first group; a block's groups `stride` words apart) into y. bias, count: per group, its 16 columns' bias (or null)
+// and how many of them are real.
+template <int G, int V>
+void tile_rows(const c10::BFloat16* x, int64_t ldx, const uint16_t* tiles, int64_t stride, int64_t blocks,
+               const float* const* bias, const int64_t* count, c10::BFloat16* y, int64_t ldy, int64_t rows) {
+  _tile_zero(0);
+  if constexpr (G == 2) _tile_zero(1);
+  if constexpr (V == 2) _tile_zero(2);
+  if constexpr (G == 2 && V == 2) _tile_zero(3);
+  const int64_t bytes = ldx * static_cast<int64_t>(sizeof(c10::BFloat16));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint16_t* tile = tiles + b * stride;
+    // Each load as late as it can be, so it overlaps the products before it; x's rows are read once per unit
+    // (stream loads: they need not stay in L1, the B tiles should).
+    _tile_stream_loadd(4, x + b * 32, bytes);
+    _tile_loadd(6, tile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (V == 2) {
+      _tile_loadd(7, tile + kTileWords, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if constexpr (G == 2) {
+      _tile_stream_loadd(5, x + 16 * ldx + b * 32, bytes);
+      _tile_dpbf16ps(1, 5, 6);
+      if constexpr (V == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float sums[V][G][16][16];  // [column group][row group]: tile 2 v + g
+  _tile_stored(0, sums[0][0], 64);
+  if constexpr (G == 2) _tile_stored(1, sums[0][G - 1], 64);
+  if constexpr (V == 2) _tile_stored(2, sums[V - 1][0], 64);
+  if constexpr (G == 2 && V == 2) _tile_stored(3, sums[V - 1][G - 1], 64);
+  for (int v = 0; v < V; ++v) {
+    if (count[v] <= 0) continue;
+    const __mmask16 mask = count[v] >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count[v]) - 1);
+    const __m512 bv = bias[v] ? _mm512_maskz_loadu_ps(mask, bias[v]) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[v][r / 16][r % 16]), bv));
+      _mm256_mask_storeu_epi16(y + r * ldy + 16 * v, mask, reinterpret_cast<const __m256i&>(out));
+    }
+  }
+}
+
+// y = x W^T (+ bias), W given a unit of `unit_columns` columns (a multiple of 16, at most 16 kMaxUnitGroups) at a
+// time: dequantize(unit, tiles) writes the unit's B tiles, [blocks][S groups of 16][kTileWords] (columns past N
+// zero), and returns S (at least the unit's real columns / 16, rounded up); prefetch(unit) fetches its weight bytes
+// toward L2. x: rows ldx apart; y: [M, N] contiguous; K a multiple of
+// 32.
+template <typename Dequantize, typename Prefetch>
+void dequantized_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
+                         int64_t unit_columns, const float* bias, const Dequantize& dequantize,
+                         const Prefetch& prefetch) {
+  const int64_t blocks = K / 32, units = (N + unit_columns - 1) / unit_columns;
+  const int64_t whole = M - M % 16;
+  const int64_t chunk = std::max<int64_t>(32, kChunkBytes / (K * 2) / 32 * 32);
+  std::vector<c10::BFloat16> tail(whole < M ? 16 * K : 0, c10::BFloat16(0.0f));
+  for (int64_t r = whole; r < M; ++r)
+    std::memcpy(tail.data() + (r - whole) * K, x + r * ldx, K * sizeof(c10::BFloat16));
+  kvloom::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    configure_bf16();
+    std::vector<uint16_t> buffer(blocks * (unit_columns / 16) * kTileWords + 32);  // 64-byte aligned tiles
+    uint16_t* tiles = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) &
+                                                  ~uintptr_t{63});
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      const int64_t m1 = std::min(M, m0 + chunk), full = std::min(m1, whole);
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t n0 = unit * unit_columns, columns = std::min(unit_columns, N - n0);
+        const int64_t groups = (columns + 15) / 16;
+        const int64_t stride = dequantize(unit, tiles) * kTileWords;
+        // The units after this one toward L2 while these tiles multiply (the first of a thread's: two ahead).
+        for (int64_t ahead = (unit == begin && m0 == 0) ? 1 : kAheadUnits; ahead <= kAheadUnits; ++ahead)
+          if (unit + ahead < end) prefetch(unit + ahead);
+        const float* bs[kMaxUnitGroups] = {};
+        int64_t count[kMaxUnitGroups] = {};
+        for (int64_t v = 0; v < groups; ++v) {
+          bs[v] = bias ? bias + n0 + 16 * v : nullptr;
+          count[v] = std::min<int64_t>(16, columns - 16 * v);
+        }
+        for (int64_t v = 0; v < groups; v += 2) {
+          const uint16_t* t = tiles + v * kTileWords;
+          c10::BFloat16* yv = y + n0 + 16 * v;
+          const bool two = v + 1 < groups;
+          int64_t m = m0;
+          for (; m + 32 <= full; m += 32) {
+            if (two) {
+              tile_rows<2, 2>(x + m * ldx, ldx, t, stride, blocks, bs + v, count + v, yv + m * N, N, 32);
+            } else {
+              tile_rows<2, 1>(x + m * ldx, ldx, t, stride, blocks, bs + v, count + v, yv + m * N, N, 32);
+            }
+          }
+          for (; m < m1; m += 16) {
+            const bool last = m >= whole;  // the tail's zero-padded copy
+            const c10::BFloat16* xm = last ? tail.data() : x + m * ldx;
+            const int64_t ld = last ? K : ldx, rows = last ? M - m : 16;
+            if (two) {
+              tile_rows<1, 2>(xm, ld, t, stride, blocks, bs + v, count + v, yv + m * N, N, rows);
+            } else {
+              tile_rows<1, 1>(xm, ld, t, stride, blocks, bs + v, count + v, yv + m * N, N, rows);
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace kvloom::amx
+#endif
