@@ -876,10 +876,10 @@ void w8a8_blocks_portable_panel(const int8_t* xq, int64_t ldq, const float* x_sc
 // With AMX-BF16 and bf16 activations, from kBf16MinRows rows the block-scaled weight is dequantized instead
 // (amx_bf16.h): per panel and block, W[n, k] = q d in fp32 rounded to bf16 into B tiles, multiplied by the
 // unquantized activations with fp32 sums over K (w8a8_blocks_dequantized_reference), not llama.cpp's product.
-// On 2 cores of an AMX Xeon, SmolLM2's head (49,152 x 576, the default model's Q8_0 embedding; medians of 9): 1.87 vs
-// 1.44 ms (VNNI) at 16 rows, 2.54 vs 1.93 at 24, 2.22 vs 2.41 at 32, even at 40, 2.83 vs 3.42 at 48, 3.07 vs 4.29
-// at 64.
-constexpr int64_t kBf16MinRows = 32;
+// On 2 cores of an AMX Xeon, SmolLM2's head (49,152 x 576, the default model's Q8_0 embedding; medians of 15, two
+// runs): 2.65-2.72 vs 2.19-2.21 ms (VNNI) at 32 rows, 3.15-3.38 vs 2.62-2.65 at 40, 2.76-2.87 vs 3.02-3.11 at 48,
+// 3.23-3.29 vs 3.90-4.02 at 64.
+constexpr int64_t kBf16MinRows = 48;
 constexpr int64_t kBf16UnitPanels = 2;  // 96 columns: 6 groups of 16
 
 // One panel's block b (its 8 groups of 4 k x 48 columns, u8 q + 128) dequantized to 3 B tiles (`out`, one per 16

@@ -339,25 +339,29 @@ void dequantize_tiles(const uint8_t* const w[2], const uint8_t* const h[2], cons
       KVLOOM_UNROLL
       for (int p = 0; p < kPlanes; ++p)
         planes[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h[panel] + (b * kPlanes + p) * kHighBytes));
-      // d and m per half of the block (Q6_K's pairs 0-1 and 2-3 have their own), as 8 columns.
+      // d and m [half of the block (Q6_K's pairs 0-1 and 2-3 have their own)][columns 0-3, 4-7], each 4 times.
       const S* sb = sc[panel] + b * kScales * kPanel;
-      __m512 d[2], m[2];
-      d[0] = _mm512_castps256_ps512(load_scales(sb));
-      m[0] = _mm512_castps256_ps512(load_scales(sb + (Halves ? 2 : 1) * kPanel));
-      d[1] = Halves ? _mm512_castps256_ps512(load_scales(sb + kPanel)) : d[0];
-      m[1] = Halves ? _mm512_castps256_ps512(load_scales(sb + 3 * kPanel)) : m[0];
+      __m512 d[2][2], m[2][2];
+      KVLOOM_UNROLL
+      for (int g = 0; g < (Halves ? 2 : 1); ++g) {
+        const __m512 dg = _mm512_castps256_ps512(load_scales(sb + g * kPanel));
+        const __m512 mg = _mm512_castps256_ps512(load_scales(sb + ((Halves ? 2 : 1) + g) * kPanel));
+        KVLOOM_UNROLL
+        for (int q = 0; q < 2; ++q) d[g][q] = spread4(dg, q), m[g][q] = spread4(mg, q);
+      }
+      if constexpr (!Halves) d[1][0] = d[0][0], d[1][1] = d[0][1], m[1][0] = m[0][0], m[1][1] = m[0][1];
       const uint8_t* wb = w[panel] + b * kBlockBytes;
       KVLOOM_UNROLL
       for (int j = 0; j < kPairs; ++j) {
         __m256i codes[2];
         pair_codes<Bits>(wb, j, planes, codes[0], codes[1]);
+        const int g = j / 2;
         KVLOOM_UNROLL
-        for (int half = 0; half < 2; ++half) {  // columns 0-3 and 4-7 of the pair's 8 x 4 codes
+        for (int half = 0; half < 2; ++half) {  // the pair's low and high nibbles, 8 columns x 4 codes each
           const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes[half])));
           const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes[half], 1)));
-          const __m512 dj = d[j / 2], mj = m[j / 2];
-          words[panel][j][half] = kvloom::amx::bf16_pairs(_mm512_fmadd_ps(q0, spread4(dj, 0), spread4(mj, 0)),
-                                                          _mm512_fmadd_ps(q1, spread4(dj, 1), spread4(mj, 1)));
+          words[panel][j][half] = kvloom::amx::bf16_pairs(_mm512_fmadd_ps(q0, d[g][0], m[g][0]),
+                                                          _mm512_fmadd_ps(q1, d[g][1], m[g][1]));
         }
       }
     }
