@@ -562,10 +562,12 @@ class _PackedInt8Linear:
 class PackedInt8Weight(_PackedInt8Linear):
     """An int8 weight (per-channel scale, optional bias) packed once for csrc/gemm_int8.cpp; calling it
     gives the W8A8 product (``w8a8_linear_reference``) for batches of ``w8a8_min_rows`` rows or more and
-    the weight-only one (``int8_linear_reference``) below, in x's dtype (float32 or bfloat16)."""
+    the weight-only one (``int8_linear_reference``) below, in x's dtype (float32 or bfloat16). On an AMX-BF16 CPU,
+    with ``bf16_tiles`` (the default), bf16 x of ``int8_rows_bf16_tiles_min_rows()`` rows or more (in_features a
+    multiple of 32) takes the weight-only product's arithmetic on AMX-BF16 tiles (csrc/amx_bf16.h) instead."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 w8a8_min_rows: int = W8A8_MIN_ROWS) -> None:
+                 w8a8_min_rows: int = W8A8_MIN_ROWS, bf16_tiles: bool = True) -> None:
         if qweight.dim() != 2 or qweight.dtype != torch.int8:
             raise ValueError(f"PackedInt8Weight takes an int8 [out, in] weight, got {qweight.dtype} "
                              f"of shape {tuple(qweight.shape)}")
@@ -580,6 +582,7 @@ class PackedInt8Weight(_PackedInt8Linear):
         self.compensation = (qweight.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
         self.scale = scale.float().contiguous()
         self.bias = None if bias is None else bias.float().contiguous()
+        self.bf16_tiles = bf16_tiles
         self._w8a8 = torch.ops.kvloom.gemm_w8a8.default  # the overloads themselves: 1 us less a call
         self._weight_only = torch.ops.kvloom.gemm_int8_weight_only.default
 
@@ -588,9 +591,9 @@ class PackedInt8Weight(_PackedInt8Linear):
 
     def _compute(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         if rows.shape[0] >= self.w8a8_min_rows:
-            self._w8a8(out, rows, self.data, self.compensation, self.scale, self.bias)
+            self._w8a8(out, rows, self.data, self.compensation, self.scale, self.bias, False, self.bf16_tiles)
         else:
-            self._weight_only(out, rows, self.data, self.scale, self.bias)
+            self._weight_only(out, rows, self.data, self.scale, self.bias, False, self.bf16_tiles)
 
 
 def pack_block_columns(values: torch.Tensor) -> torch.Tensor:
@@ -631,6 +634,14 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
 
     def _compute(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         self._product(out, rows, self.data, self.scale, self.bias, False, self.bf16_tiles)
+
+
+def int8_rows_bf16_tiles_min_rows() -> int:
+    """From how many rows PackedInt8Weight takes bf16 activations to the AMX-BF16 tiles (in_features a multiple of
+    32); 0: never here."""
+    if not hasattr(torch.ops.kvloom, "int8_rows_bf16_tiles_min_rows"):
+        return 0
+    return int(torch.ops.kvloom.int8_rows_bf16_tiles_min_rows())
 
 
 def w8a8_blocks_bf16_tiles_min_rows() -> int:

@@ -118,7 +118,7 @@ def run_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: 
     buffer = torch.full((m * n + 64,), 7.0, dtype=x.dtype)
     compensation = (qweight.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
     torch.ops.kvloom.gemm_w8a8(buffer[:m * n].view(m, n), x, cpu.pack_int8_weight(qweight), compensation, scale,
-                               None if bias is None else bias.float(), portable)
+                               None if bias is None else bias.float(), portable, bf16_tiles=False)
     assert (buffer[m * n:] == 7.0).all()
     return buffer[:m * n].view(m, n)
 
@@ -128,7 +128,7 @@ def run_weight_only(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     m, n = x.shape[0], qweight.shape[0]
     buffer = torch.full((m * n + 64,), 7.0, dtype=x.dtype)
     torch.ops.kvloom.gemm_int8_weight_only(buffer[:m * n].view(m, n), x, cpu.pack_int8_weight(qweight), scale,
-                                           None if bias is None else bias.float(), portable)
+                                           None if bias is None else bias.float(), portable, bf16_tiles=False)
     assert (buffer[m * n:] == 7.0).all()
     return buffer[:m * n].view(m, n)
 
@@ -231,6 +231,31 @@ def test_w8a8_blocks_bf16_tiles_match_their_reference(int8_kernels: None, m: int
     assert_within(cpu.PackedInt8BlocksWeight(qweight, scale, None)(x32),
                   w8a8_blocks_linear_reference(x32, qweight, scale), ulps=1,
                   slack=w8a8_blocks_slack(x32, qweight, scale, None))
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(128, 576, 961), (129, 32, 3), (300, 1536, 97), (1000, 64, 200)])
+def test_int8_rows_bf16_tiles_match_the_weight_only_reference(int8_kernels: None, m: int, k: int, n: int) -> None:
+    """On an AMX-BF16 CPU, bf16 activations of int8_rows_bf16_tiles_min_rows() rows or more (K whole blocks of 32):
+    the per-row int8 weight's codes (exact in bf16) times x with fp32 sums, scaled per column at the end: the
+    weight-only product's arithmetic (int8_linear_reference) in another order, whichever product (W8A8 or
+    weight-only) the rows would otherwise take; W8A8 (8-bit activations) is ~1% off that and would fail here."""
+    min_rows = cpu.int8_rows_bf16_tiles_min_rows()
+    if not min_rows:
+        pytest.skip("no AMX-BF16 tiles here: bf16 activations take the VNNI products at every size")
+    assert m >= min_rows
+    x, qweight, scale, bias = problem(m, k + 32, n, torch.bfloat16, seed=m + k + n)
+    x = x[:, 16:16 + k]  # rows k + 32 apart
+    qweight = qweight[:, :k].contiguous()
+    for b in (bias, None):
+        expected = int8_linear_reference(x, qweight, scale, b)
+        terms = x.double().abs() @ qweight.double().abs().t() * scale.double()
+        slack = (k + 1) * 2.0 ** -24 * (terms + (0 if b is None else b.double().abs()))  # fp32 sums over K
+        for w8a8_rows in (1, 10**9):  # through the W8A8 op and through the weight-only op
+            packed = cpu.PackedInt8Weight(qweight, scale, b, w8a8_min_rows=w8a8_rows)
+            assert_within(packed(x), expected, ulps=1, slack=slack)
+    assert_within(cpu.PackedInt8Weight(qweight, scale, bias, w8a8_min_rows=1)(x.float()),
+                  w8a8_linear_reference(x.float(), qweight, scale, bias), ulps=1,
+                  slack=w8a8_slack(x.float(), qweight, scale, bias))  # fp32 x: W8A8 as before
 
 
 def test_w8a8_quantizes_each_row_as_the_reference(int8_kernels: None) -> None:

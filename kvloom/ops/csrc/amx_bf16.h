@@ -74,11 +74,12 @@ inline void configure_bf16() {
 }
 
 // Rows [0, 16 G) of x (G = 1 or 2 groups of 16) times V = 1 or 2 groups of 16 columns (tiles: the unit's, at the
-// first group; a block's groups `stride` words apart) into y. bias, count: per group, its 16 columns' bias (or null)
-// and how many of them are real.
+// first group; a block's groups `stride` words apart) into y. scale, bias, count: per group, its 16 columns' scales
+// (or null: 1), bias (or null) and how many of them are real; y = sums * scale + bias in fp32 (one FMA).
 template <int G, int V>
 void tile_rows(const c10::BFloat16* x, int64_t ldx, const uint16_t* tiles, int64_t stride, int64_t blocks,
-               const float* const* bias, const int64_t* count, c10::BFloat16* y, int64_t ldy, int64_t rows) {
+               const float* const* scale, const float* const* bias, const int64_t* count, c10::BFloat16* y,
+               int64_t ldy, int64_t rows) {
   _tile_zero(0);
   if constexpr (G == 2) _tile_zero(1);
   if constexpr (V == 2) _tile_zero(2);
@@ -110,8 +111,9 @@ void tile_rows(const c10::BFloat16* x, int64_t ldx, const uint16_t* tiles, int64
     if (count[v] <= 0) continue;
     const __mmask16 mask = count[v] >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count[v]) - 1);
     const __m512 bv = bias[v] ? _mm512_maskz_loadu_ps(mask, bias[v]) : _mm512_setzero_ps();
+    const __m512 sv = scale[v] ? _mm512_maskz_loadu_ps(mask, scale[v]) : _mm512_set1_ps(1.0f);
     for (int64_t r = 0; r < rows; ++r) {
-      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[v][r / 16][r % 16]), bv));
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_load_ps(sums[v][r / 16][r % 16]), sv, bv));
       if (count[v] >= 16) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16 * v), reinterpret_cast<const __m256i&>(out));
       } else {
@@ -121,14 +123,14 @@ void tile_rows(const c10::BFloat16* x, int64_t ldx, const uint16_t* tiles, int64
   }
 }
 
-// y = x W^T (+ bias), W given a unit of `unit_columns` columns (a multiple of 16, at most 16 kMaxUnitGroups) at a
+// y = (x W^T) * scale (+ bias), scale per column (or null), W given a unit of `unit_columns` columns (a multiple of 16, at most 16 kMaxUnitGroups) at a
 // time: dequantize(unit, tiles) writes the unit's B tiles, [blocks][S groups of 16][kTileWords] (columns past N
 // zero), and returns S (at least the unit's real columns / 16, rounded up); prefetch(unit) fetches its weight bytes
 // toward L2. x: rows ldx apart; y: [M, N] contiguous; K a multiple of
 // 32.
 template <typename Dequantize, typename Prefetch>
 void dequantized_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
-                         int64_t unit_columns, const float* bias, const Dequantize& dequantize,
+                         int64_t unit_columns, const float* scale, const float* bias, const Dequantize& dequantize,
                          const Prefetch& prefetch) {
   const int64_t blocks = K / 32, units = (N + unit_columns - 1) / unit_columns;
   const int64_t whole = M - M % 16;
@@ -150,9 +152,11 @@ void dequantized_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, 
         // The units after this one toward L2 while these tiles multiply (the first of a thread's: two ahead).
         for (int64_t ahead = (unit == begin && m0 == 0) ? 1 : kAheadUnits; ahead <= kAheadUnits; ++ahead)
           if (unit + ahead < end) prefetch(unit + ahead);
+        const float* ss[kMaxUnitGroups] = {};
         const float* bs[kMaxUnitGroups] = {};
         int64_t count[kMaxUnitGroups] = {};
         for (int64_t v = 0; v < groups; ++v) {
+          ss[v] = scale ? scale + n0 + 16 * v : nullptr;
           bs[v] = bias ? bias + n0 + 16 * v : nullptr;
           count[v] = std::min<int64_t>(16, columns - 16 * v);
         }
@@ -163,9 +167,9 @@ void dequantized_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, 
           int64_t m = m0;
           for (; m + 32 <= full; m += 32) {
             if (two) {
-              tile_rows<2, 2>(x + m * ldx, ldx, t, stride, blocks, bs + v, count + v, yv + m * N, N, 32);
+              tile_rows<2, 2>(x + m * ldx, ldx, t, stride, blocks, ss + v, bs + v, count + v, yv + m * N, N, 32);
             } else {
-              tile_rows<2, 1>(x + m * ldx, ldx, t, stride, blocks, bs + v, count + v, yv + m * N, N, 32);
+              tile_rows<2, 1>(x + m * ldx, ldx, t, stride, blocks, ss + v, bs + v, count + v, yv + m * N, N, 32);
             }
           }
           for (; m < m1; m += 16) {
@@ -173,9 +177,9 @@ void dequantized_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, 
             const c10::BFloat16* xm = last ? tail.data() : x + m * ldx;
             const int64_t ld = last ? K : ldx, rows = last ? M - m : 16;
             if (two) {
-              tile_rows<1, 2>(xm, ld, t, stride, blocks, bs + v, count + v, yv + m * N, N, rows);
+              tile_rows<1, 2>(xm, ld, t, stride, blocks, ss + v, bs + v, count + v, yv + m * N, N, rows);
             } else {
-              tile_rows<1, 1>(xm, ld, t, stride, blocks, bs + v, count + v, yv + m * N, N, rows);
+              tile_rows<1, 1>(xm, ld, t, stride, blocks, ss + v, bs + v, count + v, yv + m * N, N, rows);
             }
           }
         }

@@ -424,9 +424,98 @@ void w8a8_portable_panel(const uint8_t* xq, int64_t ldq, const float* x_scale, c
   }
 }
 
+#if defined(KVLOOM_AMX_BF16)
+// With AMX-BF16 and bf16 activations, from kBf16MinRows rows the block-scaled weight is dequantized instead
+// (amx_bf16.h): per panel and block, W[n, k] = q d in fp32 rounded to bf16 into B tiles, multiplied by the
+// unquantized activations with fp32 sums over K (w8a8_blocks_dequantized_reference), not llama.cpp's product.
+// On 2 cores of an AMX Xeon, SmolLM2's head (49,152 x 576, the default model's Q8_0 embedding; medians of 15, two
+// runs): 2.65-2.72 vs 2.19-2.21 ms (VNNI) at 32 rows, 3.15-3.38 vs 2.62-2.65 at 40, 2.76-2.87 vs 3.02-3.11 at 48,
+// 3.23-3.29 vs 3.90-4.02 at 64.
+constexpr int64_t kBf16MinRows = 48;
+// The per-row int8 weight (gemm_w8a8 and gemm_int8_weight_only) the same way, its codes exact in bf16 and its scale
+// in the epilogue: int8_linear_reference's arithmetic (the weight-only product's). There W8A8 on VNNI (one scale per
+// row and column, no per-block epilogue) keeps up longer: 30 SmolLM2 layers streaming from memory took 12.4 vs 9.9 ms
+// at 16 rows, 18.8 vs 18.1 at 64; on one hot weight the tiles were ahead from 128 rows (3072 x 576: 0.25 vs 0.31 ms,
+// 576 x 1536: 0.16 vs 0.26) to 2,048 (4.5 vs 6.5, 2.1 vs 4.1): the prefill's chunks.
+constexpr int64_t kBf16RowsMinRows = 128;
+constexpr int64_t kBf16UnitPanels = 2;  // 96 columns: 6 groups of 16
+
+// One panel's block b (its 8 groups of 4 k x 48 columns) dequantized to 3 B tiles (`out`, one per 16 columns,
+// kvloom::amx::kTileWords apart). Blocks: codes stored as u8 q + 128 (the W8A8-on-blocks packing), times their
+// block's scale (q d in fp32, rounded to bf16); else s8 codes as they are (exact in bf16: the per-row scale comes in
+// the epilogue).
+template <bool Blocks>
+inline void dequantize_block_tiles(const uint8_t* panel, const float* scales, int64_t b, uint16_t* out) {
+  using kvloom::amx::spread4;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  KVLOOM_UNROLL
+  for (int v = 0; v < kPanelVecs; ++v) {
+    __m512 dq[4];
+    if constexpr (Blocks) {
+      const __m512 d = _mm512_loadu_ps(scales + b * kPanel + 16 * v);
+      KVLOOM_UNROLL
+      for (int i = 0; i < 4; ++i) dq[i] = spread4(d, i);
+    }
+    KVLOOM_UNROLL
+    for (int j = 0; j < kGroupsPerBlock; ++j) {  // k = 4 j .. 4 j + 3: rows 2 j and 2 j + 1
+      __m512i codes = _mm512_loadu_si512(panel + (b * kGroupsPerBlock + j) * kGroupBytes + 64 * v);
+      if constexpr (Blocks) codes = _mm512_xor_si512(codes, flip);
+      __m512 w[4];  // columns 4 i .. 4 i + 3, 4 k each
+      KVLOOM_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        w[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(codes, i)));
+        if constexpr (Blocks) w[i] = _mm512_mul_ps(w[i], dq[i]);
+      }
+      kvloom::amx::store_pair_rows(out + v * kvloom::amx::kTileWords + 64 * j, kvloom::amx::bf16_pairs(w[0], w[1]),
+                                   kvloom::amx::bf16_pairs(w[2], w[3]));
+    }
+  }
+}
+
+// The int8 weight (s8 codes, or Blocks: u8 q + 128 with block scales w_scale [panels][blocks][48]) dequantized into
+// bf16 tiles, two panels (96 columns) a unit, times x; col_scale: the per-row weight's scales [N] (or null).
+template <bool Blocks>
+void int8_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, const uint8_t* packed,
+                   const float* w_scale, const float* col_scale, const float* bias, const Shapes& s) {
+  const int64_t blocks = s.K / kBlock, panel_size = s.groups * kGroupBytes, scales_size = Blocks ? blocks * kPanel : 0;
+  auto dequantize = [&](int64_t unit, uint16_t* tiles) {
+    const int64_t p0 = unit * kBf16UnitPanels, count = std::min(kBf16UnitPanels, s.panels - p0);
+    const int64_t stride = count * kPanelVecs * kvloom::amx::kTileWords;
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t i = 0; i < count; ++i)
+        dequantize_block_tiles<Blocks>(packed + (p0 + i) * panel_size, Blocks ? w_scale + (p0 + i) * scales_size
+                                                                              : nullptr,
+                                       b, tiles + b * stride + i * kPanelVecs * kvloom::amx::kTileWords);
+    return count * kPanelVecs;
+  };
+  auto prefetch = [&](int64_t unit) {
+    const int64_t p0 = unit * kBf16UnitPanels, count = std::min(kBf16UnitPanels, s.panels - p0);
+    kvloom::amx::prefetch_l2(packed + p0 * panel_size, count * panel_size);
+    if constexpr (Blocks) kvloom::amx::prefetch_l2(w_scale + p0 * scales_size, count * scales_size * sizeof(float));
+  };
+  kvloom::amx::dequantized_product(y, x, ldx, s.M, s.K, s.N, kBf16UnitPanels * kPanel, col_scale, bias, dequantize,
+                                   prefetch);
+}
+
+// Whether bf16 x of these shapes takes the AMX-BF16 tiles (from min_rows rows, K whole blocks of 32).
+template <typename T>
+bool takes_bf16_tiles(const Shapes& s, bool portable, bool bf16_tiles, int64_t min_rows) {
+  return std::is_same_v<T, c10::BFloat16> && !portable && bf16_tiles && s.M >= min_rows && s.K % kBlock == 0 &&
+         kvloom::amx::ready();
+}
+#endif
+
 template <typename T>
 void w8a8_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const int32_t* compensation,
-                const float* w_scale, const float* bias, const Shapes& s, bool portable) {
+                const float* w_scale, const float* bias, const Shapes& s, bool portable, bool bf16_tiles) {
+#if defined(KVLOOM_AMX_BF16)
+  if (takes_bf16_tiles<T>(s, portable, bf16_tiles, kBf16RowsMinRows)) {
+    int8_bf16_amx<false>(reinterpret_cast<c10::BFloat16*>(y.data_ptr<T>()),
+                         reinterpret_cast<const c10::BFloat16*>(x.data_ptr<T>()), x.stride(0),
+                         reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()), nullptr, w_scale, bias, s);
+    return;
+  }
+#endif
   const int64_t Kp = s.groups * kGroup;
 #if defined(KVLOOM_VNNI_DOT)
   const bool fast = !portable;
@@ -472,7 +561,7 @@ void w8a8_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, co
 // y = dequantized(W8A8 product) (+ bias). x: [M, K] float32 or bfloat16, rows contiguous; packed:
 // pack_int8_weight's [N, K] layout; compensation: int32 [N]; scale, bias: float32 [N]; y: [M, N] in x's dtype.
 void gemm_w8a8(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor compensation, at::Tensor scale,
-               c10::optional<at::Tensor> bias, bool portable) {
+               c10::optional<at::Tensor> bias, bool portable, bool bf16_tiles) {
   const float* bs;
   const Shapes s = check_arguments("gemm_w8a8", y, x, packed, scale, false, bias, &bs);
   TORCH_CHECK(compensation.scalar_type() == at::kInt && compensation.is_contiguous() && compensation.numel() == s.N,
@@ -482,7 +571,8 @@ void gemm_w8a8(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor compens
   if (s.M == 0 || s.N == 0) return;
   dispatch_float(x, "gemm_w8a8", [&](auto tag) {
     using T = decltype(tag);
-    w8a8_typed<T>(y, x, packed, compensation.data_ptr<int32_t>(), scale.data_ptr<float>(), bs, s, portable);
+    w8a8_typed<T>(y, x, packed, compensation.data_ptr<int32_t>(), scale.data_ptr<float>(), bs, s, portable,
+                  bf16_tiles);
   });
 }
 
@@ -627,7 +717,15 @@ void weight_only_portable_panel(const T* x, int64_t ldx, int64_t K, const int8_t
 
 template <typename T>
 void weight_only_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const float* w_scale,
-                       const float* bias, const Shapes& s, bool portable) {
+                       const float* bias, const Shapes& s, bool portable, bool bf16_tiles) {
+#if defined(KVLOOM_AMX_BF16)
+  if (takes_bf16_tiles<T>(s, portable, bf16_tiles, kBf16RowsMinRows)) {
+    int8_bf16_amx<false>(reinterpret_cast<c10::BFloat16*>(y.data_ptr<T>()),
+                         reinterpret_cast<const c10::BFloat16*>(x.data_ptr<T>()), x.stride(0),
+                         reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()), nullptr, w_scale, bias, s);
+    return;
+  }
+#endif
   const auto* ws = packed.data_ptr<int8_t>();
   const T* xs = x.data_ptr<T>();
   T* ys = y.data_ptr<T>();
@@ -709,13 +807,13 @@ void weight_only_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
 
 // y = (x q^T) * scale (+ bias), summed in fp32. Arguments as gemm_w8a8's, without the compensation.
 void gemm_int8_weight_only(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale,
-                           c10::optional<at::Tensor> bias, bool portable) {
+                           c10::optional<at::Tensor> bias, bool portable, bool bf16_tiles) {
   const float* bs;
   const Shapes s = check_arguments("gemm_int8_weight_only", y, x, packed, scale, false, bias, &bs);
   if (s.M == 0 || s.N == 0) return;
   dispatch_float(x, "gemm_int8_weight_only", [&](auto tag) {
     using T = decltype(tag);
-    weight_only_typed<T>(y, x, packed, scale.data_ptr<float>(), bs, s, portable);
+    weight_only_typed<T>(y, x, packed, scale.data_ptr<float>(), bs, s, portable, bf16_tiles);
   });
 }
 
@@ -872,72 +970,17 @@ void w8a8_blocks_portable_panel(const int8_t* xq, int64_t ldq, const float* x_sc
   }
 }
 
-#if defined(KVLOOM_AMX_BF16)
-// With AMX-BF16 and bf16 activations, from kBf16MinRows rows the block-scaled weight is dequantized instead
-// (amx_bf16.h): per panel and block, W[n, k] = q d in fp32 rounded to bf16 into B tiles, multiplied by the
-// unquantized activations with fp32 sums over K (w8a8_blocks_dequantized_reference), not llama.cpp's product.
-// On 2 cores of an AMX Xeon, SmolLM2's head (49,152 x 576, the default model's Q8_0 embedding; medians of 15, two
-// runs): 2.65-2.72 vs 2.19-2.21 ms (VNNI) at 32 rows, 3.15-3.38 vs 2.62-2.65 at 40, 2.76-2.87 vs 3.02-3.11 at 48,
-// 3.23-3.29 vs 3.90-4.02 at 64.
-constexpr int64_t kBf16MinRows = 48;
-constexpr int64_t kBf16UnitPanels = 2;  // 96 columns: 6 groups of 16
 
-// One panel's block b (its 8 groups of 4 k x 48 columns, u8 q + 128) dequantized to 3 B tiles (`out`, one per 16
-// columns, kvloom::amx::kTileWords apart).
-inline void dequantize_block_tiles(const uint8_t* panel, const float* scales, int64_t b, uint16_t* out) {
-  using kvloom::amx::spread4;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  KVLOOM_UNROLL
-  for (int v = 0; v < kPanelVecs; ++v) {
-    const __m512 d = _mm512_loadu_ps(scales + b * kPanel + 16 * v);
-    const __m512 dq[4] = {spread4(d, 0), spread4(d, 1), spread4(d, 2), spread4(d, 3)};
-    KVLOOM_UNROLL
-    for (int j = 0; j < kGroupsPerBlock; ++j) {  // k = 4 j .. 4 j + 3: rows 2 j and 2 j + 1
-      const __m512i codes = _mm512_xor_si512(
-          _mm512_loadu_si512(panel + (b * kGroupsPerBlock + j) * kGroupBytes + 64 * v), flip);
-      __m512 w[4];  // columns 4 i .. 4 i + 3, 4 k each
-      KVLOOM_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        const __m128i part = _mm512_extracti32x4_epi32(codes, i);
-        w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(part)), dq[i]);
-      }
-      kvloom::amx::store_pair_rows(out + v * kvloom::amx::kTileWords + 64 * j, kvloom::amx::bf16_pairs(w[0], w[1]),
-                                   kvloom::amx::bf16_pairs(w[2], w[3]));
-    }
-  }
-}
-
-void w8a8_blocks_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, const uint8_t* packed,
-                          const float* w_scale, const float* bias, const Shapes& s) {
-  const int64_t blocks = s.K / kBlock, panel_size = s.groups * kGroupBytes, scales_size = blocks * kPanel;
-  auto dequantize = [&](int64_t unit, uint16_t* tiles) {
-    const int64_t p0 = unit * kBf16UnitPanels, count = std::min(kBf16UnitPanels, s.panels - p0);
-    const int64_t stride = count * kPanelVecs * kvloom::amx::kTileWords;
-    for (int64_t b = 0; b < blocks; ++b)
-      for (int64_t i = 0; i < count; ++i)
-        dequantize_block_tiles(packed + (p0 + i) * panel_size, w_scale + (p0 + i) * scales_size, b,
-                               tiles + b * stride + i * kPanelVecs * kvloom::amx::kTileWords);
-    return count * kPanelVecs;
-  };
-  auto prefetch = [&](int64_t unit) {
-    const int64_t p0 = unit * kBf16UnitPanels, count = std::min(kBf16UnitPanels, s.panels - p0);
-    kvloom::amx::prefetch_l2(packed + p0 * panel_size, count * panel_size);
-    kvloom::amx::prefetch_l2(w_scale + p0 * scales_size, count * scales_size * sizeof(float));
-  };
-  kvloom::amx::dequantized_product(y, x, ldx, s.M, s.K, s.N, kBf16UnitPanels * kPanel, bias, dequantize, prefetch);
-}
-#endif
 
 template <typename T>
 void w8a8_blocks_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const float* w_scale,
                        const float* bias, const Shapes& s, bool portable, bool bf16_tiles) {
 #if defined(KVLOOM_AMX_BF16)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (!portable && bf16_tiles && s.M >= kBf16MinRows && kvloom::amx::ready()) {
-      w8a8_blocks_bf16_amx(y.data_ptr<T>(), x.data_ptr<T>(), x.stride(0),
-                           reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()), w_scale, bias, s);
-      return;
-    }
+  if (takes_bf16_tiles<T>(s, portable, bf16_tiles, kBf16MinRows)) {
+    int8_bf16_amx<true>(reinterpret_cast<c10::BFloat16*>(y.data_ptr<T>()),
+                        reinterpret_cast<const c10::BFloat16*>(x.data_ptr<T>()), x.stride(0),
+                        reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()), w_scale, nullptr, bias, s);
+    return;
   }
 #endif
   const int64_t blocks = s.K / kBlock;
@@ -1018,6 +1061,15 @@ int64_t w8a8_blocks_bf16_tiles_min_rows() {
 #endif
 }
 
+// The same for the per-row int8 weight (gemm_w8a8, gemm_int8_weight_only; K a multiple of 32).
+int64_t int8_rows_bf16_tiles_min_rows() {
+#if defined(KVLOOM_AMX_BF16)
+  return kvloom::amx::ready() ? kBf16RowsMinRows : 0;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 namespace kvloom::kernels {
@@ -1031,12 +1083,12 @@ void quantize_blocks_s8(const at::Tensor& x, int8_t* q, float* scales, int32_t* 
   });
 }
 void gemm_w8a8(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor compensation, at::Tensor scale,
-               c10::optional<at::Tensor> bias, bool portable) {
-  ::gemm_w8a8(y, x, packed, compensation, scale, bias, portable);
+               c10::optional<at::Tensor> bias, bool portable, bool bf16_tiles) {
+  ::gemm_w8a8(y, x, packed, compensation, scale, bias, portable, bf16_tiles);
 }
 void gemm_int8_weight_only(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale,
-                           c10::optional<at::Tensor> bias, bool portable) {
-  ::gemm_int8_weight_only(y, x, packed, scale, bias, portable);
+                           c10::optional<at::Tensor> bias, bool portable, bool bf16_tiles) {
+  ::gemm_int8_weight_only(y, x, packed, scale, bias, portable, bf16_tiles);
 }
 void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
                       bool portable, bool bf16_tiles) {
@@ -1046,12 +1098,13 @@ void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor 
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("gemm_w8a8(Tensor(a!) y, Tensor x, Tensor packed, Tensor compensation, Tensor scale, Tensor? bias, "
-        "bool portable=False) -> ()");
+        "bool portable=False, bool bf16_tiles=True) -> ()");
   m.def("gemm_int8_weight_only(Tensor(a!) y, Tensor x, Tensor packed, Tensor scale, Tensor? bias, "
-        "bool portable=False) -> ()");
+        "bool portable=False, bool bf16_tiles=True) -> ()");
   m.def("gemm_w8a8_blocks(Tensor(a!) y, Tensor x, Tensor packed, Tensor scale, Tensor? bias, bool portable=False, "
         "bool bf16_tiles=True) -> ()");
   m.def("w8a8_blocks_bf16_tiles_min_rows() -> int", &w8a8_blocks_bf16_tiles_min_rows);
+  m.def("int8_rows_bf16_tiles_min_rows() -> int", &int8_rows_bf16_tiles_min_rows);
   m.def("int8_gemm_kernels() -> int", &int8_gemm_kernels);
 }
 

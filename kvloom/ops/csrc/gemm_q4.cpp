@@ -410,7 +410,7 @@ void q4_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t 
     kvloom::amx::prefetch_l2(scales + p0 * scales_size, count * scales_size * sizeof(S));
     if (planes) kvloom::amx::prefetch_l2(high + p0 * blocks * planes * kHighBytes, count * blocks * planes * kHighBytes);
   };
-  kvloom::amx::dequantized_product(y, x, ldx, M, K, N, kBf16Unit, bias, dequantize, prefetch);
+  kvloom::amx::dequantized_product(y, x, ldx, M, K, N, kBf16Unit, nullptr, bias, dequantize, prefetch);
 }
 #endif
 

@@ -22,9 +22,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 void gemm_bf16(at::Tensor y, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias);
 // gemm_int8.cpp
 void gemm_w8a8(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor compensation, at::Tensor scale,
-               c10::optional<at::Tensor> bias, bool portable);
+               c10::optional<at::Tensor> bias, bool portable, bool bf16_tiles = true);
 void gemm_int8_weight_only(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale,
-                           c10::optional<at::Tensor> bias, bool portable);
+                           c10::optional<at::Tensor> bias, bool portable, bool bf16_tiles = true);
 void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
                       bool portable, bool bf16_tiles = true);
 
