@@ -23,7 +23,8 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "all of them in one native call (csrc/decoder.cpp; the same kernels, no Python between them)",
     "KVLOOM_CPU_AMX": "0: no AMX tiles (bf16 products on kvloom's own GEMM at every batch size, 4-bit and Q8_0 ones on "
     "VNNI); default 1: on a CPU with AMX, with bf16 activations 4-bit weights are dequantized into AMX-BF16 tiles "
-    "from 16 rows (Q8_0 blocks from 48; with fp32 activations 4-bit takes AMX-INT8 tiles from 16), and bf16 weights "
+    "from 16 rows (Q8_0 blocks from 48, int8 rows from 128; with fp32 activations 4-bit takes AMX-INT8 tiles from "
+    "16), and bf16 weights "
     "hold oneDNN's packing too (twice the bytes; a weight of 16M+ values holds oneDNN's alone) and take its AMX "
     "product from 4 rows, and steps of "
     "4 tokens or more run the layers module by module (5-12x kvloom's GEMM at 64-512 rows)",

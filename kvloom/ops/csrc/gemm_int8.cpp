@@ -33,6 +33,10 @@
 // 4 x values, and adds each column's 4 lanes at the end. Without these instructions the same packed
 // layout is read by plain loops; `portable=True` runs those anywhere, so tests pin both against the references. All three
 // products walk the panels with one loop (for_each_panel) and differ only in their micro-kernels.
+//
+// With AMX-BF16 (csrc/amx_bf16.h), bf16 activations of enough rows take neither: the weight is dequantized per call
+// into bf16 tiles (int8 codes as they are, exact; Q8_0 blocks times their scale) and multiplied with fp32 sums over
+// K, the per-row scale applied at the end: the weight-only product's arithmetic (see kBf16MinRows below).
 
 #include "avx2_columns.h"
 #include "cpu_capability.h"
