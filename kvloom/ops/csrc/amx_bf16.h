@@ -1,8 +1,9 @@
-// The dequantizing product on AMX-BF16 tiles, shared by the code-block (gemm_q4.cpp) and Q8_0-block (gemm_int8.cpp)
-// weights: y[M, N] = x[M, K] W[N, K]^T (+ bias) for bf16 x, where W is dequantized per call, a unit of columns at a
-// time, into bf16 B tiles by the caller's `dequantize`, and tdpbf16ps multiplies the rows of x, read in place as A
-// tiles, into fp32 sums that run the whole K (no per-block epilogue, no activation quantization). The result is x
-// times the weight rounded to bf16, summed in fp32 and rounded once to bf16 (bias added in fp32 first).
+// The dequantizing product on AMX-BF16 tiles, shared by the code-block weights (gemm_q4.cpp) and the int8 ones, Q8_0
+// blocks and per-row (gemm_int8.cpp): y[M, N] = x[M, K] W[N, K]^T * scale (+ bias) for bf16 x, where W is
+// dequantized per call, a unit of columns at a time, into bf16 B tiles by the caller's `dequantize`, and tdpbf16ps
+// multiplies the rows of x, read in place as A tiles, into fp32 sums that run the whole K (no per-block epilogue, no
+// activation quantization). The result is x times the weight rounded to bf16, summed in fp32, then scaled per column
+// (where the caller has a scale apart from W) and biased in fp32 with one FMA, and rounded once to bf16.
 //
 // Layout: a B tile is one block of 32 k by 16 columns: row r holds (W[n, 32 b + 2 r], W[n, 32 b + 2 r + 1]) for each
 // of the 16 columns n, 64 bytes. A unit's tiles are [blocks][groups of 16 columns][512 bf16 words].
@@ -123,11 +124,11 @@ void tile_rows(const c10::BFloat16* x, int64_t ldx, const uint16_t* tiles, int64
   }
 }
 
-// y = (x W^T) * scale (+ bias), scale per column (or null), W given a unit of `unit_columns` columns (a multiple of 16, at most 16 kMaxUnitGroups) at a
-// time: dequantize(unit, tiles) writes the unit's B tiles, [blocks][S groups of 16][kTileWords] (columns past N
-// zero), and returns S (at least the unit's real columns / 16, rounded up); prefetch(unit) fetches its weight bytes
-// toward L2. x: rows ldx apart; y: [M, N] contiguous; K a multiple of
-// 32.
+// y = (x W^T) * scale (+ bias), scale and bias per column (or null), W given a unit of `unit_columns` columns (a
+// multiple of 16, at most 16 kMaxUnitGroups) at a time: dequantize(unit, tiles) writes the unit's B tiles,
+// [blocks][S groups of 16][kTileWords] (columns past N zero), and returns S (at least the unit's real columns / 16,
+// rounded up); prefetch(unit) fetches its weight bytes toward L2. x: rows ldx apart; y: [M, N] contiguous; K a
+// multiple of 32.
 template <typename Dequantize, typename Prefetch>
 void dequantized_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
                          int64_t unit_columns, const float* scale, const float* bias, const Dequantize& dequantize,

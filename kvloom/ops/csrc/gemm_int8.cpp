@@ -428,7 +428,6 @@ void w8a8_portable_panel(const uint8_t* xq, int64_t ldq, const float* x_scale, c
   }
 }
 
-#if defined(KVLOOM_AMX_BF16)
 // With AMX-BF16 and bf16 activations, from kBf16MinRows rows the block-scaled weight is dequantized instead
 // (amx_bf16.h): per panel and block, W[n, k] = q d in fp32 rounded to bf16 into B tiles, multiplied by the
 // unquantized activations with fp32 sums over K (w8a8_blocks_dequantized_reference), not llama.cpp's product.
@@ -438,11 +437,14 @@ void w8a8_portable_panel(const uint8_t* xq, int64_t ldq, const float* x_scale, c
 constexpr int64_t kBf16MinRows = 48;
 // The per-row int8 weight (gemm_w8a8 and gemm_int8_weight_only) the same way, its codes exact in bf16 and its scale
 // in the epilogue: int8_linear_reference's arithmetic (the weight-only product's). There W8A8 on VNNI (one scale per
-// row and column, no per-block epilogue) keeps up longer: 30 SmolLM2 layers streaming from memory took 12.4 vs 9.9 ms
-// at 16 rows, 18.8 vs 18.1 at 64; on one hot weight the tiles were ahead from 128 rows (3072 x 576: 0.25 vs 0.31 ms,
-// 576 x 1536: 0.16 vs 0.26) to 2,048 (4.5 vs 6.5, 2.1 vs 4.1): the prefill's chunks.
+// row and column, no per-block epilogue) keeps up longer: 30 SmolLM2 layers streaming from memory took 12.4 ms on the
+// tiles against 9.9 for W8A8 at 16 rows, 18.8 against 18.1 at 64; on one hot weight the tiles were ahead from 128
+// rows (3072 x 576: 0.25 against 0.31 ms, 576 x 1536: 0.16 against 0.26) to 2,048 (4.5 against 6.5, 2.1 against
+// 4.1): the prefill's chunks.
 constexpr int64_t kBf16RowsMinRows = 128;
 constexpr int64_t kBf16UnitPanels = 2;  // 96 columns: 6 groups of 16
+
+#if defined(KVLOOM_AMX_BF16)
 
 // One panel's block b (its 8 groups of 4 k x 48 columns) dequantized to 3 B tiles (`out`, one per 16 columns,
 // kvloom::amx::kTileWords apart). Blocks: codes stored as u8 q + 128 (the W8A8-on-blocks packing), times their
@@ -501,25 +503,30 @@ void int8_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, const 
                                    prefetch);
 }
 
-// Whether bf16 x of these shapes takes the AMX-BF16 tiles (from min_rows rows, K whole blocks of 32).
-template <typename T>
-bool takes_bf16_tiles(const Shapes& s, bool portable, bool bf16_tiles, int64_t min_rows) {
-  return std::is_same_v<T, c10::BFloat16> && !portable && bf16_tiles && s.M >= min_rows && s.K % kBlock == 0 &&
-         kvloom::amx::ready();
-}
 #endif
+
+// Runs the product on AMX-BF16 tiles and returns true where bf16 x of these shapes takes them (from min_rows rows, K
+// whole blocks of 32, the tiles allowed); else false, and the caller runs its own product.
+template <bool Blocks, typename T>
+bool ran_on_bf16_tiles(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const float* w_scale,
+                       const float* bias, const Shapes& s, bool portable, bool bf16_tiles, int64_t min_rows) {
+#if defined(KVLOOM_AMX_BF16)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (!portable && bf16_tiles && s.M >= min_rows && s.K % kBlock == 0 && kvloom::amx::ready()) {
+      int8_bf16_amx<Blocks>(y.data_ptr<T>(), x.data_ptr<T>(), x.stride(0),
+                            reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()), Blocks ? w_scale : nullptr,
+                            Blocks ? nullptr : w_scale, bias, s);
+      return true;
+    }
+  }
+#endif
+  return false;
+}
 
 template <typename T>
 void w8a8_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const int32_t* compensation,
                 const float* w_scale, const float* bias, const Shapes& s, bool portable, bool bf16_tiles) {
-#if defined(KVLOOM_AMX_BF16)
-  if (takes_bf16_tiles<T>(s, portable, bf16_tiles, kBf16RowsMinRows)) {
-    int8_bf16_amx<false>(reinterpret_cast<c10::BFloat16*>(y.data_ptr<T>()),
-                         reinterpret_cast<const c10::BFloat16*>(x.data_ptr<T>()), x.stride(0),
-                         reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()), nullptr, w_scale, bias, s);
-    return;
-  }
-#endif
+  if (ran_on_bf16_tiles<false, T>(y, x, packed, w_scale, bias, s, portable, bf16_tiles, kBf16RowsMinRows)) return;
   const int64_t Kp = s.groups * kGroup;
 #if defined(KVLOOM_VNNI_DOT)
   const bool fast = !portable;
@@ -722,14 +729,7 @@ void weight_only_portable_panel(const T* x, int64_t ldx, int64_t K, const int8_t
 template <typename T>
 void weight_only_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const float* w_scale,
                        const float* bias, const Shapes& s, bool portable, bool bf16_tiles) {
-#if defined(KVLOOM_AMX_BF16)
-  if (takes_bf16_tiles<T>(s, portable, bf16_tiles, kBf16RowsMinRows)) {
-    int8_bf16_amx<false>(reinterpret_cast<c10::BFloat16*>(y.data_ptr<T>()),
-                         reinterpret_cast<const c10::BFloat16*>(x.data_ptr<T>()), x.stride(0),
-                         reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()), nullptr, w_scale, bias, s);
-    return;
-  }
-#endif
+  if (ran_on_bf16_tiles<false, T>(y, x, packed, w_scale, bias, s, portable, bf16_tiles, kBf16RowsMinRows)) return;
   const auto* ws = packed.data_ptr<int8_t>();
   const T* xs = x.data_ptr<T>();
   T* ys = y.data_ptr<T>();
@@ -979,14 +979,7 @@ void w8a8_blocks_portable_panel(const int8_t* xq, int64_t ldq, const float* x_sc
 template <typename T>
 void w8a8_blocks_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const float* w_scale,
                        const float* bias, const Shapes& s, bool portable, bool bf16_tiles) {
-#if defined(KVLOOM_AMX_BF16)
-  if (takes_bf16_tiles<T>(s, portable, bf16_tiles, kBf16MinRows)) {
-    int8_bf16_amx<true>(reinterpret_cast<c10::BFloat16*>(y.data_ptr<T>()),
-                        reinterpret_cast<const c10::BFloat16*>(x.data_ptr<T>()), x.stride(0),
-                        reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()), w_scale, nullptr, bias, s);
-    return;
-  }
-#endif
+  if (ran_on_bf16_tiles<true, T>(y, x, packed, w_scale, bias, s, portable, bf16_tiles, kBf16MinRows)) return;
   const int64_t blocks = s.K / kBlock;
   std::vector<int8_t> xq(s.M * s.K);
   std::vector<float> x_scale(s.M * blocks);

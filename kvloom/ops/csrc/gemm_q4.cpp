@@ -13,6 +13,8 @@
 // before one vpmaddwd widens them; no sign trick, half the work of an 8-bit weight per k. With AVX512-VNNI
 // (vpdpbusd in its 256-bit AVX512VL form) each 4 products go straight into an int32 lane: the same exact sums.
 // With AMX-INT8, 16 rows at a time take tiles (q4_amx_rows below): again the same sums and fp32 steps.
+// With AMX-BF16, bf16 activations of kBf16MinRows rows or more take another product: the weight dequantized into
+// bf16 tiles, fp32 sums, no activation quantization (q4_bf16_amx below, csrc/amx_bf16.h).
 //
 // The weight is packed once (kvloom/ops/q4.py, pack_q4_weight) into panels of kPanel = 8 output columns:
 // packed[panel][block][pair][8][4] bytes, where byte (c, i) of pair j holds q[n0 + c, 32 b + 8 j + i] in its
@@ -308,14 +310,14 @@ void q4_amx_rows(const int8_t* xq, int64_t ldq, const float* dx, const float* sx
 
 #if defined(KVLOOM_Q4_AMX) && defined(KVLOOM_AMX_BF16)
 #define KVLOOM_Q4_AMX_BF16
-// With AMX-BF16 and bf16 activations, from kBf16MinRows rows the weight is dequantized instead (the issue's
-// "dequantize in register for larger batches", amx_bf16.h): per panel pair and block, W[n, k] = q d + m in fp32 (one
-// FMA), rounded to bf16 into a B tile, multiplied by the unquantized activations with fp32 sums over the whole K: the
-// product of x and the weight rounded to bf16, as the same weight dequantized at load would give
-// (q4_dequantized_linear_reference), not llama.cpp's. On 2 cores of an AMX Xeon, SmolLM2's 30 layers of projections
-// with their weights streaming from memory (each used once, as in a step) took 10.5 ms either way at 16 rows, 12.7
-// vs 14.9 at 24, 11.9 vs 14.9 at 32 and 15.1 vs 23.5 at 64 (oneDNN's bf16 products of the dequantized weights: 14.8,
-// 16.2, 16.6, 17.7); at 8 and 12 rows the int8 kernel was ahead (8.3 vs 11.1, 9.3 vs 10.7).
+// With AMX-BF16 and bf16 activations, from kBf16MinRows rows the weight is dequantized instead (in registers, for
+// larger batches; amx_bf16.h): per panel pair and block, W[n, k] = q d + m in fp32 (one FMA), rounded to bf16 into a
+// B tile, multiplied by the unquantized activations with fp32 sums over the whole K: the product of x and the weight
+// rounded to bf16, as the same weight dequantized at load would give (q4_dequantized_linear_reference), not
+// llama.cpp's. On 2 cores of an AMX Xeon, SmolLM2's 30 layers of projections with their weights streaming from
+// memory (each used once, as in a step; two runs) took 8.8-8.9 ms against 9.8-9.9 for the AMX-INT8 tiles at 16 rows
+// and 15.6 against 27.4 at 64 (oneDNN's bf16 products of the dequantized weights: 14.8, 19.5); at 8 and 12 rows the
+// VNNI kernel stays ahead (6.9-7.0 against 9.2-9.8, 8.5-8.8 against 9.3-10.0).
 constexpr int64_t kBf16MinRows = 16;
 constexpr int64_t kBf16Unit = 32;  // columns per unit of the dequantized product: two panel pairs
 
