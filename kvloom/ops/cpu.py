@@ -65,7 +65,7 @@ SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name
 # Included by them: the ISA flags (all), the thread pool's loops, the int8/4-bit GEMMs' AVX2 columns and AMX tiles.
 HEADERS = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("cpu_capability.h", "kernels.h", "parallel.h", "avx2_columns.h", "lora.h", "amx.h",
-                                  "amx_bf16.h"))
+                             "amx_bf16.h"))
 # Tried in order: built for the ISA level in force (kvloom.cpu_capability: this CPU's own -march=native, or
 # the capped level's baseline), then portable (for compilers that reject those flags).
 PORTABLE = ("portable", [])

@@ -23,9 +23,9 @@ quantized per 32). On CUDA the Triton kernel reads 5- and 6-bit codes one per by
 On a CPU with AMX-BF16, bf16 activations of ``bf16_tiles_min_rows()`` rows or more take a second product instead:
 the weight dequantized per call, block by block, into bf16 tiles (q d + m in fp32, rounded once to bf16: the values
 ``quantization="none"`` would hold) and multiplied by the unquantized activations with fp32 sums
-(``q4_dequantized_linear_reference``). Measured at SmolLM2's shapes on 2 cores: 1.5-2x llama.cpp's product on AMX-INT8
-tiles at 32-64 rows, 3-4x at 256-2,048 (benchmarks/int8_micro.py's q4 rows and docs/quantization.md). Fewer rows
-keep llama.cpp's product, where the 4-bit weight's fewer bytes are what count.
+(``q4_dequantized_linear_reference``). Measured at SmolLM2's shapes on 2 cores (csrc/gemm_q4.cpp, kBf16MinRows):
+1.1x llama.cpp's product on AMX-INT8 tiles at 16 rows and 1.8x at 64 with the weights streaming from memory, 2-4x at
+64-2,048 rows on a weight in cache. Fewer rows keep llama.cpp's product on VNNI, ahead there.
 """
 
 from __future__ import annotations
