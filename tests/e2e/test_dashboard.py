@@ -85,17 +85,27 @@ def test_dashboard_in_a_real_browser_moves_under_load_and_settles_on_the_metrics
                 time.sleep(0.1)
             assert updates() >= 1, browser.find_element("id", "status").text
             body = {"model": server.model, "prompt": [5, 6, 7, 8, 9], "max_tokens": 240, "ignore_eos": True}
-            clients = [threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", json=body,
-                                                                  timeout=120)) for _ in range(16)]
-            for client in clients:
-                client.start()
+            # Load that lasts until the page has polled a few times under it (a fast machine ran 16 fixed requests
+            # of the tiny model within one poll: the page, rightly, never showed one running), 30 s at most.
+            stop = threading.Event()
+
+            def client() -> None:
+                while not stop.is_set():
+                    httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+
+            clients = [threading.Thread(target=client) for _ in range(8)]
+            for c in clients:
+                c.start()
             seen_running, seen_rates = set(), set()
-            while any(c.is_alive() for c in clients):
+            polls = updates() + 4
+            deadline = time.monotonic() + 30
+            while (updates() < polls or not seen_running - {"0", "–"}) and time.monotonic() < deadline:
                 seen_running.add(shown("num_running"))
                 seen_rates.add(shown("generation_tokens_per_second"))
                 time.sleep(0.2)
-            for client in clients:
-                client.join(60)
+            stop.set()
+            for c in clients:
+                c.join(120)
             assert len(seen_running - {"0", "–"}) >= 1 and len(seen_rates) >= 2  # the page moved
             metrics = server.wait_idle()
             settled = updates() + 2
