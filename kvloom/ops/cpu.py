@@ -563,7 +563,7 @@ class PackedInt8Weight(_PackedInt8Linear):
     """An int8 weight (per-channel scale, optional bias) packed once for csrc/gemm_int8.cpp; calling it
     gives the W8A8 product (``w8a8_linear_reference``) for batches of ``w8a8_min_rows`` rows or more and
     the weight-only one (``int8_linear_reference``) below, in x's dtype (float32 or bfloat16). On an AMX-BF16 CPU,
-    with ``bf16_tiles`` (the default), bf16 x of ``int8_rows_bf16_tiles_min_rows()`` rows or more (in_features a
+    with ``bf16_tiles`` (the default), bf16 x of ``bf16_tiles_min_rows("int8_rows")`` rows or more (in_features a
     multiple of 32) takes the weight-only product's arithmetic on AMX-BF16 tiles (csrc/amx_bf16.h) instead."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -611,7 +611,7 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
     packed once for csrc/gemm_int8.cpp; calling it gives ``w8a8_blocks_linear_reference``'s product in x's
     dtype (float32 or bfloat16) at every batch size: per-block activations are accurate enough that there
     is no weight-only product to fall back on, as in llama.cpp. On an AMX-BF16 CPU, with ``bf16_tiles`` (the
-    default), bf16 x of ``w8a8_blocks_bf16_tiles_min_rows()`` rows or more take the dequantizing product instead
+    default), bf16 x of ``bf16_tiles_min_rows("int8_blocks")`` rows or more take the dequantizing product instead
     (``w8a8_blocks_dequantized_reference``: no activation quantization)."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -636,17 +636,16 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
         self._product(out, rows, self.data, self.scale, self.bias, False, self.bf16_tiles)
 
 
-def int8_rows_bf16_tiles_min_rows() -> int:
-    """From how many rows PackedInt8Weight takes bf16 activations to the AMX-BF16 tiles (in_features a multiple of
-    32); 0: never here."""
-    if not hasattr(torch.ops.kvloom, "int8_rows_bf16_tiles_min_rows"):
-        return 0
-    return int(torch.ops.kvloom.int8_rows_bf16_tiles_min_rows())
+# The library's op saying, per packed weight, from how many bf16 rows it takes the AMX-BF16 tiles (csrc/amx_bf16.h).
+BF16_TILES_OPS = {"q4": "q4_bf16_tiles_min_rows", "int8_blocks": "w8a8_blocks_bf16_tiles_min_rows",
+                  "int8_rows": "int8_rows_bf16_tiles_min_rows"}
 
 
-def w8a8_blocks_bf16_tiles_min_rows() -> int:
-    """From how many rows PackedInt8BlocksWeight takes bf16 activations to the AMX-BF16 product; 0: never here (no
-    AMX-BF16 in this CPU or build, KVLOOM_CPU_AMX=0, or no C++ kernels)."""
-    if not hasattr(torch.ops.kvloom, "w8a8_blocks_bf16_tiles_min_rows"):
-        return 0
-    return int(torch.ops.kvloom.w8a8_blocks_bf16_tiles_min_rows())
+def bf16_tiles_min_rows(weight: str) -> int:
+    """From how many rows a packed weight takes bf16 activations to the dequantizing AMX-BF16 product: ``weight``
+    "q4" (PackedQ4Weight), "int8_blocks" (PackedInt8BlocksWeight) or "int8_rows" (PackedInt8Weight, in_features a
+    multiple of 32); 0: never here (no AMX-BF16 in this CPU or build, KVLOOM_CPU_AMX=0, or no C++ kernels)."""
+    if weight not in BF16_TILES_OPS:
+        raise ValueError(f"unknown packed weight {weight!r}; expected one of {sorted(BF16_TILES_OPS)}")
+    op = BF16_TILES_OPS[weight]
+    return int(getattr(torch.ops.kvloom, op)()) if hasattr(torch.ops.kvloom, op) else 0

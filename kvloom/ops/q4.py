@@ -20,9 +20,9 @@ their upper bits in planes beside them (``pack_high_bits``: one bit a weight a p
 registers); Q6_K's groups of 16 are two per block, each with its own sums and scales (the activations still
 quantized per 32). On CUDA the Triton kernel reads 5- and 6-bit codes one per byte, groups of 16 with their scales.
 
-On a CPU with AMX-BF16, bf16 activations of ``bf16_tiles_min_rows()`` rows or more take a second product instead:
-the weight dequantized per call, block by block, into bf16 tiles (q d + m in fp32, rounded once to bf16: the values
-``quantization="none"`` would hold) and multiplied by the unquantized activations with fp32 sums
+On a CPU with AMX-BF16, bf16 activations of ``cpu.bf16_tiles_min_rows("q4")`` rows or more take a second product
+instead: the weight dequantized per call, block by block, into bf16 tiles (q d + m in fp32, rounded once to bf16:
+the values ``quantization="none"`` would hold) and multiplied by the unquantized activations with fp32 sums
 (``q4_dequantized_linear_reference``). Measured at SmolLM2's shapes on 2 cores (csrc/gemm_q4.cpp, kBf16MinRows):
 1.1x llama.cpp's product on AMX-INT8 tiles at 16 rows and 1.8x at 64 with the weights streaming from memory, 2-4x at
 64-2,048 rows on a weight in cache. Fewer rows keep llama.cpp's product on VNNI, ahead there.
@@ -166,14 +166,6 @@ def q4_dequantized_linear_reference(x: torch.Tensor, weight: Q4Blocks, bias: tor
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.codes.shape[0])
 
 
-def bf16_tiles_min_rows() -> int:
-    """From how many rows PackedQ4Weight takes bf16 activations to the AMX-BF16 product (csrc/gemm_q4.cpp); 0: never
-    here (no AMX-BF16 in this CPU or build, KVLOOM_CPU_AMX=0, or no C++ kernels)."""
-    if not hasattr(torch.ops.kvloom, "q4_bf16_tiles_min_rows"):
-        return 0
-    return int(torch.ops.kvloom.q4_bf16_tiles_min_rows())
-
-
 def pack_q4_weight(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [N, K] -> uint8 [ceil(N / 8), K / 32, 128]: per panel of 8 columns and block, 4 loads of 32
     bytes; byte (c, i) of load j holds code (c, 32 b + 8 j + i) low and (c, 32 b + 8 j + 4 + i) high. Zero
@@ -244,8 +236,8 @@ class NativeQ4Linear:
 
 class PackedQ4Weight:
     """A Q4 weight packed once for csrc/gemm_q4.cpp: x [..., K] (float32 or bfloat16) -> [..., N] in x's
-    dtype, the product of q4_linear_reference; with ``bf16_tiles`` (the default) bf16 x of bf16_tiles_min_rows()
-    rows or more take that of q4_dequantized_linear_reference (on a CPU with AMX-BF16)."""
+    dtype, the product of q4_linear_reference; with ``bf16_tiles`` (the default) bf16 x of
+    cpu.bf16_tiles_min_rows("q4") rows or more take that of q4_dequantized_linear_reference (on a CPU with AMX-BF16)."""
 
     def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None, portable: bool = False,
                  bf16_tiles: bool = True) -> None:

@@ -210,12 +210,12 @@ def test_cpu_int8_product_matches_its_reference(int8_kernels: None, product: str
 @pytest.mark.parametrize(("m", "k", "n"), [(48, 576, 961), (49, 32, 3), (64, 576, 95), (70, 1536, 1), (300, 64, 200),
                                             (1000, 1536, 49)])
 def test_w8a8_blocks_bf16_tiles_match_their_reference(int8_kernels: None, m: int, k: int, n: int) -> None:
-    """On an AMX-BF16 CPU, bf16 activations of w8a8_blocks_bf16_tiles_min_rows() rows or more: the block-scaled
+    """On an AMX-BF16 CPU, bf16 activations of bf16_tiles_min_rows("int8_blocks") rows or more: the block-scaled
     weight dequantized to bf16 times x with fp32 sums (w8a8_blocks_dequantized_reference), within an ulp and K
     fp32 roundings of the sum of |terms| (llama.cpp's product, 8-bit activations per block, is ~1% off that and
     would fail). Rows past whole tiles and several passes over them, units of 96 columns and a part-filled last one,
     x with a row stride of its own; float32 x keeps llama.cpp's product."""
-    min_rows = cpu.w8a8_blocks_bf16_tiles_min_rows()
+    min_rows = cpu.bf16_tiles_min_rows("int8_blocks")
     if not min_rows:
         pytest.skip("no AMX-BF16 tiles here: bf16 activations take llama.cpp's product at every size")
     assert m >= min_rows
@@ -235,11 +235,11 @@ def test_w8a8_blocks_bf16_tiles_match_their_reference(int8_kernels: None, m: int
 
 @pytest.mark.parametrize(("m", "k", "n"), [(128, 576, 961), (129, 32, 3), (300, 1536, 97), (1000, 64, 200)])
 def test_int8_rows_bf16_tiles_match_the_weight_only_reference(int8_kernels: None, m: int, k: int, n: int) -> None:
-    """On an AMX-BF16 CPU, bf16 activations of int8_rows_bf16_tiles_min_rows() rows or more (K whole blocks of 32):
+    """On an AMX-BF16 CPU, bf16 activations of bf16_tiles_min_rows("int8_rows") rows or more (K whole blocks of 32):
     the per-row int8 weight's codes (exact in bf16) times x with fp32 sums, scaled per column at the end: the
     weight-only product's arithmetic (int8_linear_reference) in another order, whichever product (W8A8 or
     weight-only) the rows would otherwise take; W8A8 (8-bit activations) is ~1% off that and would fail here."""
-    min_rows = cpu.int8_rows_bf16_tiles_min_rows()
+    min_rows = cpu.bf16_tiles_min_rows("int8_rows")
     if not min_rows:
         pytest.skip("no AMX-BF16 tiles here: bf16 activations take the VNNI products at every size")
     assert m >= min_rows

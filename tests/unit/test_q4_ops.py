@@ -3,8 +3,8 @@
 Its block sums are exact integers and each block adds two fp32 FMAs, so the kernel lands within one unit in the
 last place of the reference (float64, one rounding) plus a few fp32 roundings per block of the sum of
 |terms|; its vector and plain-loop versions agree bit for bit. On an AMX-BF16 CPU bf16 activations of
-bf16_tiles_min_rows() rows or more take the dequantizing product instead (``bf16_tiles=False`` keeps llama.cpp's):
-within an ulp of q4_dequantized_linear_reference plus K fp32 roundings of the sum of |terms|.
+cpu.bf16_tiles_min_rows("q4") rows or more take the dequantizing product instead (``bf16_tiles=False`` keeps
+llama.cpp's): within an ulp of q4_dequantized_linear_reference plus K fp32 roundings of the sum of |terms|.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from kvloom.ops.q4 import (
     NativeQ4Linear,
     PackedQ4Weight,
     Q4Blocks,
-    bf16_tiles_min_rows,
     pack_high_bits,
     pack_q4_scales,
     pack_q4_weight,
@@ -73,7 +72,7 @@ def dequantized_slack(x: torch.Tensor, weight: Q4Blocks, bias: torch.Tensor | No
 
 
 def takes_bf16_tiles(m: int, dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and 0 < bf16_tiles_min_rows() <= m
+    return dtype == torch.bfloat16 and 0 < cpu.bf16_tiles_min_rows("q4") <= m
 
 
 def check_against_reference(weight: Q4Blocks, m: int, dtype: torch.dtype, native: bool = False) -> None:
@@ -160,13 +159,13 @@ def test_q4_product_is_close_to_the_float_product(kernels: None) -> None:
 @pytest.mark.parametrize(("m", "k", "n"), [(16, 64, 33), (17, 576, 95), (50, 96, 8), (64, 576, 961),
                                             (700, 1536, 49)])
 def test_bf16_tiles_product_matches_its_reference(kernels: None, bits: int, m: int, k: int, n: int) -> None:
-    """On an AMX-BF16 CPU, bf16 activations from bf16_tiles_min_rows() rows: the weight dequantized to bf16 times x
-    with fp32 sums, within an ulp and K fp32 roundings (llama.cpp's product, its activations rounded to 8 bits per
-    block, is about 1% off that: it would fail here). Rows past whole tiles, columns past whole panels, passes over
+    """On an AMX-BF16 CPU, bf16 activations from cpu.bf16_tiles_min_rows("q4") rows: the weight dequantized to bf16
+    times x with fp32 sums, within an ulp and K fp32 roundings (llama.cpp's product, its activations rounded to 8 bits
+    per block, is about 1% off that: it would fail here). Rows past whole tiles, columns past whole panels, passes over
     several chunks of rows (700 rows of K = 1536), x with a row stride of its own."""
-    if not bf16_tiles_min_rows():
+    if not cpu.bf16_tiles_min_rows("q4"):
         pytest.skip("no AMX-BF16 tiles here: bf16 activations take llama.cpp's product at every size")
-    assert m >= bf16_tiles_min_rows()
+    assert m >= cpu.bf16_tiles_min_rows("q4")
     g = torch.Generator().manual_seed(m + k + n + bits)
     weight = {4: random_q4(n, k, seed=m), 5: random_q5(n, k, seed=m), 6: random_q6(n, k, seed=m)}[bits]
     wide = torch.randn(m, k + 32, generator=g).to(torch.bfloat16)

@@ -14,7 +14,30 @@
 // bytes are fetched toward L2. The last M % 16 rows go through a zero-padded copy (a tile reads 16 rows).
 #pragma once
 
+#include <cstdint>
+
 #include "amx.h"
+
+namespace kvloom::amx {
+
+// min_rows where this build and this process run the AMX-BF16 tiles, else 0 (no AMX-BF16 in the build, or the tiles
+// refused / KVLOOM_CPU_AMX=0): the products' `*_bf16_tiles_min_rows` ops and their dispatch.
+inline int64_t bf16_tiles_from(int64_t min_rows) {
+#if defined(KVLOOM_AMX_BF16)
+  return ready() ? min_rows : 0;
+#else
+  (void)min_rows;
+  return 0;
+#endif
+}
+
+// Whether a product of `rows` bf16 rows takes the tiles (its caller's `portable` and `bf16_tiles` allowing).
+inline bool takes_bf16_tiles(bool portable, bool bf16_tiles, int64_t rows, int64_t min_rows) {
+  const int64_t from = portable || !bf16_tiles ? 0 : bf16_tiles_from(min_rows);
+  return from > 0 && rows >= from;
+}
+
+}  // namespace kvloom::amx
 
 #if defined(KVLOOM_AMX_BF16)
 #include <c10/util/BFloat16.h>

@@ -512,7 +512,7 @@ bool ran_on_bf16_tiles(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
                        const float* bias, const Shapes& s, bool portable, bool bf16_tiles, int64_t min_rows) {
 #if defined(KVLOOM_AMX_BF16)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (!portable && bf16_tiles && s.M >= min_rows && s.K % kBlock == 0 && kvloom::amx::ready()) {
+    if (s.K % kBlock == 0 && kvloom::amx::takes_bf16_tiles(portable, bf16_tiles, s.M, min_rows)) {
       int8_bf16_amx<Blocks>(y.data_ptr<T>(), x.data_ptr<T>(), x.stride(0),
                             reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()), Blocks ? w_scale : nullptr,
                             Blocks ? nullptr : w_scale, bias, s);
@@ -1050,22 +1050,10 @@ int64_t int8_gemm_kernels() {
 
 // From how many rows bf16 activations take the dequantizing AMX-BF16 product on blocks (with bf16_tiles); 0: never
 // (the build or this process has no AMX-BF16 tiles).
-int64_t w8a8_blocks_bf16_tiles_min_rows() {
-#if defined(KVLOOM_AMX_BF16)
-  return kvloom::amx::ready() ? kBf16MinRows : 0;
-#else
-  return 0;
-#endif
-}
+int64_t w8a8_blocks_bf16_tiles_min_rows() { return kvloom::amx::bf16_tiles_from(kBf16MinRows); }
 
 // The same for the per-row int8 weight (gemm_w8a8, gemm_int8_weight_only; K a multiple of 32).
-int64_t int8_rows_bf16_tiles_min_rows() {
-#if defined(KVLOOM_AMX_BF16)
-  return kvloom::amx::ready() ? kBf16RowsMinRows : 0;
-#else
-  return 0;
-#endif
-}
+int64_t int8_rows_bf16_tiles_min_rows() { return kvloom::amx::bf16_tiles_from(kBf16RowsMinRows); }
 
 }  // namespace
 

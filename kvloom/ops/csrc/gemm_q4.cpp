@@ -227,6 +227,22 @@ constexpr Q4Kernel<T, S> kQ4Kernels[kRows + 1] = {nullptr, &q4_kernel<1, Bits, T
                                                   &q4_kernel<3, Bits, T, S>, &q4_kernel<4, Bits, T, S>};
 #endif
 
+// Where panel p's bytes are in the packed weight: its nibbles, its upper-bit planes (null for 4-bit codes) and its
+// scales (S: float or c10::Half), and the bytes of `count` panels from p on (for prefetching).
+template <typename S>
+struct Panels {
+  const uint8_t* packed;
+  const uint8_t* high;
+  const S* scales;
+  int64_t blocks;
+  int planes;
+  int64_t scales_size;  // S values per panel: blocks * (2 or 4) * kPanel
+
+  const uint8_t* codes(int64_t p) const { return packed + p * blocks * kBlockBytes; }
+  const uint8_t* bits(int64_t p) const { return planes ? high + p * blocks * planes * kHighBytes : nullptr; }
+  const S* scales_of(int64_t p) const { return scales + p * scales_size; }
+};
+
 #if defined(KVLOOM_Q4_AMX)
 // With AMX, 16 rows at a time take tiles: per block of 32 k and two panels (16 columns), one tdpbsud multiplies
 // the rows' s8 codes (tile A, 16 x 32 bytes, read in place) by the columns' codes (tile B: 8 quads of k x 16
@@ -308,8 +324,6 @@ void q4_amx_rows(const int8_t* xq, int64_t ldq, const float* dx, const float* sx
 }
 #endif
 
-#if defined(KVLOOM_Q4_AMX) && defined(KVLOOM_AMX_BF16)
-#define KVLOOM_Q4_AMX_BF16
 // With AMX-BF16 and bf16 activations, from kBf16MinRows rows the weight is dequantized instead (in registers, for
 // larger batches; amx_bf16.h): per panel pair and block, W[n, k] = q d + m in fp32 (one FMA), rounded to bf16 into a
 // B tile, multiplied by the unquantized activations with fp32 sums over the whole K: the product of x and the weight
@@ -319,6 +333,9 @@ void q4_amx_rows(const int8_t* xq, int64_t ldq, const float* dx, const float* sx
 // and 15.6 against 27.4 at 64 (oneDNN's bf16 products of the dequantized weights: 14.8, 19.5); at 8 and 12 rows the
 // VNNI kernel stays ahead (6.9-7.0 against 9.2-9.8, 8.5-8.8 against 9.3-10.0).
 constexpr int64_t kBf16MinRows = 16;
+
+#if defined(KVLOOM_Q4_AMX) && defined(KVLOOM_AMX_BF16)
+#define KVLOOM_Q4_AMX_BF16
 constexpr int64_t kBf16Unit = 32;  // columns per unit of the dequantized product: two panel pairs
 
 // Two panels' weights (panel w[1] null: its 8 columns zero) dequantized to bf16 B tiles, one per block (`stride`
@@ -380,9 +397,8 @@ void dequantize_tiles(const uint8_t* const w[2], const uint8_t* const h[2], cons
 // y = x W^T (+ bias) on bf16 tiles, a unit of two panel pairs at a time.
 template <typename S>
 void q4_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
-                 const uint8_t* packed, const uint8_t* high, int planes, const S* scales, const float* bias) {
-  const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
-  const int64_t scales_size = blocks * (planes == 2 ? 4 : 2) * kPanel;
+                 const Panels<S>& at, const float* bias) {
+  const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel, planes = at.planes;
   constexpr int64_t kUnitPanels = kBf16Unit / kPanel;
   auto dequantize = [&](int64_t unit, uint16_t* tiles) {
     const int64_t p0 = unit * kUnitPanels, count = std::min(kUnitPanels, panels - p0), pairs = (count + 1) / 2;
@@ -392,9 +408,7 @@ void q4_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t 
       const S* sc[2] = {};
       for (int64_t i = 0; i < 2 && 2 * pair + i < count; ++i) {
         const int64_t p = p0 + 2 * pair + i;
-        w[i] = packed + p * blocks * kBlockBytes;
-        h[i] = planes ? high + p * blocks * planes * kHighBytes : nullptr;
-        sc[i] = scales + p * scales_size;
+        w[i] = at.codes(p), h[i] = at.bits(p), sc[i] = at.scales_of(p);
       }
       uint16_t* out = tiles + pair * kvloom::amx::kTileWords;
       const int64_t stride = pairs * kvloom::amx::kTileWords;
@@ -408,9 +422,9 @@ void q4_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t 
   };
   auto prefetch = [&](int64_t unit) {
     const int64_t p0 = unit * kUnitPanels, count = std::min(kUnitPanels, panels - p0);
-    kvloom::amx::prefetch_l2(packed + p0 * blocks * kBlockBytes, count * blocks * kBlockBytes);
-    kvloom::amx::prefetch_l2(scales + p0 * scales_size, count * scales_size * sizeof(S));
-    if (planes) kvloom::amx::prefetch_l2(high + p0 * blocks * planes * kHighBytes, count * blocks * planes * kHighBytes);
+    kvloom::amx::prefetch_l2(at.codes(p0), count * blocks * kBlockBytes);
+    kvloom::amx::prefetch_l2(at.scales_of(p0), count * at.scales_size * static_cast<int64_t>(sizeof(S)));
+    if (planes) kvloom::amx::prefetch_l2(at.bits(p0), count * blocks * planes * kHighBytes);
   };
   kvloom::amx::dequantized_product(y, x, ldx, M, K, N, kBf16Unit, nullptr, bias, dequantize, prefetch);
 }
@@ -464,16 +478,17 @@ void q4_portable_panel(const int8_t* xq, int64_t ldq, const float* dx, const flo
 template <typename T, typename S>
 void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const uint8_t* high, int planes,
               const S* scales, const float* bias, int64_t M, int64_t K, int64_t N, bool portable, bool bf16_tiles) {
+  const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
+  const bool halves = planes == 2;  // 6-bit codes: a scale and an offset per 16 k
+  const Panels<S> at{packed, high, scales, blocks, planes, blocks * (halves ? 4 : 2) * kPanel};
 #if defined(KVLOOM_Q4_AMX_BF16)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (!portable && bf16_tiles && M >= kBf16MinRows && kvloom::amx::ready()) {
-      q4_bf16_amx(y.data_ptr<T>(), x.data_ptr<T>(), x.stride(0), M, K, N, packed, high, planes, scales, bias);
+    if (kvloom::amx::takes_bf16_tiles(portable, bf16_tiles, M, kBf16MinRows)) {
+      q4_bf16_amx(y.data_ptr<T>(), x.data_ptr<T>(), x.stride(0), M, K, N, at, bias);
       return;
     }
   }
 #endif
-  const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
-  const bool halves = planes == 2;  // 6-bit codes: a scale and an offset per 16 k
   const int64_t parts = halves ? 2 : 1, lds = parts * blocks;  // sx: per (row, block) or (row, half block)
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * blocks), sx(M * lds);
@@ -498,7 +513,6 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
   const bool fast = false;
 #endif
   const int64_t step = fast ? kRows : kRowChunk;
-  const int64_t scales_size = blocks * (halves ? 4 : 2) * kPanel;
 #if defined(KVLOOM_Q4_AMX)
   if (fast && !halves && M >= kAmxRows && kvloom::amx::ready()) {
     const int64_t whole = M - M % kAmxRows;  // rows the tiles take; the rest go to the AVX2 kernel
@@ -515,9 +529,7 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
         int64_t cols[2] = {};
         for (int64_t i = 0; i < count; ++i) {
           const int64_t p = p0 + i, n = p * kPanel;
-          w[i] = packed + p * blocks * kBlockBytes;
-          h[i] = planes ? high + p * blocks * planes * kHighBytes : nullptr;
-          sc[i] = scales + p * scales_size;
+          w[i] = at.codes(p), h[i] = at.bits(p), sc[i] = at.scales_of(p);
           bs[i] = bias ? bias + n : nullptr;
           cols[i] = std::min(kPanel, N - n);
         }
@@ -545,9 +557,9 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
       const int64_t m1 = std::min(M, m0 + kRowChunk);
       for (int64_t panel = begin; panel < end; ++panel) {
         const int64_t n0 = panel * kPanel, columns = std::min(kPanel, N - n0);
-        const uint8_t* wp = packed + panel * blocks * kBlockBytes;
-        const uint8_t* hp = planes ? high + panel * blocks * planes * kHighBytes : nullptr;
-        const S* sp = scales + panel * scales_size;
+        const uint8_t* wp = at.codes(panel);
+        const uint8_t* hp = at.bits(panel);
+        const S* sp = at.scales_of(panel);
         const float* bp = bias ? bias + n0 : nullptr;
         for (int64_t m = m0; m < m1; m += step) {
           const int64_t rows = std::min(step, m1 - m);
@@ -634,7 +646,7 @@ bool q4_gemm_kernel() {
 // or this process has no AMX-BF16 tiles).
 int64_t q4_bf16_tiles_min_rows() {
 #if defined(KVLOOM_Q4_AMX_BF16)
-  return kvloom::amx::ready() ? kBf16MinRows : 0;
+  return kvloom::amx::bf16_tiles_from(kBf16MinRows);
 #else
   return 0;
 #endif
