@@ -2,6 +2,7 @@
 
     bash benchmarks/peers/setup_llamacpp.sh        # llama-perplexity, llama-tokenize and the quantized GGUFs
     .venv/bin/python benchmarks/gguf_perplexity.py [--gguf q4_1 q4_0 q4_k_m q5_k_m q6_k q8_0 bf16] [-c 512]
+        [--backend '{"requantize_lm_head": 5}']
 
 The text is tests/data/perplexity.txt (4,482 SmolLM2 tokens of Python's reference documentation). Both sides
 score it the way ``llama-perplexity -c C`` does: the tokens cut into whole windows of C, the second half of
@@ -62,6 +63,8 @@ def main() -> None:
     parser.add_argument("-c", "--ctx", type=int, default=512)
     parser.add_argument("--dtype", default=None, help="kvloom's dtype (default: the engine's)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--backend", default=None,
+                        help='kvloom\'s override_backend_config as JSON, e.g. \'{"requantize_lm_head": 5}\'')
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from kvloom import LLM
@@ -71,6 +74,7 @@ def main() -> None:
     for name in args.gguf:
         path = llamacpp_gguf(name)
         llm = LLM(model=str(path), max_model_len=args.ctx + 16, max_num_seqs=8,
+                  override_backend_config=json.loads(args.backend) if args.backend else None,
                   **({"dtype": args.dtype} if args.dtype else {}))
         ids = llm.get_tokenizer().encode(TEXT.read_text())
         reference_ids = llamacpp_tokens(path, TEXT)

@@ -65,6 +65,11 @@ class BackendConfig:
     # Q6_K file's all) kept as 6-bit codes with a scale per 16 inputs (the same kernel, two bit planes) instead of
     # dequantized at load. False dequantizes them.
     gguf_6bit_blocks: bool = True
+    # With a checkpoint kept in its blocks (quantization "gguf", "gptq", "awq"): the LM head's table (and a tied
+    # embedding's, SmolLM2's Q8_0 one) re-quantized at load to 4- or 5-bit code blocks, a scale and an offset per
+    # 32 inputs (Q4_1's / Q5_1's), multiplied by the 4-bit product. None keeps the file's values. It changes
+    # them: docs/quantization.md has the perplexity and the speed and memory it buys.
+    requantize_lm_head: int | None = None
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any] | str | None) -> BackendConfig:
@@ -122,6 +127,10 @@ class BackendConfig:
                      "gguf_5bit_blocks", "gguf_6bit_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"override_backend_config: {name} must be true or false, got {getattr(self, name)!r}")
+        bits = self.requantize_lm_head
+        if bits is not None and (isinstance(bits, bool) or bits not in (4, 5)):
+            raise ValueError(f"override_backend_config: requantize_lm_head must be 4 or 5 (bits of the LM head's "
+                             f"code blocks) or None (the checkpoint's own values), got {bits!r}")
         alpha = self.int8_smoothing_alpha
         if alpha is not None:
             if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:

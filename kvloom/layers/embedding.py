@@ -4,7 +4,12 @@ With int8 weights and ``quantize_lm_head``, the embedding table is stored as int
 per token (a lookup dequantizes the rows it reads) and the LM head multiplies by the same int8 table,
 so a tied model keeps one int8 copy. A GGUF's Q8_0 table kept as stored (``quantization="gguf"``) holds a scale
 per token and block of 32 instead (``weight_scale`` [vocab, hidden / 32]); the head then multiplies by the blocks
-with activations quantized per block, as llama.cpp does.
+with activations quantized per block, as llama.cpp does. With ``requantize_lm_head`` (4 or 5) that table becomes
+4- or 5-bit code blocks at load (``blocks``), and the head takes the 4-bit product.
+
+Once the head is packed for its product (``process_weights_after_loading``), a tied embedding reads its rows from
+the head's packed weight (``share_tied_table``: the packed products' ``rows``) and the row-major table is dropped:
+the table is resident once, in the head's layout, not twice.
 """
 
 from __future__ import annotations
@@ -15,8 +20,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvloom.ops import int8
+from kvloom.ops import int8, q4
+from kvloom.ops.int8 import Int8Blocks, Int8Rows
+from kvloom.ops.q4 import Q4Blocks
 from kvloom.ops.table import Ops
+
+Table = Int8Rows | Int8Blocks | Q4Blocks
+
+
+def dequantize_rows(rows: Table, dtype: torch.dtype) -> torch.Tensor:
+    """A lookup's rows [T, H] in ``dtype``: int8 codes times their scale per token or block in ``dtype`` (as the
+    table's own lookup always did), code blocks as ``Q4Blocks.dequantize`` (fp32) rounded to ``dtype``."""
+    if isinstance(rows, Q4Blocks):
+        return rows.dequantize().to(dtype)
+    codes, scale = rows.qweight.to(dtype), rows.scale.to(dtype)
+    if scale.dim() == 1:
+        return codes * scale[:, None]
+    return (codes.view(*scale.shape, int8.BLOCK) * scale[..., None]).view(codes.shape)
 
 
 class VocabEmbedding(nn.Module):
@@ -25,6 +45,9 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.qweight: torch.Tensor | None = None  # int8 [vocab, hidden] after quantize
         self.weight_scale: torch.Tensor | None = None  # fp32 [vocab], or [vocab, hidden / 32] for Q8_0 blocks
+        self.blocks: Q4Blocks | None = None  # a table re-quantized to code blocks (requantize_lm_head), until packed
+        # The tied head's packed weight, whose ``rows`` this reads instead of a table of its own (share_tied_table).
+        self.table: Callable[[torch.Tensor], Table] | None = None
         self.dtype = self.weight.dtype
 
     def quantize(self) -> None:
@@ -47,14 +70,24 @@ class VocabEmbedding(nn.Module):
         """int8 rows or Q8_0 blocks read from a checkpoint (the only things the loader hands this way)."""
         self.set_int8(tensor.qweight, tensor.scale)
 
+    def read_from(self, table: Callable[[torch.Tensor], Table]) -> None:
+        """Rows from ``table`` (the tied head's packed weight's ``rows``) instead of a table of this module's own."""
+        self.table = table
+        self.qweight = self.weight_scale = self.blocks = None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None:
-            rows = F.embedding(input_ids, self.qweight).to(self.dtype)
-            scale = self.weight_scale[input_ids].to(self.dtype)
-            if scale.dim() == 1:
-                return rows * scale[:, None]
-            return (rows.view(*scale.shape, int8.BLOCK) * scale[..., None]).view(rows.shape)
-        return F.embedding(input_ids, self.weight)
+        if self.table is None and self.qweight is None and self.blocks is None:
+            return F.embedding(input_ids, self.weight)
+        ids = input_ids.reshape(-1)
+        if self.table is not None:
+            rows = self.table(ids)
+        elif self.blocks is not None:
+            rows = Q4Blocks(self.blocks.codes[ids], self.blocks.d[ids], self.blocks.m[ids])
+        elif self.weight_scale.dim() == 1:
+            rows = Int8Rows(F.embedding(ids, self.qweight), self.weight_scale[ids])
+        else:
+            rows = Int8Blocks(F.embedding(ids, self.qweight), self.weight_scale[ids])
+        return dequantize_rows(rows, self.dtype).view(*input_ids.shape, -1)
 
 
 class LMHead(nn.Module):
@@ -63,6 +96,7 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.qweight: torch.Tensor | None = None
         self.weight_scale: torch.Tensor | None = None
+        self.blocks: Q4Blocks | None = None  # the table as code blocks (requantize_lm_head), until packed
         self.packed: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def quantize(self, tied_to: VocabEmbedding | None = None) -> None:
@@ -84,11 +118,39 @@ class LMHead(nn.Module):
         self.qweight, self.weight_scale = tensor.qweight.to(device), tensor.scale.float().to(device)
         self.weight.data = self.weight.data.new_empty(0, expected[1])
 
+    def requantize(self, bits: int, tied_to: VocabEmbedding | None = None) -> None:
+        """The table (int8 rows, Q8_0 blocks or float) re-quantized to ``bits``-bit code blocks with a scale and an
+        offset per 32 inputs from the values it holds (``Q4Blocks.quantize``: Q4_1's / Q5_1's min and max per block;
+        a least-squares fit of d and m, llama.cpp's k-quant search, had 10% less squared error on SmolLM2's table
+        and a worse perplexity, 12.14 against 12.11 at 5 bits, 12.77 against 12.51 at 4); a tied embedding takes
+        the same blocks. Changes the model's values: docs/quantization.md has the perplexity it costs."""
+        if self.qweight is None:
+            values = self.weight.data.float()
+        else:
+            table = Int8Rows if self.weight_scale.dim() == 1 else Int8Blocks
+            values = dequantize_rows(table(self.qweight, self.weight_scale), torch.float32)
+        self.blocks = Q4Blocks.quantize(values, bits)
+        self.qweight = self.weight_scale = None
+        if tied_to is not None:
+            tied_to.dtype = tied_to.weight.dtype
+            tied_to.read_from(self.rows)  # until packed, then the packed weight's rows (share_tied_table)
+            tied_to.blocks = self.blocks
+        self.weight.data = self.weight.data.new_empty(0, self.weight.shape[1])  # a tied one: the embedding's too
+
+    def rows(self, ids: torch.Tensor) -> Table:
+        """Rows ``ids`` [T] of the table as held before packing."""
+        if self.blocks is not None:
+            return Q4Blocks(self.blocks.codes[ids], self.blocks.d[ids], self.blocks.m[ids])
+        table = Int8Rows if self.weight_scale.dim() == 1 else Int8Blocks
+        return table(self.qweight[ids], self.weight_scale[ids])
+
     def process_weights_after_loading(self, ops: Ops) -> None:
         """As Linear's, but the plain (or int8) weight stays: it may be the embedding's too."""
         if self.packed is not None:
             return
-        if self.qweight is not None:
+        if self.blocks is not None:
+            self.packed = ops.pack_linear_q4(self.blocks, None)
+        elif self.qweight is not None:
             pack = ops.pack_linear_int8_blocks if self.weight_scale.dim() == 2 else ops.pack_linear_int8
             self.packed = pack(self.qweight, self.weight_scale, None)
         elif ops.pack_linear is not None:
@@ -98,8 +160,26 @@ class LMHead(nn.Module):
         """hidden: [N, H] -> logits [N, V] in the model's dtype (the sampler upcasts what needs it)."""
         if self.packed is not None:
             return self.packed(hidden)
+        if self.blocks is not None:
+            return q4.q4_linear_reference(hidden, self.blocks)
         if self.qweight is not None:
             if self.weight_scale.dim() == 2:
                 return int8.w8a8_blocks_linear_reference(hidden, self.qweight, self.weight_scale, None)
             return int8.int8_linear_reference(hidden, self.qweight, self.weight_scale)
         return F.linear(hidden, self.weight)
+
+
+def share_tied_table(model: nn.Module) -> None:
+    """After packing (registry.process_weights_after_loading): an embedding tied to a quantized head whose packed
+    weight can hand back rows (the CPU's int8 and code-block products, their torch fallbacks) reads its rows there;
+    neither keeps the row-major table, which would be a second copy of it (31.9 MB of SmolLM2's Q8_0 table)."""
+    embeddings = [m for m in model.modules() if isinstance(m, VocabEmbedding)]
+    for head in model.modules():
+        if not isinstance(head, LMHead) or not hasattr(head.packed, "rows"):
+            continue
+        for embedding in embeddings:
+            tied = (head.qweight is not None and embedding.qweight is head.qweight) or (
+                head.blocks is not None and embedding.blocks is head.blocks)
+            if tied:
+                embedding.read_from(head.packed.rows)
+                head.qweight = head.weight_scale = head.blocks = None

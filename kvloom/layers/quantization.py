@@ -74,13 +74,18 @@ def kept_as_stored(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks | Q4Bl
             yield name, tensor
 
 
-def finish_gguf(model: nn.Module) -> None:
-    """After a ``quantization="gguf"`` load: a head tied to a Q8_0 embedding multiplies by its blocks."""
+def finish_gguf(model: nn.Module, requantize_lm_head: int | None = None) -> None:
+    """After a ``quantization="gguf"`` (or GPTQ / AWQ) load: a head tied to a Q8_0 embedding multiplies by its
+    blocks; with ``requantize_lm_head`` (4 or 5) the head's table, and a tied embedding's, becomes code blocks."""
     head = getattr(model, "lm_head", None)
     embedding = getattr(model, "embed_tokens", None)
-    if (isinstance(head, LMHead) and head.qweight is None and isinstance(embedding, VocabEmbedding)
-            and embedding.qweight is not None and head.weight is embedding.weight):
+    tied = isinstance(head, LMHead) and isinstance(embedding, VocabEmbedding) and head.weight is embedding.weight
+    if tied and head.qweight is None and embedding.qweight is not None:
         head.quantize(tied_to=embedding)
+    if requantize_lm_head is not None:
+        if not isinstance(head, LMHead):
+            raise ValueError(f"requantize_lm_head: {type(model).__name__} has no LM head to re-quantize")
+        head.requantize(requantize_lm_head, tied_to=embedding if tied else None)
 
 
 def holds_blocks(quantization: str | None, source: ModelSource, backend: BackendConfig) -> bool:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from kvloom.layers.embedding import share_tied_table
 from kvloom.layers.quantization import (
     finish_gguf,
     finish_int8,
@@ -68,6 +69,7 @@ def process_weights_after_loading(model: nn.Module, ops: Ops) -> None:
     for module in model.modules():
         if module is not model and hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading(ops)
+    share_tied_table(model)  # a tied embedding reads the head's packed table: one copy of it
     if hasattr(model, "prepare_layer_stack"):  # with the weights packed: the layers as one native call
         model.prepare_layer_stack()
 
@@ -84,6 +86,10 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
     checkpoint when one matches, else quantized as read and, with a path, written there); with "gguf", a GGUF's
     4-bit and Q8_0 projections as stored."""
     engine = config.engine
+    if engine.backend.requantize_lm_head is not None and engine.quantization not in ("gguf", "gptq", "awq"):
+        raise ValueError(f"override_backend_config: requantize_lm_head re-quantizes the LM head of a checkpoint kept "
+                         f"in its 4-bit or 8-bit blocks (quantization \"gguf\", \"gptq\" or \"awq\"); this load "
+                         f"has quantization={engine.quantization!r}")
     if engine.quantization is None:
         model.load_weights(iter_weights(config.source))
         return
@@ -93,7 +99,7 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
         model.load_weights(kept_as_stored(iter_weights(config.source, keep_q8_0=keep_q8_0, keep_q4=True,
                                                              keep_q5=engine.backend.gguf_5bit_blocks,
                                                              keep_q6=engine.backend.gguf_6bit_blocks)))
-        finish_gguf(model)
+        finish_gguf(model, engine.backend.requantize_lm_head)
         return
     architecture = config.model.architecture
     if not getattr(model, "supports_int8", True):

@@ -49,7 +49,7 @@ import torch
 
 from kvloom import envs
 from kvloom.cpu_capability import cpu_capability
-from kvloom.ops.int8 import check_blocks_shape
+from kvloom.ops.int8 import Int8Blocks, Int8Rows, check_blocks_shape
 from kvloom.ops.layer_stack import LayerShape, LayerWeights
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.reference import write_kv_cache
@@ -589,11 +589,21 @@ class PackedInt8Weight(_PackedInt8Linear):
     def stack_args(self) -> tuple[int, list[torch.Tensor | None], int]:
         return STACK_INT8_ROWS, [self.data, self.compensation, self.scale, self.bias], self.w8a8_min_rows
 
+    def rows(self, ids: torch.Tensor) -> Int8Rows:
+        """Rows ``ids`` [T] of the weight as packed (a tied embedding reads its table here, layers/embedding.py)."""
+        return Int8Rows(packed_int8_rows(self.data, ids, self.in_features), self.scale[ids])
+
     def _compute(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         if rows.shape[0] >= self.w8a8_min_rows:
             self._w8a8(out, rows, self.data, self.compensation, self.scale, self.bias, False, self.bf16_tiles)
         else:
             self._weight_only(out, rows, self.data, self.scale, self.bias, False, self.bf16_tiles)
+
+
+def packed_int8_rows(data: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows ``ids`` [T] of a weight packed by pack_int8_weight: int8 [T, in_features]."""
+    panels, column = torch.div(ids, GEMM_PANEL, rounding_mode="floor"), ids % GEMM_PANEL
+    return data[panels, :, column].reshape(ids.shape[0], -1)[:, :in_features]
 
 
 def pack_block_columns(values: torch.Tensor) -> torch.Tensor:
@@ -631,6 +641,12 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
 
     def stack_args(self) -> tuple[int, list[torch.Tensor | None], int]:
         return STACK_INT8_BLOCKS, [self.data, self.scale, self.bias], 0
+
+    def rows(self, ids: torch.Tensor) -> Int8Blocks:
+        """Rows ``ids`` [T] of the weight as packed (a tied embedding reads its table here, layers/embedding.py)."""
+        codes = packed_int8_rows(self.data, ids, self.in_features).view(torch.uint8).bitwise_xor(0x80)
+        panels, column = torch.div(ids, GEMM_PANEL, rounding_mode="floor"), ids % GEMM_PANEL
+        return Int8Blocks(codes.view(torch.int8), self.scale[panels, :, column])
 
     def _compute(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         self._product(out, rows, self.data, self.scale, self.bias, False, self.bf16_tiles)

@@ -215,6 +215,29 @@ def pack_q4_scales(d: torch.Tensor, m: torch.Tensor, groups_per_block: int = 1) 
     return half if torch.equal(half.float(), packed) else packed
 
 
+def packed_q4_rows(data: torch.Tensor, high: torch.Tensor | None, scales: torch.Tensor, ids: torch.Tensor,
+                   in_features: int) -> Q4Blocks:
+    """Rows ``ids`` [T] of a weight packed by pack_q4_weight, pack_high_bits and pack_q4_scales, unpacked: the
+    codes, scales and offsets those took (in fp32)."""
+    panels, column = torch.div(ids, PANEL, rounding_mode="floor"), ids % PANEL
+    t, blocks = ids.shape[0], in_features // BLOCK
+    # byte (c, i) of load j: code 32 b + 8 j + i in its low nibble, 32 b + 8 j + 4 + i in its high one
+    nibbles = data.view(data.shape[0], blocks, 4, PANEL, 4)[panels, :, :, column]  # [T, blocks, j, i]
+    codes = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=3)  # [T, blocks, j, half, i]
+    if high is not None:
+        # plane p, byte 4 c + i, bit 2 j + h: bit 4 + p of the code pack_q4_weight put in (j, h, i)
+        planes = high.view(high.shape[0], blocks, high.shape[2], PANEL, 4)[panels, :, :, column]  # [T, b, p, i]
+        shifts = torch.arange(8, dtype=torch.uint8).view(4, 2)  # [j, h]
+        for plane in range(high.shape[2]):
+            bits = (planes[:, :, plane, None, None, :] >> shifts[..., None]) & 1  # [T, b, j, h, i]
+            codes |= bits << (4 + plane)
+    groups = scales.shape[2] // 2  # per block: d of each group, then m of each
+    both = scales[panels, :, :, column].float()  # [T, blocks, 2 G]
+    d = both[:, :, :groups].reshape(t, blocks * groups)
+    m = both[:, :, groups:].reshape(t, blocks * groups)
+    return Q4Blocks(codes.reshape(t, in_features), d, m)
+
+
 class NativeQ4Linear:
     """The Q4 product in torch ops where the C++ kernel is not built: activations quantized per block as the
     reference does, both sides dequantized to fp32 per call (the same sums up to fp32 rounding)."""
@@ -222,6 +245,10 @@ class NativeQ4Linear:
     def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None) -> None:
         self.weight = weight
         self.bias = None if bias is None else bias.float()
+
+    def rows(self, ids: torch.Tensor) -> Q4Blocks:
+        """Rows ``ids`` [T] of the weight (a tied embedding reads its table here, layers/embedding.py)."""
+        return Q4Blocks(self.weight.codes[ids], self.weight.d[ids], self.weight.m[ids])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -269,6 +296,11 @@ class PackedQ4Weight:
     def stack_args(self) -> tuple[int, list[torch.Tensor | None], int]:
         """(kind, tensors, W8A8 rows) for csrc/decoder.cpp's plan (cpu.py llama_layer_stack)."""
         return STACK_Q4, [self.data, self.scales, self.bias, self.high], 0
+
+    def rows(self, ids: torch.Tensor) -> Q4Blocks:
+        """Rows ``ids`` [T] of the weight as packed (a tied embedding reads its table here, layers/embedding.py);
+        Q4_0 / Q4_1 / Q5_1-like groups of 32 as such, 6-bit ones per 16."""
+        return packed_q4_rows(self.data, self.high, self.scales, ids, self.in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.bfloat16):

@@ -15,11 +15,12 @@ import torch
 
 from e2e.test_correctness import kvloom_greedy, mixed_prompts
 from kvloom import LLM, SamplingParams
+from kvloom.bench.int8_quality import weight_bytes
 from kvloom.layers.linear import Linear
 from kvloom.loader import gguf
 from kvloom.loader.weights import iter_weights, resolve_model
 from kvloom.ops import cpu
-from kvloom.ops.q4 import PackedQ4Weight, Q4Blocks
+from kvloom.ops.q4 import NativeQ4Linear, PackedQ4Weight, Q4Blocks
 from kvloom.ops.table import REFERENCE_OPS
 
 GGML_Q4_0, GGML_Q4_1, GGML_F16, GGML_Q8_0, GGML_Q5_1 = 2, 3, 1, 8, 7
@@ -389,15 +390,89 @@ def test_the_default_model_keeps_its_4bit_weights(smollm2_gguf_path: str) -> Non
     q4_bytes = sum(p.data.numel() + p.scales.numel() * p.scales.element_size() for p in products)
     bf16_bytes = sum(2 * p.in_features * p.out_features for p in products)
     assert q4_bytes <= 0.32 * bf16_bytes, (q4_bytes, bf16_bytes)
-    # The Q8_0 embedding stays int8 blocks and the tied head multiplies by them.
+    # The Q8_0 embedding stays int8 blocks, held once: the tied head multiplies by them and the embedding looks its
+    # rows up in the head's packing. Everything held: 36.5% of bf16's bytes (the file itself is 36%).
     model = llm.llm_engine.executor.driver.model
-    assert model.embed_tokens.qweight is not None and model.embed_tokens.weight_scale.dim() == 2
     assert type(model.lm_head.packed).__name__ == "PackedInt8BlocksWeight"
+    assert model.embed_tokens.qweight is None and model.embed_tokens.table is not None
+    bf16_model_bytes = 2 * sum(p.in_features * p.out_features for p in products + [model.lm_head.packed])
+    assert weight_bytes(llm) <= 0.37 * bf16_model_bytes, (weight_bytes(llm), bf16_model_bytes)
     # (Asked only "What is the capital of France?", the 4-bit model answers "L'Étoile, la Marseillaise, ..." greedily,
     # as llama.cpp does from the same file: its first token is a near tie that 4 bits tip.)
     out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
                    SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
+
+
+@pytest.fixture(scope="module")
+def tied_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama with tied embeddings: a Q8_0 table (embedding and head), Q4_0 / Q4_1 projections."""
+    root = tmp_path_factory.mktemp("tied_gguf")
+    checkpoint = tiny_models.build_tiny_checkpoint(str(root / "hf"), arch="llama", tie_word_embeddings=True)
+    return tiny_models.write_tiny_gguf(str(root / "tied.gguf"), checkpoint,
+                                       types={"attn": GGML_Q4_0, "ffn": GGML_Q4_1, "ffn_down": GGML_Q4_1})
+
+
+def _file_table(path: str) -> torch.Tensor:
+    return dict(iter_weights(resolve_model(path), keep_q8_0=True))["model.embed_tokens.weight"].dequantize()
+
+
+def test_a_tied_q8_0_table_is_held_once_and_looked_up_exactly(tied_gguf: str) -> None:
+    """The head packs the table for its product and the embedding reads its rows there: no second copy, the same
+    values (the torch reference, whose head keeps the row-major table, gives the same tokens)."""
+    if not cpu.int8_kernels_available():
+        pytest.skip("the C++ int8 kernels are not built here")
+    llm = LLM(model=tied_gguf, dtype="float32", max_model_len=128)
+    model = llm.llm_engine.executor.driver.model
+    embedding, head = model.embed_tokens, model.lm_head
+    assert isinstance(head.packed, cpu.PackedInt8BlocksWeight) and head.qweight is None
+    assert embedding.qweight is None and embedding.weight.numel() == 0 and embedding.table is not None
+    ids = torch.tensor([[5, 0], [model.config.vocab_size - 1, 5]])
+    assert torch.equal(embedding(ids), _file_table(tied_gguf)[ids])
+    reference = LLM(model=tied_gguf, dtype="float32", max_model_len=128,
+                    override_backend_config={"attention_backend": "reference"})
+    assert reference.llm_engine.executor.driver.model.embed_tokens.qweight is not None
+    prompts = mixed_prompts(400, count=4, seed=3)
+    assert kvloom_greedy(llm, prompts, 8) == kvloom_greedy(reference, prompts, 8)
+
+
+@pytest.mark.parametrize("bits", [4, 5])
+def test_requantize_lm_head_holds_the_table_as_code_blocks(tied_gguf: str, bits: int) -> None:
+    """requantize_lm_head: the tied Q8_0 table becomes code blocks (Q4_1's / Q5_1's min and max per 32) that the
+    head multiplies by with the 4-bit product and the embedding looks up; close to the file's own values."""
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels could not be built here")
+    backend = {"requantize_lm_head": bits}
+    llm = LLM(model=tied_gguf, dtype="float32", max_model_len=128, override_backend_config=backend)
+    model = llm.llm_engine.executor.driver.model
+    embedding, head = model.embed_tokens, model.lm_head
+    assert isinstance(head.packed, PackedQ4Weight) and head.blocks is None and head.qweight is None
+    assert embedding.qweight is None and embedding.blocks is None and embedding.table is not None
+    table = _file_table(tied_gguf)
+    expected = Q4Blocks.quantize(table, bits)
+    ids = torch.tensor([5, 0, model.config.vocab_size - 1, 5])
+    assert torch.equal(embedding(ids), expected.dequantize()[ids])
+    assert (embedding(ids) - table[ids]).abs().max() <= 0.6 * expected.d[ids].max()
+    # The head's product against the torch one (NativeQ4Linear on the same blocks), and the file's own values.
+    reference = LLM(model=tied_gguf, dtype="float32", max_model_len=128,
+                    override_backend_config={**backend, "attention_backend": "reference"})
+    assert isinstance(reference.llm_engine.executor.driver.model.lm_head.packed, NativeQ4Linear)
+    prompts = mixed_prompts(400, count=4, seed=4)
+    assert worst_prompt_logprob_gap(llm, reference, prompts) < 2e-2
+    kept = LLM(model=tied_gguf, dtype="float32", max_model_len=128)
+    # This tiny model's random table is far more sensitive than a trained one's: 1.12 / 0.73 (4 / 5 bits) at
+    # worst over the prompts' tokens; SmolLM2's perplexity moves by 4.7% / 1.3% (docs/quantization.md).
+    assert 0 < worst_prompt_logprob_gap(llm, kept, prompts) < (1.5 if bits == 4 else 1.0)
+
+
+def test_requantize_lm_head_names_what_it_takes(tied_gguf: str, tiny_llama_dir: str) -> None:
+    with pytest.raises(ValueError, match="requantize_lm_head must be 4 or 5.*got 8"):
+        LLM(model=tied_gguf, max_model_len=128, override_backend_config={"requantize_lm_head": 8})
+    with pytest.raises(ValueError, match="requantize_lm_head re-quantizes.*quantization=None"):
+        LLM(model=tied_gguf, max_model_len=128, quantization="none", override_backend_config={"requantize_lm_head": 5})
+    with pytest.raises(ValueError, match="requantize_lm_head re-quantizes.*'int8'"):
+        LLM(model=tiny_llama_dir, max_model_len=128, quantization="int8",
+            override_backend_config={"requantize_lm_head": 4})
 
 
 def test_an_embedding_of_q8_0_blocks_looks_up_their_exact_values() -> None:

@@ -403,6 +403,17 @@ def test_packed_int8_weight_names_what_it_cannot_take(int8_kernels: None) -> Non
         cpu.PackedInt8BlocksWeight(*quantize_per_block(torch.randn(8, 64)), None)(torch.zeros(1, 64).half())
 
 
+def test_packed_int8_rows_give_back_the_table(int8_kernels: None) -> None:
+    """A tied embedding reads its rows from the head's packing (panels of 48 columns, K padded to groups of 4)."""
+    ids = torch.tensor([0, 49, 47, 48, 3, 3])
+    qweight, scale = quantize_per_channel(torch.randn(50, 70))
+    rows = cpu.PackedInt8Weight(qweight, scale, None).rows(ids)
+    assert torch.equal(rows.qweight, qweight[ids]) and torch.equal(rows.scale, scale[ids])
+    qweight, scale = quantize_per_block(torch.randn(50, 96))
+    rows = cpu.PackedInt8BlocksWeight(qweight, scale, None).rows(ids)
+    assert torch.equal(rows.qweight, qweight[ids]) and torch.equal(rows.scale, scale[ids])
+
+
 def test_block_scales_pack_beside_their_panels() -> None:
     values = torch.arange(50 * 3, dtype=torch.float32).view(50, 3)
     packed = cpu.pack_block_columns(values)

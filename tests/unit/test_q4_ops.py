@@ -355,3 +355,18 @@ def test_quantize_to_4_5_and_6_bits(bits: int, group: int) -> None:
     assert ((blocks.dequantize() - weight).abs() <= 0.5 * step + 1e-3 * weight.abs().max()).all()
     with pytest.raises(ValueError, match="4, 5 or 6 bits"):
         Q4Blocks.quantize(weight, 7)
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, BLOCK), (5, BLOCK), (6, 16)])
+def test_packed_rows_give_back_the_blocks(kernels: None, bits: int, group: int) -> None:
+    """A tied embedding reads its rows from the head's packing: codes with their upper bit planes, scales and
+    offsets, of rows in the first, a middle and the last (part-filled) panel, repeated ids included."""
+    weight = Q4Blocks.quantize(torch.randn(61, 96, generator=torch.Generator().manual_seed(bits)), bits, group)
+    assert int(weight.codes.max()) > (1 << (bits - 1))  # the top bit plane is used
+    ids = torch.tensor([0, 60, 7, 8, 5, 5, 59])
+    rows = PackedQ4Weight(weight, None).rows(ids)
+    expected = weight.in_groups_of_16() if group == 16 else weight
+    assert torch.equal(rows.codes, expected.codes[ids])
+    assert torch.equal(rows.d, expected.d[ids]) and torch.equal(rows.m, expected.m[ids])
+    assert torch.equal(NativeQ4Linear(weight, None).rows(ids).dequantize(), weight.dequantize()[ids])
+
