@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
@@ -101,6 +103,19 @@ def configure_host(config: HostSettings, device: torch.device) -> None:
                             threads)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+
+
+def release_freed_heap() -> None:
+    """Hand the C heap's free pages back to the OS where the C library is glibc (``malloc_trim``): loading reads,
+    converts and packs weights through temporaries of tens of MB each, which glibc keeps mapped once freed (on
+    SmolLM2's 4-bit load, 105 of the 530 MB resident). Elsewhere (musl, macOS) nothing to do."""
+    if sys.platform != "linux":
+        return
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 @contextmanager

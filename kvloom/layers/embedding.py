@@ -124,18 +124,22 @@ class LMHead(nn.Module):
         a least-squares fit of d and m, llama.cpp's k-quant search, had 10% less squared error on SmolLM2's table
         and a worse perplexity, 12.14 against 12.11 at 5 bits, 12.77 against 12.51 at 4); a tied embedding takes
         the same blocks. Changes the model's values: docs/quantization.md has the perplexity it costs."""
-        if self.qweight is None:
-            values = self.weight.data.float()
-        else:
-            table = Int8Rows if self.weight_scale.dim() == 1 else Int8Blocks
-            values = dequantize_rows(table(self.qweight, self.weight_scale), torch.float32)
-        self.blocks = Q4Blocks.quantize(values, bits)
+        table = self.weight if self.qweight is None else self.qweight
+        rows = torch.arange(table.shape[0], device=table.device)
+        pieces = [Q4Blocks.quantize(self.float_rows(ids), bits) for ids in rows.split(4096)]  # a few MB at a time
+        self.blocks = Q4Blocks(*(torch.cat(parts) for parts in zip(*pieces)))
         self.qweight = self.weight_scale = None
         if tied_to is not None:
             tied_to.dtype = tied_to.weight.dtype
             tied_to.read_from(self.rows)  # until packed, then the packed weight's rows (share_tied_table)
             tied_to.blocks = self.blocks
         self.weight.data = self.weight.data.new_empty(0, self.weight.shape[1])  # a tied one: the embedding's too
+
+    def float_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [T] of the table as held before packing, in fp32."""
+        if self.qweight is None and self.blocks is None:
+            return self.weight.data[ids].float()
+        return dequantize_rows(self.rows(ids), torch.float32)
 
     def rows(self, ids: torch.Tensor) -> Table:
         """Rows ``ids`` [T] of the table as held before packing."""

@@ -26,7 +26,7 @@ from kvloom.lora.request import LoRARequest
 from kvloom.models.registry import build_model, load_model_weights, process_weights_after_loading
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops, select_ops
-from kvloom.platform import default_dtype
+from kvloom.platform import default_dtype, release_freed_heap
 from kvloom.pooling import PoolingState
 from kvloom.sample.sampler import NONFINITE_TOKEN_ID, Sampler, compute_logprobs_top
 from kvloom.spec_decode import build_model_proposer
@@ -111,10 +111,12 @@ class ModelRunner:
         with default_dtype(self.dtype), torch.device(self.device):
             model = build_model(self.model_config, self.ops)
         load_model_weights(model, self.config)
+        release_freed_heap()  # what reading and converting the weights freed, before packing allocates again
         if world_size > 1:
             shard_model_for_tensor_parallel(model, rank, world_size, group)
             self.model_config = sharded_model_config(self.model_config, world_size)
         process_weights_after_loading(model, self.ops)
+        release_freed_heap()
         self.sampler = Sampler(self.generator, argmax=self.ops.argmax)
         self.model = model.eval()
         if hasattr(model, "embed_images"):

@@ -111,6 +111,26 @@ def test_int8_greedy_equals_transformers_on_the_fake_quantized_weights(tiny_llam
     assert (model.embed_tokens.qweight is not None) == lm_head
 
 
+def test_an_int8_head_tied_to_the_embedding_holds_the_table_once(tiny_llama_dir) -> None:
+    """quantize_lm_head on a tied model: the C++ product's packing is the one copy of the int8 table; the embedding
+    looks its rows up there, and the tokens equal the torch reference's, whose embedding keeps its own table."""
+    from kvloom.ops import cpu
+
+    if not cpu.int8_kernels_available():
+        pytest.skip("the C++ int8 kernels are not built here")
+    backend = {"quantize_lm_head": True, "int8_activations": False}
+    llm = int8_llm(tiny_llama_dir, override_backend_config=backend)
+    model = llm.llm_engine.executor.driver.model
+    assert isinstance(model.lm_head.packed, cpu.PackedInt8Weight) and model.lm_head.qweight is None
+    assert model.embed_tokens.qweight is None and model.embed_tokens.table is not None
+    reference = int8_llm(tiny_llama_dir, override_backend_config={**backend, "attention_backend": "reference"})
+    table = reference.llm_engine.executor.driver.model.embed_tokens
+    ids = torch.tensor([0, 7, model.config.vocab_size - 1, 7])
+    assert torch.equal(model.embed_tokens(ids), table(ids))
+    prompts = mixed_prompts(400, count=4)
+    assert kvloom_greedy(llm, prompts, 8) == kvloom_greedy(reference, prompts, 8)
+
+
 def test_smoothing_keeps_the_float_model_exact(tiny_llama_dir, tmp_path) -> None:
     """Folding the factors into the norms and the v / up rows is exact algebra: the smoothed float
     checkpoint (smooth_as_read's tensors) gives transformers the same logits as the original, while
