@@ -25,12 +25,15 @@ from kvloom.ops.int8 import Int8Blocks, Int8Rows
 from kvloom.ops.q4 import Q4Blocks
 from kvloom.ops.table import Ops
 
-Table = Int8Rows | Int8Blocks | Q4Blocks
+Table = torch.Tensor | Int8Rows | Int8Blocks | Q4Blocks
 
 
 def dequantize_rows(rows: Table, dtype: torch.dtype) -> torch.Tensor:
-    """A lookup's rows [T, H] in ``dtype``: int8 codes times their scale per token or block in ``dtype`` (as the
-    table's own lookup always did), code blocks as ``Q4Blocks.dequantize`` (fp32) rounded to ``dtype``."""
+    """A lookup's rows [T, H] in ``dtype``: float rows as they are, int8 codes times their scale per token or block
+    in ``dtype`` (as the table's own lookup always did), code blocks as ``Q4Blocks.dequantize`` (fp32) rounded to
+    ``dtype``."""
+    if isinstance(rows, torch.Tensor):
+        return rows.to(dtype)
     if isinstance(rows, Q4Blocks):
         return rows.dequantize().to(dtype)
     codes, scale = rows.qweight.to(dtype), rows.scale.to(dtype)
@@ -45,7 +48,6 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.qweight: torch.Tensor | None = None  # int8 [vocab, hidden] after quantize
         self.weight_scale: torch.Tensor | None = None  # fp32 [vocab], or [vocab, hidden / 32] for Q8_0 blocks
-        self.blocks: Q4Blocks | None = None  # a table re-quantized to code blocks (requantize_lm_head), until packed
         # The tied head's packed weight, whose ``rows`` this reads instead of a table of its own (share_tied_table).
         self.table: Callable[[torch.Tensor], Table] | None = None
         self.dtype = self.weight.dtype
@@ -73,16 +75,14 @@ class VocabEmbedding(nn.Module):
     def read_from(self, table: Callable[[torch.Tensor], Table]) -> None:
         """Rows from ``table`` (the tied head's packed weight's ``rows``) instead of a table of this module's own."""
         self.table = table
-        self.qweight = self.weight_scale = self.blocks = None
+        self.qweight = self.weight_scale = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.table is None and self.qweight is None and self.blocks is None:
+        if self.table is None and self.qweight is None:
             return F.embedding(input_ids, self.weight)
         ids = input_ids.reshape(-1)
         if self.table is not None:
             rows = self.table(ids)
-        elif self.blocks is not None:
-            rows = Q4Blocks(self.blocks.codes[ids], self.blocks.d[ids], self.blocks.m[ids])
         elif self.weight_scale.dim() == 1:
             rows = Int8Rows(F.embedding(ids, self.qweight), self.weight_scale[ids])
         else:
@@ -132,7 +132,6 @@ class LMHead(nn.Module):
         if tied_to is not None:
             tied_to.dtype = tied_to.weight.dtype
             tied_to.read_from(self.rows)  # until packed, then the packed weight's rows (share_tied_table)
-            tied_to.blocks = self.blocks
         self.weight.data = self.weight.data.new_empty(0, self.weight.shape[1])  # a tied one: the embedding's too
 
     def float_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -144,7 +143,7 @@ class LMHead(nn.Module):
     def rows(self, ids: torch.Tensor) -> Table:
         """Rows ``ids`` [T] of the table as held before packing."""
         if self.blocks is not None:
-            return Q4Blocks(self.blocks.codes[ids], self.blocks.d[ids], self.blocks.m[ids])
+            return self.blocks.take(ids)
         table = Int8Rows if self.weight_scale.dim() == 1 else Int8Blocks
         return table(self.qweight[ids], self.weight_scale[ids])
 
@@ -174,16 +173,21 @@ class LMHead(nn.Module):
 
 
 def share_tied_table(model: nn.Module) -> None:
-    """After packing (registry.process_weights_after_loading): an embedding tied to a quantized head whose packed
-    weight can hand back rows (the CPU's int8 and code-block products, their torch fallbacks) reads its rows there;
-    neither keeps the row-major table, which would be a second copy of it (31.9 MB of SmolLM2's Q8_0 table)."""
+    """After packing (registry.process_weights_after_loading): an embedding tied to a head whose packed weight can
+    hand back rows (the CPU's int8, code-block and bf16 products, the code blocks' torch fallback) reads its rows
+    there; neither keeps the row-major table, which would be a second copy of it (31.9 MB of SmolLM2's Q8_0 table,
+    56.6 MB in bf16)."""
     embeddings = [m for m in model.modules() if isinstance(m, VocabEmbedding)]
     for head in model.modules():
-        if not isinstance(head, LMHead) or not hasattr(head.packed, "rows"):
+        if not isinstance(head, LMHead) or not getattr(head.packed, "holds_rows", hasattr(head.packed, "rows")):
             continue
         for embedding in embeddings:
-            tied = (head.qweight is not None and embedding.qweight is head.qweight) or (
-                head.blocks is not None and embedding.blocks is head.blocks)
-            if tied:
+            # int8 tables shared since loading, code blocks the embedding reads through the head (requantize), or
+            # one float parameter (a bf16 head on kvloom's GEMM)
+            floats = (head.qweight is None and head.blocks is None and embedding.qweight is None
+                      and embedding.table is None and embedding.weight is head.weight and head.weight.numel() > 0)
+            if floats or (head.qweight is not None and embedding.qweight is head.qweight) \
+                    or embedding.table == head.rows:
                 embedding.read_from(head.packed.rows)
                 head.qweight = head.weight_scale = head.blocks = None
+                head.weight.data = head.weight.data.new_empty(0, head.weight.shape[1])  # the embedding's too

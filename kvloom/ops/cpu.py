@@ -356,6 +356,14 @@ def pack_gemm_weight(weight: torch.Tensor, panel: int = GEMM_PANEL) -> torch.Ten
     return padded.view(panels, panel, pairs, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def packed_panel_rows(data: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows ``ids`` [T] of a weight packed in panels of columns, [panels, K / group, panel, group] (pack_gemm_weight,
+    pack_int8_weight): [T, in_features] in the packing's dtype."""
+    panel = data.shape[2]
+    panels, column = torch.div(ids, panel, rounding_mode="floor"), ids % panel
+    return data[panels, :, column].reshape(ids.shape[0], -1)[:, :in_features]
+
+
 class PackedWeight:
     """A weight (and bias) repacked once for a fast GEMM; calling it gives F.linear(x, W, b)."""
 
@@ -367,13 +375,20 @@ class PackedWeight:
         self.onednn_bias: torch.Tensor | None = None
         if fmt not in ("kvloom", "onednn", "hybrid"):
             raise ValueError(f"unknown packed weight format {fmt!r}; expected 'kvloom', 'onednn' or 'hybrid'")
-        if fmt in ("kvloom", "hybrid"):
+        # Whether rows() can read the weight back (kvloom's panels; oneDNN's packing is opaque).
+        self.holds_rows = fmt in ("kvloom", "hybrid")
+        if self.holds_rows:
             self.data = pack_gemm_weight(weight, gemm_panel())
             self.bias = None if bias is None else bias.float()  # added to the fp32 sums before rounding
         if fmt in ("onednn", "hybrid"):
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
             self.onednn_bias = bias
         self.onednn_min_rows = AMX_MIN_ROWS if fmt == "hybrid" else 0
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [T] of the weight from kvloom's panels (a tied embedding reads its table here,
+        layers/embedding.py; only where ``holds_rows``)."""
+        return packed_panel_rows(self.data, ids, self.in_features)
 
     def stack_args(self) -> tuple[int, list[torch.Tensor | None], int] | None:
         """(kind, tensors, W8A8 rows) for csrc/decoder.cpp's plan; None: oneDNN's product, which it cannot call."""
@@ -591,19 +606,13 @@ class PackedInt8Weight(_PackedInt8Linear):
 
     def rows(self, ids: torch.Tensor) -> Int8Rows:
         """Rows ``ids`` [T] of the weight as packed (a tied embedding reads its table here, layers/embedding.py)."""
-        return Int8Rows(packed_int8_rows(self.data, ids, self.in_features), self.scale[ids])
+        return Int8Rows(packed_panel_rows(self.data, ids, self.in_features), self.scale[ids])
 
     def _compute(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         if rows.shape[0] >= self.w8a8_min_rows:
             self._w8a8(out, rows, self.data, self.compensation, self.scale, self.bias, False, self.bf16_tiles)
         else:
             self._weight_only(out, rows, self.data, self.scale, self.bias, False, self.bf16_tiles)
-
-
-def packed_int8_rows(data: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
-    """Rows ``ids`` [T] of a weight packed by pack_int8_weight: int8 [T, in_features]."""
-    panels, column = torch.div(ids, GEMM_PANEL, rounding_mode="floor"), ids % GEMM_PANEL
-    return data[panels, :, column].reshape(ids.shape[0], -1)[:, :in_features]
 
 
 def pack_block_columns(values: torch.Tensor) -> torch.Tensor:
@@ -644,7 +653,7 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
 
     def rows(self, ids: torch.Tensor) -> Int8Blocks:
         """Rows ``ids`` [T] of the weight as packed (a tied embedding reads its table here, layers/embedding.py)."""
-        codes = packed_int8_rows(self.data, ids, self.in_features).view(torch.uint8).bitwise_xor(0x80)
+        codes = packed_panel_rows(self.data, ids, self.in_features).view(torch.uint8).bitwise_xor(0x80)
         panels, column = torch.div(ids, GEMM_PANEL, rounding_mode="floor"), ids % GEMM_PANEL
         return Int8Blocks(codes.view(torch.int8), self.scale[panels, :, column])
 

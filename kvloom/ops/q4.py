@@ -101,6 +101,10 @@ class Q4Blocks(NamedTuple):
         codes = torch.round((w - lo[..., None]) * inverse[..., None]).clamp_(0, top).to(torch.uint8)
         return cls(codes.reshape(n, k), d.half().float(), lo.half().float())
 
+    def take(self, ids: torch.Tensor) -> Q4Blocks:
+        """Rows ``ids`` [T] (a lookup's)."""
+        return Q4Blocks(self.codes[ids], self.d[ids], self.m[ids])
+
     def fits_4_bits(self) -> bool:
         """Whether every code is 0..15, so the 4-bit product (two codes per byte) takes it exactly."""
         return self.codes.numel() == 0 or int(self.codes.max()) <= 15
@@ -248,7 +252,7 @@ class NativeQ4Linear:
 
     def rows(self, ids: torch.Tensor) -> Q4Blocks:
         """Rows ``ids`` [T] of the weight (a tied embedding reads its table here, layers/embedding.py)."""
-        return Q4Blocks(self.weight.codes[ids], self.weight.d[ids], self.weight.m[ids])
+        return self.weight.take(ids)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

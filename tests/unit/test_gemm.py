@@ -106,6 +106,35 @@ def test_packed_linear_and_lm_head_match_f_linear(fmt: str) -> None:
     assert layer(x).shape == (2, 5, 96)
 
 
+@pytest.mark.parametrize("fmt", ["kvloom", "hybrid", "onednn"])
+def test_a_tied_bf16_table_is_read_from_the_heads_panels(fmt: str) -> None:
+    """share_tied_table: with kvloom's panels (odd K, rows of the last part-filled panel) the embedding looks its
+    rows up there, bit for bit, and neither module keeps the plain table; oneDNN's packing is opaque, so a head packed
+    only that way leaves the embedding its table."""
+    from torch import nn
+
+    from kvloom.layers.embedding import VocabEmbedding, share_tied_table
+
+    available = linear_format(torch.bfloat16)
+    if available not in ("kvloom", "hybrid") or (fmt != "kvloom" and not cpu_capability().onednn_bf16):
+        pytest.skip(f"the {fmt} GEMM is not available here")
+    model = nn.Module()
+    model.embed_tokens, model.lm_head = VocabEmbedding(201, 95).to(torch.bfloat16), LMHead(201, 95)
+    model.lm_head.weight = model.embed_tokens.weight
+    model.embed_tokens.dtype = torch.bfloat16
+    model.embed_tokens.weight.data.normal_()
+    table = model.embed_tokens.weight.data.clone()
+    model.lm_head.process_weights_after_loading(
+        dataclasses.replace(NATIVE_OPS, pack_linear=lambda w, b: PackedWeight(w, b, fmt)))
+    share_tied_table(model)
+    ids = torch.tensor([[200, 0], [47, 48]])
+    assert torch.equal(model.embed_tokens(ids), table[ids])
+    assert (model.embed_tokens.table is None) == (fmt == "onednn")
+    assert model.embed_tokens.weight.numel() == (201 * 95 if fmt == "onednn" else 0)
+    x = torch.randn(3, 95, dtype=torch.bfloat16)
+    _assert_rounding_close(model.lm_head(x), x, table, None)
+
+
 def test_packed_weight_names_an_unknown_format() -> None:
     with pytest.raises(ValueError, match="unknown packed weight format 'amx'"):
         PackedWeight(torch.zeros(4, 4, dtype=torch.bfloat16), None, "amx", 1)
