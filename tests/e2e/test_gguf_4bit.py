@@ -26,13 +26,18 @@ from kvloom.ops.table import REFERENCE_OPS
 GGML_Q4_0, GGML_Q4_1, GGML_F16, GGML_Q8_0, GGML_Q5_1 = 2, 3, 1, 8, 7
 
 
+def _tiny_gguf(factory: pytest.TempPathFactory, name: str, tied: bool, down: int) -> str:
+    """A tiny Llama GGUF with Q4_0 q/k/v/o and Q4_1 gate/up, down_proj of type ``down`` and a Q8_0 embedding."""
+    root = factory.mktemp(name)
+    checkpoint = tiny_models.build_tiny_checkpoint(str(root / "hf"), arch="llama", tie_word_embeddings=tied)
+    return tiny_models.write_tiny_gguf(str(root / f"{name}.gguf"), checkpoint,
+                                       types={"attn": GGML_Q4_0, "ffn": GGML_Q4_1, "ffn_down": down})
+
+
 @pytest.fixture(scope="module")
 def q4_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny Llama whose q/k/v are Q4_0 and MLP Q4_1, o_proj Q4_0, down_proj F16 (a float layer beside them)."""
-    root = tmp_path_factory.mktemp("q4_gguf")
-    checkpoint = tiny_models.build_tiny_checkpoint(str(root / "hf"), arch="llama", tie_word_embeddings=False)
-    return tiny_models.write_tiny_gguf(str(root / "q4.gguf"), checkpoint,
-                                       types={"attn": GGML_Q4_0, "ffn": GGML_Q4_1, "ffn_down": GGML_F16})
+    return _tiny_gguf(tmp_path_factory, "q4_gguf", tied=False, down=GGML_F16)
 
 
 
@@ -407,10 +412,7 @@ def test_the_default_model_keeps_its_4bit_weights(smollm2_gguf_path: str) -> Non
 @pytest.fixture(scope="module")
 def tied_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny Llama with tied embeddings: a Q8_0 table (embedding and head), Q4_0 / Q4_1 projections."""
-    root = tmp_path_factory.mktemp("tied_gguf")
-    checkpoint = tiny_models.build_tiny_checkpoint(str(root / "hf"), arch="llama", tie_word_embeddings=True)
-    return tiny_models.write_tiny_gguf(str(root / "tied.gguf"), checkpoint,
-                                       types={"attn": GGML_Q4_0, "ffn": GGML_Q4_1, "ffn_down": GGML_Q4_1})
+    return _tiny_gguf(tmp_path_factory, "tied_gguf", tied=True, down=GGML_Q4_1)
 
 
 def _file_table(path: str) -> torch.Tensor:
