@@ -28,6 +28,9 @@ def main() -> int:
               quantization=args.quantization)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    # A first prefill and decode pay one-time costs (threads started, oneDNN's kernels generated, AMX requested):
+    # out of the figures below (prompts of another seed: nothing for the prefix cache to reuse).
+    llm.generate(make_workload(2, seed=1), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     for i, prompt in enumerate(make_workload(args.num_prompts)):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
 
