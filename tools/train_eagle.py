@@ -323,17 +323,23 @@ class Target:
         model.load_weights(iter_weights(source))
         process_weights_after_loading(model, self.ops)
         self.model = model.eval()
+        # A tied table may be held only in the LM head's packing (layers/embedding.py share_tied_table): read back
+        # once here, for the head's training.
+        embed, head = model.embed_tokens, model.lm_head
+        with torch.no_grad():
+            self._embed = embed.weight.data if embed.weight.numel() else embed(torch.arange(config.vocab_size))
+        self._lm_head = head.weight.data if head.weight.numel() else self._embed
         self.dtype = dtype
         self.block_size = block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def embed_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight  # [V, H]
+        return self._embed  # [V, H]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.model.lm_head.weight  # [V, H]
+        return self._lm_head  # [V, H]
 
     @torch.inference_mode()
     def forward(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
