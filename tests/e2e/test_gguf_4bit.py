@@ -475,6 +475,17 @@ def test_requantize_lm_head_names_what_it_takes(tied_gguf: str, tiny_llama_dir: 
     with pytest.raises(ValueError, match="requantize_lm_head re-quantizes.*'int8'"):
         LLM(model=tiny_llama_dir, max_model_len=128, quantization="int8",
             override_backend_config={"requantize_lm_head": 4})
+    # On CUDA (the check comes before anything is loaded or placed: no GPU needed to see it)
+    import dataclasses
+
+    from kvloom.config import EngineConfig
+    from kvloom.config.resolved import resolve_config
+    from kvloom.models.registry import load_model_weights
+
+    config = resolve_config(EngineConfig(model=tied_gguf, max_model_len=128,
+                                         override_backend_config={"requantize_lm_head": 5}))
+    with pytest.raises(ValueError, match="requantize_lm_head runs on the CPU's products only.*cuda"):
+        load_model_weights(None, dataclasses.replace(config, device=torch.device("cuda")))
 
 
 def test_an_embedding_of_q8_0_blocks_looks_up_their_exact_values() -> None:
