@@ -42,6 +42,11 @@ def dequantize_rows(rows: Table, dtype: torch.dtype) -> torch.Tensor:
     return (codes.view(*scale.shape, int8.BLOCK) * scale[..., None]).view(codes.shape)
 
 
+def int8_rows(qweight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> Int8Rows | Int8Blocks:
+    """Rows ``ids`` [T] of an int8 table: a scale per token (Int8Rows) or per token and block of 32 (Int8Blocks)."""
+    return (Int8Rows if scale.dim() == 1 else Int8Blocks)(qweight[ids], scale[ids])
+
+
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
@@ -81,12 +86,7 @@ class VocabEmbedding(nn.Module):
         if self.table is None and self.qweight is None:
             return F.embedding(input_ids, self.weight)
         ids = input_ids.reshape(-1)
-        if self.table is not None:
-            rows = self.table(ids)
-        elif self.weight_scale.dim() == 1:
-            rows = Int8Rows(F.embedding(ids, self.qweight), self.weight_scale[ids])
-        else:
-            rows = Int8Blocks(F.embedding(ids, self.qweight), self.weight_scale[ids])
+        rows = self.table(ids) if self.table is not None else int8_rows(self.qweight, self.weight_scale, ids)
         return dequantize_rows(rows, self.dtype).view(*input_ids.shape, -1)
 
 
@@ -130,22 +130,18 @@ class LMHead(nn.Module):
         self.blocks = Q4Blocks(*(torch.cat(parts) for parts in zip(*pieces)))
         self.qweight = self.weight_scale = None
         if tied_to is not None:
-            tied_to.dtype = tied_to.weight.dtype
             tied_to.read_from(self.rows)  # until packed, then the packed weight's rows (share_tied_table)
         self.weight.data = self.weight.data.new_empty(0, self.weight.shape[1])  # a tied one: the embedding's too
 
     def float_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] of the table as held before packing, in fp32."""
-        if self.qweight is None and self.blocks is None:
+        if self.qweight is None:
             return self.weight.data[ids].float()
         return dequantize_rows(self.rows(ids), torch.float32)
 
     def rows(self, ids: torch.Tensor) -> Table:
         """Rows ``ids`` [T] of the table as held before packing."""
-        if self.blocks is not None:
-            return self.blocks.take(ids)
-        table = Int8Rows if self.weight_scale.dim() == 1 else Int8Blocks
-        return table(self.qweight[ids], self.weight_scale[ids])
+        return self.blocks.take(ids) if self.blocks is not None else int8_rows(self.qweight, self.weight_scale, ids)
 
     def process_weights_after_loading(self, ops: Ops) -> None:
         """As Linear's, but the plain (or int8) weight stays: it may be the embedding's too."""
@@ -182,12 +178,9 @@ def share_tied_table(model: nn.Module) -> None:
         if not isinstance(head, LMHead) or not getattr(head.packed, "holds_rows", hasattr(head.packed, "rows")):
             continue
         for embedding in embeddings:
-            # int8 tables shared since loading, code blocks the embedding reads through the head (requantize), or
-            # one float parameter (a bf16 head on kvloom's GEMM)
-            floats = (head.qweight is None and head.blocks is None and embedding.qweight is None
-                      and embedding.table is None and embedding.weight is head.weight and head.weight.numel() > 0)
-            if floats or (head.qweight is not None and embedding.qweight is head.qweight) \
-                    or embedding.table == head.rows:
+            # Tied when built (one parameter): whatever the head packed, float, int8 or code blocks, is the table
+            # the embedding reads (the int8 one shared since loading, code blocks through the head's rows).
+            if embedding.weight is head.weight:
                 embedding.read_from(head.packed.rows)
                 head.qweight = head.weight_scale = head.blocks = None
                 head.weight.data = head.weight.data.new_empty(0, head.weight.shape[1])  # the embedding's too

@@ -86,15 +86,16 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
     checkpoint when one matches, else quantized as read and, with a path, written there); with "gguf", a GGUF's
     4-bit and Q8_0 projections as stored."""
     engine = config.engine
-    if engine.backend.requantize_lm_head is not None and config.device.type != "cpu":
-        # The Triton product reads 5-bit codes one a byte, and CUDA re-quantizes a Q8_0 table per row: the code
-        # blocks would hold more than the int8 head, not less.
-        raise ValueError(f"override_backend_config: requantize_lm_head runs on the CPU's products only; this engine "
-                         f"runs on {config.device.type} (leave it unset there)")
-    if engine.backend.requantize_lm_head is not None and engine.quantization not in ("gguf", "gptq", "awq"):
-        raise ValueError(f"override_backend_config: requantize_lm_head re-quantizes the LM head of a checkpoint kept "
-                         f"in its 4-bit or 8-bit blocks (quantization \"gguf\", \"gptq\" or \"awq\"); this load "
-                         f"has quantization={engine.quantization!r}")
+    if engine.backend.requantize_lm_head is not None:
+        if config.device.type != "cpu":
+            # The Triton product reads 5-bit codes one a byte, and CUDA re-quantizes a Q8_0 table per row: the code
+            # blocks would hold more than the int8 head, not less.
+            raise ValueError(f"override_backend_config: requantize_lm_head runs on the CPU's products only; this "
+                             f"engine runs on {config.device.type} (leave it unset there)")
+        if engine.quantization not in ("gguf", "gptq", "awq"):
+            raise ValueError(f"override_backend_config: requantize_lm_head re-quantizes the LM head of a checkpoint "
+                             f"kept in its 4-bit or 8-bit blocks (quantization \"gguf\", \"gptq\" or \"awq\"); "
+                             f"this load has quantization={engine.quantization!r}")
     if engine.quantization is None:
         model.load_weights(iter_weights(config.source))
         return

@@ -358,7 +358,8 @@ def pack_gemm_weight(weight: torch.Tensor, panel: int = GEMM_PANEL) -> torch.Ten
 
 def packed_panel_rows(data: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
     """Rows ``ids`` [T] of a weight packed in panels of columns, [panels, K / group, panel, group] (pack_gemm_weight,
-    pack_int8_weight): [T, in_features] in the packing's dtype."""
+    pack_int8_weight), or of per-column values [panels, K / 32, panel] (pack_block_columns): [T, in_features] in the
+    packing's dtype."""
     panel = data.shape[2]
     panels, column = torch.div(ids, panel, rounding_mode="floor"), ids % panel
     return data[panels, :, column].reshape(ids.shape[0], -1)[:, :in_features]
@@ -654,8 +655,7 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
     def rows(self, ids: torch.Tensor) -> Int8Blocks:
         """Rows ``ids`` [T] of the weight as packed (a tied embedding reads its table here, layers/embedding.py)."""
         codes = packed_panel_rows(self.data, ids, self.in_features).view(torch.uint8).bitwise_xor(0x80)
-        panels, column = torch.div(ids, GEMM_PANEL, rounding_mode="floor"), ids % GEMM_PANEL
-        return Int8Blocks(codes.view(torch.int8), self.scale[panels, :, column])
+        return Int8Blocks(codes.view(torch.int8), packed_panel_rows(self.scale, ids, self.scale.shape[1]))
 
     def _compute(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         self._product(out, rows, self.data, self.scale, self.bias, False, self.bf16_tiles)

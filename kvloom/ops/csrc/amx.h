@@ -1,5 +1,5 @@
-// AMX tiles for the code-block product (gemm_q4.cpp): whether the build and this process may use them, and the
-// tile configuration. KVLOOM_AMX_INT8 is defined where the build has AMX-TILE / AMX-INT8 and the AVX-512 the
+// AMX tiles: whether the build and this process may use them, and the AMX-INT8 tile configuration of the code-block
+// product (gemm_q4.cpp; amx_bf16.h has the AMX-BF16 one, shared by the dequantizing products). KVLOOM_AMX_INT8 is defined where the build has AMX-TILE / AMX-INT8 and the AVX-512 the
 // epilogue uses (-march=native on an Intel Xeon 4th gen on). (The W8A8 product on Q8_0 blocks was tried on tiles
 // the same way, its B tiles read in place: no faster at 16-64 rows, slower at 256, so it keeps VNNI.)
 #pragma once

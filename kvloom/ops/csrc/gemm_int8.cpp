@@ -974,8 +974,6 @@ void w8a8_blocks_portable_panel(const int8_t* xq, int64_t ldq, const float* x_sc
   }
 }
 
-
-
 template <typename T>
 void w8a8_blocks_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const float* w_scale,
                        const float* bias, const Shapes& s, bool portable, bool bf16_tiles) {

@@ -241,6 +241,20 @@ struct Panels {
   const uint8_t* codes(int64_t p) const { return packed + p * blocks * kBlockBytes; }
   const uint8_t* bits(int64_t p) const { return planes ? high + p * blocks * planes * kHighBytes : nullptr; }
   const S* scales_of(int64_t p) const { return scales + p * scales_size; }
+
+  // Panels p0 and p0 + 1, as the AMX tiles take them two at a time; a panel at or past `end` has null pointers (its
+  // 8 columns zero).
+  struct Pair {
+    const uint8_t* w[2] = {};
+    const uint8_t* h[2] = {};
+    const S* sc[2] = {};
+  };
+  Pair pair(int64_t p0, int64_t end) const {
+    Pair out;
+    for (int64_t i = 0; i < 2 && p0 + i < end; ++i)
+      out.w[i] = codes(p0 + i), out.h[i] = bits(p0 + i), out.sc[i] = scales_of(p0 + i);
+    return out;
+  }
 };
 
 #if defined(KVLOOM_Q4_AMX)
@@ -403,19 +417,13 @@ void q4_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t 
   auto dequantize = [&](int64_t unit, uint16_t* tiles) {
     const int64_t p0 = unit * kUnitPanels, count = std::min(kUnitPanels, panels - p0), pairs = (count + 1) / 2;
     for (int64_t pair = 0; pair < pairs; ++pair) {
-      const uint8_t* w[2] = {};
-      const uint8_t* h[2] = {};
-      const S* sc[2] = {};
-      for (int64_t i = 0; i < 2 && 2 * pair + i < count; ++i) {
-        const int64_t p = p0 + 2 * pair + i;
-        w[i] = at.codes(p), h[i] = at.bits(p), sc[i] = at.scales_of(p);
-      }
+      const auto two = at.pair(p0 + 2 * pair, p0 + count);
       uint16_t* out = tiles + pair * kvloom::amx::kTileWords;
       const int64_t stride = pairs * kvloom::amx::kTileWords;
       switch (planes) {
-        case 0: dequantize_tiles<4>(w, h, sc, blocks, out, stride); break;
-        case 1: dequantize_tiles<5>(w, h, sc, blocks, out, stride); break;
-        default: dequantize_tiles<6>(w, h, sc, blocks, out, stride); break;
+        case 0: dequantize_tiles<4>(two.w, two.h, two.sc, blocks, out, stride); break;
+        case 1: dequantize_tiles<5>(two.w, two.h, two.sc, blocks, out, stride); break;
+        default: dequantize_tiles<6>(two.w, two.h, two.sc, blocks, out, stride); break;
       }
     }
     return pairs;
@@ -522,14 +530,14 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
       for (int64_t pair = begin; pair < end; ++pair) {
         // The pair's two panels (a last odd one alone: the second's pointers null, its columns 0).
         const int64_t p0 = 2 * pair, n0 = p0 * kPanel, count = std::min<int64_t>(2, panels - p0);
-        const uint8_t* w[2] = {};
-        const uint8_t* h[2] = {};
-        const S* sc[2] = {};
+        const auto two = at.pair(p0, panels);
+        const uint8_t* const* w = two.w;
+        const uint8_t* const* h = two.h;
+        const S* const* sc = two.sc;
         const float* bs[2] = {};
         int64_t cols[2] = {};
         for (int64_t i = 0; i < count; ++i) {
-          const int64_t p = p0 + i, n = p * kPanel;
-          w[i] = at.codes(p), h[i] = at.bits(p), sc[i] = at.scales_of(p);
+          const int64_t n = (p0 + i) * kPanel;
           bs[i] = bias ? bias + n : nullptr;
           cols[i] = std::min(kPanel, N - n);
         }
