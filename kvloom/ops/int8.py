@@ -182,11 +182,16 @@ def w8a8_blocks_dequantized_reference(x: torch.Tensor, qweight: torch.Tensor, sc
     times the weight dequantized (q d rounded once to fp32) and rounded to x's dtype, plus the bias, in float64,
     rounded once to x's dtype."""
     check_blocks_shape(qweight, scale)
-    rows = x.reshape(-1, x.shape[-1]).double()
-    out = rows @ dequantize_blocks(qweight, scale).to(x.dtype).double().t()  # q d: one fp32 rounding
+    return dequantized_product_reference(x, dequantize_blocks(qweight, scale), bias)  # q d: one fp32 rounding
+
+
+def dequantized_product_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The AMX-BF16 tiles' product (csrc/amx_bf16.h) in float64: x [..., K] times ``weight`` (the dequantized fp32
+    [N, K]) rounded to x's dtype, plus the bias, rounded once to x's dtype: [..., N]."""
+    out = x.reshape(-1, x.shape[-1]).double() @ weight.to(x.dtype).double().t()
     if bias is not None:
         out = out + bias.double()
-    return out.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 class NativeInt8Linear:

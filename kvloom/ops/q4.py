@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvloom.ops.int8 import quantize_per_block
+from kvloom.ops.int8 import dequantized_product_reference, quantize_per_block
 
 BLOCK = 32
 SUB_BLOCK = 16  # Q6_K's scale granularity: two groups per block of 32
@@ -163,11 +163,7 @@ def q4_dequantized_linear_reference(x: torch.Tensor, weight: Q4Blocks, bias: tor
     # q d + m rounded once to fp32 (the kernel's FMA), then to x's dtype
     w = (weight.codes.double().view(n, k // group, group) * weight.d.double()[..., None]
          + weight.m.double()[..., None]).view(n, k).float()
-    rows = x.reshape(-1, x.shape[-1]).double()
-    out = rows @ w.to(x.dtype).double().t()
-    if bias is not None:
-        out = out + bias.double()
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.codes.shape[0])
+    return dequantized_product_reference(x, w, bias)
 
 
 def pack_q4_weight(codes: torch.Tensor) -> torch.Tensor:

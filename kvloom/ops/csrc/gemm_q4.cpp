@@ -228,7 +228,7 @@ constexpr Q4Kernel<T, S> kQ4Kernels[kRows + 1] = {nullptr, &q4_kernel<1, Bits, T
 #endif
 
 // Where panel p's bytes are in the packed weight: its nibbles, its upper-bit planes (null for 4-bit codes) and its
-// scales (S: float or c10::Half), and the bytes of `count` panels from p on (for prefetching).
+// scales (S: float or c10::Half).
 template <typename S>
 struct Panels {
   const uint8_t* packed;
