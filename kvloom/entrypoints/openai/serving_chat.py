@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -56,6 +57,19 @@ from kvloom.multimodal.chat import has_image_parts
 from kvloom.outputs import CompletionOutput, Logprob, RequestOutput
 
 
+@dataclass
+class ChatRun:
+    """A chat request started on the engine: what its response or stream is built from."""
+
+    request: ChatCompletionRequest
+    request_id: str
+    created: int
+    model: str
+    num_prompt_tokens: int
+    generator: AsyncIterator[RequestOutput]
+    tool_choice: str  # "none", "auto", "required" or "function:NAME" (resolve_tool_choice)
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, enable_auto_tools: bool = False, tool_parser: str | None = None,
                  **kwargs: Any) -> None:
@@ -73,7 +87,9 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(str(e), param=e.param) from None
         return choice, functions
 
-    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+    async def start_chat(self, request: ChatCompletionRequest) -> ChatRun:
+        """Validate a chat request, render and tokenize its conversation, and start it on the engine: the one
+        path every API dialect (Chat Completions, Responses, Anthropic Messages) takes into the engine."""
         self.check_model(request.model)
         self.check_engine()
         if request.top_logprobs is not None and not request.logprobs:
@@ -110,18 +126,22 @@ class OpenAIServingChat(OpenAIServing):
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         engine_request = self.engine_request(request_id, prompt, params, "messages",
                                              param if max_tokens is not None else None, model=request.model)
+        return ChatRun(request=request, request_id=request_id, created=int(time.time()),
+                       model=request.model or self.model_name, num_prompt_tokens=len(prompt.token_ids),
+                       generator=self.engine.generate(engine_request), tool_choice=tool_choice)
 
-        created = int(time.time())
-        model = request.model or self.model_name
-        generator = self.engine.generate(engine_request)
+    async def chat_response(self, run: ChatRun) -> ChatCompletionResponse:
+        """A started chat run, whole."""
+        output = await last_output(run.generator)
+        return self._response(run.request, run.request_id, run.created, run.model, output, run.tool_choice)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        run = await self.start_chat(request)
         if request.stream:
-            return event_stream(self._stream(request, request_id, created, model,
-                                              len(prompt.token_ids), generator, tool_choice))
+            return event_stream(self._stream(run))
 
         async def collect() -> Response:
-            output = await last_output(generator)
-            return JSONResponse(self._response(request, request_id, created, model, output,
-                                               tool_choice).model_dump())
+            return JSONResponse((await self.chat_response(run)).model_dump())
 
         return await run_until_disconnected(collect(), raw_request)
 
@@ -177,41 +197,48 @@ class OpenAIServingChat(OpenAIServing):
                                       usage=usage_info(len(output.prompt_token_ids), num_generated),
                                       prompt_logprobs=self.prompt_logprobs_field(output))
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model: str,
-                      num_prompt_tokens: int, generator: AsyncIterator[RequestOutput],
-                      tool_choice: str = "none") -> AsyncIterator[str]:
+    async def chat_chunks(self, run: ChatRun) -> AsyncIterator[ChatCompletionStreamResponse]:
+        """A started chat run as Chat Completions stream chunks: a role chunk per choice, then content and
+        tool-call deltas, and a usage chunk where ``stream_options.include_usage`` asks. Errors are raised
+        (``APIError``, ``EngineDeadError``, ``ValueError``), for each dialect to send in its own shape."""
+        request = run.request
         states = [ChoiceState() for _ in range(request.n)]
         for state in states:
-            state.tools = None if tool_choice == "none" else ToolCallStream(
-                self.tool_parser if tool_choice == "auto" else None,
-                None if tool_choice == "auto" else tool_choice)
+            state.tools = None if run.tool_choice == "none" else ToolCallStream(
+                self.tool_parser if run.tool_choice == "auto" else None,
+                None if run.tool_choice == "auto" else run.tool_choice)
 
-        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
-            return sse_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
-                                                     choices=[choice]))
+        def chunk(choice: ChatCompletionResponseStreamChoice) -> ChatCompletionStreamResponse:
+            return ChatCompletionStreamResponse(id=run.request_id, created=run.created, model=run.model,
+                                                choices=[choice])
 
+        for index in range(request.n):
+            yield chunk(ChatCompletionResponseStreamChoice(
+                index=index, delta=DeltaMessage(role="assistant", content=""), logprobs=None,
+                finish_reason=None))
+        num_generated = 0
+        saw_output = False
+        async with aclosing(run.generator) as outputs:
+            async for output in outputs:
+                saw_output = True
+                for completion in output.outputs:
+                    state = states[completion.index]
+                    if state.finished:
+                        continue
+                    num_generated += len(completion.token_ids)
+                    choice = self._delta_choice(request, completion, state)
+                    if choice is not None:
+                        yield chunk(choice)
+        if request.stream_options is not None and request.stream_options.include_usage and saw_output:
+            yield ChatCompletionStreamResponse(
+                id=run.request_id, created=run.created, model=run.model, choices=[],
+                usage=usage_info(run.num_prompt_tokens, num_generated))
+
+    async def _stream(self, run: ChatRun) -> AsyncIterator[str]:
         try:
-            for index in range(request.n):
-                yield chunk(ChatCompletionResponseStreamChoice(
-                    index=index, delta=DeltaMessage(role="assistant", content=""), logprobs=None,
-                    finish_reason=None))
-            num_generated = 0
-            saw_output = False
-            async with aclosing(generator) as outputs:
-                async for output in outputs:
-                    saw_output = True
-                    for completion in output.outputs:
-                        state = states[completion.index]
-                        if state.finished:
-                            continue
-                        num_generated += len(completion.token_ids)
-                        choice = self._delta_choice(request, completion, state)
-                        if choice is not None:
-                            yield chunk(choice)
-            if request.stream_options is not None and request.stream_options.include_usage and saw_output:
-                yield sse_event(ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[],
-                    usage=usage_info(num_prompt_tokens, num_generated)))
+            async with aclosing(self.chat_chunks(run)) as chunks:
+                async for chunk in chunks:
+                    yield sse_event(chunk)
         except (APIError, EngineDeadError, ValueError) as e:
             yield error_event(e)
         yield "data: [DONE]\n\n"
