@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kvloom.engine.engine_client import EngineDeadError
+from kvloom.engine.input_processor import TokenizedPrompt
 from kvloom.entrypoints.openai.chat_media import multimodal_chat_prompt
 from kvloom.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -106,14 +107,7 @@ class OpenAIServingChat(OpenAIServing):
             constraint, constraint_param = forced, "tool_choice"
         if constraint is not None:
             await self.check_structured_outputs(constraint, constraint_param)
-        if has_image_parts(request.messages):  # images: loaded and preprocessed off the event loop
-            prompt = await multimodal_chat_prompt(self, request.messages, request.add_generation_prompt,
-                                                  request.chat_template_kwargs, request.tools or None)
-        else:
-            prompt_text = await self.render_chat_checked(request.messages, request.add_generation_prompt,
-                                                         request.chat_template_kwargs, request.tools or None)
-            # The template already wrote any BOS it wants.
-            prompt = await self.tokenize_prompt(prompt_text, add_special_tokens=False, prompt_name="messages")
+        prompt = await self.chat_prompt(request)
         if request.max_completion_tokens is not None:
             max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
         else:
@@ -129,6 +123,17 @@ class OpenAIServingChat(OpenAIServing):
         return ChatRun(request=request, request_id=request_id, created=int(time.time()),
                        model=request.model or self.model_name, num_prompt_tokens=len(prompt.token_ids),
                        generator=self.engine.generate(engine_request), tool_choice=tool_choice)
+
+    async def chat_prompt(self, request: ChatCompletionRequest) -> TokenizedPrompt:
+        """The conversation rendered by the chat template (with its tools) and tokenized: what ``start_chat``
+        runs, and what the Messages API's count_tokens counts."""
+        if has_image_parts(request.messages):  # images: loaded and preprocessed off the event loop
+            return await multimodal_chat_prompt(self, request.messages, request.add_generation_prompt,
+                                                request.chat_template_kwargs, request.tools or None)
+        prompt_text = await self.render_chat_checked(request.messages, request.add_generation_prompt,
+                                                     request.chat_template_kwargs, request.tools or None)
+        # The template already wrote any BOS it wants.
+        return await self.tokenize_prompt(prompt_text, add_special_tokens=False, prompt_name="messages")
 
     async def chat_response(self, run: ChatRun) -> ChatCompletionResponse:
         """A started chat run, whole."""
