@@ -9,7 +9,8 @@ surface. Each endpoint family's logic is its ``serving_*.py`` module; request bo
 documented by ``request_body.py``; ``--api-key`` is ``auth.py``; the dashboard is ``dashboard/``;
 serving over HTTP with a bounded drain on SIGTERM is ``launcher.py``.
 
-Every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+Every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``, but those of Anthropic's
+Messages API (``/v1/messages``, ``kvloom/entrypoints/anthropic/``), which have its own.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvloom import __version__, envs
 from kvloom.config import config_from_args
 from kvloom.engine.async_engine import AsyncLLM
 from kvloom.engine.engine_client import EngineClient, EngineDeadError
+from kvloom.entrypoints.anthropic.api_router import anthropic_routes
 from kvloom.entrypoints.openai.args import DEFAULT_MAX_REQUEST_BODY_BYTES, add_server_args
 from kvloom.entrypoints.openai.auth import require_api_key
 from kvloom.entrypoints.openai.dashboard import dashboard_routes
@@ -161,6 +163,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         return await embedding.create_embedding(request, raw_request)
 
     app.include_router(v1)
+    app.include_router(anthropic_routes(chat))
     app.include_router(lora_routes(lora_modules))
 
     @app.get("/health")

@@ -1,5 +1,6 @@
 """``--api-key`` (or ``KVLOOM_API_KEY``): every route but ``/health`` (and ``/metrics``, unless
-``--metrics-require-key``) needs ``Authorization: Bearer <key>``."""
+``--metrics-require-key``) needs ``Authorization: Bearer <key>``; the Messages API's routes take the key as
+Anthropic's clients send it, ``x-api-key: <key>``, too, and answer a missing one in Anthropic's error shape."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import hmac
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvloom.entrypoints.anthropic import protocol as anthropic
+from kvloom.entrypoints.anthropic.api_router import is_messages_path
 from kvloom.entrypoints.openai.serving_engine import error_response
 
 
@@ -27,13 +30,20 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        header = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-        scheme, _, token = header.decode("latin-1").partition(" ")
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), self.api_key):
             await self.app(scope, receive, send)
             return
-        response = error_response("Invalid or missing API key; send it as 'Authorization: Bearer <key>'",
-                                  401, code="invalid_api_key")
+        if is_messages_path(scope["path"]):
+            if hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.api_key):
+                await self.app(scope, receive, send)
+                return
+            response = anthropic.error_response("Invalid or missing API key; send it as 'x-api-key: <key>' or "
+                                                "'Authorization: Bearer <key>'", 401)
+        else:
+            response = error_response("Invalid or missing API key; send it as 'Authorization: Bearer <key>'",
+                                      401, code="invalid_api_key")
         await response(scope, receive, send)
 
 

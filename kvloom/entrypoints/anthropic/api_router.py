@@ -1,0 +1,94 @@
+"""The Messages API's routes: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+Every answer under ``/v1/messages`` is in Anthropic's shape, errors included: a body that does not validate,
+an unknown model, a dead engine, an unknown path or method below it, and (``auth.py``) a missing key. The
+app's handlers, which write OpenAI's shape, never see an error of these routes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvloom.engine.engine_client import EngineDeadError
+from kvloom.entrypoints.anthropic.protocol import (
+    AnthropicCountTokensRequest,
+    AnthropicErrorResponse,
+    AnthropicMessagesRequest,
+    error_response,
+)
+from kvloom.entrypoints.anthropic.serving_messages import AnthropicServingMessages
+from kvloom.entrypoints.openai.request_body import parse_body
+from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvloom.entrypoints.openai.serving_engine import APIError
+
+logger = logging.getLogger("kvloom")
+
+MESSAGES_PATH = "/v1/messages"
+
+# Documented in /openapi.json in place of the app's OpenAI-shaped errors.
+ERRORS: dict[int | str, dict[str, object]] = {
+    "4XX": {"model": AnthropicErrorResponse, "description": "Client error (400: the message names the field)"},
+    "5XX": {"model": AnthropicErrorResponse, "description": "Server error (503: the engine is not running)"},
+}
+
+
+def is_messages_path(path: str) -> bool:
+    """Whether ``path`` is the Messages API's (its answers, 401s included, are in Anthropic's shape)."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def in_anthropic_shape(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """``handler`` with every error it raises answered as ``{"type": "error", "error": {...}}``."""
+
+    @functools.wraps(handler)
+    async def answer(raw_request: Request) -> Response:
+        try:
+            return await handler(raw_request)
+        except APIError as e:
+            return error_response(e.message, e.status_code)
+        except EngineDeadError as e:
+            return error_response(str(e), 503)
+        except ValueError as e:
+            return error_response(str(e), 400)
+        except Exception as e:  # noqa: BLE001 - answered as the API's 500
+            logger.exception("internal error while serving a Messages API request")
+            return error_response(f"internal error: {e!r}", 500)
+
+    return answer
+
+
+def anthropic_routes(chat: OpenAIServingChat) -> APIRouter:
+    """The Messages API's routes over the chat serving ``chat``."""
+    serving = AnthropicServingMessages(chat)
+    router = APIRouter(prefix=MESSAGES_PATH)
+
+    @router.post("", responses=ERRORS)
+    @in_anthropic_shape
+    async def create_message(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, AnthropicMessagesRequest)
+        return await serving.create_message(request, raw_request)
+
+    @router.post("/count_tokens", responses=ERRORS)
+    @in_anthropic_shape
+    async def count_tokens(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, AnthropicCountTokensRequest)
+        return JSONResponse((await serving.count_tokens(request)).model_dump())
+
+    async def elsewhere(raw_request: Request) -> Response:
+        path = raw_request.url.path
+        if path in (MESSAGES_PATH, MESSAGES_PATH + "/count_tokens"):
+            return error_response(f"{raw_request.method} is not allowed on {path}; use POST", 405)
+        return error_response(f"no route {path}: the Messages API serves POST {MESSAGES_PATH} and POST "
+                              f"{MESSAGES_PATH}/count_tokens", 404)
+
+    # Registered after the two routes: any other method or path below them.
+    for path in ("", "/{rest:path}"):
+        router.add_api_route(path, elsewhere, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
+                             include_in_schema=False)
+
+    return router
