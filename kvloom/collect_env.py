@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from kvloom import envs
-from kvloom.cpu_capability import cpu_capability, torch_level_mismatch
+from kvloom.cpu_capability import cpu_capability
 from kvloom.version import __version__
 
 PACKAGES = ("torch", "triton", "transformers", "tokenizers", "safetensors", "gguf", "numpy", "fastapi", "uvicorn",
@@ -47,7 +47,7 @@ def collect() -> dict[str, Any]:
     import torch
 
     from kvloom.ops import cpu
-    from kvloom.platform import cpu_has_fast_bf16
+    from kvloom.platform import cpu_has_fast_bf16, torch_level_mismatch
 
     capability = cpu_capability()
     try:

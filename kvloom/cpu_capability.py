@@ -161,18 +161,3 @@ def apply_to_torch() -> None:
         os.environ.setdefault("ATEN_CPU_CAPABILITY", ATEN_CAPABILITY[capability.level])
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ONEDNN_MAX_ISA[capability.level])
 
-
-def torch_level_mismatch() -> str | None:
-    """Why torch's own kernels run above the level in force (it dispatched before kvloom set the cap), or
-    None. Imports torch."""
-    import torch
-
-    torch_level = torch.backends.cpu.get_cpu_capability().lower()
-    expected = ATEN_CAPABILITY[cpu_capability().level]
-    rank = {"default": 0, "avx2": 1, "avx512": 2}
-    if torch_level in rank and rank[torch_level] > rank[expected]:
-        return (f"torch's own kernels run at {torch_level.upper()} although KVLOOM_CPU_ISA caps the level at "
-                f"{cpu_capability().level}: torch ran a CPU op before kvloom was imported; set "
-                f"ATEN_CPU_CAPABILITY={expected} and ONEDNN_MAX_CPU_ISA={ONEDNN_MAX_ISA[cpu_capability().level]} "
-                f"in the environment, or import kvloom first")
-    return None

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.request import ContextLengthError, Request, RequestStatus
-from kvloom.spec_decode import can_speculate
+from kvloom.spec_decode.policy import can_speculate
 from kvloom.stats import SchedulerStats
 from kvloom.step_io import (
     PLACEHOLDER_TOKEN_ID,

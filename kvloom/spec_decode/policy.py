@@ -1,4 +1,5 @@
-"""How many drafts a request gets this step: 0 .. ``num_speculative_tokens``.
+"""Which requests take drafts (``can_speculate``), and how many a request gets this step: 0 ..
+``num_speculative_tokens``. No torch: the scheduler reads ``can_speculate`` too.
 
 The model runner asks this after each step, for every request that sampled, before a proposer runs; the
 answer is how many tokens the proposer drafts for it (a request given 0 costs no lookup and no draft pass).
@@ -37,6 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvloom.sampling_params import SamplingParams
+
 # A decode step's fixed cost (reading the weights) in verified tokens' worth. On the CPU a step is
 # memory-bound up to ~8 tokens (the GEMM reads each weight panel once per 8 rows): ~10 ms at batch 1,
 # ~1 ms for each further token past that.
@@ -49,6 +52,18 @@ PRIOR_RATE = 0.6
 PRIOR_TRIES = 2.0
 # Each step a request samples, its counts are scaled by this: the rate follows about the last 10 steps.
 DECAY = 0.9
+
+
+
+def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a request takes drafts: not when its sampling needs every position's logits in order
+    (logprobs, penalties, min_tokens still to reach, a grammar, logit_bias / allowed_token_ids / bad_words).
+    One rule for the scheduler and the runner."""
+    return not (params.logprobs is not None or params.prompt_logprobs is not None or params.presence_penalty
+                or params.frequency_penalty or params.repetition_penalty != 1.0
+                or num_output_tokens < params.min_tokens
+                # constrained: no drafts (docs/structured_outputs.md)
+                or params.structured_outputs is not None or params.has_logits_processors)
 
 
 @dataclass

@@ -29,7 +29,6 @@ from kvloom.ops.table import Ops, select_ops
 from kvloom.platform import default_dtype, release_freed_heap
 from kvloom.pooling import PoolingState
 from kvloom.sample.sampler import NONFINITE_TOKEN_ID, Sampler, compute_logprobs_top
-from kvloom.spec_decode import build_model_proposer
 from kvloom.spec_decode.draft_model import DraftModelProposer
 from kvloom.step_io import (
     PLACEHOLDER_TOKEN_ID,
@@ -50,7 +49,7 @@ from kvloom.worker.kv_cache import (
     num_kv_blocks,
     profile_cuda_budget,
 )
-from kvloom.worker.speculator import Speculator
+from kvloom.worker.speculator import Speculator, build_model_proposer
 
 __all__ = ["ModelInputs", "ModelRunner", "RequestState"]  # ModelInputs: the executors send it to other ranks
 

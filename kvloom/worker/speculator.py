@@ -18,17 +18,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from kvloom.config import SpeculativeConfig
+from kvloom.loader.model_config import ModelConfig
+from kvloom.ops.table import Ops
 from kvloom.sample.rejection_sampler import RejectionOutput, greedy_rejection_sample, rejection_sample
 from kvloom.sample.sampler import Sampler, SamplingMetadata
-from kvloom.spec_decode import can_speculate
 from kvloom.spec_decode.draft_model import BuildInputs, DraftModelProposer
+from kvloom.spec_decode.eagle import EagleProposer
 from kvloom.spec_decode.ngram import NgramProposer
-from kvloom.spec_decode.policy import FIXED_TOKENS, FIXED_TOKENS_CUDA, SpeculationPolicy
+from kvloom.spec_decode.policy import FIXED_TOKENS, FIXED_TOKENS_CUDA, SpeculationPolicy, can_speculate
 from kvloom.step_io import ModelRunnerOutput, ScheduledRequest
 from kvloom.worker.draft_kv import DraftKV
 from kvloom.worker.input_batch import RequestState, generator_for, sampling_metadata
+
+
+def build_model_proposer(speculative: SpeculativeConfig, target_config: ModelConfig, target: nn.Module, ops: Ops,
+                         device: torch.device, dtype: torch.dtype, max_model_len: int) -> DraftModelProposer:
+    """The runner's proposer for ``speculative.method`` (draft_model, eagle, eagle3), loaded."""
+    proposer = DraftModelProposer if speculative.method == "draft_model" else EagleProposer
+    return proposer(speculative, target_config, target, ops, device, dtype, max_model_len)
 
 
 @dataclass
