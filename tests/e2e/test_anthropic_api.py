@@ -399,3 +399,24 @@ def test_malformed_bodies_paths_and_methods(server: Any) -> None:
     response = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": "hi"}, timeout=30,
                           headers={"Authorization": f"Bearer {API_KEY}"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+def test_openapi_documents_the_bodies_and_anthropic_errors(server: Any) -> None:
+    from kvloom.entrypoints.anthropic import protocol
+
+    document = httpx.get(server.url + "/openapi.json", headers={"Authorization": f"Bearer {API_KEY}"},
+                         timeout=30).json()
+    schemas = document["components"]["schemas"]
+    for path, model in [("/v1/messages", "AnthropicMessagesRequest"),
+                        ("/v1/messages/count_tokens", "AnthropicCountTokensRequest")]:
+        operation = document["paths"][path]["post"]
+        assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"] == \
+            f"#/components/schemas/{model}"
+        fields = getattr(protocol, model).model_fields
+        assert set(schemas[model]["properties"]) == set(fields)
+        assert set(schemas[model]["required"]) == {name for name, field in fields.items() if field.is_required()}
+        for status in ("400", "413", "415", "4XX", "5XX"):
+            error = operation["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+            assert error == "#/components/schemas/AnthropicErrorResponse"
+    assert set(schemas["AnthropicErrorResponse"]["properties"]) == {"type", "error"}
+    assert set(schemas["AnthropicErrorDetail"]["properties"]) == {"type", "message"}

@@ -17,12 +17,14 @@ from fastapi.responses import JSONResponse, Response
 from kvloom.engine.engine_client import EngineDeadError
 from kvloom.entrypoints.anthropic.protocol import (
     AnthropicCountTokensRequest,
+    AnthropicCountTokensResponse,
     AnthropicErrorResponse,
+    AnthropicMessage,
     AnthropicMessagesRequest,
     error_response,
 )
 from kvloom.entrypoints.anthropic.serving_messages import AnthropicServingMessages
-from kvloom.entrypoints.openai.request_body import parse_body
+from kvloom.entrypoints.openai.request_body import json_body, parse_body
 from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvloom.entrypoints.openai.serving_engine import APIError
 
@@ -32,7 +34,10 @@ MESSAGES_PATH = "/v1/messages"
 
 # Documented in /openapi.json in place of the app's OpenAI-shaped errors.
 ERRORS: dict[int | str, dict[str, object]] = {
-    "4XX": {"model": AnthropicErrorResponse, "description": "Client error (400: the message names the field)"},
+    400: {"model": AnthropicErrorResponse, "description": "Invalid request: the message names the field"},
+    413: {"model": AnthropicErrorResponse, "description": "The body is over --max-request-body-bytes"},
+    415: {"model": AnthropicErrorResponse, "description": "The body is not sent as application/json"},
+    "4XX": {"model": AnthropicErrorResponse, "description": "Client error"},
     "5XX": {"model": AnthropicErrorResponse, "description": "Server error (503: the engine is not running)"},
 }
 
@@ -67,13 +72,17 @@ def anthropic_routes(chat: OpenAIServingChat) -> APIRouter:
     serving = AnthropicServingMessages(chat)
     router = APIRouter(prefix=MESSAGES_PATH)
 
-    @router.post("", responses=ERRORS)
+    @router.post("", openapi_extra=json_body(AnthropicMessagesRequest),
+                 responses={200: {"model": AnthropicMessage, "description": "The message, or with stream: true its "
+                                  "server-sent events"}, **ERRORS})
     @in_anthropic_shape
     async def create_message(raw_request: Request) -> Response:
         request = await parse_body(raw_request, AnthropicMessagesRequest)
         return await serving.create_message(request, raw_request)
 
-    @router.post("/count_tokens", responses=ERRORS)
+    @router.post("/count_tokens", openapi_extra=json_body(AnthropicCountTokensRequest),
+                 responses={200: {"model": AnthropicCountTokensResponse, "description": "The prompt's tokens"},
+                            **ERRORS})
     @in_anthropic_shape
     async def count_tokens(raw_request: Request) -> Response:
         request = await parse_body(raw_request, AnthropicCountTokensRequest)

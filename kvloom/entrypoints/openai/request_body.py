@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
 
+from kvloom.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from kvloom.entrypoints.openai.args import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -125,7 +126,8 @@ def describe_validation_error(errors: list[Any]) -> tuple[str, int, str | None]:
 # ---- the OpenAPI document ----------------------------------------------------------------
 
 REQUEST_MODELS: tuple[type[RequestModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                                                  DetokenizeRequest, EmbeddingRequest)
+                                                  DetokenizeRequest, EmbeddingRequest,
+                                                  AnthropicMessagesRequest, AnthropicCountTokensRequest)
 _SCHEMA_REF = "#/components/schemas/{model}"
 
 
