@@ -1,20 +1,29 @@
 """LLMEngine: the synchronous core. Each step() is three verbs: schedule, run, postprocess.
 
 Requests come in as EngineRequests (``input_processor.py``: tokenized and validated once). A request
-with n > 1 is split into n child Requests that share the prompt's cached blocks. After the runner
-has sampled, the scheduler appends the tokens and applies the token-level stops, and the
-OutputProcessor (``output_processor.py``) turns each request's new tokens into text, stop strings,
-logprobs and vLLM's RequestOutputs (deltas, the final output, or the whole output at every step).
+with n > 1 is split into n child Requests that share the prompt's cached blocks. A request that waits for
+its grammar, its LoRA adapter or its first sibling's prompt waits in the ``WaitingRoom``
+(``waiting_room.py``) until the scheduler may see it. After the runner has sampled, the scheduler appends
+the tokens and applies the token-level stops, and the OutputProcessor (``output_processor.py``) turns each
+request's new tokens into text, stop strings, logprobs and vLLM's RequestOutputs (deltas, the final output,
+or the whole output at every step).
+
+A step takes one of three paths, by how the device work and the host's work meet:
+
+    synchronous   schedule -> run -> update -> postprocess
+    overlapped    schedule -> launch -> postprocess the step before -> read back -> update   (CUDA)
+    async         schedule -> launch -> read back the step before -> update it -> postprocess it
+                  (``async_scheduling``: the scheduler runs ahead of the device by one step)
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvloom.config import EngineConfig, resolve_config
 from kvloom.engine.input_processor import EngineRequest, InputProcessor, PromptInput
@@ -22,6 +31,7 @@ from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.output_processor import IterationStats, OutputProcessor
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.scheduler import Scheduler
+from kvloom.engine.waiting_room import Polled, Wait, WaitingRoom
 from kvloom.executor import build_executor
 from kvloom.loader.tokenizer import Tokenizer, load_tokenizer
 from kvloom.loader.weights import resolve_model
@@ -35,6 +45,15 @@ from kvloom.step_io import ModelRunnerOutput, SchedulerOutput
 from kvloom.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("kvloom")
+
+
+class InFlight(NamedTuple):
+    """Async scheduling: the step launched and not yet read back."""
+
+    scheduler_output: SchedulerOutput
+    result: Callable[[], ModelRunnerOutput]  # waits for the step and reads its output back
+    requests: list[Request]
+    needs_tokens: bool  # a request in it needs that step's token before its next one
 
 
 class LLMEngine:
@@ -76,12 +95,8 @@ class LLMEngine:
             self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
             config.structured_outputs.backend, config.structured_outputs.compile_timeout,
             config.structured_outputs.disable_any_whitespace)
-        # Constrained requests whose grammar is still compiling: they join the scheduler once it is ready.
-        self._awaiting_grammar: list[Request] = []
-        # Requests whose LoRA adapter is being read from disk (off this thread): they join once it is in memory.
-        self._awaiting_lora: list[tuple[Request, concurrent.futures.Future]] = []
-        # n > 1: each first completion and its siblings, held until the first's prompt is computed.
-        self._awaiting_fork: list[tuple[Request, list[Request]]] = []
+        # Requests waiting for their grammar, their LoRA adapter or (n > 1) their first sibling's prompt.
+        self.waiting_room = WaitingRoom()
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.scheduler.check_fits, self.structured_output.validate,
                                               multimodal_processor(resolved, self.tokenizer))
@@ -96,11 +111,9 @@ class LLMEngine:
         self.overlap_postprocess = self.device.type == "cuda" and config.tensor_parallel_size == 1
         self._deferred: tuple[SchedulerOutput, ModelRunnerOutput, list[Request], list[int]] | None = None
         self._release_after_step: list[str] = []
-        # Async scheduling: the step launched last and not yet read back (its output, its requests).
+        # Async scheduling: the step launched last and not yet read back.
         self.async_scheduling = resolved.async_scheduling
-        # The last element: whether a request in it needs that step's token before its next one (then the next
-        # step waits for it rather than leave the request out).
-        self._in_flight: tuple[SchedulerOutput, Callable[[], ModelRunnerOutput], list[Request], bool] | None = None
+        self._in_flight: InFlight | None = None
         self.startup_seconds = time.perf_counter() - start
         logger.info("kvloom engine ready: model=%s dtype=%s device=%s max_model_len=%d blocks=%d x %d "
                     "tokens, start-up %.1fs", self.source.name, str(self.dtype).replace("torch.", ""),
@@ -147,21 +160,23 @@ class LLMEngine:
                                     self.max_model_len, request.arrival_time, request.mm_features))
             children[-1].lora_request = request.lora_request
         self.output_processor.add_request(request, children)
-        # The adapter's read from disk starts now, off this thread; the request waits for it (below), not the step.
+        # The adapter's read from disk starts now, off this thread; the request waits for it, not the step.
         loading = None if request.lora_request is None else self.executor.prefetch_lora(request.lora_request)
-        if (len(children) > 1 and params.structured_outputs is None and self.kv_cache_manager.enable_prefix_caching
-                and not params.computes_whole_prompt):
-            # Fork after prefill: the first completion computes the prompt; the others join once its KV blocks
-            # are in the prefix cache, so they compute only the prompt's last partial block, not all of it.
-            self.scheduler.add_request(children[0])
-            self._awaiting_fork.append((children[0], children[1:]))
-            return
-        for child in children:
+        # Fork after prefill: the first completion computes the prompt; the others join once its KV blocks are in
+        # the prefix cache, so they compute only the prompt's last partial block, not all of it.
+        fork = (len(children) > 1 and params.structured_outputs is None
+                and self.kv_cache_manager.enable_prefix_caching and not params.computes_whole_prompt)
+        for index, child in enumerate(children):
+            waits: list[Wait] = []
+            if loading is not None and (not loading.done() or loading.exception() is not None):
+                waits.append(loading)  # an adapter already in memory is no wait
             if params.structured_outputs is not None:
-                child.structured_output = self.structured_output.start(params.structured_outputs)
-                self._awaiting_grammar.append(child)
-            elif loading is not None and not loading.done():
-                self._awaiting_lora.append((child, loading))
+                child.structured_output = state = self.structured_output.start(params.structured_outputs)
+                waits.append(Polled(functools.partial(self.structured_output.ready, state), state.future))
+            if fork and index > 0:
+                waits.append(Polled(functools.partial(_prompt_computed, children[0])))
+            if waits:
+                self.waiting_room.add(child, waits)
             else:
                 self.scheduler.add_request(child)
 
@@ -176,16 +191,8 @@ class LLMEngine:
             if state is not None:
                 child_ids.extend(c.request.request_id for c in state.completions)
         finished = self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-        for _, siblings in self._awaiting_fork:
-            for request in [r for r in siblings if r.request_id in child_ids]:
-                siblings.remove(request)
-                request.status = RequestStatus.FINISHED_ABORTED
-        for request in [r for r in self._awaiting_grammar if r.request_id in child_ids]:
-            self._awaiting_grammar.remove(request)
+        for request in self.waiting_room.remove(child_ids):
             request.status = RequestStatus.FINISHED_ABORTED
-        for entry in [e for e in self._awaiting_lora if e[0].request_id in child_ids]:
-            self._awaiting_lora.remove(entry)
-            entry[0].status = RequestStatus.FINISHED_ABORTED
         self._release([r.request_id for r in finished])
         return self.output_processor.abort_requests(request_ids, time.time(), self._stats())
 
@@ -209,44 +216,56 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and update one step; return the outputs of the requests that progressed.
+        """Admit the requests whose waits are over, then schedule, run and update one step; return the outputs
+        of the requests that progressed (or failed while they waited).
 
         On CUDA the step's device work is launched first and the previous step's text work (detokenize,
         stop strings, outputs) is done while the device computes, so outputs come one step later; a
         request a stop string ends then computes one token more, which is dropped.
         """
-        ended_with_error = self._admit_grammar_requests() if self._awaiting_grammar else False
-        if self._awaiting_lora:
-            ended_with_error = self._admit_lora_requests() or ended_with_error
-        if self._awaiting_fork:
-            self._admit_forks()
-        drained: list[RequestOutput] = []
-        if self._in_flight is not None and self._in_flight[3]:
-            # A request in the step in flight needs its token first (grammar, penalties, bad words, min_tokens):
-            # this step is scheduled after that one is read back, so no request sits a step out.
-            drained = self._step_async(SchedulerOutput(), False)
-        scheduler_output = self.scheduler.schedule()
+        failed = self._admit_waiting() if self.waiting_room else False
         if self.async_scheduling:
-            return drained + self._step_async(scheduler_output, ended_with_error)
-        if scheduler_output.is_empty:
-            outputs = self._postprocess_deferred()
-            if ended_with_error and not outputs:
-                outputs = self.output_processor.make_outputs(time.time(), self._stats())
-            return outputs
-        requests = self._prepare_launch(scheduler_output)
-        if self.overlap_postprocess:
-            pending = self.executor.execute_async(scheduler_output)
-            outputs = self._postprocess_deferred(in_flight=True)
-            runner_output = pending()
+            outputs = self._step_async()
+        elif self.overlap_postprocess:
+            outputs = self._step_overlapped()
         else:
-            outputs = []
-            runner_output = self.executor.execute(scheduler_output)
+            outputs = self._step_sync()
+        if failed and not outputs:  # a request that failed while it waited ends in this step's outputs
+            outputs = self.output_processor.make_outputs(time.time(), self._stats())
+        return outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        requests = self._prepare_launch(scheduler_output)
+        runner_output = self.executor.execute(scheduler_output)
         self._update(scheduler_output, runner_output, requests)
-        if self.overlap_postprocess:
-            self.executor.release_requests(self._release_after_step)
-            self._release_after_step = []
-            return outputs
         return self._postprocess_deferred()
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Launch this step, postprocess the one before while the device runs it, then update this one (its
+        text work waits for the next step)."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return self._postprocess_deferred()
+        requests = self._prepare_launch(scheduler_output)
+        pending = self.executor.execute_async(scheduler_output)
+        outputs = self._postprocess_deferred(in_flight=True)
+        runner_output = pending()
+        self._update(scheduler_output, runner_output, requests)
+        self.executor.release_requests(self._release_after_step)
+        self._release_after_step = []
+        return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Async scheduling: schedule while the step before still runs, then launch this one and read that one
+        back. When a request in the step in flight needs its token first (grammar, penalties, bad words,
+        min_tokens), that step is read back before this one is scheduled, so no request sits a step out."""
+        drained: list[RequestOutput] = []
+        if self._in_flight is not None and self._in_flight.needs_tokens:
+            drained = self._launch_and_read_back(SchedulerOutput())
+        return drained + self._launch_and_read_back(self.scheduler.schedule())
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                 requests: list[Request]) -> None:
@@ -302,32 +321,31 @@ class LLMEngine:
                 self._release(released)
         return output_processor.make_outputs(time.time(), self._stats())
 
-    def _step_async(self, scheduler_output: SchedulerOutput, ended_with_error: bool) -> list[RequestOutput]:
-        """Async scheduling: launch this step, then read back and update the one before it (the device runs
-        this one meanwhile), then that one's text work. Outputs come one step late, as with the overlap."""
+    def _launch_and_read_back(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
+        """Launch this step (if anything is scheduled), then read back, update and postprocess the one in flight
+        (the device runs this one meanwhile). Outputs come one step late, as with the overlap."""
         launched = None
         if not scheduler_output.is_empty:
             # A constrained request never runs ahead of its last token: its grammar saw every token so far.
             requests = self._prepare_launch(scheduler_output)
             needs_tokens = any(request.needs_last_token() for item, request in zip(scheduler_output.scheduled, requests)
                                if item.samples and len(request.output_token_ids) + 1 < request.max_tokens)
-            launched = (scheduler_output, self.executor.execute_async(scheduler_output), requests, needs_tokens)
+            launched = InFlight(scheduler_output, self.executor.execute_async(scheduler_output), requests,
+                                needs_tokens)
         previous, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
         if previous is not None:
-            runner_output = previous[1]()
+            runner_output = previous.result()
             # Requests that ended before ``previous`` ran are in no step still running.
             done, self._release_after_step = self._release_after_step, []
             self.executor.release_requests(done)
         self._in_flight = launched  # from here on, a request that ends waits for this step before it is released
         if previous is not None:
-            self._update(previous[0], runner_output, previous[2])
+            self._update(previous.scheduler_output, runner_output, previous.requests)
             outputs = self._postprocess_deferred()
         if self._in_flight is None:
             done, self._release_after_step = self._release_after_step, []
             self.executor.release_requests(done)
-        if ended_with_error and not outputs:
-            outputs = self.output_processor.make_outputs(time.time(), self._stats())
         return outputs
 
     def _prepare_launch(self, scheduler_output: SchedulerOutput) -> list[Request]:
@@ -347,64 +365,21 @@ class LLMEngine:
         else:
             self.executor.release_requests(request_ids)
 
-    def _admit_forks(self) -> None:
-        """Hand n > 1's held completions to the scheduler once the first has computed its prompt (or ended)."""
-        waiting = []
-        for first, siblings in self._awaiting_fork:
-            if first.num_computed_tokens >= first.num_prompt_tokens or first.is_finished:
-                for sibling in siblings:
-                    self.scheduler.add_request(sibling)
-            elif siblings:
-                waiting.append((first, siblings))
-        self._awaiting_fork = waiting
-
-    # ---- structured outputs ----------------------------------------------------------------------
-    def _admit_grammar_requests(self) -> bool:
-        """Hand the requests whose grammar is compiled to the scheduler; end with an error those whose
-        grammar failed or timed out. True when one ended. With nothing else to run, wait a little for a
-        compile rather than spin."""
-        if not self.scheduler.has_unfinished_requests():
-            futures = [r.structured_output.future for r in self._awaiting_grammar]
-            # Short: the async engine's thread also picks up new requests between steps.
-            concurrent.futures.wait(futures, timeout=0.01, return_when=concurrent.futures.FIRST_COMPLETED)
-        failed = False
-        for request in list(self._awaiting_grammar):
-            try:
-                ready = self.structured_output.ready(request.structured_output)
-            except ValueError as error:
-                logger.warning("request %s: %s", request.request_id, error)
-                ready, failed = False, True
-                self._awaiting_grammar.remove(request)
-                request.status = RequestStatus.FINISHED_ERROR
-                request.stop_reason = str(error)
-                self.output_processor.finish_failed(request)
-            if ready:
-                self._awaiting_grammar.remove(request)
-                self.scheduler.add_request(request)
-        return failed
-
-    # ---- LoRA adapters being loaded ---------------------------------------------------------------
-    def _admit_lora_requests(self) -> bool:
-        """Hand the requests whose adapter is in host memory to the scheduler; end with an error those whose
-        adapter could not be read. True when one ended. With nothing else to run, wait a little for a load."""
-        if not self.scheduler.has_unfinished_requests():
-            concurrent.futures.wait([future for _, future in self._awaiting_lora], timeout=0.01,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-        failed = False
-        for entry in [e for e in self._awaiting_lora if e[1].done()]:
-            request, future = entry
-            self._awaiting_lora.remove(entry)
-            error = future.exception()
-            if error is None:
-                self.scheduler.add_request(request)
-                continue
+    def _admit_waiting(self) -> bool:
+        """Hand the requests whose waits are over to the scheduler, in the order they came; end with an error
+        those whose grammar or adapter failed. True when one ended. With nothing else to run, wait a little
+        for a future rather than spin."""
+        admitted, failed = self.waiting_room.take(idle=not self.scheduler.has_unfinished_requests())
+        for request in admitted:
+            self.scheduler.add_request(request)
+        for request, error in failed:
             logger.warning("request %s: %s", request.request_id, error)
-            failed = True
             request.status = RequestStatus.FINISHED_ERROR
             request.stop_reason = str(error)
             self.output_processor.finish_failed(request)
-        return failed
+        return bool(failed)
 
+    # ---- structured outputs ----------------------------------------------------------------------
     def _advance_grammars(self, requests: list[Request], num_outputs_before: list[int]) -> list[Request]:
         """Move each constrained request's matcher over the tokens it kept this step; a request whose
         grammar has ended stops (even when its stop token is not an EOS it stops on, e.g. ignore_eos), and
@@ -420,3 +395,8 @@ class LLMEngine:
             elif state.matcher.is_terminated() and not request.is_finished:
                 ended += self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
         return ended
+
+
+def _prompt_computed(first: Request) -> bool:
+    """Whether an n > 1 request's first completion has computed its prompt (or ended): its siblings may join."""
+    return first.num_computed_tokens >= first.num_prompt_tokens or first.is_finished
