@@ -420,3 +420,54 @@ def test_openapi_documents_the_bodies_and_anthropic_errors(server: Any) -> None:
             assert error == "#/components/schemas/AnthropicErrorResponse"
     assert set(schemas["AnthropicErrorResponse"]["properties"]) == {"type", "error"}
     assert set(schemas["AnthropicErrorDetail"]["properties"]) == {"type", "message"}
+
+
+# ---- images --------------------------------------------------------------------------------------
+
+def test_image_blocks_are_chat_image_parts(server_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """On a tiny vision model: base64 image blocks, in a message and in a tool result, give the chat API's reply
+    to the same image as an image_url part; an undecodable image is a 400 in Anthropic's shape."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from tiny_vision import build_tiny_idefics3
+
+    model_dir = build_tiny_idefics3(str(tmp_path_factory.mktemp("tiny_idefics3")))
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (20, 40, 3), dtype=np.uint8)).save(buffer, "PNG")
+    data = base64.b64encode(buffer.getvalue()).decode()
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+    image_part = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+    with server_factory(model_dir, "--dtype", "float32", "--served-model-name", "vlm") as vlm:
+        client = anthropic.Anthropic(base_url=vlm.url, api_key="none", max_retries=0, timeout=120)
+        chat = openai.OpenAI(base_url=vlm.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        message = client.messages.create(model="vlm", max_tokens=8, extra_body=GREEDY, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}])
+        oracle = chat.chat.completions.create(model="vlm", max_tokens=8, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image_part]}])
+        assert text_of(message) == oracle.choices[0].message.content
+        assert message.usage.input_tokens == oracle.usage.prompt_tokens
+        counted = client.messages.count_tokens(model="vlm", messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}])
+        assert counted.input_tokens == oracle.usage.prompt_tokens
+        # A tool's result with an image: the tool message holds its text, a user message after it the image.
+        call = {"type": "tool_use", "id": "toolu_1", "name": "look", "input": {}}
+        message = client.messages.create(model="vlm", max_tokens=8, extra_body=GREEDY, messages=[
+            {"role": "user", "content": "Look."}, {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": [{"type": "text", "text": "A photo:"}, image]}]}])
+        oracle = chat.chat.completions.create(model="vlm", max_tokens=8, temperature=0, messages=[
+            {"role": "user", "content": "Look."},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "toolu_1", "type": "function", "function": {"name": "look", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "A photo:"},
+            {"role": "user", "content": [image_part]}])
+        assert text_of(message) == oracle.choices[0].message.content
+        assert message.usage.input_tokens == oracle.usage.prompt_tokens
+        garbage = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                               "data": base64.b64encode(b"garbage").decode()}}
+        response = httpx.post(vlm.url + "/v1/messages", timeout=60, json={
+            "model": "vlm", "max_tokens": 2, "messages": [{"role": "user", "content": [garbage]}]})
+        assert_anthropic_error(response, 400, "invalid_request_error")
