@@ -17,7 +17,7 @@ import functools
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,9 +26,11 @@ import torch
 
 from kvloom.config.structured_outputs import DEFAULT_COMPILE_TIMEOUT, STRUCTURED_OUTPUT_BACKENDS
 from kvloom.loader.tokenizer import Tokenizer
+from kvloom.reasoning import ReasoningGate, get_reasoning_parser
 from kvloom.sampling_params import StructuredOutputsParams
 from kvloom.structured_output.backend import GrammarMatcher, StructuredOutputBackend, bitmask_width
 from kvloom.structured_output.bitmask import TokenBitmask
+from kvloom.structured_output.reasoning import ReasoningMatcher
 
 BACKENDS = STRUCTURED_OUTPUT_BACKENDS
 
@@ -71,12 +73,14 @@ def constraint_key(params: StructuredOutputsParams) -> tuple[Any, ...]:
 
 @dataclass
 class StructuredOutputRequest:
-    """A request's grammar: compiling (``future``), then its matcher."""
+    """A request's grammar: compiling (``future``), then its matcher; with a reasoning parser, the gate that
+    holds the grammar back until the reasoning ends."""
 
     params: StructuredOutputsParams
     future: Future
     deadline: float
     matcher: GrammarMatcher | None = None
+    reasoning: ReasoningGate | None = None
 
 
 @dataclass
@@ -114,8 +118,10 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int],
                  backend: str = "auto", compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
-                 disable_any_whitespace: bool = False) -> None:
-        """``disable_any_whitespace``: the engine-wide option, for every request's JSON grammar."""
+                 disable_any_whitespace: bool = False, reasoning_parser: str | None = None) -> None:
+        """``disable_any_whitespace``: the engine-wide option, for every request's JSON grammar.
+        ``reasoning_parser``: a request's grammar applies after its reasoning (ValueError when the tokenizer
+        lacks the parser's think tags)."""
         self.backend_name = check_backend(backend)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -124,6 +130,8 @@ class StructuredOutputManager:
         self.disable_any_whitespace = disable_any_whitespace
         self._backend: StructuredOutputBackend | None = None
         self._tokenizer_key: tuple[Any, ...] | None = None
+        self.reasoning_parser = (None if reasoning_parser is None
+                                 else get_reasoning_parser(reasoning_parser, tokenizer))
 
     @property
     def backend(self) -> StructuredOutputBackend:
@@ -196,8 +204,12 @@ class StructuredOutputManager:
         return params
 
     # ---- per request -------------------------------------------------------------------------------
-    def start(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
-        return StructuredOutputRequest(params, self.compile_async(params), time.monotonic() + self.compile_timeout)
+    def start(self, params: StructuredOutputsParams,
+              prompt_token_ids: Sequence[int] | None = None) -> StructuredOutputRequest:
+        """A request's grammar state; with a reasoning parser, its reasoning's phase from its prompt."""
+        gate = None if self.reasoning_parser is None else self.reasoning_parser.gate(prompt_token_ids)
+        return StructuredOutputRequest(params, self.compile_async(params), time.monotonic() + self.compile_timeout,
+                                       reasoning=gate)
 
     def ready(self, state: StructuredOutputRequest) -> bool:
         """Whether the request's matcher exists (made here once its grammar is compiled); ValueError
@@ -209,7 +221,8 @@ class StructuredOutputManager:
                 raise ValueError(f"the structured_outputs {state.params.kind} did not compile within "
                                  f"{self.compile_timeout:g} s; simplify it")
             return False
-        state.matcher = self.backend.new_matcher(state.future.result())  # raises the compile's ValueError
+        matcher = self.backend.new_matcher(state.future.result())  # raises the compile's ValueError
+        state.matcher = matcher if state.reasoning is None else ReasoningMatcher(matcher, state.reasoning)
         return True
 
     def grammar_bitmask_job(self, constrained: list[tuple[str, StructuredOutputRequest]]
