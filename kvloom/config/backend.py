@@ -14,6 +14,9 @@ from kvloom import envs
 from kvloom.config.compat import canonical_quantization
 from kvloom.ops import ATTENTION_BACKENDS
 
+# The data-parallel router's policies (backend knob data_parallel_routing; kvloom/engine/data_parallel/router.py).
+DATA_PARALLEL_ROUTING = ("prefix", "least_loaded", "round_robin")
+
 # The keys that make shapes padded to buckets (CUDA graphs); kvloom's CPU path runs every shape eagerly.
 BUCKET_KEYS = ("enable_bucketing", "token_gen_buckets", "context_length_buckets")
 
@@ -70,6 +73,10 @@ class BackendConfig:
     # 32 inputs (Q4_1's / Q5_1's), multiplied by the 4-bit product. None keeps the file's values. It changes
     # them: docs/quantization.md has the perplexity and the speed and memory it buys.
     requantize_lm_head: int | None = None
+    # With data_parallel_size >= 2: how the router picks a replica for each request. "prefix": the one holding the
+    # longest cached prefix of the prompt, within a load cap, else the least loaded; "least_loaded"; "round_robin"
+    # (kvloom/engine/data_parallel/router.py).
+    data_parallel_routing: str = "prefix"
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any] | str | None) -> BackendConfig:
@@ -131,6 +138,9 @@ class BackendConfig:
         if bits is not None and (isinstance(bits, bool) or bits not in (4, 5)):
             raise ValueError(f"override_backend_config: requantize_lm_head must be 4 or 5 (bits of the LM head's "
                              f"code blocks) or None (the checkpoint's own values), got {bits!r}")
+        if self.data_parallel_routing not in DATA_PARALLEL_ROUTING:
+            raise ValueError(f"override_backend_config: data_parallel_routing must be one of "
+                             f"{list(DATA_PARALLEL_ROUTING)}, got {self.data_parallel_routing!r}")
         alpha = self.int8_smoothing_alpha
         if alpha is not None:
             if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:

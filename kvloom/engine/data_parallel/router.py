@@ -7,12 +7,21 @@ input processor, health, stats, metrics, ``shutdown``: both are ``EngineClient``
 ``generate``), so the OpenAI layer does not know which it serves. Prompts are tokenized and
 validated here, once, against the replicas' smallest KV cache.
 
-Routing (``choose_replica``): each request goes to the live replica with the fewest outstanding
-tokens (prompt tokens not yet computed plus tokens still to generate, as this router counts them
-from the outputs it relays), except that a replica already holding the request's prompt prefix
-(the chained hashes of its first ``PREFIX_BLOCKS`` full KV blocks, remembered per replica as
-requests are routed) is preferred while it is at most one such request's worth busier, so a
-shared prefix is computed once and stays in one prefix cache.
+Routing, the backend knob ``data_parallel_routing``:
+
+- ``prefix`` (the default, ``choose_replica``): the replica holding the longest cached prefix of the
+  prompt, while it is at most one request's worth of tokens busier than the least loaded replica
+  (the load cap); else the least loaded. What a replica holds is ``PrefixIndex``'s model of its
+  prefix cache: the chained hashes of every full KV block of the prompts routed to it, least
+  recently used forgotten first once they exceed its usable KV blocks (as the engine evicts). So an
+  agent's conversation, which re-sends its whole history each turn, returns to the replica that
+  computed that history, and a shared system prompt is computed once per replica.
+- ``least_loaded``: the least loaded replica, prefixes ignored.
+- ``round_robin``: the live replicas in turn.
+
+The load is a replica's outstanding tokens: the prompt tokens it has to compute (those beyond the
+prefix it was taken to hold) plus the tokens still to generate, as this router counts them from
+the outputs it relays.
 
 Failures: a replica whose connection ends (its process or actor died) or whose engine died is
 taken out of the rotation at once and each of its in-flight requests fails with
@@ -54,10 +63,8 @@ from kvloom.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("kvloom")
 
-# Full KV blocks of a prompt's start whose hashes identify its prefix, and how many prefixes
-# the router remembers (least recently routed forgotten first).
-PREFIX_BLOCKS = 8
-MAX_REMEMBERED_PREFIXES = 1 << 16
+# The most block hashes the router remembers per replica (fewer where its KV cache holds fewer blocks).
+MAX_REMEMBERED_BLOCKS = 1 << 18
 # How long start-up waits for the replicas to connect and build their engines.
 STARTUP_TIMEOUT_S = 900.0
 # How long shutdown lets a replica end its requests and leave before it is killed.
@@ -71,29 +78,84 @@ class ReplicaDeadError(EngineDeadError):
     """The replica serving a request died; the request is lost (the other replicas still serve)."""
 
 
-# ---- the routing policy (plain functions: tested without replicas) ----------------------------------
+# ---- the routing policy (plain functions and one index: tested without replicas) --------------------
+
 def prefix_hashes(token_ids: tuple[int, ...] | list[int], block_size: int,
-                  max_blocks: int = PREFIX_BLOCKS) -> list[int]:
-    """Chained hashes of the prompt's first full blocks, shortest prefix first (as the KV cache
-    manager chains its block hashes: each covers every token before it)."""
+                  max_blocks: int | None = None) -> list[int]:
+    """Chained hashes of the prompt's full blocks (the first ``max_blocks`` of them; None: all),
+    shortest prefix first, as the KV cache manager chains its block hashes: each covers every token
+    before it, so two prompts share hash i exactly when they share their first (i + 1) blocks."""
     hashes = []
     parent = 0
-    for start in range(0, min(len(token_ids) // block_size, max_blocks) * block_size, block_size):
+    count = len(token_ids) // block_size if max_blocks is None else min(len(token_ids) // block_size, max_blocks)
+    for start in range(0, count * block_size, block_size):
         parent = hash((parent, tuple(token_ids[start:start + block_size])))
         hashes.append(parent)
     return hashes
 
 
-def choose_replica(outstanding: dict[int, int], holder: int | None, slack: int) -> int:
-    """The replica for a request: the least loaded (fewest outstanding tokens, lowest index on a
-    tie), or ``holder`` (the replica holding the prompt's prefix) while it is at most ``slack``
-    tokens busier. ``outstanding`` has the live replicas only."""
+class PrefixIndex:
+    """What the router believes each replica's prefix cache holds: the block hashes of the prompts it
+    routed there, least recently used first, at most ``capacity`` blocks per replica (its usable KV
+    blocks: an engine evicts its least recently used free blocks first, so a block the router last
+    routed more than a cache's worth of blocks ago is taken for evicted). A model, not a mirror: the
+    replica's running requests and generated tokens also hold blocks, so it may have evicted sooner."""
+
+    def __init__(self, capacity: dict[int, int]) -> None:
+        for index, blocks in capacity.items():
+            if blocks < 1:
+                raise ValueError(f"replica {index}: a prefix index needs a capacity of at least one block, "
+                                 f"got {blocks}")
+        self.capacity = dict(capacity)
+        self._blocks: dict[int, OrderedDict[int, None]] = {index: OrderedDict() for index in capacity}
+
+    def matched_blocks(self, hashes: list[int]) -> dict[int, int]:
+        """Per replica, how many of the prompt's leading blocks it holds (the longest cached prefix:
+        the chain stops at the first block it lacks)."""
+        matched = {}
+        for index, blocks in self._blocks.items():
+            count = 0
+            for h in hashes:
+                if h not in blocks:
+                    break
+                count += 1
+            matched[index] = count
+        return matched
+
+    def add(self, index: int, hashes: list[int]) -> None:
+        """The replica computes (or reuses) these blocks now: most recently used, the oldest beyond
+        its capacity forgotten. The prompt's first blocks are touched last, so they outlive its tail,
+        as in the engine (a prefix is worth more than the blocks that extend it)."""
+        blocks = self._blocks[index]
+        for h in reversed(hashes):
+            blocks[h] = None
+            blocks.move_to_end(h)
+        while len(blocks) > self.capacity[index]:
+            blocks.popitem(last=False)
+
+    def drop(self, index: int) -> None:
+        """The replica died: it holds nothing."""
+        self._blocks[index].clear()
+
+    def __len__(self) -> int:
+        return sum(len(blocks) for blocks in self._blocks.values())
+
+
+def choose_replica(outstanding: dict[int, int], matched: dict[int, int] | None = None, slack: int = 0) -> int:
+    """The replica for a request: the least loaded (fewest outstanding tokens, lowest index on a tie),
+    unless another holds a longer cached prefix of the prompt (``matched``: leading blocks held, per
+    replica) and is at most ``slack`` tokens busier than the least loaded: then the one with the
+    longest prefix among those within the slack (the lesser load, then the lower index, on a tie).
+    The slack is the load cap: a replica holding every session's history is not given them all while
+    another idles. ``outstanding`` has the live replicas only."""
     if not outstanding:
         raise ValueError("no live replica to route to")
     least = min(outstanding, key=lambda index: (outstanding[index], index))
-    if holder is not None and holder in outstanding and outstanding[holder] - outstanding[least] <= slack:
-        return holder
-    return least
+    if not matched:
+        return least
+    within = [index for index in outstanding if outstanding[index] - outstanding[least] <= slack]
+    best = max(within, key=lambda index: (matched.get(index, 0), -outstanding[index], -index))
+    return best if matched.get(best, 0) > matched.get(least, 0) else least
 
 
 # ---- the router's state ------------------------------------------------------------------------------
@@ -105,8 +167,8 @@ class _Routed:
     replica: int
     stream: RequestStream
     deltas: bool
-    prompt_tokens: int
-    charge: int  # prompt tokens + tokens to generate, as first charged
+    prompt_tokens: int  # the prompt tokens charged: those beyond the prefix the replica was taken to hold
+    charge: int  # those prompt tokens + the tokens to generate, as first charged
     started: bool = False  # the first output arrived (the prompt is computed)
     generated: int = 0
     remaining: int = 0
@@ -145,13 +207,16 @@ class ReplicaRouter(EngineClient):
         self.model_name = model_name or config.model
         self._lock = threading.Lock()  # the routing state: replicas' loads, requests, prefixes
         self._requests: dict[str, _Routed] = {}
-        self._prefixes: OrderedDict[int, int] = OrderedDict()
+        self.routing = config.backend.data_parallel_routing
+        self._turn = 0  # round_robin: the next request's place in the rotation
         self._dead_error: BaseException | None = None
         self._closing = False
         self._metrics_arrived = threading.Condition()  # a replica answered "metrics", or died
         self.replicas: list[_Replica] = []
         self._start(config, resolved.device.type, log_level, stats_interval, log_requests)
-        num_usable_blocks = self._num_usable_blocks
+        num_usable_blocks = min(self._replica_blocks.values())
+        self._prefixes = PrefixIndex({index: min(blocks, MAX_REMEMBERED_BLOCKS)
+                                      for index, blocks in self._replica_blocks.items()})
 
         def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_tokens_must_fit: bool = False) -> None:
             check_request_fits(self.max_model_len, self.block_size, num_usable_blocks, num_prompt_tokens,
@@ -210,15 +275,15 @@ class ReplicaRouter(EngineClient):
                                    log_requests, union)
                 handle = RayReplica(spec) if on_ray else LocalReplica(spec)
                 self.replicas.append(_Replica(index, handle))
-            self._num_usable_blocks = self._wait_ready(accepted)
+            self._replica_blocks = self._wait_ready(accepted)
         except BaseException:
             self._kill_all()
             raise
         finally:
             listener.close()
 
-    def _wait_ready(self, accepted: queue.SimpleQueue) -> int:
-        """Wait until every replica has connected and built its engine; their fewest usable KV blocks."""
+    def _wait_ready(self, accepted: queue.SimpleQueue) -> dict[int, int]:
+        """Wait until every replica has connected and built its engine; each one's usable KV blocks."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         connections: list[Connection] = []  # not yet ready: what follows "ready" is for the reader thread
         blocks: dict[int, int] = {}
@@ -253,7 +318,7 @@ class ReplicaRouter(EngineClient):
                 raise RuntimeError(f"the replicas did not start within {STARTUP_TIMEOUT_S:.0f}s "
                                    f"({len(blocks)} of {len(self.replicas)} ready)")
             time.sleep(0.05)
-        return min(blocks.values())
+        return blocks
 
     # ---- the AsyncLLM surface ----------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -324,22 +389,30 @@ class ReplicaRouter(EngineClient):
         params = request.sampling_params
         prompt_tokens = len(request.prompt_token_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_tokens
-        charge = prompt_tokens + params.n * max(1, min(max_tokens, self.max_model_len - prompt_tokens))
-        hashes = prefix_hashes(request.prompt_token_ids, self.block_size)
+        generate = params.n * max(1, min(max_tokens, self.max_model_len - prompt_tokens))
+        # The last prompt token is always computed (its logits), so a prefix covering it is one block short.
+        hashes = prefix_hashes(request.prompt_token_ids[:-1], self.block_size)
         with self._lock:
             self.check_health()
             if request.request_id in self._requests:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
             outstanding = {r.index: r.outstanding for r in self.replicas if r.alive}
-            holder = next((self._prefixes[h] for h in reversed(hashes) if h in self._prefixes), None)
-            index = choose_replica(outstanding, holder, slack=charge)
-            for h in hashes:
-                self._prefixes[h] = index
-                self._prefixes.move_to_end(h)
-            while len(self._prefixes) > MAX_REMEMBERED_PREFIXES:
-                self._prefixes.popitem(last=False)
+            matched: dict[int, int] = {}
+            if self.routing == "round_robin":
+                live = sorted(outstanding)
+                index = live[self._turn % len(live)]
+                self._turn += 1
+            elif self.routing == "least_loaded":
+                index = choose_replica(outstanding)
+            else:
+                matched = self._prefixes.matched_blocks(hashes)
+                index = choose_replica(outstanding, matched, slack=prompt_tokens + generate)
+            self._prefixes.add(index, hashes)
+            # The replica's share: the prompt tokens beyond the prefix it holds, and the tokens to generate.
+            uncached = prompt_tokens - matched.get(index, 0) * self.block_size
+            charge = uncached + generate
             routed = _Routed(request.request_id, index, stream, params.output_kind == RequestOutputKind.DELTA,
-                             prompt_tokens, charge, remaining=charge)
+                             uncached, charge, remaining=charge)
             replica = self.replicas[index]
             replica.outstanding += charge
             replica.in_flight.add(request.request_id)
@@ -445,8 +518,7 @@ class ReplicaRouter(EngineClient):
                                                             f"(the other replicas keep serving)")))
             replica.in_flight.clear()
             replica.outstanding = 0
-            for h in [h for h, index in self._prefixes.items() if index == replica.index]:
-                del self._prefixes[h]
+            self._prefixes.drop(replica.index)
             if not any(r.alive for r in self.replicas) and self._dead_error is None:
                 self._dead_error = EngineDeadError(f"every replica is dead; the last: {message}")
         with self._metrics_arrived:  # a scrape waiting for its metrics waits no longer
