@@ -471,3 +471,45 @@ def test_image_blocks_are_chat_image_parts(server_factory: Any, tmp_path_factory
         response = httpx.post(vlm.url + "/v1/messages", timeout=60, json={
             "model": "vlm", "max_tokens": 2, "messages": [{"role": "user", "content": [garbage]}]})
         assert_anthropic_error(response, 400, "invalid_request_error")
+
+
+# ---- a dead engine -------------------------------------------------------------------------------
+
+def test_a_dead_engine_mid_stream_is_an_error_event_then_overloaded(tiny_llama_dir: str) -> None:
+    """In process: a step that raises kills the engine under a stream, which ends with an ``error`` event; the
+    next request is a 503 ``overloaded_error``."""
+    import argparse
+    import asyncio
+
+    from kvloom.config import EngineConfig
+    from kvloom.engine.async_engine import AsyncLLM
+    from kvloom.entrypoints.openai.api_server import build_app
+
+    engine = AsyncLLM.from_config(EngineConfig(model=tiny_llama_dir), stats_interval=0)
+
+    def broken_step() -> None:
+        raise RuntimeError("simulated device failure")
+
+    engine.engine.step = broken_step  # type: ignore[method-assign]
+    args = argparse.Namespace(model=tiny_llama_dir, served_model_name=None, chat_template=None, api_key=None)
+    app = build_app(engine, args)
+    body = {"model": tiny_llama_dir, "max_tokens": 3, "messages": USER}
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            response = await http.post("/v1/messages", json={**body, "stream": True})
+            assert response.status_code == 200
+            events = [block.split("\n") for block in response.text.strip().split("\n\n")]
+            assert [name for name, _ in events] == ["event: message_start", "event: ping", "event: error"]
+            error = json.loads(events[-1][1][len("data: "):])
+            assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
+            assert "simulated device failure" in error["error"]["message"]
+            assert_anthropic_error(await http.post("/v1/messages", json=body), 503, "overloaded_error",
+                                   "not running")
+
+    try:
+        asyncio.run(run())
+        assert engine.errored
+    finally:
+        engine.shutdown()
