@@ -25,6 +25,7 @@ from kvloom.config.compat import (
 from kvloom.config.parsing import check_int, parse_memory
 from kvloom.config.speculative import SpeculativeConfig
 from kvloom.config.structured_outputs import StructuredOutputsConfig
+from kvloom.reasoning import check_reasoning_parser
 from kvloom.sampling_params import MAX_LOGPROBS
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -177,6 +178,10 @@ class EngineConfig:
         "backend", None, "structured outputs as vLLM's dict or JSON: {\"backend\": \"auto\" | \"xgrammar\", "
         "\"compile_timeout\": seconds, \"disable_any_whitespace\": bool} (also "
         "--structured-outputs-config.backend NAME); see docs/structured_outputs.md")
+    reasoning_parser: str | None = knob(
+        "backend", None, "how a reasoning model's thinking is read from its replies: 'qwen3' or 'deepseek_r1' "
+        "(the text between <think> and </think> goes to the chat message's reasoning_content, and a "
+        "request's grammar applies after </think>); see docs/serving.md")
     override_backend_config: dict[str, Any] | str | None = knob(
         "backend", None, "backend knobs as JSON, e.g. '{\"attention_backend\": \"reference\"}' (the seeds' "
         "--override-neuron-config)")
@@ -246,6 +251,8 @@ class EngineConfig:
         self._settle_media_knobs()
         self.backend = BackendConfig.from_overrides(self.override_backend_config)
         self.structured_outputs = StructuredOutputsConfig.from_value(self.structured_outputs_config)
+        if self.reasoning_parser is not None:
+            check_reasoning_parser(self.reasoning_parser)
         if self.quantization is not None:
             self.quantization = canonical_quantization(self.quantization, checkpoint_formats=True)
         else:

@@ -94,7 +94,7 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
             config.structured_outputs.backend, config.structured_outputs.compile_timeout,
-            config.structured_outputs.disable_any_whitespace)
+            config.structured_outputs.disable_any_whitespace, config.reasoning_parser)
         # Requests waiting for their grammar, their LoRA adapter or (n > 1) their first sibling's prompt.
         self.waiting_room = WaitingRoom()
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
@@ -171,7 +171,8 @@ class LLMEngine:
             if loading is not None and (not loading.done() or loading.exception() is not None):
                 waits.append(loading)  # an adapter already in memory is no wait
             if params.structured_outputs is not None:
-                child.structured_output = state = self.structured_output.start(params.structured_outputs)
+                child.structured_output = state = self.structured_output.start(params.structured_outputs,
+                                                                                child.prompt_token_ids)
                 waits.append(Polled(functools.partial(self.structured_output.ready, state), state.future))
             if fork and index > 0:
                 waits.append(Polled(functools.partial(_prompt_computed, children[0])))
