@@ -90,6 +90,10 @@ BENCHMARKS = {
     "throughput": "offline LLM.generate over a workload: tok/s, GFLOP/s, start-up, memory",
     "latency": "one batch of B requests: time to first token and decode step time",
     "serve": "load generator for an OpenAI-compatible server: TTFT, TPOT, ITL, throughput",
+    "agent": "agent conversations with tool calls against a chat server: TTFT per turn, sessions/min, "
+             "prefix-cache hit rate",
+    "realsize": "one GGUF at a real size (1B-8B): decode, prefill, N-sequence decode, memory, ready time, "
+                "fraction of the memory-bandwidth bound",
 }
 
 
@@ -100,13 +104,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
-    """``kvloom bench throughput|latency|serve`` (vLLM's ``vllm bench``): each takes its module's flags.
+    """``kvloom bench throughput|latency|serve|agent`` (vLLM's ``vllm bench``): each takes its module's flags.
 
     The modules import neither torch nor the engine at import time, so building these parsers is cheap.
     """
     import importlib
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve",
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, agent",
                            description="kvloom's benchmarks (docs/benchmarks.md); peers and studies are in "
                                        "benchmarks/ of the repository")
     kinds = bench.add_subparsers(dest="bench_kind", metavar="BENCHMARK", required=True)
