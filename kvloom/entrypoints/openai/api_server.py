@@ -96,7 +96,8 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     completion = OpenAIServingCompletion(engine, names, chat_template, **limits)
     chat = OpenAIServingChat(engine, names, chat_template, **limits,
                              enable_auto_tools=getattr(args, "enable_auto_tool_choice", False),
-                             tool_parser=getattr(args, "tool_call_parser", None))
+                             tool_parser=getattr(args, "tool_call_parser", None),
+                             reasoning_parser=getattr(args, "reasoning_parser", None))
     tokenization = OpenAIServingTokenization(engine, names, chat_template, **limits)
     embedding = OpenAIServingEmbedding(engine, names, chat_template, **limits,
                                        pooler=embedding_pooler_config(args), runner=runner_of(args))

@@ -212,6 +212,8 @@ class ToolCall(ResponseModel):
 class ChatMessage(ResponseModel):
     role: str
     content: str | None = None
+    # --reasoning-parser: the reply's reasoning (vLLM's and DeepSeek's field name).
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -230,6 +232,7 @@ class DeltaToolCall(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

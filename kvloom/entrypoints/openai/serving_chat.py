@@ -56,6 +56,7 @@ from kvloom.entrypoints.openai.tool_calls import (
 )
 from kvloom.multimodal.chat import has_image_parts
 from kvloom.outputs import CompletionOutput, Logprob, RequestOutput
+from kvloom.reasoning import Phase, ReasoningStream, get_reasoning_parser
 
 
 @dataclass
@@ -69,15 +70,19 @@ class ChatRun:
     num_prompt_tokens: int
     generator: AsyncIterator[RequestOutput]
     tool_choice: str  # "none", "auto", "required" or "function:NAME" (resolve_tool_choice)
+    reasoning_phase: Phase | None = None  # with --reasoning-parser: where the reply starts (reasoning/parsers.py)
 
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, enable_auto_tools: bool = False, tool_parser: str | None = None,
-                 **kwargs: Any) -> None:
-        """``enable_auto_tools`` / ``tool_parser``: --enable-auto-tool-choice and --tool-call-parser."""
+                 reasoning_parser: str | None = None, **kwargs: Any) -> None:
+        """``enable_auto_tools`` / ``tool_parser``: --enable-auto-tool-choice and --tool-call-parser;
+        ``reasoning_parser``: --reasoning-parser."""
         super().__init__(*args, **kwargs)
         self.enable_auto_tools = enable_auto_tools
         self.tool_parser = get_tool_parser(tool_parser) if tool_parser is not None else None
+        self.reasoning_parser = (get_reasoning_parser(reasoning_parser, self.tokenizer)
+                                 if reasoning_parser is not None else None)
 
     def _tool_choice(self, request: ChatCompletionRequest) -> tuple[str, dict[str, dict[str, Any]]]:
         try:
@@ -120,9 +125,14 @@ class OpenAIServingChat(OpenAIServing):
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         engine_request = self.engine_request(request_id, prompt, params, "messages",
                                              param if max_tokens is not None else None, model=request.model)
+        reasoning_phase = None
+        if self.reasoning_parser is not None:
+            thinking = (request.chat_template_kwargs or {}).get("enable_thinking", True)
+            reasoning_phase = self.reasoning_parser.start_phase(prompt.token_ids, thinking is not False)
         return ChatRun(request=request, request_id=request_id, created=int(time.time()),
                        model=request.model or self.model_name, num_prompt_tokens=len(prompt.token_ids),
-                       generator=self.engine.generate(engine_request), tool_choice=tool_choice)
+                       generator=self.engine.generate(engine_request), tool_choice=tool_choice,
+                       reasoning_phase=reasoning_phase)
 
     async def chat_prompt(self, request: ChatCompletionRequest) -> TokenizedPrompt:
         """The conversation rendered by the chat template (with its tools) and tokenized: what ``start_chat``
@@ -138,7 +148,8 @@ class OpenAIServingChat(OpenAIServing):
     async def chat_response(self, run: ChatRun) -> ChatCompletionResponse:
         """A started chat run, whole."""
         output = await last_output(run.generator)
-        return self._response(run.request, run.request_id, run.created, run.model, output, run.tool_choice)
+        return self._response(run.request, run.request_id, run.created, run.model, output, run.tool_choice,
+                              run.reasoning_phase)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         run = await self.start_chat(request)
@@ -169,30 +180,39 @@ class OpenAIServingChat(OpenAIServing):
                 bytes=list(token.encode("utf-8")), top_logprobs=top_logprobs))
         return ChatCompletionLogProbs(content=content)
 
-    def _message(self, text: str, finish_reason: str | None, tool_choice: str) -> tuple[ChatMessage, str | None]:
-        """The assistant message of a whole completion, its tool calls read out, and its finish reason."""
+    def _message(self, text: str, finish_reason: str | None, tool_choice: str,
+                 reasoning_phase: Phase | None = None) -> tuple[ChatMessage, str | None]:
+        """The assistant message of a whole completion, its reasoning and tool calls read out (tool calls from the
+        content after the reasoning), and its finish reason."""
         calls: list[ParsedToolCall] = []
+        reasoning = None
         content: str | None = text
+        if reasoning_phase is not None:
+            reasoning, content = self.reasoning_parser.extract(text, reasoning_phase)
+            text = content or ""
         if tool_choice == "required" or tool_choice.startswith("function:"):
             calls = forced_tool_calls(tool_choice, text)
-            content = None if calls else text
-        elif tool_choice == "auto":
+            content = None if calls else content
+        elif tool_choice == "auto" and content is not None:
             content, calls = self.tool_parser.extract(text)
         if calls and finish_reason == "stop":
             finish_reason = "tool_calls"
         tool_calls = [ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
                       for call in calls]
-        return ChatMessage(role="assistant", content=content, tool_calls=tool_calls), finish_reason
+        return ChatMessage(role="assistant", content=content, reasoning_content=reasoning,
+                           tool_calls=tool_calls), finish_reason
 
     def _response(self, request: ChatCompletionRequest, request_id: str, created: int, model: str,
-                  output: RequestOutput, tool_choice: str = "none") -> ChatCompletionResponse:
+                  output: RequestOutput, tool_choice: str = "none",
+                  reasoning_phase: Phase | None = None) -> ChatCompletionResponse:
         choices = []
         for completion in output.outputs:
             logprobs = None
             if request.logprobs:
                 logprobs = self._logprobs(completion.token_ids, completion.logprobs or [],
                                           request.top_logprobs or 0)
-            message, finish_reason = self._message(completion.text, completion.finish_reason, tool_choice)
+            message, finish_reason = self._message(completion.text, completion.finish_reason, tool_choice,
+                                                   reasoning_phase)
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index, message=message,
                 logprobs=logprobs, finish_reason=finish_reason,
@@ -212,6 +232,8 @@ class OpenAIServingChat(OpenAIServing):
             state.tools = None if run.tool_choice == "none" else ToolCallStream(
                 self.tool_parser if run.tool_choice == "auto" else None,
                 None if run.tool_choice == "auto" else run.tool_choice)
+        reasoning = [None if run.reasoning_phase is None else self.reasoning_parser.stream(run.reasoning_phase)
+                     for _ in states]
 
         def chunk(choice: ChatCompletionResponseStreamChoice) -> ChatCompletionStreamResponse:
             return ChatCompletionStreamResponse(id=run.request_id, created=run.created, model=run.model,
@@ -231,7 +253,7 @@ class OpenAIServingChat(OpenAIServing):
                     if state.finished:
                         continue
                     num_generated += len(completion.token_ids)
-                    choice = self._delta_choice(request, completion, state)
+                    choice = self._delta_choice(request, completion, state, reasoning[completion.index])
                     if choice is not None:
                         yield chunk(choice)
         if request.stream_options is not None and request.stream_options.include_usage and saw_output:
@@ -248,15 +270,19 @@ class OpenAIServingChat(OpenAIServing):
             yield error_event(e)
         yield "data: [DONE]\n\n"
 
-    def _delta_choice(self, request: ChatCompletionRequest, completion: CompletionOutput,
-                      state: ChoiceState) -> ChatCompletionResponseStreamChoice | None:
-        """One chunk of a choice from one delta output (None when it adds nothing)."""
+    def _delta_choice(self, request: ChatCompletionRequest, completion: CompletionOutput, state: ChoiceState,
+                      reasoning: ReasoningStream | None = None) -> ChatCompletionResponseStreamChoice | None:
+        """One chunk of a choice from one delta output (None when it adds nothing); ``reasoning``: the choice's
+        reasoning stream, which takes the text first (the tool calls are read from the content after it)."""
         text = completion.text
         logprobs = None
         if request.logprobs and completion.token_ids:
             logprobs = self._logprobs(completion.token_ids, completion.logprobs or [], request.top_logprobs or 0)
         finish_reason = completion.finish_reason
         state.finished = finish_reason is not None
+        reasoning_text = ""
+        if reasoning is not None:
+            reasoning_text, text = reasoning.feed(text, state.finished)
         tool_deltas = None
         tools: ToolCallStream | None = state.tools
         if tools is not None:
@@ -265,9 +291,9 @@ class OpenAIServingChat(OpenAIServing):
                 tool_deltas = [DeltaToolCall(**delta.to_dict()) for delta in deltas]
             if tools.calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
-        if not text and logprobs is None and finish_reason is None and not tool_deltas:
+        if not text and not reasoning_text and logprobs is None and finish_reason is None and not tool_deltas:
             return None
-        delta = DeltaMessage(content=text) if text else DeltaMessage()
+        delta = DeltaMessage(content=text or None, reasoning_content=reasoning_text or None)
         delta.tool_calls = tool_deltas
         choice = ChatCompletionResponseStreamChoice(
             index=completion.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
