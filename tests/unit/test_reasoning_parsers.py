@@ -170,3 +170,16 @@ def test_unknown_parser_and_missing_tags_are_clear_errors() -> None:
     plain = Tokenizer(tiny_models.train_tokenizer(), eos_token="<|im_end|>")
     with pytest.raises(ValueError, match=r"'qwen3' needs the think tags.*no '<think>' or '</think>'"):
         get_reasoning_parser("qwen3", plain)
+
+
+def test_reasoning_parser_config_and_flag() -> None:
+    import argparse
+
+    from kvloom.config import EngineConfig, add_engine_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(parser.parse_args(["--reasoning-parser", "deepseek_r1"])).reasoning_parser == "deepseek_r1"
+    assert EngineConfig().reasoning_parser is None
+    with pytest.raises(ValueError, match=r"unknown reasoning parser 'r1'; kvloom has \['deepseek_r1', 'qwen3'\]"):
+        EngineConfig(reasoning_parser="r1")
