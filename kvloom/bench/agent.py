@@ -57,6 +57,8 @@ WORDS = (
     "type", "update", "user", "value", "version", "worker", "always", "never", "before", "after", "when", "unless",
     "each", "every", "the", "a", "of", "to", "in", "and", "must", "should", "may", "report", "keep", "read", "write",
 )
+# The tools' strings and numbers are bounded (maxLength, maximum), so a reply ends within --max-tokens
+# (96 by default) even where a small model would repeat itself inside a string.
 # The reply to every tool call (the same text each turn, so only the conversation's own calls vary).
 TOOL_RESULT = ("exit status 0. 3 files matched: src/app/handlers.py (line 41), src/app/routes.py (line 12), "
                "tests/test_handlers.py (line 88). No other output.")
@@ -64,17 +66,20 @@ TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {
         "name": "read_file", "description": "Read a file of the repository and return its text.", "strict": True,
         "parameters": {"type": "object", "additionalProperties": False, "required": ["path"],
-                       "properties": {"path": {"type": "string", "description": "path from the repository root"}}}}},
+                       "properties": {"path": {"type": "string", "maxLength": 40,
+                                               "description": "path from the repository root"}}}}},
     {"type": "function", "function": {
         "name": "search_code", "description": "Search the repository's code for a text and list the matches.",
         "strict": True,
         "parameters": {"type": "object", "additionalProperties": False, "required": ["query", "max_results"],
-                       "properties": {"query": {"type": "string"},
-                                      "max_results": {"type": "integer", "description": "at most this many"}}}}},
+                       "properties": {"query": {"type": "string", "maxLength": 40},
+                                      "max_results": {"type": "integer", "minimum": 1, "maximum": 20,
+                                                      "description": "at most this many"}}}}},
     {"type": "function", "function": {
         "name": "run_tests", "description": "Run the tests of one file and return the summary.", "strict": True,
         "parameters": {"type": "object", "additionalProperties": False, "required": ["test_path", "verbose"],
-                       "properties": {"test_path": {"type": "string"}, "verbose": {"type": "boolean"}}}}},
+                       "properties": {"test_path": {"type": "string", "maxLength": 40},
+                                      "verbose": {"type": "boolean"}}}}},
 ]
 # The prefix-cache counters of kvloom and vLLM (vLLM's older name has "gpu_"), with or without _total.
 PREFIX_COUNTER = re.compile(r"^[A-Za-z_]+:(?:gpu_)?prefix_cache_(hits|queries)(?:_total)?$")
