@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # llama.cpp's llama-server and llama-quantize, built from the vendored sources of the llama-cpp-python sdist.
-# Idempotent: skips what exists. Output: .peers/llamacpp/bin/llama-server, llama-quantize, the bf16 GGUF
+# Idempotent: skips what exists. Output: .peers/llamacpp/bin/llama-server, llama-quantize, llama-bench,
+# llama-batched-bench (LLAMACPP_TOOLS_ONLY=1 stops there), the bf16 GGUF
 # (.peers/smollm2-bf16.gguf), an F16 GGUF of the same checkpoint (.peers/smollm2-f16.gguf, llama.cpp's
 # usual 16-bit float type), the Q8_0 made from the bf16 by llama-quantize (.peers/smollm2-q8_0.gguf,
 # the peer of kvloom's int8) and its Q4_0, Q4_K_M, Q5_K_M and Q6_K; llama-perplexity and llama-tokenize in
@@ -22,7 +23,9 @@ VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 JOBS="${JOBS:-2}"
 mkdir -p "$DEST"
 
-if [ ! -x "$DEST/bin/llama-server" ] || [ ! -x "$DEST/bin/llama-quantize" ]; then
+TOOLS="llama-server llama-quantize llama-bench llama-batched-bench"
+missing_tool() { for t in $TOOLS; do [ -x "$DEST/bin/$t" ] || return 0; done; return 1; }
+if missing_tool; then
     if [ ! -d "$DEST/src" ]; then
         rm -rf "$DEST/sdist" && mkdir -p "$DEST/sdist"
         "$PIP" download --no-deps --no-binary llama-cpp-python -d "$DEST/sdist" "llama-cpp-python==$VERSION"
@@ -41,11 +44,14 @@ if [ ! -x "$DEST/bin/llama-server" ] || [ ! -x "$DEST/bin/llama-quantize" ]; the
         -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
         -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
         -DBUILD_SHARED_LIBS=OFF
-    cmake --build "$DEST/build" --target llama-server llama-quantize -j "$JOBS"
+    # shellcheck disable=SC2086
+    cmake --build "$DEST/build" --target $TOOLS -j "$JOBS"
     mkdir -p "$DEST/bin"
-    cp "$DEST/build/bin/llama-server" "$DEST/build/bin/llama-quantize" "$DEST/bin/"
+    for t in $TOOLS; do cp "$DEST/build/bin/$t" "$DEST/bin/"; done
 fi
-echo "llama-server: $DEST/bin/llama-server"
+echo "llama.cpp tools: $DEST/bin ($TOOLS)"
+# LLAMACPP_TOOLS_ONLY=1: the binaries only (benchmarks/peers/llamacpp_realsize.py makes its own GGUFs).
+if [ "${LLAMACPP_TOOLS_ONLY:-0}" = 1 ]; then exit 0; fi
 
 # A GGUF of the HF checkpoint in one float type (convert_hf_to_gguf.py needs gguf-py from the same sources):
 # bf16, and f16 (its bf16 weights fit f16's wider mantissa exactly, except magnitudes outside f16's normal

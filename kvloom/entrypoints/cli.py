@@ -92,6 +92,8 @@ BENCHMARKS = {
     "serve": "load generator for an OpenAI-compatible server: TTFT, TPOT, ITL, throughput",
     "agent": "agent conversations with tool calls against a chat server: TTFT per turn, sessions/min, "
              "prefix-cache hit rate",
+    "realsize": "one GGUF at a real size (1B-8B): decode, prefill, N-sequence decode, memory, ready time, "
+                "fraction of the memory-bandwidth bound",
 }
 
 

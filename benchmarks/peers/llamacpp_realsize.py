@@ -1,0 +1,229 @@
+"""kvloom against llama.cpp on one real-size GGUF file, alternated, side by side.
+
+    .venv/bin/python benchmarks/peers/llamacpp_realsize.py --model llama-3.2-1b:q4_k_m
+    .venv/bin/python benchmarks/peers/llamacpp_realsize.py --model llama-3.2-3b:q4_k_m --tests tg128,pp512,b16
+    .venv/bin/python benchmarks/peers/llamacpp_realsize.py --model FILE.gguf --rounds 3 --json out.json
+
+The file is a ``SHAPE:FORMAT`` of kvloom/bench/realsize_shapes.py (made by make_realsize_gguf.py) or a path.
+First the read bandwidth is measured (``kvloom.bench.membw``, 1 and 2 threads). Then ``--rounds`` rounds,
+each running both engines once (the order alternates between rounds), every engine run inside
+``flock /tmp/kvloom-bench.lock`` so no other timed benchmark on the box runs beside it:
+- llama.cpp (``LLAMACPP_TOOLS_ONLY=1 bash benchmarks/peers/setup_llamacpp.sh``, 2 threads):
+  ``llama-bench -m FILE -t 2 -r 1 -p 0 -n 128`` (tgN), ``-p N -n 0`` (ppN); ``llama-batched-bench -m FILE -t 2
+  -npp 64 -ntg 128 -npl N`` (bN, its S_TG); ``llama-server -m FILE -t 2`` started until /health answers, for
+  time to ready and resident memory (VmRSS) after load (``ready``);
+- kvloom: ``kvloom bench realsize --model FILE --tests ... --num-iters 1`` (one warm-up run per test), with
+  the bandwidth measured above.
+Medians over the rounds with their spread; decode at one sequence is also given as a fraction of the
+bandwidth bound (kvloom/bench/realsize.py: weights read per token + KV at the mean context, both engines
+against the same bytes, those of the file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from kvloom.bench import common  # noqa: E402
+from kvloom.bench.realsize import PROMPT_LEN, bound_tok_s, gguf_traffic, mean_context, parse_tests, test_name  # noqa: E402
+from kvloom.bench.realsize_shapes import resolve_model  # noqa: E402
+
+BIN = ROOT / ".peers" / "llamacpp" / "bin"
+LOCK = "/tmp/kvloom-bench.lock"
+THREADS = 2
+
+
+def locked(argv: list[str]) -> list[str]:
+    """``argv`` run under the shared benchmark lock (where flock exists)."""
+    return ["flock", LOCK, *argv] if shutil.which("flock") else argv
+
+
+def tool(name: str) -> str:
+    path = BIN / name
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing: LLAMACPP_TOOLS_ONLY=1 bash benchmarks/peers/setup_llamacpp.sh")
+    return str(path)
+
+
+def llama_bench(path: Path, kind: str, n: int) -> float:
+    """llama-bench's tok/s for one ppN or tgN run."""
+    p, g = (n, 0) if kind == "pp" else (0, n)
+    argv = locked([tool("llama-bench"), "-m", str(path), "-t", str(THREADS), "-r", "1", "-p", str(p), "-n", str(g),
+                   "-o", "json"])
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    rows = json.loads(out)
+    return float(rows[0]["avg_ts"])
+
+
+def llama_batched_bench(path: Path, n: int) -> float:
+    """llama-batched-bench's aggregate decode tok/s (S_TG) of N sequences of 64-token prompts, 128 tokens."""
+    ctx = n * (PROMPT_LEN + 128)
+    argv = locked([tool("llama-batched-bench"), "-m", str(path), "-t", str(THREADS), "-c", str(ctx),
+                   "-npp", str(PROMPT_LEN), "-ntg", "128", "-npl", str(n), "--output-format", "jsonl"])
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    if not rows:
+        raise RuntimeError(f"llama-batched-bench printed no result:\n{out[-2000:]}")
+    return float(rows[-1]["speed_tg"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def llama_server_ready(path: Path) -> dict[str, float]:
+    """Seconds from launching llama-server on the file until /health answers, and its VmRSS then (MiB)."""
+    port = free_port()
+    argv = [tool("llama-server"), "-m", str(path), "-t", str(THREADS), "-c", "4096", "--port", str(port)]
+    with open(os.devnull, "wb") as devnull:
+        started = time.time()
+        proc = subprocess.Popen(argv, stdout=devnull, stderr=devnull, start_new_session=True)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"llama-server exited with {proc.returncode}: {' '.join(argv)}")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+                        if resp.status == 200:
+                            break
+                except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                    pass
+                if time.time() - started > 600:
+                    raise RuntimeError("llama-server not ready after 600 s")
+                time.sleep(0.02)
+            ready = time.time() - started
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            rss_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+    return {"ready_s": ready, "rss_mib": rss_kib / 1024}
+
+
+def llamacpp_round(path: Path, tests: list[tuple[str, int]], ready: bool) -> dict[str, float]:
+    figures: dict[str, float] = {}
+    for kind, n in tests:
+        figures[test_name(kind, n)] = llama_batched_bench(path, n) if kind == "b" else llama_bench(path, kind, n)
+    if ready:
+        r = subprocess.run(locked([sys.executable, __file__, "--server-ready-only", str(path)]), check=True,
+                           capture_output=True, text=True).stdout
+        figures.update(json.loads(r.strip().splitlines()[-1]))
+    return figures
+
+
+def kvloom_round(path: Path, tests: list[tuple[str, int]], bandwidth: float, extra: list[str]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "kvloom.json"
+        argv = [sys.executable, "-m", "kvloom.entrypoints.cli", "bench", "realsize", "--model", str(path),
+                "--tests", ",".join(test_name(k, n) for k, n in tests), "--num-iters", "1",
+                "--bandwidth-gb-s", str(bandwidth), "--json", str(out), *extra]
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        subprocess.run(locked(argv), check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+        result = json.loads(out.read_text())
+    figures: dict[str, Any] = {row["test"]: row["tok_s"] for row in result["tests"]}
+    figures.update(ready_s=result["ready_s"], rss_mib=result["rss_after_load_mib"])
+    return figures
+
+
+def probe_bandwidth() -> dict[int, float]:
+    code = ("import json; from kvloom.bench.membw import read_bandwidth; "
+            "print(json.dumps({t: read_bandwidth(t)['best_gb_s'] for t in (1, 2)}))")
+    out = subprocess.run(locked([sys.executable, "-c", code]), check=True, capture_output=True, text=True,
+                         cwd=ROOT).stdout
+    return {int(k): float(v) for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+
+
+def fmt(values: list[float], digits: int = 1) -> str:
+    if not values:
+        return "n/a"
+    return f"{common.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a .gguf file or SHAPE:FORMAT")
+    ap.add_argument("--tests", default="tg128,pp512,pp2048,b4,b16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-ready", dest="ready", action="store_false",
+                    help="skip llama-server's time to ready and resident memory")
+    ap.add_argument("--kvloom-arg", action="append", default=[], metavar="ARG",
+                    help="extra flag for kvloom bench realsize, e.g. --kvloom-arg=--engine-arg=...")
+    ap.add_argument("--server-ready-only", metavar="GGUF", help=argparse.SUPPRESS)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    if args.server_ready_only:
+        print(json.dumps(llama_server_ready(Path(args.server_ready_only))))
+        return 0
+    if not args.model:
+        ap.error("--model is required")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+    tests = parse_tests(args.tests)
+    path = resolve_model(args.model)
+    traffic = gguf_traffic(path)
+    machine = common.machine_info()
+    bandwidth = probe_bandwidth()
+    print(f"read bandwidth: {bandwidth[1]:.1f} GB/s (1 thread), {bandwidth[2]:.1f} GB/s (2 threads); "
+          f"load average {machine['loadavg']}", flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {"kvloom": [], "llama.cpp": []}
+    for r in range(args.rounds):
+        order = ["llama.cpp", "kvloom"] if r % 2 == 0 else ["kvloom", "llama.cpp"]
+        for engine in order:
+            if engine == "kvloom":
+                figures = kvloom_round(path, tests, bandwidth[THREADS], args.kvloom_arg)
+            else:
+                figures = llamacpp_round(path, tests, args.ready)
+            runs[engine].append(figures)
+            print(f"round {r + 1} {engine}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()), flush=True)
+
+    print(f"\n== {path.name} ({traffic['file_bytes'] / 2**30:.2f} GiB), {THREADS} threads, median (min-max) of "
+          f"{args.rounds}, alternated; load average {machine['loadavg']} -> {common.machine_info()['loadavg']} ==")
+    print(f"{'test':>8} {'kvloom tok/s':>22} {'llama.cpp tok/s':>22} {'ratio':>6} {'bound':>7} "
+          f"{'kvloom/bound':>12} {'llama.cpp/bound':>15}")
+    table = []
+    for kind, n in tests:
+        name = test_name(kind, n)
+        ours = [f[name] for f in runs["kvloom"]]
+        theirs = [f[name] for f in runs["llama.cpp"]]
+        ratio = common.median(ours) / common.median(theirs)
+        row: dict[str, Any] = {"test": name, "kvloom": ours, "llamacpp": theirs, "ratio": ratio}
+        line = f"{name:>8} {fmt(ours):>22} {fmt(theirs):>22} {ratio:>5.2f}x"
+        if kind == "tg":
+            bound = bound_tok_s(traffic, bandwidth[THREADS], mean_context(kind, n))
+            row.update(bound_tok_s=bound, kvloom_fraction=common.median(ours) / bound,
+                       llamacpp_fraction=common.median(theirs) / bound)
+            line += f" {bound:>7.1f} {row['kvloom_fraction']:>12.0%} {row['llamacpp_fraction']:>15.0%}"
+        print(line)
+        table.append(row)
+    for key, label, digits in (("ready_s", "time to ready, s", 2), ("rss_mib", "resident after load, MiB", 0)):
+        ours = [f[key] for f in runs["kvloom"] if key in f]
+        theirs = [f[key] for f in runs["llama.cpp"] if key in f]
+        print(f"{label:>26}: kvloom {fmt(ours, digits)}, llama.cpp {fmt(theirs, digits)}")
+    print(f"bytes per decode token (file): {traffic['weight_bytes_per_token'] / 1e9:.3f} GB weights + "
+          f"{traffic['kv_bytes_per_position'] / 1e3:.0f} kB KV per position; head {traffic['head_type']} "
+          f"{traffic['head_bytes'] / 1e9:.3f} GB ({'tied' if traffic['tied'] else 'untied'})")
+    common.write_json(args.json, {"benchmark": "realsize-vs-llamacpp", "model": str(path), "traffic": traffic,
+                                  "bandwidth_gb_s": bandwidth, "rounds": runs, "table": table,
+                                  "machine": machine})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
