@@ -13,6 +13,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import tiny_models
+from tiny_models import EOS_ID
 
 from kvloom.entrypoints.anthropic.serving_messages import _stop_reason
 
@@ -124,6 +126,27 @@ def test_sampling_parameters_are_honoured(client: anthropic.Anthropic) -> None:
     assert text_of(tiny_top_p) == greedy  # so is a tiny top_p
     # thinking is accepted (the template gets enable_thinking; this one ignores it).
     assert text_of(client.messages.create(extra_body=GREEDY, thinking={"type": "disabled"}, **kwargs)) == greedy
+
+
+def test_end_of_turn_and_vllm_sampling_extras(server: Any, client: anthropic.Anthropic, chat: openai.OpenAI) -> None:
+    """vLLM's extra sampling fields pass through: EOS pushed up by logit_bias but held back by min_tokens ends the
+    turn after 3 tokens (end_turn), as the chat API's stop does; a seed makes temperature 1 repeatable."""
+    extras = {"temperature": 0, "min_tokens": 3, "logit_bias": {str(EOS_ID): 100}}
+    kwargs: dict[str, Any] = dict(model="tiny", max_tokens=20, messages=[{"role": "user", "content": QUESTION}])
+    message = client.messages.create(extra_body=extras, **kwargs)
+    oracle = chat.chat.completions.create(extra_body=extras, **kwargs)
+    assert oracle.choices[0].finish_reason == "stop" and oracle.usage.completion_tokens <= 4
+    assert message.stop_reason == "end_turn" and message.stop_sequence is None
+    assert text_of(message) == oracle.choices[0].message.content
+    assert message.usage.output_tokens == oracle.usage.completion_tokens
+    with client.messages.stream(extra_body=extras, **kwargs) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "end_turn" and text_of(final) == text_of(message)
+    seeded = [text_of(client.messages.create(extra_body={"temperature": 1.0, "seed": 7}, **kwargs)) for _ in range(2)]
+    assert seeded[0] == seeded[1] == chat.chat.completions.create(
+        temperature=1.0, seed=7, **kwargs).choices[0].message.content
+    response = post(server, "/v1/messages", {**kwargs, "seed": "x"})
+    assert_anthropic_error(response, 400, "invalid_request_error", "seed")
 
 
 def test_stop_reason_of_each_chat_finish() -> None:
@@ -513,3 +536,70 @@ def test_a_dead_engine_mid_stream_is_an_error_event_then_overloaded(tiny_llama_d
         assert engine.errored
     finally:
         engine.shutdown()
+
+
+# ---- thinking ------------------------------------------------------------------------------------
+
+# The tiny model with <think> / </think> (ids 400, 401) and a bias on </think>, as tests/e2e/test_reasoning_server.py
+# builds it: the model reasons a few tokens, then answers.
+END_THINK_BIAS = {str(tiny_models.TOKENIZER_VOCAB_SIZE + 1): 6.0}
+THINK_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>"
+                  "{{ m.reasoning_content }}</think>{% endif %}{{ m.content or '' }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                  "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+                  "{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(server_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from tokenizers import Tokenizer
+
+    path = str(tmp_path_factory.mktemp("tiny_reasoning"))
+    tiny_models.build_tiny_checkpoint(path, arch="llama", vocab_size=tiny_models.TOKENIZER_VOCAB_SIZE + 2)
+    tokenizer = Tokenizer.from_file(f"{path}/tokenizer.json")
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.save(f"{path}/tokenizer.json")
+    template = tmp_path_factory.mktemp("template") / "deepseek_r1.jinja"
+    template.write_text(THINK_TEMPLATE)
+    with server_factory(path, "--max-model-len", "512", "--served-model-name", "thinker", "--chat-template",
+                        str(template), "--reasoning-parser", "deepseek_r1") as s:
+        yield s
+
+
+def test_reasoning_comes_as_thinking_blocks(reasoning_server: Any) -> None:
+    client = anthropic.Anthropic(base_url=reasoning_server.url, api_key="none", max_retries=0, timeout=120)
+    chat = openai.OpenAI(base_url=reasoning_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": QUESTION}]
+    both = 0
+    for seed in range(4):
+        sampling = {"temperature": 0.8, "seed": seed, "logit_bias": END_THINK_BIAS}
+        oracle = chat.chat.completions.create(model="thinker", max_tokens=24, messages=messages,
+                                              extra_body=sampling).choices[0].message
+        expected = [("thinking", oracle.reasoning_content)] if oracle.reasoning_content else []
+        expected += [("text", oracle.content)] if oracle.content else []
+        message = client.messages.create(model="thinker", max_tokens=24, messages=messages, extra_body=sampling)
+        got = [(b.type, b.thinking if b.type == "thinking" else b.text) for b in message.content]
+        assert got == expected, seed
+        with client.messages.stream(model="thinker", max_tokens=24, messages=messages, extra_body=sampling) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+        assert [(b.type, b.thinking if b.type == "thinking" else b.text) for b in final.content] == expected, seed
+        deltas = {event.delta.type for event in events if event.type == "content_block_delta"}
+        assert deltas == {"thinking_delta" if kind == "thinking" else "text_delta" for kind, _ in expected}
+        both += len(expected) == 2
+        # thinking disabled: the template closes the block, and the reply is text alone.
+        off = client.messages.create(model="thinker", max_tokens=24, messages=messages, extra_body=sampling,
+                                     thinking={"type": "disabled"})
+        assert [block.type for block in off.content] in ([], ["text"])
+    assert both, "no seed gave both reasoning and text: the test would not tell them apart"
+    # A thinking block sent back is the assistant message's reasoning_content, which this template replays.
+    history = [*messages, {"role": "assistant", "content": [{"type": "thinking", "thinking": "Light scatters.",
+                                                             "signature": ""}, {"type": "text", "text": "Rayleigh."}]},
+               {"role": "user", "content": "More?"}]
+    counted = client.messages.count_tokens(model="thinker", messages=history).input_tokens
+    oracle = chat.chat.completions.create(model="thinker", max_tokens=1, messages=[
+        *messages, {"role": "assistant", "content": "Rayleigh.", "reasoning_content": "Light scatters."},
+        {"role": "user", "content": "More?"}])
+    assert counted == oracle.usage.prompt_tokens
+    history[1]["content"] = history[1]["content"][1:]
+    assert client.messages.count_tokens(model="thinker", messages=history).input_tokens < counted

@@ -13,7 +13,8 @@ Request, block by block:
 - ``tools`` -> function tools (``input_schema`` as ``parameters``); ``tool_choice`` ``auto`` / ``any`` /
   ``tool`` / ``none`` -> ``auto`` / ``required`` / the named function / ``none``, so the same grammars force
   them; ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``.
-- ``stop_sequences`` -> ``stop``; ``thinking`` ``enabled`` / ``disabled`` -> the template's ``enable_thinking``.
+- ``stop_sequences`` -> ``stop``; ``thinking`` ``enabled`` / ``disabled`` -> the template's ``enable_thinking``;
+  vLLM's extra sampling fields (``seed``, ``logit_bias``, ...: ``EXTRA_SAMPLING_FIELDS``) as they are.
 
 Result: text, ``tool_use`` (id ``toolu_...``, ``input`` an object) and ``thinking`` blocks; ``stop_reason``
 ``end_turn``, ``max_tokens``, ``stop_sequence`` (with the matched ``stop_sequence``) or ``tool_use``.
@@ -31,6 +32,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from kvloom.engine.engine_client import EngineDeadError
 from kvloom.entrypoints.anthropic.protocol import (
@@ -54,9 +56,15 @@ from kvloom.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     StreamOptions,
 )
+from kvloom.entrypoints.openai.request_body import describe_validation_error
 from kvloom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from kvloom.entrypoints.openai.serving_engine import APIError, event_stream, run_until_disconnected
 from kvloom.entrypoints.openai.tool_calls import ToolError, check_tools
+
+# vLLM's extra sampling fields, which a Messages body may carry as a Chat Completions body does.
+EXTRA_SAMPLING_FIELDS = ("seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
+                         "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                         "logit_bias", "allowed_token_ids", "bad_words")
 
 
 class AnthropicServingMessages:
@@ -105,7 +113,12 @@ class AnthropicServingMessages:
                           stream=request.stream)
             if request.stream:  # the output token count comes in the stream's last chunk
                 fields["stream_options"] = StreamOptions(include_usage=True)
-        return ChatCompletionRequest(**fields)
+            fields.update({name: value for name, value in (request.model_extra or {}).items()
+                           if name in EXTRA_SAMPLING_FIELDS})
+        try:
+            return ChatCompletionRequest(**fields)
+        except ValidationError as e:
+            raise APIError(*describe_validation_error(e.errors(include_url=False))) from None
 
     # ---- routes --------------------------------------------------------------------------------
     async def create_message(self, request: AnthropicMessagesRequest, raw_request: Request) -> Response:
@@ -134,9 +147,8 @@ class AnthropicServingMessages:
         choice = response.choices[0]
         message = choice.message
         content: list[AnthropicTextContent | AnthropicThinkingContent | AnthropicToolUseContent] = []
-        reasoning = getattr(message, "reasoning_content", None)
-        if reasoning:
-            content.append(AnthropicThinkingContent(thinking=reasoning))
+        if message.reasoning_content:
+            content.append(AnthropicThinkingContent(thinking=message.reasoning_content))
         if message.content:
             content.append(AnthropicTextContent(text=message.content))
         for call in message.tool_calls:
@@ -202,11 +214,10 @@ class _BlockStream:
         events: list[str] = []
         for choice in chunk.choices:
             delta = choice.delta
-            reasoning = getattr(delta, "reasoning_content", None)
-            if reasoning:
+            if delta.reasoning_content:
                 if self.open_kind != "thinking":
                     events += self._start("thinking", AnthropicThinkingContent(thinking="").model_dump())
-                events.append(self._delta({"type": "thinking_delta", "thinking": reasoning}))
+                events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning_content}))
             if delta.content:
                 if self.open_kind != "text":
                     events += self._start("text", AnthropicTextContent(text="").model_dump())
