@@ -154,3 +154,15 @@ def test_a_forced_tool_call_is_read_from_the_content_after_the_reasoning(client:
     [call] = reply.message.tool_calls
     assert call.function.name == "lookup"
     jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
+    # Streamed: the reasoning deltas, then the call's deltas, which add up to the same call.
+    thought, arguments, names = [], [], []
+    for chunk in chat(client, server, 0, tools=[TOOL], max_tokens=128, stream=True,
+                      tool_choice={"type": "function", "function": {"name": "lookup"}}):
+        for choice in chunk.choices:
+            thought.append(getattr(choice.delta, "reasoning_content", None) or "")
+            assert not choice.delta.content
+            for delta in choice.delta.tool_calls or ():
+                names.append(delta.function.name or "")
+                arguments.append(delta.function.arguments or "")
+    assert "".join(thought) == reasoning
+    assert "".join(names) == "lookup" and "".join(arguments) == call.function.arguments
