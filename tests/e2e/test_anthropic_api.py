@@ -19,6 +19,7 @@ from tiny_models import EOS_ID
 from kvloom.entrypoints.anthropic.serving_messages import _stop_reason
 
 API_KEY = "anthropic-test-key"
+MAX_BODY = 65536
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                                    "unit": {"enum": ["c", "f"]}},
                   "required": ["city", "unit"], "additionalProperties": False}
@@ -45,7 +46,7 @@ def server(tiny_llama_dir: str, server_factory: Any, tmp_path_factory: pytest.Te
     with server_factory(tiny_llama_dir, "--max-model-len", "512", "--served-model-name", "tiny",
                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", str(template),
                         "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
-                        api_key=API_KEY) as s:
+                        "--max-request-body-bytes", str(MAX_BODY), api_key=API_KEY) as s:
         yield s
 
 
@@ -413,6 +414,9 @@ def test_malformed_bodies_paths_and_methods(server: Any) -> None:
     response = httpx.post(server.url + "/v1/messages", content=b"{}", timeout=30,
                           headers={"x-api-key": API_KEY, "Content-Type": "text/plain"})
     assert_anthropic_error(response, 415, "invalid_request_error", "application/json")
+    too_large = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "x" * MAX_BODY}]}
+    assert_anthropic_error(post(server, "/v1/messages", too_large), 413, "request_too_large",
+                           "--max-request-body-bytes")
     assert_anthropic_error(post(server, "/v1/messages/count_tokens", {"model": "tiny", "messages": "hi"}), 400,
                            "invalid_request_error", "messages")
     assert_anthropic_error(post(server, "/v1/messages/batches", {}), 404, "not_found_error", "/v1/messages/batches")
