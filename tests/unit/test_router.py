@@ -9,7 +9,7 @@ import random
 import pytest
 
 from kvloom.config.backend import DATA_PARALLEL_ROUTING, BackendConfig
-from kvloom.engine.data_parallel.router import PrefixIndex, choose_replica, prefix_hashes
+from kvloom.engine.data_parallel.router import PrefixIndex, choose_replica, prefix_hashes, request_cap
 
 
 def test_least_outstanding_tokens_wins_and_ties_go_to_the_lowest_index() -> None:
@@ -28,6 +28,15 @@ def test_the_longest_prefix_is_preferred_within_the_slack_only() -> None:
     assert choose_replica({0: 0, 1: 60, 2: 30}, {0: 2, 1: 9, 2: 5}, slack=50) == 2
     # Equal matches (a system prompt every replica holds): the least loaded.
     assert choose_replica({0: 30, 1: 10}, {0: 4, 1: 4}, slack=100) == 1
+
+
+def test_a_replica_with_more_requests_in_flight_than_the_cap_is_passed_over() -> None:
+    assert [request_cap(n) for n in (0, 1, 4, 7, 8, 40)] == [1, 2, 5, 8, 10, 50]
+    # Replica 0 holds the prefix and is within the token slack, but has 2 requests to replica 1's 0.
+    assert choose_replica({0: 10, 1: 0}, {0: 5}, slack=1000, in_flight={0: 2, 1: 0}) == 1
+    assert choose_replica({0: 10, 1: 0}, {0: 5}, slack=1000, in_flight={0: 1, 1: 0}) == 0
+    # Among those within the cap, the longest prefix.
+    assert choose_replica({0: 0, 1: 5, 2: 5}, {1: 9, 2: 4}, slack=1000, in_flight={0: 4, 1: 6, 2: 5}) == 2
 
 
 def test_a_dead_replica_is_not_chosen_and_no_live_replica_is_an_error() -> None:
@@ -82,18 +91,25 @@ def simulate(policy: str, sessions: int = 16, turns: int = 10, replicas: int = 2
              ) -> tuple[float, list[int]]:
     """Agent conversations over replicas, each replica's cache holding what was computed on it: the
     fraction of turn 2+ prompt blocks found cached on the replica a turn is routed to, and the
-    requests each replica served. Load: the requests of a wave (one turn of every session, in a
-    random order) stay outstanding until the wave ends."""
+    requests each replica served. Load, as the benchmark makes it: every session's turn 1 arrives at
+    once (each stays in flight while the rest arrive); from then on a closed loop, where each other
+    session has its latest request in flight on the replica it went to. Arrival order is random."""
     rng = random.Random(seed)
     block = 16
     system = [rng.randrange(1000) for _ in range(1504)]
     histories = [system + [rng.randrange(1000) for _ in range(40)] for _ in range(sessions)]
     cache = PrefixIndex(dict.fromkeys(range(replicas), 10_000))
+    home: dict[int, tuple[int, int]] = {}  # session -> (replica, charge) of its latest request
     hits = queries = turn = 0
     served = [0] * replicas
     for t in range(turns):
-        outstanding = dict.fromkeys(range(replicas), 0)
         for s in rng.sample(range(sessions), sessions):
+            outstanding = dict.fromkeys(range(replicas), 0)
+            in_flight = dict.fromkeys(range(replicas), 0)
+            for other, (replica, charge) in home.items():
+                if other != s:
+                    outstanding[replica] += charge
+                    in_flight[replica] += 1
             prompt = histories[s]
             hashes = prefix_hashes(prompt, block)
             matched = cache.matched_blocks(hashes)
@@ -102,13 +118,13 @@ def simulate(policy: str, sessions: int = 16, turns: int = 10, replicas: int = 2
             elif policy == "least_loaded":
                 chosen = choose_replica(outstanding)
             else:
-                chosen = choose_replica(outstanding, matched, slack=len(prompt) + 64)
+                chosen = choose_replica(outstanding, matched, slack=len(prompt) + 64, in_flight=in_flight)
             turn += 1
             served[chosen] += 1
             if t > 0:
                 hits += matched[chosen]
                 queries += len(hashes)
-            outstanding[chosen] += len(prompt) - matched[chosen] * block + 64
+            home[s] = (chosen, len(prompt) - matched[chosen] * block + 64)
             cache.add(chosen, hashes)
             histories[s] = prompt + [rng.randrange(1000) for _ in range(rng.randrange(60, 120))]
     return hits / queries, served
@@ -118,14 +134,15 @@ def simulate(policy: str, sessions: int = 16, turns: int = 10, replicas: int = 2
 def test_agent_sessions_keep_their_prefix_cache_across_replicas(seed: int) -> None:
     """The oracle is one replica: one cache that saw every turn, where only each turn's new blocks
     miss. The prefix policy matches it over 2 and 4 replicas (every history returns to the replica
-    that computed it) while spreading the sessions; the others lose the histories' blocks."""
+    that computed it) while spreading the sessions evenly, though every session's turn 1 finds the
+    shared system prompt on the first replica; round robin loses the histories' blocks."""
     ideal, _ = simulate("round_robin", replicas=1, seed=seed)
     for replicas in (2, 4):
         rate, served = simulate("prefix", replicas=replicas, seed=seed)
         assert rate == pytest.approx(ideal, abs=1e-9)
-        assert min(served) >= 160 // replicas // 2, served  # no replica idles while another floods
+        assert max(served) - min(served) <= 160 // replicas // 4, served  # no replica idles while another floods
         assert simulate("round_robin", replicas=replicas, seed=seed)[0] < ideal - 0.03
-        assert simulate("least_loaded", replicas=replicas, seed=seed)[0] < ideal - 0.03
+        assert simulate("least_loaded", replicas=replicas, seed=seed)[0] <= rate
 
 
 def test_the_routing_knob_is_validated() -> None:

@@ -11,7 +11,8 @@ Routing, the backend knob ``data_parallel_routing``:
 
 - ``prefix`` (the default, ``choose_replica``): the replica holding the longest cached prefix of the
   prompt, while it is at most one request's worth of tokens busier than the least loaded replica
-  (the load cap); else the least loaded. What a replica holds is ``PrefixIndex``'s model of its
+  and has at most one request (or a quarter) more in flight than the least busy (the load cap);
+  else the least loaded. What a replica holds is ``PrefixIndex``'s model of its
   prefix cache: the chained hashes of every full KV block of the prompts routed to it, least
   recently used forgotten first once they exceed its usable KV blocks (as the engine evicts). So an
   agent's conversation, which re-sends its whole history each turn, returns to the replica that
@@ -141,19 +142,31 @@ class PrefixIndex:
         return sum(len(blocks) for blocks in self._blocks.values())
 
 
-def choose_replica(outstanding: dict[int, int], matched: dict[int, int] | None = None, slack: int = 0) -> int:
+def request_cap(fewest: int) -> int:
+    """The most requests in flight a replica holding a longer prefix may have when the least busy
+    replica has ``fewest``: one more, or a quarter more once that is more than one."""
+    return fewest + max(1, fewest // 4)
+
+
+def choose_replica(outstanding: dict[int, int], matched: dict[int, int] | None = None, slack: int = 0,
+                   in_flight: dict[int, int] | None = None) -> int:
     """The replica for a request: the least loaded (fewest outstanding tokens, lowest index on a tie),
     unless another holds a longer cached prefix of the prompt (``matched``: leading blocks held, per
-    replica) and is at most ``slack`` tokens busier than the least loaded: then the one with the
-    longest prefix among those within the slack (the lesser load, then the lower index, on a tie).
-    The slack is the load cap: a replica holding every session's history is not given them all while
-    another idles. ``outstanding`` has the live replicas only."""
+    replica) within the load cap: then the one with the longest prefix among those within it (the
+    lesser load, then the lower index, on a tie). The load cap: at most ``slack`` tokens busier than
+    the least loaded, and (with ``in_flight``, requests per replica) at most ``request_cap`` of the
+    fewest requests in flight, so a replica holding many sessions' histories is not given them all
+    while another idles. ``outstanding`` has the live replicas only."""
     if not outstanding:
         raise ValueError("no live replica to route to")
     least = min(outstanding, key=lambda index: (outstanding[index], index))
     if not matched:
         return least
-    within = [index for index in outstanding if outstanding[index] - outstanding[least] <= slack]
+    cap = request_cap(min(in_flight.get(index, 0) for index in outstanding)) if in_flight else None
+    within = [index for index in outstanding if outstanding[index] - outstanding[least] <= slack
+              and (cap is None or in_flight.get(index, 0) <= cap)]
+    if not within:
+        return least
     best = max(within, key=lambda index: (matched.get(index, 0), -outstanding[index], -index))
     return best if matched.get(best, 0) > matched.get(least, 0) else least
 
@@ -406,7 +419,8 @@ class ReplicaRouter(EngineClient):
                 index = choose_replica(outstanding)
             else:
                 matched = self._prefixes.matched_blocks(hashes)
-                index = choose_replica(outstanding, matched, slack=prompt_tokens + generate)
+                index = choose_replica(outstanding, matched, slack=prompt_tokens + generate,
+                                       in_flight={r.index: len(r.in_flight) for r in self.replicas if r.alive})
             self._prefixes.add(index, hashes)
             # The replica's share: the prompt tokens beyond the prefix it holds, and the tokens to generate.
             uncached = prompt_tokens - matched.get(index, 0) * self.block_size
