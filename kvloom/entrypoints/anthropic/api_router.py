@@ -14,7 +14,6 @@ from collections.abc import Awaitable, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvloom.engine.engine_client import EngineDeadError
 from kvloom.entrypoints.anthropic.protocol import (
     AnthropicCountTokensRequest,
     AnthropicCountTokensResponse,
@@ -23,10 +22,9 @@ from kvloom.entrypoints.anthropic.protocol import (
     AnthropicMessagesRequest,
     error_response,
 )
-from kvloom.entrypoints.anthropic.serving_messages import AnthropicServingMessages
+from kvloom.entrypoints.anthropic.serving_messages import AnthropicServingMessages, error_status
 from kvloom.entrypoints.openai.request_body import json_body, parse_body
 from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
-from kvloom.entrypoints.openai.serving_engine import APIError
 
 logger = logging.getLogger("kvloom")
 
@@ -54,15 +52,11 @@ def in_anthropic_shape(handler: Callable[[Request], Awaitable[Response]]) -> Cal
     async def answer(raw_request: Request) -> Response:
         try:
             return await handler(raw_request)
-        except APIError as e:
-            return error_response(e.message, e.status_code)
-        except EngineDeadError as e:
-            return error_response(str(e), 503)
-        except ValueError as e:
-            return error_response(str(e), 400)
-        except Exception as e:  # noqa: BLE001 - answered as the API's 500
-            logger.exception("internal error while serving a Messages API request")
-            return error_response(f"internal error: {e!r}", 500)
+        except Exception as e:  # noqa: BLE001 - every error is answered in the API's shape
+            message, status = error_status(e)
+            if status == 500:
+                logger.exception("internal error while serving a Messages API request")
+            return error_response(message, status)
 
     return answer
 

@@ -353,11 +353,17 @@ def _event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _error_event(error: BaseException) -> str:
+def error_status(error: BaseException) -> tuple[str, int]:
+    """The message and HTTP status an error is answered with: a refused request's own, 503 for a dead engine,
+    400 for a ValueError, 500 for anything else (no request should cause one)."""
     if isinstance(error, APIError):
-        body = error_body(error.message, error.status_code)
-    elif isinstance(error, EngineDeadError):
-        body = error_body(str(error), 503)
-    else:
-        body = error_body(str(error), 400)
-    return _event("error", body)
+        return error.message, error.status_code
+    if isinstance(error, EngineDeadError):
+        return str(error), 503
+    if isinstance(error, ValueError):
+        return str(error), 400
+    return f"internal error: {error!r}", 500
+
+
+def _error_event(error: BaseException) -> str:
+    return _event("error", error_body(*error_status(error)))
