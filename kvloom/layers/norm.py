@@ -21,3 +21,12 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def add_to_stream(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's first norm over the stream x + residual: (norm(x + residual), x + residual); the first
+    layer's stream is x alone (no residual yet), and its norm may be no RMSNorm (EAGLE-1's head has none)."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)

@@ -159,12 +159,7 @@ def _shard_experts(experts: FusedMoE, rank: int, world_size: int, group: Process
         experts.w13.data = experts.w13.data.new_empty(0, 2 * size, experts.w13.shape[2])
         experts.w2.data = experts.w2.data.new_empty(0, experts.w2.shape[1], size)
     experts.intermediate_size = size
-
-    def all_reduce(_module: nn.Module, _inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group)
-        return output
-
-    experts.register_forward_hook(all_reduce)
+    _sum_outputs_over_ranks(experts, group)
 
 
 def _shard_columns_out(linear: Linear, rank: int, world_size: int) -> None:
@@ -215,12 +210,17 @@ def _shard_rows_in(linear: Linear, rank: int, world_size: int, group: ProcessGro
     linear.in_features = size
     if linear.bias is not None and rank != 0:
         linear.bias = None
+    _sum_outputs_over_ranks(linear, group)
+
+
+def _sum_outputs_over_ranks(module: nn.Module, group: ProcessGroupLike | None) -> None:
+    """Each rank's output of ``module`` is a partial sum: an all-reduce after its forward makes it whole."""
 
     def all_reduce(_module: nn.Module, _inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group)
         return output
 
-    linear.register_forward_hook(all_reduce)
+    module.register_forward_hook(all_reduce)
 
 
 def _cuts_blocks(name: str, count: int, world_size: int) -> str:

@@ -25,7 +25,7 @@ from torch import nn
 from kvloom.layers.activation import GeluTanhAndMul
 from kvloom.layers.embedding import LMHead, VocabEmbedding
 from kvloom.layers.linear import Linear
-from kvloom.layers.norm import RMSNorm
+from kvloom.layers.norm import RMSNorm, add_to_stream
 from kvloom.layers.rotary import RotaryEmbedding
 from kvloom.loader.model_config import ModelConfig
 from kvloom.models.llama import LlamaAttention, LlamaForCausalLM, load_hf_weights
@@ -63,11 +63,7 @@ class GemmaDecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream is hidden + residual (hidden alone for the first layer), as in Llama's layers; returns
         (the MLP branch's output, the stream before it)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_to_stream(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, metadata)
         hidden = self.post_attention_layernorm(hidden)
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)

@@ -18,7 +18,7 @@ from torch import nn
 from kvloom.layers.activation import SiluAndMul
 from kvloom.layers.embedding import LMHead, VocabEmbedding
 from kvloom.layers.linear import Linear
-from kvloom.layers.norm import RMSNorm
+from kvloom.layers.norm import RMSNorm, add_to_stream
 from kvloom.layers.rotary import RotaryEmbedding
 from kvloom.loader.model_config import ModelConfig
 from kvloom.ops.int8 import Int8Blocks, Int8Rows
@@ -107,11 +107,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_to_stream(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
