@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 from datetime import datetime
 from functools import lru_cache
@@ -128,12 +129,23 @@ class Tokenizer:
             raise ValueError("this model has no chat template; pass chat_template=... or send a plain "
                              "prompt instead of chat messages")
         context = {**self.special_tokens, **template_kwargs}
+        checked = _validate_messages(messages)
+        compiled = _compile_chat_template(template)
+        knows_calls, knows_results = template_tool_sections(template)
         try:
-            return _compile_chat_template(template).render(
-                messages=_validate_messages(messages), tools=tools, documents=None,
-                add_generation_prompt=add_generation_prompt, **context)
+            return compiled.render(messages=tool_history_as_text(checked, knows_calls, knows_results), tools=tools,
+                                   documents=None, add_generation_prompt=add_generation_prompt, **context)
         except _jinja_errors() as e:
-            raise ValueError(f"chat template failed to render: {e}") from None
+            error = e
+        if (knows_calls or knows_results) and _has_tool_history(checked):
+            # A template's own tool section may refuse a history (Llama 3.1's allows one call per turn): the
+            # history is rendered again with its tool calls and results written as text.
+            try:
+                return compiled.render(messages=tool_history_as_text(checked, False, False), tools=tools,
+                                       documents=None, add_generation_prompt=add_generation_prompt, **context)
+            except _jinja_errors():
+                pass
+        raise ValueError(f"chat template failed to render: {error}") from None
 
 
 def _validate_messages(messages: Any) -> list[dict[str, Any]]:
@@ -161,8 +173,90 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
         elif not isinstance(content, str):
             raise ValueError(f"messages[{index}] content must be a string or a list of text parts, "
                              f"got {type(content).__name__}")
+        if role == "assistant" and "tool_calls" in message:
+            message = _checked_tool_calls(message, index)
         checked.append(message)
     return checked
+
+
+def _checked_tool_calls(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """An assistant message with tool calls as templates expect it: content "" when the client sent none (OpenAI
+    sends null), each call's arguments a dict (transformers' convention; OpenAI sends a JSON string)."""
+    calls = message["tool_calls"]
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{index}].tool_calls must be a list of {{'id', 'type': 'function', "
+                         f"'function': {{'name', 'arguments'}}}}, got {type(calls).__name__}")
+    if not calls:
+        message = {key: value for key, value in message.items() if key != "tool_calls"}
+        return {**message, "content": message.get("content", "")}
+    checked_calls = []
+    for number, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"messages[{index}].tool_calls[{number}] must be {{'id', 'type': 'function', "
+                             f"'function': {{'name': str, 'arguments': str}}}}, got {call!r:.120}")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                pass  # kept as the client's text: the model may have written broken JSON, and it is history
+        checked_calls.append({**call, "type": call.get("type", "function"),
+                              "function": {**function, "arguments": arguments}})
+    return {**message, "content": message.get("content", ""), "tool_calls": checked_calls}
+
+
+def template_tool_sections(template: str) -> tuple[bool, bool]:
+    """(whether the template writes an assistant's ``tool_calls``, whether it writes ``role: "tool"`` results),
+    read from its source: the names it tests for."""
+    knows_calls = "tool_calls" in template
+    knows_results = re.search(r"""(['"])(tool|ipython|tool_results?)\1""", template) is not None
+    return knows_calls, knows_results
+
+
+def _has_tool_history(messages: list[dict[str, Any]]) -> bool:
+    return any(message["role"] == "tool" or "tool_calls" in message for message in messages)
+
+
+def tool_history_as_text(messages: list[dict[str, Any]], knows_calls: bool,
+                         knows_results: bool) -> list[dict[str, Any]]:
+    """The history for a template without a tool section, in the Hermes format (what ``--tool-call-parser
+    hermes`` reads back): an assistant's calls appended to its content as ``<tool_call>\\n{"name": ...,
+    "arguments": {...}}\\n</tool_call>`` blocks; tool results as a user message of ``<tool_response>\\n...\\n
+    </tool_response>`` blocks, consecutive results (and a user message right after them) in one message so that
+    templates which want user and assistant turns to alternate accept it."""
+    if knows_calls and knows_results:
+        return messages
+    rendered: list[dict[str, Any]] = []
+    merge_into_previous = False  # the previous message is a user message made of tool results
+    for message in messages:
+        if not knows_calls and message["role"] == "assistant" and "tool_calls" in message:
+            blocks = [f"<tool_call>\n{_call_json(call)}\n</tool_call>" for call in message["tool_calls"]]
+            content = message.get("content") or ""
+            text = "\n".join([content, *blocks] if content else blocks)
+            message = {key: value for key, value in message.items() if key != "tool_calls"}
+            message["content"] = text
+        elif not knows_results and message["role"] == "tool":
+            text = f"<tool_response>\n{message.get('content', '')}\n</tool_response>"
+            if merge_into_previous:
+                rendered[-1] = {**rendered[-1], "content": rendered[-1]["content"] + "\n" + text}
+            else:
+                rendered.append({"role": "user", "content": text})
+            merge_into_previous = True
+            continue
+        elif merge_into_previous and message["role"] == "user" and isinstance(message.get("content"), str):
+            rendered[-1] = {**rendered[-1], "content": rendered[-1]["content"] + "\n" + message["content"]}
+            merge_into_previous = False
+            continue
+        merge_into_previous = False
+        rendered.append(message)
+    return rendered
+
+
+def _call_json(call: dict[str, Any]) -> str:
+    function = call["function"]
+    arguments = function.get("arguments", {})
+    return json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
 
 
 def _join_text_parts(parts: list[Any], index: int) -> str:

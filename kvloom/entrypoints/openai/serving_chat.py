@@ -192,7 +192,7 @@ class OpenAIServingChat(OpenAIServing):
             text = content or ""
         if tool_choice == "required" or tool_choice.startswith("function:"):
             calls = forced_tool_calls(tool_choice, text)
-            content = None if calls else content
+            content = None  # the forced output is the calls' JSON, never content (also when cut by max_tokens)
         elif tool_choice == "auto" and content is not None:
             content, calls = self.tool_parser.extract(text)
         if calls and finish_reason == "stop":

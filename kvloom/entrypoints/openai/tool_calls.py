@@ -111,20 +111,32 @@ def forced_tool_constraint(choice: str, functions: dict[str, dict[str, Any]],
 
 
 def forced_tool_calls(choice: str, text: str) -> list[ParsedToolCall]:
-    """The calls of a forced output: a named function's arguments are the text itself; 'required' gives a
-    JSON array of {"name", "parameters"}. [] when the text is not complete (cut by max_tokens)."""
+    """The calls of a forced output. A named function's arguments are the text itself, also when it was cut short
+    (as its streamed arguments were). 'required' gives a JSON array of {"name", "parameters"}: the calls
+    complete in it, so an array cut by max_tokens gives the calls before the cut."""
     if choice.startswith("function:"):
-        try:
-            json.loads(text)
-        except json.JSONDecodeError:
-            return []
-        return [ParsedToolCall(choice[len("function:"):], text)]
-    try:
-        calls = json.loads(text)
-    except json.JSONDecodeError:
-        return []
-    return [ParsedToolCall(call["name"], _dumps(call["parameters"])) for call in calls
+        return [ParsedToolCall(choice[len("function:"):], text)] if text else []
+    return [ParsedToolCall(call["name"], _dumps(call["parameters"])) for call in _complete_items(text)
             if isinstance(call, dict) and isinstance(call.get("name"), str) and "parameters" in call]
+
+
+def _complete_items(text: str) -> list[Any]:
+    """The complete values at the start of the JSON array ``text``, which may be cut anywhere."""
+    decoder, items = json.JSONDecoder(), []
+    position = len(text) - len(text.lstrip())
+    if not text.startswith("[", position):
+        return items
+    position += 1
+    while True:
+        while position < len(text) and text[position] in " \t\r\n,":
+            position += 1
+        if position >= len(text) or text[position] == "]":
+            return items
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
 
 
 def _dumps(value: Any) -> str:
@@ -346,7 +358,8 @@ class ToolCallStream:
         if self.forced is not None and self.forced.startswith("function:"):
             return "", self._named_deltas()
         if self.forced == "required":
-            calls = forced_tool_calls(self.forced, self.text) if final else []
+            # A call is sent once its object closes, so a list cut by max_tokens has sent its complete calls.
+            calls = forced_tool_calls(self.forced, self.text) if final or "}" in delta else []
             return "", self._new_calls(calls)
         content, calls, started = self.parser.split(self.text, final)
         if final and not calls:
