@@ -167,3 +167,17 @@ def test_a_streamed_required_list_sends_each_call_as_it_closes() -> None:
 def test_a_cut_named_call_keeps_its_streamed_arguments() -> None:
     calls = forced_tool_calls("function:get_weather", '{"city": "Par')
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Par')]
+
+
+def test_auto_with_parallel_tool_calls_false_streams_the_first_call_only() -> None:
+    text = ('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    stream = ToolCallStream(get_tool_parser("hermes"), max_calls=1)
+    content, deltas = "", []
+    for start in range(0, len(text), 5):
+        piece, new = stream.feed(text[start:start + 5], final=False)
+        content, deltas = content + piece, deltas + new
+    piece, new = stream.feed("", final=True)
+    content, deltas = content + piece, deltas + new
+    assert content == "Sure." and [d.name for d in deltas if d.name] == ["get_weather"]
+    assert json.loads("".join(d.arguments for d in deltas)) == {"city": "Paris"}

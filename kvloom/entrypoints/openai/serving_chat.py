@@ -213,6 +213,8 @@ class OpenAIServingChat(OpenAIServing):
                                           request.top_logprobs or 0)
             message, finish_reason = self._message(completion.text, completion.finish_reason, tool_choice,
                                                    reasoning_phase)
+            if not request.parallel_tool_calls:  # 'auto' keeps the first call (the grammar bounds forced ones)
+                message.tool_calls = message.tool_calls[:1]
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index, message=message,
                 logprobs=logprobs, finish_reason=finish_reason,
@@ -231,7 +233,8 @@ class OpenAIServingChat(OpenAIServing):
         for state in states:
             state.tools = None if run.tool_choice == "none" else ToolCallStream(
                 self.tool_parser if run.tool_choice == "auto" else None,
-                None if run.tool_choice == "auto" else run.tool_choice)
+                None if run.tool_choice == "auto" else run.tool_choice,
+                max_calls=None if request.parallel_tool_calls else 1)
         reasoning = [None if run.reasoning_phase is None else self.reasoning_parser.stream(run.reasoning_phase)
                      for _ in states]
 

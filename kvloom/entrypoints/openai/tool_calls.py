@@ -343,10 +343,12 @@ class ToolCallDelta:
 class ToolCallStream:
     """Turns a completion's text deltas into content deltas and tool-call deltas (one per choice)."""
 
-    def __init__(self, parser: ToolParser | None, forced: str | None = None) -> None:
-        """``parser``: for tool_choice 'auto'; ``forced``: 'required' or 'function:NAME'."""
+    def __init__(self, parser: ToolParser | None, forced: str | None = None, max_calls: int | None = None) -> None:
+        """``parser``: for tool_choice 'auto'; ``forced``: 'required' or 'function:NAME'; ``max_calls``: 1 where
+        ``parallel_tool_calls`` is false (the grammar bounds forced calls; 'auto' keeps the first)."""
         self.parser = parser
         self.forced = forced
+        self.max_calls = max_calls
         self.text = ""
         self.sent_content = 0
         self.calls: list[ParsedToolCall] = []
@@ -383,7 +385,7 @@ class ToolCallStream:
 
     def _new_calls(self, calls: list[ParsedToolCall]) -> list[ToolCallDelta]:
         deltas = []
-        for call in calls[len(self.calls):]:
+        for call in calls[len(self.calls):self.max_calls]:
             index = len(self.calls)
             self.calls.append(call)
             deltas.append(ToolCallDelta(index, "", call.id, call.name))
