@@ -181,3 +181,32 @@ def test_auto_with_parallel_tool_calls_false_streams_the_first_call_only() -> No
     content, deltas = content + piece, deltas + new
     assert content == "Sure." and [d.name for d in deltas if d.name] == ["get_weather"]
     assert json.loads("".join(d.arguments for d in deltas)) == {"city": "Paris"}
+
+
+# ---- forced calls end when their list closes -------------------------------------------------------------
+
+def _allowed_after(tokenizer: Tokenizer, choice: str, text: str, parallel_tool_calls: bool = True) -> set[str]:
+    """The tokens xgrammar allows after ``text`` under the forced grammar of ``choice``."""
+    import torch
+
+    from kvloom.entrypoints.openai.tool_calls import check_tools, forced_tool_constraint
+    from kvloom.structured_output.xgrammar_backend import XgrammarBackend
+
+    eos = sorted(tokenizer.eos_token_ids)
+    backend = XgrammarBackend(tokenizer, tokenizer.vocab_size, eos)
+    constraint = forced_tool_constraint(choice, check_tools([WEATHER]), parallel_tool_calls)
+    matcher = backend.new_matcher(backend.compile(constraint))
+    assert matcher.matcher.accept_string(text)
+    bitmask = torch.zeros((1, (tokenizer.vocab_size + 31) // 32), dtype=torch.int32)
+    matcher.fill_bitmask(bitmask, 0)
+    return {tokenizer.id_to_token(i) for i in range(tokenizer.vocab_size) if (bitmask[0, i // 32] >> (i % 32)) & 1}
+
+
+def test_a_closed_call_list_or_arguments_object_allows_only_eos(tiny_pair: tuple[Tokenizer, Any]) -> None:
+    tokenizer, _ = tiny_pair
+    eos = {tokenizer.id_to_token(i) for i in tokenizer.eos_token_ids}
+    call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert _allowed_after(tokenizer, "required", f"[{call}]") == eos
+    assert _allowed_after(tokenizer, "function:get_weather", '{"city": "Paris"}') == eos
+    assert _allowed_after(tokenizer, "required", f"[{call}", parallel_tool_calls=False) == {"]"}
+    assert _allowed_after(tokenizer, "required", f"[{call}") >= {",", "]"}
