@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: ``kvloom serve MODEL`` or
 ``python -m kvloom.entrypoints.openai.api_server --model MODEL``: the app and its routes.
 
-Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/health``, ``/version``,
+Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``
+(``serving_responses.py``), ``/health``, ``/version``,
 ``/tokenize``, ``/detokenize``, ``/metrics`` and ``/dashboard``. One uvicorn process serves them on
 one asyncio loop; the engine steps in its own thread (AsyncLLM), or with ``--data-parallel-size N``
 N engines run as replicas behind a router (``kvloom/engine/data_parallel/``) that offers the same
@@ -59,6 +60,7 @@ from kvloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvloom.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, embedding_pooler_config, runner_of
 from kvloom.entrypoints.openai.serving_engine import APIError, error_response, max_chars_per_token_of
 from kvloom.entrypoints.openai.serving_lora import LoRAModules, lora_routes, parse_lora_modules
+from kvloom.entrypoints.openai.serving_responses import responses_routes
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvloom.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from kvloom.sampling_params import MAX_LOGPROBS
@@ -165,6 +167,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
 
     app.include_router(v1)
     app.include_router(anthropic_routes(chat))
+    app.include_router(responses_routes(chat))
     app.include_router(lora_routes(lora_modules))
 
     @app.get("/health")

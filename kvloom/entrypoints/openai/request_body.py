@@ -29,6 +29,7 @@ from kvloom.entrypoints.openai.protocol import (
     RequestModel,
     TokenizeRequest,
 )
+from kvloom.entrypoints.openai.responses_protocol import ResponsesRequest
 from kvloom.entrypoints.openai.serving_engine import APIError
 
 logger = logging.getLogger("kvloom")
@@ -127,7 +128,8 @@ def describe_validation_error(errors: list[Any]) -> tuple[str, int, str | None]:
 
 REQUEST_MODELS: tuple[type[RequestModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                                                   DetokenizeRequest, EmbeddingRequest,
-                                                  AnthropicMessagesRequest, AnthropicCountTokensRequest)
+                                                  AnthropicMessagesRequest, AnthropicCountTokensRequest,
+                                                  ResponsesRequest)
 _SCHEMA_REF = "#/components/schemas/{model}"
 
 
