@@ -11,7 +11,8 @@ Request:
   assistant message's ``reasoning_content`` (templates that replay reasoning read it).
 - ``tools`` (Responses' flat function tools) -> chat function tools; ``tool_choice`` ``auto`` / ``none`` /
   ``required`` / ``{"type": "function", "name"}`` as the chat ones, so the same grammars force them;
-  ``text.format`` -> ``response_format``; ``max_output_tokens`` -> ``max_completion_tokens``.
+  ``text.format`` -> ``response_format`` (left out where ``tool_choice`` forces a call, whose output is the
+  call); ``max_output_tokens`` -> ``max_completion_tokens``.
 - ``previous_response_id`` -> that stored response's input and output items go first.
 
 Result: a ``response`` with ``reasoning`` (from ``reasoning_content``), ``message`` (``output_text``) and
@@ -200,7 +201,9 @@ class OpenAIServingResponses:
         if request.tool_choice is not None:
             fields["tool_choice"] = chat_tool_choice(request.tool_choice)
         response_format = chat_response_format(request.text)
-        if response_format is not None:
+        # A forced call's output is the call (its grammar is the tool's), so text.format shapes only the text of a
+        # turn that may answer; OpenAI takes both in one request, as agents with an output type send them.
+        if response_format is not None and not _forces_call(request.tool_choice):
             fields["response_format"] = response_format
         try:
             return ChatCompletionRequest(**fields)
@@ -515,6 +518,10 @@ def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
         return {"type": "function", "function": {"name": choice["name"]}}
     raise APIError(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'name': ...}}, "
                    f"got {choice!r:.120}", param="tool_choice")
+
+
+def _forces_call(choice: str | dict[str, Any] | None) -> bool:
+    return choice == "required" or isinstance(choice, dict)
 
 
 def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
