@@ -12,6 +12,8 @@ import jsonschema
 import openai
 import pytest
 
+from .test_reasoning_server import END_BIAS, reasoning_model_dir  # noqa: F401 - the fixture
+from .test_reasoning_server import TEMPLATE as REASONING_TEMPLATE
 from .test_structured_output_server import SCHEMA, TEMPLATE
 
 WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -214,3 +216,46 @@ def test_raw_stream_is_named_server_sent_events(server: Any) -> None:
         name, data = block.split("\n")
         assert name.removeprefix("event: ") == json.loads(data.removeprefix("data: "))["type"]
     assert "[DONE]" not in text
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(reasoning_model_dir: str, server_factory: Any,  # noqa: F811 - the imported fixture
+                     tmp_path_factory: pytest.TempPathFactory) -> Any:
+    template = tmp_path_factory.mktemp("template") / "qwen3.jinja"
+    template.write_text("{% set opens_think = true %}" + REASONING_TEMPLATE)
+    with server_factory(reasoning_model_dir, "--max-model-len", "512", "--chat-template", str(template),
+                        "--reasoning-parser", "qwen3") as s:
+        yield s
+
+
+def test_reasoning_items_whole_and_streamed(reasoning_server: Any) -> None:
+    client = openai.OpenAI(base_url=reasoning_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    both = 0
+    for seed in range(4):
+        sampling = {"temperature": 0.8, "max_output_tokens": 24}
+        extra = {"seed": seed, "logit_bias": END_BIAS}
+        message = client.chat.completions.create(
+            model=reasoning_server.model, messages=[{"role": "user", "content": "Why is the sky blue?"}],
+            temperature=0.8, max_completion_tokens=24, **extra).choices[0].message
+        response = client.responses.create(model=reasoning_server.model, input="Why is the sky blue?",
+                                           extra_body=extra, **sampling)
+        reasoning = [item for item in response.output if item.type == "reasoning"]
+        assert [item.content[0].text for item in reasoning] == ([message.reasoning_content]
+                                                                if message.reasoning_content else []), seed
+        assert (response.output_text or None) == message.content, seed
+        assert [item.type for item in response.output] == (["reasoning"] if message.reasoning_content else []) + (
+            ["message"] if message.content else [])
+        details = response.usage.output_tokens_details
+        assert (details.reasoning_tokens > 0) == bool(message.reasoning_content)
+        assert details.reasoning_tokens <= response.usage.output_tokens
+
+        events = list(client.responses.create(model=reasoning_server.model, input="Why is the sky blue?",
+                                              stream=True, extra_body=extra, **sampling))
+        thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert (thought or None, text or None) == (message.reasoning_content, message.content), seed
+        final = events[-1].response
+        assert [item.type for item in final.output] == [item.type for item in response.output]
+        assert final.usage.output_tokens_details.reasoning_tokens == details.reasoning_tokens
+        both += bool(message.reasoning_content and message.content)
+    assert both, "no seed gave both reasoning and text: the test would not tell them apart"

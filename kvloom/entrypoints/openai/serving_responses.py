@@ -14,6 +14,8 @@ Request:
   ``text.format`` -> ``response_format`` (left out where ``tool_choice`` forces a call, whose output is the
   call); ``max_output_tokens`` -> ``max_completion_tokens``.
 - ``previous_response_id`` -> that stored response's input and output items go first.
+- vLLM's extra sampling fields (``seed``, ``logit_bias``, ...: ``EXTRA_SAMPLING_FIELDS``) and
+  ``chat_template_kwargs`` as they are.
 
 Result: a ``response`` with ``reasoning`` (from ``reasoning_content``), ``message`` (``output_text``) and
 ``function_call`` items, ``usage``, and ``status`` ``completed`` or ``incomplete`` (``max_output_tokens``).
@@ -43,6 +45,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from kvloom.engine.engine_client import EngineDeadError
+from kvloom.entrypoints.anthropic.serving_messages import EXTRA_SAMPLING_FIELDS
 from kvloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionStreamResponse,
@@ -56,6 +59,7 @@ from kvloom.entrypoints.openai.responses_protocol import (
     OutputItem,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
     ReasoningItem,
     ReasoningText,
     ResponseDeleted,
@@ -165,7 +169,9 @@ class OpenAIServingResponses:
             choice = chat_response.choices[0]
             response = self._response(request, run, response_id, output_items(choice.message),
                                       choice.finish_reason,
-                                      usage(chat_response.usage.prompt_tokens, chat_response.usage.completion_tokens))
+                                      self._usage(chat_response.usage.prompt_tokens,
+                                                  chat_response.usage.completion_tokens,
+                                                  choice.message.reasoning_content))
             self._keep(request, api_key, response, items)
             return JSONResponse(response.model_dump())
 
@@ -200,6 +206,9 @@ class OpenAIServingResponses:
             fields["tools"] = [chat_tool(tool, index) for index, tool in enumerate(request.tools)]
         if request.tool_choice is not None:
             fields["tool_choice"] = chat_tool_choice(request.tool_choice)
+        extra = request.model_extra or {}
+        fields.update({name: value for name, value in extra.items()
+                       if name in EXTRA_SAMPLING_FIELDS or name == "chat_template_kwargs"})
         response_format = chat_response_format(request.text)
         # A forced call's output is the call (its grammar is the tool's), so text.format shapes only the text of a
         # turn that may answer; OpenAI takes both in one request, as agents with an output type send them.
@@ -233,6 +242,15 @@ class OpenAIServingResponses:
             tools=request.tools or [], top_p=request.top_p, usage=response_usage, user=request.user,
             metadata=request.metadata or {})
 
+    def _usage(self, input_tokens: int, output_tokens: int, reasoning: str | None) -> ResponseUsage:
+        """Usage, the reasoning's tokens counted as the tokenizer encodes its text (the chat seam gives the text,
+        not where its tokens end)."""
+        reasoning_tokens = len(self.chat.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        return ResponseUsage(input_tokens=input_tokens, output_tokens=output_tokens,
+                             total_tokens=input_tokens + output_tokens,
+                             output_tokens_details=OutputTokensDetails(
+                                 reasoning_tokens=min(reasoning_tokens, output_tokens)))
+
     def _keep(self, request: ResponsesRequest, api_key: str | None, response: ResponseObject,
               items: list[dict[str, Any]]) -> None:
         if request.store:
@@ -250,7 +268,8 @@ class OpenAIServingResponses:
             async with aclosing(self.chat.chat_chunks(run)) as chunks:
                 async for chunk in chunks:
                     if chunk.usage is not None:
-                        response_usage = usage(chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+                        response_usage = self._usage(chunk.usage.prompt_tokens, chunk.usage.completion_tokens,
+                                                     events.reasoning_text())
                     for event in events.feed(chunk):
                         yield event
                     for choice in chunk.choices:
@@ -288,6 +307,9 @@ class _EventStream:
         data = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def reasoning_text(self) -> str:
+        return "".join(item.content[0].text for item in self.items if isinstance(item, ReasoningItem))
 
     def done_items(self) -> list[OutputItem]:
         return [item for item in self.items if item.status == "completed"]
@@ -556,11 +578,6 @@ def output_items(message: ChatMessage) -> list[OutputItem]:
         items.append(FunctionToolCall(id=_item_id("fc"), call_id=_call_id(call.id), name=call.function.name,
                                       arguments=call.function.arguments))
     return items
-
-
-def usage(input_tokens: int, output_tokens: int) -> ResponseUsage:
-    return ResponseUsage(input_tokens=input_tokens, output_tokens=output_tokens,
-                         total_tokens=input_tokens + output_tokens)
 
 
 def _item_id(prefix: str) -> str:
