@@ -11,6 +11,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.responses import Response
+from unit.test_responses_api import EVENT_TYPES
 
 from .test_reasoning_server import END_BIAS, reasoning_model_dir  # noqa: F401 - the fixture
 from .test_reasoning_server import TEMPLATE as REASONING_TEMPLATE
@@ -207,15 +209,25 @@ def test_bad_input_is_a_400_naming_the_field(server: Any, body: dict[str, Any], 
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
 
 
-def test_raw_stream_is_named_server_sent_events(server: Any) -> None:
-    with httpx.stream("POST", server.url + "/v1/responses", timeout=60,
-                      json={"input": "Hi", "stream": True, "max_output_tokens": 3}) as reply:
+@pytest.mark.parametrize("tools", [False, True])
+def test_bodies_and_events_validate_against_the_openai_types(server: Any, tools: bool) -> None:
+    body: dict[str, Any] = {"input": "Hi", "max_output_tokens": 120}
+    if tools:
+        body |= {"tools": [WEATHER], "tool_choice": "required"}
+    reply = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    response = Response.model_validate(reply.json())
+    assert response.output and response.output[-1].type == ("function_call" if tools else "message")
+    assert Response.model_validate(httpx.get(server.url + f"/v1/responses/{response.id}", timeout=10).json()) == (
+        response)
+
+    with httpx.stream("POST", server.url + "/v1/responses", timeout=60, json=body | {"stream": True}) as reply:
         text = "".join(reply.iter_text())
-    events = [block for block in text.split("\n\n") if block]
-    for block in events:
-        name, data = block.split("\n")
-        assert name.removeprefix("event: ") == json.loads(data.removeprefix("data: "))["type"]
     assert "[DONE]" not in text
+    for block in filter(None, text.split("\n\n")):
+        name, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name.removeprefix("event: ") == event["type"]
+        EVENT_TYPES[event["type"]].model_validate(event)
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,10 @@ OutputItem = OutputMessage | FunctionToolCall | ReasoningItem
 # ---- the response -----------------------------------------------------------------------------
 
 class InputTokensDetails(ResponseModel):
+    # Prompt-cache hits are not reported through the chat seam yet: kvloom answers 0, as a server without a
+    # prompt cache does.
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(ResponseModel):
@@ -99,7 +102,7 @@ class IncompleteDetails(ResponseModel):
 
 
 class ResponseError(ResponseModel):
-    code: str
+    code: Literal["server_error", "invalid_prompt"]
     message: str
 
 

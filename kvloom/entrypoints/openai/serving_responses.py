@@ -283,8 +283,11 @@ class OpenAIServingResponses:
             message = e.message if isinstance(e, APIError) else str(e)
             yield events.event("error", code=code, message=message,
                                param=e.param if isinstance(e, APIError) else None)
+            # A response's error code is one of OpenAI's few: a refused request's, or the server's.
+            client_error = isinstance(e, ValueError) or (isinstance(e, APIError) and e.status_code < 500)
             failed = self._response(request, run, response_id, events.done_items(), None, response_usage,
-                                    status="failed", error=ResponseError(code=code, message=message))
+                                    status="failed", error=ResponseError(
+                                        code="invalid_prompt" if client_error else "server_error", message=message))
             yield events.event("response.failed", response=failed.model_dump())
             return
         response = self._response(request, run, response_id, events.done_items(), finish_reason, response_usage)
