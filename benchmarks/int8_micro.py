@@ -98,12 +98,14 @@ def packed_bytes(product: object) -> int:
 
 
 def decode_products(weight: torch.Tensor, rows: int) -> list[object]:
-    """bf16 panels, Q8_0 blocks, Q4_K-like 4-bit blocks (fp32 scales: Q4_K's products of two scales) and
-    Q6_K-like 6-bit ones (per 16), for one bf16 [N, K] weight."""
-    q4 = Q4Blocks.quantize(weight)
-    q4_k = Q4Blocks(q4.codes, q4.d * (1 + 2**-12), q4.m * (1 + 2**-12))  # not fp16 values: packed as fp32
+    """bf16 panels, Q8_0 blocks, Q4_K-like 4-bit blocks and Q6_K-like 6-bit ones (per 16), both with fp32 scales and
+    offsets as a K-quant's products of two scales are packed, for one bf16 [N, K] weight."""
+    def as_k_quant(blocks: Q4Blocks) -> Q4Blocks:  # scales that are not fp16 values, packed as fp32 as K-quants' are
+        return Q4Blocks(blocks.codes, blocks.d * (1 + 2**-12), blocks.m * (1 + 2**-12))
+
     return [PackedWeight(weight, None, "kvloom", rows), PackedInt8BlocksWeight(*quantize_per_block(weight), None),
-            PackedQ4Weight(q4_k, None), PackedQ4Weight(Q4Blocks.quantize(weight, 6, 16), None)]
+            PackedQ4Weight(as_k_quant(Q4Blocks.quantize(weight)), None),
+            PackedQ4Weight(as_k_quant(Q4Blocks.quantize(weight, 6, 16)), None)]
 
 
 def copies(product: object, count: int) -> list[object]:
