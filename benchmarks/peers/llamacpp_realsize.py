@@ -6,8 +6,8 @@
 
 The file is a ``SHAPE:FORMAT`` of kvloom/bench/realsize_shapes.py (made by make_realsize_gguf.py) or a path.
 First the read bandwidth is measured (``kvloom.bench.membw``, 1 and 2 threads). Then ``--rounds`` rounds,
-each running both engines once (the order alternates between rounds), every engine run inside
-``flock /tmp/kvloom-bench.lock`` so no other timed benchmark on the box runs beside it:
+each running both engines once (the order alternates between rounds) while holding the lock of
+``flock /tmp/kvloom-bench.lock`` (one round at a time), so no other timed benchmark on the box runs beside it:
 - llama.cpp (``LLAMACPP_TOOLS_ONLY=1 bash benchmarks/peers/setup_llamacpp.sh``, 2 threads):
   ``llama-bench -m FILE -t 2 -r 1 -p 0 -n 128`` (tgN), ``-p N -n 0`` (ppN); ``llama-batched-bench -m FILE -t 2
   -npp 64 -ntg 128 -npl N`` (bN, its S_TG); ``llama-server -m FILE -t 2`` started until /health answers, for
@@ -22,9 +22,10 @@ against the same bytes, those of the file).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -33,6 +34,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +50,15 @@ LOCK = "/tmp/kvloom-bench.lock"
 THREADS = 2
 
 
-def locked(argv: list[str]) -> list[str]:
-    """``argv`` run under the shared benchmark lock (where flock exists)."""
-    return ["flock", LOCK, *argv] if shutil.which("flock") else argv
+@contextlib.contextmanager
+def bench_lock() -> Iterator[None]:
+    """The shared benchmark lock (``flock /tmp/kvloom-bench.lock``), held for one round of both engines."""
+    with open(LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def tool(name: str) -> str:
@@ -63,8 +71,8 @@ def tool(name: str) -> str:
 def llama_bench(path: Path, kind: str, n: int) -> float:
     """llama-bench's tok/s for one ppN or tgN run."""
     p, g = (n, 0) if kind == "pp" else (0, n)
-    argv = locked([tool("llama-bench"), "-m", str(path), "-t", str(THREADS), "-r", "1", "-p", str(p), "-n", str(g),
-                   "-o", "json"])
+    argv = [tool("llama-bench"), "-m", str(path), "-t", str(THREADS), "-r", "1", "-p", str(p), "-n", str(g),
+            "-o", "json"]
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     rows = json.loads(out)
     return float(rows[0]["avg_ts"])
@@ -73,8 +81,8 @@ def llama_bench(path: Path, kind: str, n: int) -> float:
 def llama_batched_bench(path: Path, n: int) -> float:
     """llama-batched-bench's aggregate decode tok/s (S_TG) of N sequences of 64-token prompts, 128 tokens."""
     ctx = n * (PROMPT_LEN + 128)
-    argv = locked([tool("llama-batched-bench"), "-m", str(path), "-t", str(THREADS), "-c", str(ctx),
-                   "-npp", str(PROMPT_LEN), "-ntg", "128", "-npl", str(n), "--output-format", "jsonl"])
+    argv = [tool("llama-batched-bench"), "-m", str(path), "-t", str(THREADS), "-c", str(ctx),
+            "-npp", str(PROMPT_LEN), "-ntg", "128", "-npl", str(n), "--output-format", "jsonl"]
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     if not rows:
@@ -122,9 +130,7 @@ def llamacpp_round(path: Path, tests: list[tuple[str, int]], ready: bool) -> dic
     for kind, n in tests:
         figures[test_name(kind, n)] = llama_batched_bench(path, n) if kind == "b" else llama_bench(path, kind, n)
     if ready:
-        r = subprocess.run(locked([sys.executable, __file__, "--server-ready-only", str(path)]), check=True,
-                           capture_output=True, text=True).stdout
-        figures.update(json.loads(r.strip().splitlines()[-1]))
+        figures.update(llama_server_ready(path))
     return figures
 
 
@@ -135,7 +141,7 @@ def kvloom_round(path: Path, tests: list[tuple[str, int]], bandwidth: float, ext
                 "--tests", ",".join(test_name(k, n) for k, n in tests), "--num-iters", "1",
                 "--bandwidth-gb-s", str(bandwidth), "--json", str(out), *extra]
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        subprocess.run(locked(argv), check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(argv, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
         result = json.loads(out.read_text())
     figures: dict[str, Any] = {row["test"]: row["tok_s"] for row in result["tests"]}
     figures.update(ready_s=result["ready_s"], rss_mib=result["rss_after_load_mib"])
@@ -145,8 +151,7 @@ def kvloom_round(path: Path, tests: list[tuple[str, int]], bandwidth: float, ext
 def probe_bandwidth() -> dict[int, float]:
     code = ("import json; from kvloom.bench.membw import read_bandwidth; "
             "print(json.dumps({t: read_bandwidth(t)['best_gb_s'] for t in (1, 2)}))")
-    out = subprocess.run(locked([sys.executable, "-c", code]), check=True, capture_output=True, text=True,
-                         cwd=ROOT).stdout
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT).stdout
     return {int(k): float(v) for k, v in json.loads(out.strip().splitlines()[-1]).items()}
 
 
@@ -165,12 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip llama-server's time to ready and resident memory")
     ap.add_argument("--kvloom-arg", action="append", default=[], metavar="ARG",
                     help="extra flag for kvloom bench realsize, e.g. --kvloom-arg=--engine-arg=...")
-    ap.add_argument("--server-ready-only", metavar="GGUF", help=argparse.SUPPRESS)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
-    if args.server_ready_only:
-        print(json.dumps(llama_server_ready(Path(args.server_ready_only))))
-        return 0
     if not args.model:
         ap.error("--model is required")
     if args.rounds < 1:
@@ -179,19 +180,22 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model(args.model)
     traffic = gguf_traffic(path)
     machine = common.machine_info()
-    bandwidth = probe_bandwidth()
+    with bench_lock():
+        bandwidth = probe_bandwidth()
     print(f"read bandwidth: {bandwidth[1]:.1f} GB/s (1 thread), {bandwidth[2]:.1f} GB/s (2 threads); "
           f"load average {machine['loadavg']}", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {"kvloom": [], "llama.cpp": []}
     for r in range(args.rounds):
         order = ["llama.cpp", "kvloom"] if r % 2 == 0 else ["kvloom", "llama.cpp"]
-        for engine in order:
-            if engine == "kvloom":
-                figures = kvloom_round(path, tests, bandwidth[THREADS], args.kvloom_arg)
-            else:
-                figures = llamacpp_round(path, tests, args.ready)
-            runs[engine].append(figures)
-            print(f"round {r + 1} {engine}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()), flush=True)
+        with bench_lock():
+            for engine in order:
+                if engine == "kvloom":
+                    figures = kvloom_round(path, tests, bandwidth[THREADS], args.kvloom_arg)
+                else:
+                    figures = llamacpp_round(path, tests, args.ready)
+                runs[engine].append(figures)
+                print(f"round {r + 1} {engine} (load average {os.getloadavg()[0]:.2f}): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()), flush=True)
 
     print(f"\n== {path.name} ({traffic['file_bytes'] / 2**30:.2f} GiB), {THREADS} threads, median (min-max) of "
           f"{args.rounds}, alternated; load average {machine['loadavg']} -> {common.machine_info()['loadavg']} ==")
