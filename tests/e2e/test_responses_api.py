@@ -179,7 +179,11 @@ def test_previous_response_id_get_and_delete(client: openai.OpenAI, model: str, 
     with pytest.raises(openai.NotFoundError):  # stored per API key
         other.responses.retrieve(first.id)
 
-    client.responses.delete(first.id)
+    reply = httpx.delete(server.url + f"/v1/responses/{first.id}", headers={"Authorization": "Bearer key-a"})
+    assert reply.json() == {"id": first.id, "object": "response", "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)
+    client.responses.delete(second.id)
     with pytest.raises(openai.NotFoundError) as info:
         client.responses.retrieve(first.id)
     assert info.value.body["message"].startswith("Response with id")

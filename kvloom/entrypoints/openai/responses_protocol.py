@@ -134,5 +134,5 @@ class ResponseObject(ResponseModel):
 
 class ResponseDeleted(ResponseModel):
     id: str
-    object: Literal["response.deleted"] = "response.deleted"
+    object: Literal["response"] = "response"  # as OpenAI answers a DELETE
     deleted: bool = True
