@@ -98,7 +98,7 @@ def test_max_output_tokens_cut_is_incomplete(client: openai.OpenAI, model: str) 
 def test_forced_function_call_then_its_output(client: openai.OpenAI, model: str) -> None:
     user = {"role": "user", "content": "What is the weather in Paris?"}
     first = client.responses.create(model=model, input=[user], tools=[WEATHER], tool_choice="required",
-                                    temperature=0, max_output_tokens=60, parallel_tool_calls=False)
+                                    temperature=0, max_output_tokens=120, parallel_tool_calls=False)
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER_PARAMETERS)
@@ -118,7 +118,7 @@ def test_forced_function_call_then_its_output(client: openai.OpenAI, model: str)
     assert [item.type for item in second.output] == ["message"]
 
     named = client.responses.create(model=model, input=[user], tools=[WEATHER], temperature=0,
-                                    tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60)
+                                    tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=120)
     assert [item.name for item in named.output if item.type == "function_call"] == ["get_weather"]
 
 
@@ -146,11 +146,12 @@ def test_stream_events_and_final_response(client: openai.OpenAI, model: str) -> 
     assert deltas == whole.output_text
     assert final.output_text == whole.output_text and final.id == events[0].response.id
     assert final.status == whole.status and final.usage.output_tokens == whole.usage.output_tokens
+    assert client.responses.retrieve(final.id).output_text == final.output_text  # stored once the stream ended
 
 
 def test_stream_function_call_events(client: openai.OpenAI, model: str) -> None:
     events = list(client.responses.create(model=model, input="Weather in Paris?", tools=[WEATHER],
-                                          tool_choice="required", max_output_tokens=60, stream=True))
+                                          tool_choice="required", max_output_tokens=120, stream=True))
     kinds = [event.type for event in events]
     assert "response.function_call_arguments.delta" in kinds
     assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
