@@ -204,6 +204,9 @@ def test_previous_response_id_get_and_delete(client: openai.OpenAI, model: str, 
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens"),  # past the context: the chat check's
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "nope"}}}},
+     "text.format"),
     ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"input": []}, "input"),
 ])
