@@ -58,13 +58,13 @@ from kvloom.entrypoints.openai.protocol import (
 )
 from kvloom.entrypoints.openai.request_body import describe_validation_error
 from kvloom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
-from kvloom.entrypoints.openai.serving_engine import APIError, event_stream, run_until_disconnected
+from kvloom.entrypoints.openai.serving_engine import (
+    EXTRA_SAMPLING_FIELDS,
+    APIError,
+    event_stream,
+    run_until_disconnected,
+)
 from kvloom.entrypoints.openai.tool_calls import ToolError, check_tools
-
-# vLLM's extra sampling fields, which a Messages body may carry as a Chat Completions body does.
-EXTRA_SAMPLING_FIELDS = ("seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
-                         "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-                         "logit_bias", "allowed_token_ids", "bad_words")
 
 
 class AnthropicServingMessages:

@@ -64,6 +64,13 @@ INLINE_TOKENIZE_CHARS = 8192
 MIN_CHARS_PER_TOKEN = 16
 
 
+# vLLM's extra sampling fields, which a Messages or Responses body may carry as a Chat Completions body does:
+# each dialect passes them through to the chat request it translates into.
+EXTRA_SAMPLING_FIELDS = ("seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
+                         "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                         "logit_bias", "allowed_token_ids", "bad_words")
+
+
 def max_chars_per_token_of(tokenizer: Any) -> int:
     """The most characters one token of ``tokenizer`` can stand for (at least MIN_CHARS_PER_TOKEN)."""
     backend = getattr(tokenizer, "backend", None)

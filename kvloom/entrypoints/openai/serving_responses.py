@@ -45,7 +45,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from kvloom.engine.engine_client import EngineDeadError
-from kvloom.entrypoints.anthropic.serving_messages import EXTRA_SAMPLING_FIELDS
 from kvloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionStreamResponse,
@@ -69,7 +68,12 @@ from kvloom.entrypoints.openai.responses_protocol import (
     ResponseUsage,
 )
 from kvloom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
-from kvloom.entrypoints.openai.serving_engine import APIError, event_stream, run_until_disconnected
+from kvloom.entrypoints.openai.serving_engine import (
+    EXTRA_SAMPLING_FIELDS,
+    APIError,
+    event_stream,
+    run_until_disconnected,
+)
 
 # The store's bounds: memory grows with entries x conversation length, so both are capped.
 RESPONSES_STORE_MAX_ENTRIES = 1024
