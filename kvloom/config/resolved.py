@@ -124,7 +124,8 @@ def settle_buckets(config: EngineConfig, device_type: str) -> None:
 def settle_quantization(config: EngineConfig, source: ModelSource) -> None:
     """``quantization`` against the checkpoint. None becomes the checkpoint's own 4-bit format, kept 4-bit as vLLM
     does: 'gguf' for a GGUF whose projections are 4-, 5- or 6-bit code blocks (5- and 6-bit unless the backend's
-    ``gguf_5bit_blocks`` / ``gguf_6bit_blocks`` is off), 'gptq' / 'awq' for such a safetensors checkpoint. 'none'
+    ``gguf_5bit_blocks`` / ``gguf_6bit_blocks`` is off), 'int8' (its Q8_0 blocks kept) for a GGUF whose projections
+    are Q8_0 (unless ``int8_gguf_blocks`` is off), 'gptq' / 'awq' for such a safetensors checkpoint. 'none'
     becomes None (everything dequantized at load). A format the checkpoint is not in is a ValueError."""
     from kvloom.loader import gguf
     from kvloom.loader.weights import int4_format
@@ -145,3 +146,10 @@ def settle_quantization(config: EngineConfig, source: ModelSource) -> None:
         logger.info("Keeping the GGUF's 4-, 5- and 6-bit weights in their blocks (quantization='gguf'); "
                     "quantization='none' dequantizes them at load instead")
         config.quantization = "gguf"
+    elif (config.quantization is None and stored == "gguf" and config.backend.int8_gguf_blocks
+          and any(name.endswith("_proj.weight") for name in gguf.q8_0_weight_names(source.path))):
+        # A Q8_0 file dequantized to bf16 streams 16 bits a weight at decode where its blocks stream 8.5: at one
+        # sequence of a 1B model that was 0.54x llama.cpp on the same file (docs/quantization.md).
+        logger.info("Keeping the GGUF's Q8_0 weights as int8 blocks (quantization='int8', activations quantized "
+                    "per block of 32 as llama.cpp does); quantization='none' dequantizes them at load instead")
+        config.quantization = "int8"

@@ -519,6 +519,24 @@ def test_q8_0_blocks_skip_smoothing_and_say_so(q8_0_tiny, caplog) -> None:
     assert "not applied" not in caplog.text
 
 
+def test_a_q8_0_gguf_keeps_its_blocks_by_default(q8_0_tiny) -> None:
+    """quantization=None on a GGUF whose projections are Q8_0 keeps them as int8 blocks (the file's own format,
+    as a 4-bit file keeps its code blocks): the same tokens as quantization="int8"; "none" dequantizes them."""
+    _, path = q8_0_tiny
+    prompts = mixed_prompts(400, count=4)
+    default = LLM(model=path, dtype="float32", max_model_len=256,
+                  override_backend_config={"attention_backend": "reference"})
+    assert default.llm_engine.config.quantization == "int8"
+    assert default.llm_engine.executor.driver.model.layers[0].mlp.down_proj.packed.scale.dim() == 2
+    assert kvloom_greedy(default, prompts, 8) == kvloom_greedy(blocks_llm(path, "reference"), prompts, 8)
+    dequantized = LLM(model=path, dtype="float32", max_model_len=256, quantization="none",
+                      override_backend_config={"attention_backend": "reference"})
+    assert dequantized.llm_engine.config.quantization is None
+    off = LLM(model=path, dtype="float32", max_model_len=256,
+              override_backend_config={"attention_backend": "reference", "int8_gguf_blocks": False})
+    assert off.llm_engine.config.quantization is None
+
+
 def test_quantized_checkpoint_keeps_the_block_scales(q8_0_tiny, tmp_path, caplog, monkeypatch) -> None:
     from safetensors import safe_open
 
