@@ -1,7 +1,6 @@
 """Memory read bandwidth: a streaming read over a buffer far larger than the last-level cache.
 
-    kvloom bench realsize --membw-only           # (through realsize) or:
-    python -m kvloom.bench.membw --threads 1,2 --size-mib 1024
+    python -m kvloom.bench.membw --threads 1,2 --size-mib 1024   # kvloom bench realsize calls it too
 
 Each of T threads sums its own contiguous 1/T of a ``--size-mib`` buffer of 64-bit words (the compiler
 vectorizes the loop to full-width loads; the sum is kept so the reads cannot be dropped), ``--repeats``
