@@ -60,7 +60,7 @@ def main() -> int:
                                                          lora_request=pick(k))
                 engine.add_request(request.request_id, request)
             # Prefill (and the adapters' loads) first: only steps of one token per request are timed.
-            while engine.scheduler.waiting or engine._awaiting_lora or any(
+            while engine.scheduler.waiting or engine.waiting_room or any(
                     r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
                 engine.step()
             engine.step()
