@@ -31,7 +31,7 @@ from agents import (  # noqa: E402
 )
 from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem  # noqa: E402
 
-from .test_structured_output_server import TEMPLATE  # noqa: E402
+from .test_structured_output_server import TOOL_SERVER_ARGS, template_file  # noqa: E402
 
 set_tracing_disabled(True)
 INSTRUCTIONS = "You answer questions about the weather."
@@ -45,12 +45,7 @@ class Report(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: str, server_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    template = tmp_path_factory.mktemp("template") / "tools.jinja"
-    template.write_text(TEMPLATE)
-    with server_factory(tiny_llama_dir, "--max-model-len", "512", "--enable-auto-tool-choice",
-                        "--tool-call-parser", "hermes", "--chat-template", str(template),
-                        "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'
-                        ) as s:
+    with server_factory(tiny_llama_dir, *TOOL_SERVER_ARGS, "--chat-template", template_file(tmp_path_factory)) as s:
         yield s
 
 

@@ -16,7 +16,7 @@ from unit.test_responses_api import EVENT_TYPES
 
 from .test_reasoning_server import END_BIAS, reasoning_model_dir  # noqa: F401 - the fixture
 from .test_reasoning_server import TEMPLATE as REASONING_TEMPLATE
-from .test_structured_output_server import SCHEMA, TEMPLATE
+from .test_structured_output_server import SCHEMA, TOOL_SERVER_ARGS, template_file
 
 WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                                        "unit": {"enum": ["c", "f"]}},
@@ -29,12 +29,7 @@ CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "descrip
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: str, server_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    template = tmp_path_factory.mktemp("template") / "tools.jinja"
-    template.write_text(TEMPLATE)
-    with server_factory(tiny_llama_dir, "--max-model-len", "512", "--enable-auto-tool-choice",
-                        "--tool-call-parser", "hermes", "--chat-template", str(template),
-                        "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'
-                        ) as s:
+    with server_factory(tiny_llama_dir, *TOOL_SERVER_ARGS, "--chat-template", template_file(tmp_path_factory)) as s:
         yield s
 
 
@@ -241,9 +236,8 @@ def test_bodies_and_events_validate_against_the_openai_types(server: Any, tools:
 @pytest.fixture(scope="module")
 def reasoning_server(reasoning_model_dir: str, server_factory: Any,  # noqa: F811 - the imported fixture
                      tmp_path_factory: pytest.TempPathFactory) -> Any:
-    template = tmp_path_factory.mktemp("template") / "qwen3.jinja"
-    template.write_text("{% set opens_think = true %}" + REASONING_TEMPLATE)
-    with server_factory(reasoning_model_dir, "--max-model-len", "512", "--chat-template", str(template),
+    template = template_file(tmp_path_factory, "{% set opens_think = true %}" + REASONING_TEMPLATE)
+    with server_factory(reasoning_model_dir, "--max-model-len", "512", "--chat-template", template,
                         "--reasoning-parser", "qwen3") as s:
         yield s
 

@@ -50,15 +50,21 @@ TEMPLATE = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.f
             "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+# A server a tiny random model's tool calls can finish on: the hermes parser, and JSON without free whitespace (a
+# random model would otherwise spend its tokens on it). The Responses, Agents SDK and tool-loop tests share it.
+TOOL_SERVER_ARGS = ("--max-model-len", "512", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                    "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
+
+
+def template_file(tmp_path_factory: pytest.TempPathFactory, text: str = TEMPLATE) -> str:
+    path = tmp_path_factory.mktemp("template") / "tools.jinja"
+    path.write_text(text)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: str, server_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    template = tmp_path_factory.mktemp("template") / "tools.jinja"
-    template.write_text(TEMPLATE)
-    # No free whitespace in JSON: a random model would otherwise spend its tokens on it.
-    with server_factory(tiny_llama_dir, "--max-model-len", "512", "--enable-auto-tool-choice",
-                        "--tool-call-parser", "hermes", "--chat-template", str(template),
-                        "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'
-                        ) as s:
+    with server_factory(tiny_llama_dir, *TOOL_SERVER_ARGS, "--chat-template", template_file(tmp_path_factory)) as s:
         yield s
 
 

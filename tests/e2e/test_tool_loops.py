@@ -15,6 +15,8 @@ import pytest
 from kvloom.loader.tokenizer import load_tokenizer
 from kvloom.loader.weights import resolve_model
 
+from .test_structured_output_server import TOOL_SERVER_ARGS
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "unit": {"enum": ["c", "f"]}},
     "required": ["city", "unit"], "additionalProperties": False}}}
@@ -31,10 +33,7 @@ FORCE_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: str, server_factory: Any) -> Any:
-    with server_factory(tiny_llama_dir, "--max-model-len", "512", "--enable-auto-tool-choice",
-                        "--tool-call-parser", "hermes",
-                        "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'
-                        ) as s:
+    with server_factory(tiny_llama_dir, *TOOL_SERVER_ARGS) as s:
         yield s
 
 
