@@ -61,6 +61,7 @@ from kvloom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from kvloom.entrypoints.openai.serving_engine import (
     EXTRA_SAMPLING_FIELDS,
     APIError,
+    chat_content,
     event_stream,
     run_until_disconnected,
 )
@@ -276,24 +277,15 @@ def _chat_messages(role: str, content: str | list[Any], index: int) -> list[dict
         # redacted_thinking: opaque; accepted so a client can send a reply back whole, and left out.
     messages = tool_messages
     if role == "assistant":
-        message: dict[str, Any] = {"role": "assistant", "content": _content(parts)}
+        message: dict[str, Any] = {"role": "assistant", "content": chat_content(parts)}
         if tool_calls:
             message["tool_calls"] = tool_calls
         if reasoning:
             message["reasoning_content"] = "".join(reasoning)
         messages.append(message)
     elif parts or not tool_messages:
-        messages.append({"role": role, "content": _content(parts)})
+        messages.append({"role": role, "content": chat_content(parts)})
     return messages
-
-
-def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-    """One text part as a string (what every template renders); several, or images, as parts."""
-    if not parts:
-        return ""
-    if len(parts) == 1 and parts[0]["type"] == "text":
-        return parts[0]["text"]
-    return parts
 
 
 def _image_part(block: AnthropicImageBlock) -> dict[str, Any]:

@@ -71,6 +71,16 @@ EXTRA_SAMPLING_FIELDS = ("seed", "min_p", "repetition_penalty", "presence_penalt
                          "logit_bias", "allowed_token_ids", "bad_words")
 
 
+def chat_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A chat message's content from a dialect's parts: one text part as a string (what every template renders);
+    several, or images, as parts."""
+    if not parts:
+        return ""
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return parts[0]["text"]
+    return parts
+
+
 def max_chars_per_token_of(tokenizer: Any) -> int:
     """The most characters one token of ``tokenizer`` can stand for (at least MIN_CHARS_PER_TOKEN)."""
     backend = getattr(tokenizer, "backend", None)

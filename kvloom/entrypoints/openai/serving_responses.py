@@ -71,6 +71,7 @@ from kvloom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from kvloom.entrypoints.openai.serving_engine import (
     EXTRA_SAMPLING_FIELDS,
     APIError,
+    chat_content,
     event_stream,
     run_until_disconnected,
 )
@@ -436,11 +437,11 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                param=f"{where}.role")
             parts = _message_parts(item.get("content"), role, where)
             if role == "assistant":
-                message = {"role": "assistant", "content": _content(parts)}
+                message = {"role": "assistant", "content": chat_content(parts)}
                 messages.append(message)
                 take_reasoning(message)
             else:
-                messages.append({"role": "system" if role == "developer" else role, "content": _content(parts)})
+                messages.append({"role": "system" if role == "developer" else role, "content": chat_content(parts)})
         elif kind == "function_call":
             call_id, name, arguments = (_string(item, field, where) for field in ("call_id", "name", "arguments"))
             message = assistant()
@@ -518,15 +519,6 @@ def _output_parts(output: Any, where: str) -> tuple[str, list[dict[str, Any]]]:
             raise APIError(f"{at}.type {kind!r} is not supported (allowed: input_text, input_image)",
                            param=f"{at}.type")
     return "\n".join(texts), images
-
-
-def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-    """One text part as a string (what every template renders); several, or images, as parts."""
-    if not parts:
-        return ""
-    if len(parts) == 1 and parts[0]["type"] == "text":
-        return parts[0]["text"]
-    return parts
 
 
 def chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
