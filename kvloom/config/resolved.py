@@ -57,7 +57,7 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         raise ValueError(f"max_model_len={max_model_len} is longer than the model's context "
                          f"length ({model_max} tokens); use max_model_len <= {model_max}")
     settle_buckets(config, device.type)
-    settle_quantization(config, source)
+    settle_quantization(config, source, device.type)
     check_kv_cache_dtype(config.kv_cache_dtype, device, config.backend.attention_backend)
     return ResolvedConfig(
         engine=config, model=model_config, source=source, device=device,
@@ -121,11 +121,12 @@ def settle_buckets(config: EngineConfig, device_type: str) -> None:
     config.backend = dataclasses.replace(backend, enable_bucketing=False)
 
 
-def settle_quantization(config: EngineConfig, source: ModelSource) -> None:
+def settle_quantization(config: EngineConfig, source: ModelSource, device_type: str) -> None:
     """``quantization`` against the checkpoint. None becomes the checkpoint's own 4-bit format, kept 4-bit as vLLM
     does: 'gguf' for a GGUF whose projections are 4-, 5- or 6-bit code blocks (5- and 6-bit unless the backend's
-    ``gguf_5bit_blocks`` / ``gguf_6bit_blocks`` is off), 'int8' (its Q8_0 blocks kept) for a GGUF whose projections
-    are Q8_0 (unless ``int8_gguf_blocks`` is off), 'gptq' / 'awq' for such a safetensors checkpoint. 'none'
+    ``gguf_5bit_blocks`` / ``gguf_6bit_blocks`` is off), 'int8' (its Q8_0 blocks kept) on a CPU for a GGUF whose
+    projections are Q8_0 (unless ``int8_gguf_blocks`` is off; CUDA has no block product and keeps bf16), 'gptq' /
+    'awq' for such a safetensors checkpoint. 'none'
     becomes None (everything dequantized at load). A format the checkpoint is not in is a ValueError."""
     from kvloom.loader import gguf
     from kvloom.loader.weights import int4_format
@@ -146,7 +147,7 @@ def settle_quantization(config: EngineConfig, source: ModelSource) -> None:
         logger.info("Keeping the GGUF's 4-, 5- and 6-bit weights in their blocks (quantization='gguf'); "
                     "quantization='none' dequantizes them at load instead")
         config.quantization = "gguf"
-    elif (config.quantization is None and stored == "gguf" and config.backend.int8_gguf_blocks
+    elif (config.quantization is None and stored == "gguf" and device_type == "cpu" and config.backend.int8_gguf_blocks
           and any(name.endswith("_proj.weight") for name in gguf.q8_0_weight_names(source.path))):
         # A Q8_0 file dequantized to bf16 streams 16 bits a weight at decode where its blocks stream 8.5: at one
         # sequence of a 1B model that was 0.54x llama.cpp on the same file (docs/quantization.md).
