@@ -443,11 +443,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def execute(args: argparse.Namespace) -> int:
     """The benchmark for parsed flags (``kvloom bench agent`` parses them with this module's parser)."""
-    try:
-        percentiles = [float(q) for q in args.percentiles.split(",")]
-        extra = json.loads(args.extra_body) if args.extra_body else None
-    except ValueError as e:
-        raise ValueError(f"bad --percentiles or --extra-body: {e}") from None
+    percentiles, extra = common.percentiles_and_extra_body(args)
     for name in ("sessions", "turns", "system_tokens", "max_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")

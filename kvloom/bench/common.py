@@ -11,6 +11,7 @@ left out of ``gflops`` and reported separately as ``gflops_with_attention``.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.util
 import json
@@ -370,3 +371,13 @@ def run_subcommand(prog: str, doc: str | None, commands: dict[str, Callable[[lis
         return commands[argv[0]](argv[1:])
     except ValueError as e:
         raise SystemExit(f"{prog} {argv[0]}: error: {e}") from None
+
+
+def percentiles_and_extra_body(args: argparse.Namespace) -> tuple[list[float], dict[str, Any] | None]:
+    """A serving benchmark's ``--percentiles`` ("50,90,99") and ``--extra-body`` (JSON merged into each request)."""
+    try:
+        percentiles = [float(q) for q in args.percentiles.split(",")]
+        extra = json.loads(args.extra_body) if args.extra_body else None
+    except ValueError as e:
+        raise ValueError(f"bad --percentiles or --extra-body: {e}") from None
+    return percentiles, extra

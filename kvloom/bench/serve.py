@@ -322,11 +322,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def execute(args: argparse.Namespace) -> int:
     """The benchmark for parsed flags (``kvloom bench serve`` parses them with this module's parser)."""
-    try:
-        percentiles = [float(q) for q in args.percentiles.split(",")]
-        extra = json.loads(args.extra_body) if args.extra_body else None
-    except ValueError as e:
-        raise ValueError(f"bad --percentiles or --extra-body: {e}") from None
+    percentiles, extra = common.percentiles_and_extra_body(args)
     if args.concurrency is not None and args.concurrency < 1:
         raise ValueError("--max-concurrency must be positive")
     if args.max_tokens < 1:
