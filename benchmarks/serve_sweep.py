@@ -1,6 +1,6 @@
 """Serving under Poisson load, kvloom against a peer: where does each server's TPOT p50 double?
 
-For each server in turn (the peer first; each started and stopped here, see peers/servers.py):
+For each server in turn (the peer first; each started and stopped here, see kvloom.bench.servers):
 1. idle: requests one at a time (``--idle-requests``), their TPOT p50 is the server's idle value;
 2. Poisson arrivals at each ``--rates`` value, ``--duration`` seconds of arrivals (at least
    ``--min-requests`` requests), the standard workload's prompts, 128 output tokens, streamed;
@@ -20,14 +20,10 @@ import argparse
 import asyncio
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-
-from servers import Server  # noqa: E402
-
-from kvloom.bench import common, serve, workload  # noqa: E402
+from kvloom.bench import common, serve, workload
+from kvloom.bench.servers import Server
 
 
 def measure(base_url: str, num_prompts: int, rate: float, concurrency: int | None, seed: int,

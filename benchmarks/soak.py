@@ -38,14 +38,10 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kvloom.bench import common
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-
-from servers import MODEL_NAME, Server, launcher_parser  # noqa: E402
+from kvloom.bench.servers import Server, add_server_options
 
 WORDS = ("the", "fox", "robot", "library", "sun", "number", "story", "code", "river", "city",
          "quiet", "bright", "runs", "writes", "sings", "over", "under", "and", "of", "a")
@@ -403,7 +399,8 @@ def soak_main(argv: list[str], server_pid: int | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    launcher = launcher_parser(("kvloom",))
+    launcher = argparse.ArgumentParser(add_help=False)
+    add_server_options(launcher, servers=("kvloom",))
     launcher.add_argument("--model", default=None, help="with --server: a checkpoint folder to serve")
     launcher.add_argument("--max-model-len", type=int, default=1024)
     args, rest = launcher.parse_known_args(argv)
@@ -412,11 +409,8 @@ def main(argv: list[str] | None = None) -> int:
             rest = ["--model", args.model, *rest]  # the requests' model name
         return soak_main(rest)
 
-    server = Server(args.server, port=args.port, num_seqs=args.num_seqs, max_model_len=args.max_model_len,
-                    extra=args.server_arg)
-    if args.model is not None:
-        server.argv[server.argv.index(MODEL_NAME)] = args.model
-    with server:
+    with Server(args.server, port=args.port, num_seqs=args.num_seqs, max_model_len=args.max_model_len,
+                extra=args.server_arg, model=args.model) as server:
         print(f"{args.server} server ready in {server.startup_s:.1f} s at {server.base_url} "
               f"(pid {server.process.pid}, log {server.log_path})", flush=True)
         return soak_main(["--base-url", server.base_url, *rest], server_pid=server.process.pid)

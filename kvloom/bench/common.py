@@ -1,6 +1,7 @@
-"""What every benchmark shares: model FLOPs, process start, peak memory, machine facts, results.
+"""What every benchmark shares: model FLOPs, process start, peak memory, machine facts, results, entry points.
 
-Nothing here imports torch or an engine, so it runs in any peer's environment.
+Nothing here imports torch or an engine. Process start, peak memory and percentiles are ``runner``'s (the
+file vLLM's venv runs), named here too.
 
 FLOPs convention (BENCHMARKS.md): a token costs ``2 x (non-embedding matmul parameters + lm_head)``
 multiply-adds, i.e. the q/k/v/o and MLP projections of every layer plus the vocabulary projection,
@@ -18,12 +19,16 @@ import json
 import math
 import os
 import platform
-import resource
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from kvloom.bench.runner import median as median
+from kvloom.bench.runner import peak_rss_mib as peak_rss_mib
+from kvloom.bench.runner import percentile as percentile
+from kvloom.bench.runner import process_start_time as process_start_time
+from kvloom.bench.runner import process_tree_peak_rss_mib as process_tree_peak_rss_mib
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -189,62 +194,6 @@ def throughput_figures(model: str, prompt_lens: Sequence[int], output_tokens: in
     }
 
 
-def process_start_time() -> float:
-    """When this process started, in ``time.time()`` seconds (Linux: from /proc; else: now).
-
-    Start-up figures count from here, so interpreter start and imports are included.
-    """
-    try:
-        with open("/proc/self/stat") as f:
-            # Field 22 (starttime, clock ticks after boot); the command name may contain spaces.
-            fields = f.read().rsplit(")", 1)[1].split()
-        start_ticks = int(fields[19])
-        with open("/proc/stat") as f:
-            boot_time = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot_time + start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return _IMPORT_TIME
-
-
-_IMPORT_TIME = time.time()
-
-
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process (getrusage ru_maxrss; KiB on Linux, bytes on macOS)."""
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return maxrss / (1 << 20) if sys.platform == "darwin" else maxrss / 1024
-
-
-def process_tree_peak_rss_mib(pid: int | None = None) -> float | None:
-    """Sum of peak resident memory (VmHWM) of a process and its live descendants (Linux only).
-
-    vLLM runs its engine in a child process, which getrusage(RUSAGE_SELF) does not see; call this
-    before the engine shuts down. A sum of peaks slightly overstates a peak of the sum.
-    """
-    pids = [pid or os.getpid()]
-    total_kib = 0
-    seen: set[int] = set()
-    try:
-        while pids:
-            current = pids.pop()
-            if current in seen:
-                continue
-            seen.add(current)
-            with open(f"/proc/{current}/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        total_kib += int(line.split()[1])
-            task_dir = Path(f"/proc/{current}/task")
-            for task in task_dir.iterdir():
-                children = (task / "children")
-                if children.exists():
-                    pids.extend(int(c) for c in children.read_text().split())
-    except (OSError, ValueError):
-        if not total_kib:
-            return None
-    return total_kib / 1024
-
-
 def machine_info() -> dict[str, Any]:
     """Facts that make a figure comparable: CPU, cores, load (other work on the box), versions."""
     cpu = platform.processor() or platform.machine()
@@ -270,26 +219,6 @@ def machine_info() -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # Statistics
 # ---------------------------------------------------------------------------------------------
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between ranks (numpy's default).
-
-    NaN for no values.
-    """
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {q}")
-    data = sorted(values)
-    if not data:
-        return math.nan
-    rank = (len(data) - 1) * q / 100
-    lower = math.floor(rank)
-    upper = min(lower + 1, len(data) - 1)
-    return data[lower] + (data[upper] - data[lower]) * (rank - lower)
-
-
-def median(values: Sequence[float]) -> float:
-    return percentile(values, 50)
-
 
 def spread(values: Sequence[float]) -> str:
     """'min-max' of a set of runs (or 'n/a'), for quoting next to a median."""
@@ -324,13 +253,16 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
-def print_result(title: str, rows: Sequence[tuple[str, Any]], file: Any = None) -> None:
-    """Print ``label: value`` rows under a title, labels aligned."""
+def print_result(title: str, rows: Sequence[tuple[str, Any]], file: Any = None,
+                 errors: dict[str, int] | None = None) -> None:
+    """Print ``label: value`` rows under a title, labels aligned, then each error with its count."""
     file = file or sys.stdout
     width = max((len(label) for label, _ in rows), default=0)
     print(f"== {title} ==", file=file)
     for label, value in rows:
         print(f"{label:<{width}}  {format_value(value)}", file=file)
+    for error, count in (errors or {}).items():
+        print(f"  error x{count}: {error}", file=file)
     file.flush()
 
 
@@ -360,17 +292,30 @@ def parse_engine_args(items: Sequence[str] | None) -> dict[str, Any]:
     return kwargs
 
 
-def run_subcommand(prog: str, doc: str | None, commands: dict[str, Callable[[list[str]], int]],
-                   argv: list[str]) -> int:
-    """A script's ``throughput`` / ``latency`` subcommands: the doc (exit 0 for -h, 2 otherwise) without one,
-    and a ValueError as a one-line ``prog sub: error: ...`` exit."""
-    if not argv or argv[0] not in commands:
-        print(doc, file=sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    try:
-        return commands[argv[0]](argv[1:])
-    except ValueError as e:
-        raise SystemExit(f"{prog} {argv[0]}: error: {e}") from None
+def add_json_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", "--output-json", dest="json", metavar="PATH",
+                        help="also write the result as JSON ('-': stdout)")
+
+
+def entry_points(build_parser: Callable[[], argparse.ArgumentParser], check_args: Callable[[argparse.Namespace], None],
+                 run: Callable[[argparse.Namespace], dict[str, Any]], report: Callable[[dict[str, Any]], None],
+                 exit_code: Callable[[dict[str, Any]], int] = lambda result: 0,
+                 ) -> tuple[Callable[[argparse.Namespace], int], Callable[[list[str] | None], int]]:
+    """A benchmark module's ``execute(args)``, what ``kvloom bench NAME`` calls with the flags its parser read,
+    and ``main(argv)``, the module run on its own: check the flags (a ValueError names the flag), run, print
+    the report, write ``--json``; the exit code is ``exit_code(result)``."""
+
+    def execute(args: argparse.Namespace) -> int:
+        check_args(args)
+        result = run(args)
+        report(result)
+        write_json(args.json, result)
+        return exit_code(result)
+
+    def main(argv: list[str] | None = None) -> int:
+        return execute(build_parser().parse_args(argv))
+
+    return execute, main
 
 
 def percentiles_and_extra_body(args: argparse.Namespace) -> tuple[list[float], dict[str, Any] | None]:

@@ -147,7 +147,7 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
 
 def measure(engine: Any, kind: str, n: int, vocab: int, seed: int) -> dict[str, float]:
     """One run of a test: its time to first token, end, and rate (tok/s)."""
-    from kvloom.bench.latency import measure_step
+    from kvloom.bench.runner import measure_step
 
     if kind == "pp":
         prompts, out = random_prompts(1, n, vocab, seed), 1

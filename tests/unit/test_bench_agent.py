@@ -1,7 +1,7 @@
 """``kvloom bench agent``'s parts without a server: the prefix-cache counters read from Prometheus text
 (checked against prometheus_client's own parser, on kvloom's and vLLM's metric names and a data-parallel
-router's labelled series), the tool-call pieces of a stream put together, the next turn's history, and a
-workload that depends only on its seed."""
+router's labelled series), the tool-call pieces of a stream put together, the next turn's history, a
+workload that depends only on its seed, and the flags of the server ``--server`` starts."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from kvloom.bench.agent import (
     merge_tool_call_deltas,
     next_messages,
     prefix_cache_counters,
+    server_flags,
     system_words,
     user_task,
 )
@@ -135,3 +136,24 @@ def test_bad_flags_are_clear_errors() -> None:
         execute(build_parser().parse_args(["--sessions", "0"]))
     with pytest.raises(ValueError, match="--extra-body"):
         execute(build_parser().parse_args(["--extra-body", "{"]))
+    for argv, message in ((["--routing", "prefix"], "--server kvloom"),
+                          (["--server", "vllm", "--data-parallel-size", "2"], "--server kvloom"),
+                          (["--server", "kvloom", "--routing", "round_robin"], "--data-parallel-size 2 or more")):
+        with pytest.raises(ValueError, match=message):
+            execute(build_parser().parse_args(argv))
+
+
+def test_the_started_servers_flags_and_the_runs_label() -> None:
+    def flags(*argv: str) -> tuple[list[str], str | None]:
+        return server_flags(build_parser().parse_args(list(argv)))
+
+    assert flags() == ([], None)
+    assert flags("--server", "kvloom") == ([], "kvloom")
+    # vLLM parses Hermes tool calls only when told to (kvloom's parser is on by default).
+    assert flags("--server", "vllm") == (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "vllm")
+    assert flags("--server", "kvloom", "--data-parallel-size", "2") == (
+        ["--data-parallel-size", "2"], "kvloom dp=2 prefix")
+    dp_flags, label = flags("--server", "kvloom", "--data-parallel-size", "2", "--routing", "round_robin")
+    assert dp_flags[:3] == ["--data-parallel-size", "2", "--override-backend-config"]
+    assert label == "kvloom dp=2 round_robin"
+    assert json.loads(dp_flags[3]) == {"data_parallel_routing": "round_robin"}

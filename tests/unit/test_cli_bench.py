@@ -1,4 +1,5 @@
-"""``kvloom bench throughput|latency|serve`` end to end on the tests' tiny random Llama, briefly.
+"""``kvloom bench throughput|latency|serve`` end to end on the tests' tiny random Llama, briefly: kvloom,
+HF transformers (``--peer hf``) on the same model and prompts, and a server ``--server kvloom`` starts.
 
 The tiny model's vocabulary is a few hundred tokens, below the standard workload's ids, so the prompts come
 from ``--dataset-path`` (a JSON list of token-id lists), which the commands take like vLLM's.
@@ -7,12 +8,7 @@ from ``--dataset-path`` (a JSON list of token-id lists), which the commands take
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -56,43 +52,55 @@ def test_bench_latency_on_a_tiny_model(tiny_llama_dir: str, prompts_file: str, t
     assert result["engine_kwargs"]["enable_prefix_caching"] is False
 
 
+def test_bench_peer_hf_runs_the_same_workload_through_transformers(tiny_llama_dir: str, prompts_file: str,
+                                                                   tmp_path: Path) -> None:
+    """The same flags, prompts and result fields as kvloom's run; transformers generates every token asked."""
+    flags = ["--model", tiny_llama_dir, "--dtype", "float32", "--max-model-len", "128", "--num-prompts", "4",
+             "--dataset-path", prompts_file, "--output-len", "6"]
+    results = {}
+    for name, peer in (("kvloom", []), ("hf", ["--peer", "hf", "--threads", "1"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["bench", "throughput", *peer, *flags, "--json", str(out)]) == 0
+        results[name] = json.loads(out.read_text())
+    kvloom, hf = results["kvloom"], results["hf"]
+    assert hf["engine"] == "hf" and hf["engine_kwargs"]["torch_threads"] == 1
+    assert hf["output_tokens"] == hf["expected_output_tokens"] == 24
+    for key in ("requests", "prompt_tokens", "flops_per_token", "expected_output_tokens"):
+        assert hf[key] == kvloom[key], key
+    assert set(hf) == set(kvloom)
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--peer", "hf", "--model", tiny_llama_dir, "--dtype", "float32",
+                 "--batch-size", "1,4", "--dataset-path", prompts_file, "--output-len", "4", "--num-iters", "1",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["engine"] == "hf" and result["method"] == "generate"
+    assert [b["batch_size"] for b in result["batches"]] == [1, 4]
+    assert all(0 < b["ttft_s"] <= b["e2e_s"] for b in result["batches"])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def test_bench_serve_against_a_tiny_server(tiny_llama_dir: str, prompts_file: str, tmp_path: Path) -> None:
-    port = _free_port()
-    env = {**os.environ, "KVLOOM_API_KEY": "",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below
-    server = subprocess.Popen([sys.executable, "-m", "kvloom.entrypoints.cli", "serve", tiny_llama_dir,
-                               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                               "--max-model-len", "128"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 120
-        while True:
-            if server.poll() is not None or time.time() > deadline:
-                pytest.fail("server did not start:\n" + (tmp_path / "server.log").read_text()[-3000:])
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
-        out = tmp_path / "serve.json"
-        code = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "4",
-                     "--dataset-path", prompts_file, "--output-len", "5", "--max-concurrency", "2",
-                     "--json", str(out)])
-        assert code == 0
-        result = json.loads(out.read_text())
-        assert result["completed"] == 4 and result["failed"] == 0 and result["output_tokens"] == 20
-        assert result["ttft_ms"]["p50"] > 0 and result["concurrency"] == 2
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
+def test_bench_serve_starts_a_tiny_server(tiny_llama_dir: str, prompts_file: str, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    monkeypatch.setenv("KVLOOM_API_KEY", "")
+    out = tmp_path / "serve.json"
+    code = main(["bench", "serve", "--server", "kvloom", "--server-model", tiny_llama_dir,
+                 "--server-arg=--dtype=float32", "--server-arg=--max-model-len=128", "--port", str(_free_port()),
+                 "--num-seqs", "4", "--num-prompts", "4", "--dataset-path", prompts_file, "--output-len", "5",
+                 "--max-concurrency", "2", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 4 and result["failed"] == 0 and result["output_tokens"] == 20
+    assert result["ttft_ms"]["p50"] > 0 and result["concurrency"] == 2
+    assert result["model"] == "SmolLM2-135M-Instruct"  # the name every started server answers to
+    server = result["server"]
+    assert server["name"] == "kvloom" and server["startup_s"] > 0 and server["peak_rss_mib"] > 0
+    assert tiny_llama_dir in server["argv"] and server["argv"][-2:] == ["--dtype=float32", "--max-model-len=128"]
+    assert "server started" in capsys.readouterr().out
 
 
 def test_bench_rejects_bad_flags_with_a_clear_error(capsys: Any) -> None:
@@ -100,5 +108,7 @@ def test_bench_rejects_bad_flags_with_a_clear_error(capsys: Any) -> None:
     assert "--batch-sizes must be comma-separated integers" in capsys.readouterr().err
     assert main(["bench", "throughput", "--dataset-name", "random"]) == 2
     assert "--input-len" in capsys.readouterr().err
+    assert main(["bench", "serve", "--server-model", "x"]) == 2
+    assert "go with --server" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "nonsense"])
