@@ -282,7 +282,12 @@ def main(argv: list[str]) -> int:
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     start = process_start_time()
     try:
-        text = json.dumps(run_job(json.loads(Path(argv[0]).read_text()), start))
+        job = json.loads(Path(argv[0]).read_text())
+    except (OSError, ValueError) as e:
+        print(f"runner.py: error: cannot read the job {argv[0]}: {e}", file=sys.stderr)
+        return 2
+    try:
+        text = json.dumps(run_job(job, start))
     except ValueError as e:
         print(f"runner.py: error: {e}", file=sys.stderr)
         return 2

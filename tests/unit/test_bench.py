@@ -340,6 +340,10 @@ def test_the_runner_runs_vllm_jobs_without_kvloom(tmp_path: Path) -> None:
     batches = results["latency"]["batches"]
     assert set(batches) == {"1", "3"} and all(len(runs) == 2 for runs in batches.values())
     assert batches["3"][0]["decode_steps"] == 2  # steps 2 and 3 of 4: all started, none finished
+    (tmp_path / "job.json").write_text(json.dumps({"benchmark": "serve"}))
+    out = subprocess.run([sys.executable, "-S", runner_file, "job.json"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "must be 'throughput' or 'latency', got 'serve'" in out.stderr
 
 
 def test_peer_vllm_makes_kvloom_s_result_from_the_runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
