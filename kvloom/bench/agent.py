@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvloom.bench import common, servers
-from kvloom.bench.serve import StreamError, fetch_model_name, stream_chunks
+from kvloom.bench.serve import failure, fetch_model_name, stream_chunks
 from kvloom.config.backend import DATA_PARALLEL_ROUTING
 
 # A fixed vocabulary the prompts are drawn from (plain words: every tokenizer splits them alike).
@@ -259,11 +259,8 @@ async def send_turn(client: Any, url: str, body: dict[str, Any], headers: dict[s
                 delta = choice.get("delta") or {}
                 content += delta.get("content") or ""
                 merge_tool_call_deltas(calls, delta.get("tool_calls") or [])
-    except StreamError as e:
-        result.error = str(e)
-        return result
     except Exception as e:  # noqa: BLE001 - any transport failure is a failed turn
-        result.error = f"{type(e).__name__}: {e}"[:300]
+        result.error = failure(e)
         return result
     result.latency = time.perf_counter() - start
     result.tool_calls = [calls[i] for i in sorted(calls)]

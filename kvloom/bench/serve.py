@@ -163,6 +163,11 @@ class StreamError(Exception):
     """A streamed request that failed: an HTTP error status, or an error event in the stream."""
 
 
+def failure(e: Exception) -> str:
+    """What a failed request's result records: a StreamError's text, else the exception's type and text."""
+    return str(e) if isinstance(e, StreamError) else f"{type(e).__name__}: {e}"[:300]
+
+
 async def stream_chunks(client: Any, url: str, body: dict[str, Any], headers: dict[str, str],
                         timeout: float) -> AsyncIterator[dict[str, Any]]:
     """The JSON chunks of a streamed POST (``serve``'s completions, ``agent``'s chat turns); StreamError
@@ -200,11 +205,8 @@ async def send_request(client: Any, url: str, body: dict[str, Any], headers: dic
                 result.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
                 return result
             usage_tokens = (resp.json().get("usage") or {}).get("completion_tokens")
-    except StreamError as e:
-        result.error = str(e)
-        return result
     except Exception as e:  # noqa: BLE001 - any transport failure is a failed request
-        result.error = f"{type(e).__name__}: {e}"[:300]
+        result.error = failure(e)
         return result
     result.latency = time.perf_counter() - start
     result.output_tokens = int(usage_tokens) if usage_tokens is not None else len(result.chunk_times)
