@@ -20,7 +20,7 @@ from typing import Any
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # both cores, as vllm_runner.py
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # both cores, as kvloom/bench/runner.py
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     import vllm
     from vllm import LLM, SamplingParams
