@@ -103,6 +103,20 @@ def test_bench_serve_starts_a_tiny_server(tiny_llama_dir: str, prompts_file: str
     assert "server started" in capsys.readouterr().out
 
 
+def test_bench_help_lists_the_workloads_and_the_peers(capsys: Any) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    listed = capsys.readouterr().out
+    assert all(f"    {name}" in listed for name in ("throughput", "latency", "serve", "agent", "realsize"))
+    for name, peers in (("throughput", "{vllm,hf,llamacpp}"), ("latency", "{vllm,hf}")):
+        with pytest.raises(SystemExit):
+            main(["bench", name, "--help"])
+        assert f"--peer {peers}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--help"])
+    assert "--server {kvloom,vllm,llamacpp}" in capsys.readouterr().out
+
+
 def test_bench_rejects_bad_flags_with_a_clear_error(capsys: Any) -> None:
     assert main(["bench", "latency", "--batch-sizes", "1,x"]) == 2
     assert "--batch-sizes must be comma-separated integers" in capsys.readouterr().err
