@@ -71,8 +71,9 @@ def check_engine_args(args: argparse.Namespace) -> None:
     peer = args.peer
     if args.enforce_eager and peer in ("hf", "llamacpp"):
         raise ValueError(f"--enforce-eager applies to kvloom and vLLM, not --peer {peer}")
-    if args.engine_arg and peer == "llamacpp":
-        raise ValueError("--engine-arg does not apply to --peer llamacpp: pass llama-server flags with --server-arg")
+    if peer == "llamacpp" and (args.engine_arg or args.max_num_seqs is not None or args.dtype != "bfloat16"):
+        raise ValueError("--engine-arg, --max-num-seqs and --dtype do not apply to --peer llamacpp (the GGUF's types, "
+                         "one slot a prompt): pass llama-server flags with --server-arg")
     if getattr(args, "threads", None) is not None and peer != "hf":
         raise ValueError("--threads applies to --peer hf only")
     if peer != "llamacpp" and (getattr(args, "gguf", None) is not None or getattr(args, "server_arg", None)):

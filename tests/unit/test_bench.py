@@ -245,6 +245,7 @@ def test_each_peer_takes_the_flags_compare_passes_and_refuses_the_others() -> No
     for argv, flag in ((["--threads", "2"], "--threads"), (["--peer", "vllm", "--gguf", "f16"], "--gguf"),
                        (["--peer", "hf", "--enforce-eager"], "--enforce-eager"),
                        (["--peer", "llamacpp", "--engine-arg", "x=1"], "--engine-arg"),
+                       (["--peer", "llamacpp", "--dtype", "float32"], "--dtype"),
                        (["--peer", "vllm", "--sampling-arg", "n=2"], "--sampling-arg")):
         with pytest.raises(ValueError, match=flag):
             _peer_args(*argv)
