@@ -9,7 +9,7 @@
 #
 #   bash benchmarks/peers/setup_llamacpp.sh
 #   .peers/llamacpp/bin/llama-server -m .peers/smollm2-bf16.gguf -np 64 -cb -t 2 -c 65536 --port 8081
-#   .venv/bin/python benchmarks/peers/llamacpp_throughput.py --gguf f16|q8_0|bf16|PATH
+#   .venv/bin/kvloom bench throughput --peer llamacpp --gguf f16|q8_0|bf16|PATH
 #
 # The bf16 and F16 GGUFs are made by make_hf_checkpoint.py (HF checkpoint) and then llama.cpp's
 # convert_hf_to_gguf.py (--outtype bf16 / f16): `bash benchmarks/peers/setup_llamacpp.sh` does both

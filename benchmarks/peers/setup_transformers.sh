@@ -5,7 +5,7 @@
 # Idempotent.
 #
 #   bash benchmarks/peers/setup_transformers.sh
-#   .venv/bin/python benchmarks/peers/hf_bench.py throughput
+#   .venv/bin/kvloom bench throughput --peer hf
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 PY="${PY:-$ROOT/.venv/bin/python}"

