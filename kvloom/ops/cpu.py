@@ -49,7 +49,7 @@ import torch
 
 from kvloom import envs
 from kvloom.cpu_capability import cpu_capability
-from kvloom.ops.int8 import Int8Blocks, Int8Rows, check_blocks_shape
+from kvloom.ops.int8 import Int8Blocks, Int8Rows, check_blocks_shape, compact_block_scales
 from kvloom.ops.layer_stack import LayerShape, LayerWeights
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.reference import write_kv_cache
@@ -644,7 +644,7 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
         # The panels of pack_int8_weight holding q + 128 as u8 (each byte's top bit flipped): the kernel's
         # shift to vpdpbusd's unsigned operand is on the weight, so activations need no compensation per column.
         self.data = pack_int8_weight(qweight).view(torch.uint8).bitwise_xor(0x80).view(torch.int8)
-        self.scale = pack_block_columns(scale.float())
+        self.scale = pack_block_columns(compact_block_scales(scale))  # fp16 where exact: a Q8_0 file's own d
         self.bias = None if bias is None else bias.float().contiguous()
         self.bf16_tiles = bf16_tiles
         self._product = torch.ops.kvloom.gemm_w8a8_blocks.default
@@ -655,7 +655,7 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
     def rows(self, ids: torch.Tensor) -> Int8Blocks:
         """Rows ``ids`` [T] of the weight as packed (a tied embedding reads its table here, layers/embedding.py)."""
         codes = packed_panel_rows(self.data, ids, self.in_features).view(torch.uint8).bitwise_xor(0x80)
-        return Int8Blocks(codes.view(torch.int8), packed_panel_rows(self.scale, ids, self.scale.shape[1]))
+        return Int8Blocks(codes.view(torch.int8), packed_panel_rows(self.scale, ids, self.scale.shape[1]).float())
 
     def _compute(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         self._product(out, rows, self.data, self.scale, self.bias, False, self.bf16_tiles)

@@ -10,8 +10,9 @@ Two products use it:
   scale (``quantize_per_token``), the products are summed exactly in int32, and both scales are
   applied at the end.
 
-A group-scaled weight (``Int8Blocks``: a GGUF Q8_0 tensor kept as it is stored) has one fp32 scale per
-block of BLOCK = 32 consecutive k of a row: ``scale`` [N, K / 32], W[n, k] = qweight[n, k] * scale[n, k // 32].
+A group-scaled weight (``Int8Blocks``: a GGUF Q8_0 tensor kept as it is stored) has one scale per block of
+BLOCK = 32 consecutive k of a row: ``scale`` [N, K / 32] (fp32, each a Q8_0 file's fp16 d exactly; packed for the
+CPU product in fp16 again, ``compact_block_scales``), W[n, k] = qweight[n, k] * scale[n, k // 32].
 Its product (``w8a8_blocks_linear_reference``) quantizes the activations per (token, block) too, as
 llama.cpp's ``vec_dot_q8_0_q8_0`` does, sums each block exactly and applies the block's two scales:
 
@@ -82,6 +83,13 @@ class Int8Blocks(NamedTuple):
     def to_rows(self) -> Int8Rows:
         """Re-quantized per row from the exact values: for products that have no block scales."""
         return Int8Rows.quantize(self.dequantize())
+
+
+def compact_block_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales as the packed product streams them: fp16 where every one is exactly an fp16 value (a GGUF Q8_0's
+    own d, so 8.5 bits a weight as in the file instead of 9; csrc/gemm_int8.cpp widens them exactly), else fp32."""
+    half = scale.half()
+    return half if torch.equal(half.float(), scale.float()) else scale.float()
 
 
 def check_blocks_shape(qweight: torch.Tensor, scale: torch.Tensor) -> None:

@@ -207,6 +207,39 @@ def test_cpu_int8_product_matches_its_reference(int8_kernels: None, product: str
             assert_within(portable, expected, ulps=1, slack=slack)
 
 
+def q8_0_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [n, k] and block scales [n, k / 32] as a GGUF Q8_0 stores them: each d an fp16 value."""
+    torch.manual_seed(seed)
+    w = (torch.randn(n, k) * 0.05).view(n, k // BLOCK, BLOCK)
+    d = (w.abs().amax(dim=-1) / 127).half().float()
+    return torch.round(w / d[..., None]).clamp_(-127, 127).to(torch.int8).view(n, k), d
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
+@pytest.mark.parametrize(("m", "k", "n"), BLOCK_SHAPES)
+def test_q8_0_block_scales_stream_as_fp16_with_the_same_product(int8_kernels: None, dtype: torch.dtype, m: int,
+                                                                 k: int, n: int) -> None:
+    """A Q8_0 weight's scales are packed as the file's fp16 (2 bytes a block, not 4) and widened exactly in the
+    kernel: the product is w8a8_blocks_linear_reference's within its slack, and bit for bit what the same scales
+    in fp32 give, on the vector and the plain-loop kernels; scales that are not fp16 values stay fp32."""
+    qweight, scale = q8_0_weight(n, k, seed=m + k + n)
+    torch.manual_seed(m)
+    x, bias = (torch.randn(m, k) * 2).to(dtype), torch.randn(n)
+    packed = cpu.PackedInt8BlocksWeight(qweight, scale, bias)
+    assert packed.scale.dtype == torch.float16
+    expected = w8a8_blocks_linear_reference(x, qweight, scale, bias)
+    results = []
+    for portable in (False, True):
+        for scales in (packed.scale, packed.scale.float()):
+            y = torch.empty(m, n, dtype=dtype)
+            torch.ops.kvloom.gemm_w8a8_blocks(y, x, packed.data, scales, packed.bias, portable, bf16_tiles=False)
+            results.append(y)
+    assert_within(results[0], expected, ulps=1, slack=w8a8_blocks_slack(x, qweight, scale, bias))
+    for other in results[1:]:
+        assert torch.equal(other, results[0])
+    assert cpu.PackedInt8BlocksWeight(qweight, scale * 1.0001, None).scale.dtype == torch.float32
+
+
 @pytest.mark.parametrize(("m", "k", "n"), [(48, 576, 961), (49, 32, 3), (64, 576, 95), (70, 1536, 1), (300, 64, 200),
                                             (1000, 1536, 49)])
 def test_w8a8_blocks_bf16_tiles_match_their_reference(int8_kernels: None, m: int, k: int, n: int) -> None:
@@ -409,9 +442,10 @@ def test_packed_int8_rows_give_back_the_table(int8_kernels: None) -> None:
     qweight, scale = quantize_per_channel(torch.randn(50, 70))
     rows = cpu.PackedInt8Weight(qweight, scale, None).rows(ids)
     assert torch.equal(rows.qweight, qweight[ids]) and torch.equal(rows.scale, scale[ids])
-    qweight, scale = quantize_per_block(torch.randn(50, 96))
-    rows = cpu.PackedInt8BlocksWeight(qweight, scale, None).rows(ids)
-    assert torch.equal(rows.qweight, qweight[ids]) and torch.equal(rows.scale, scale[ids])
+    for qweight, scale in (quantize_per_block(torch.randn(50, 96)), q8_0_weight(50, 96, seed=1)):  # fp32, fp16
+        rows = cpu.PackedInt8BlocksWeight(qweight, scale, None).rows(ids)
+        assert torch.equal(rows.qweight, qweight[ids]) and torch.equal(rows.scale, scale[ids])
+        assert rows.scale.dtype == torch.float32
 
 
 def test_block_scales_pack_beside_their_panels() -> None:

@@ -18,7 +18,9 @@
 //   to u8 is on the weight (packed as q + 128, the same panels with each byte's top bit flipped) and x
 //   stays s8: what the shift adds, 128 * the block's sum of x's codes, is one number per row and block,
 //   so each block's int32 sums start from minus it, and no per-column compensation is streamed with the
-//   weight. Block scales are packed per panel, [panels][blocks][48].
+//   weight. Block scales are packed per panel, [panels][blocks][48], in fp16 where every one is exactly one (a
+//   GGUF Q8_0's own d: 8.5 bits a weight streamed, as the file holds them, where fp32 scales made it 9) and widened
+//   to fp32 in registers (exact, so the same sums as fp32 scales), else in fp32.
 //
 // The weight is packed once (kvloom/ops/cpu.py, pack_int8_weight) into panels of kPanel = 48 output
 // columns: packed[panel][K/4][48][4] int8, so that one group of 4 k of 16 columns is one 64-byte
@@ -45,6 +47,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -83,6 +86,27 @@ struct Shapes {
   int64_t M, K, N, groups, panels;
 };
 
+// A block scale as fp32 (S: float, or c10::Half widened exactly).
+inline float scale_value(float s) { return s; }
+inline float scale_value(c10::Half s) { return static_cast<float>(s); }
+#if defined(CPU_CAPABILITY_AVX512)
+inline __m512 load_scales16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+inline __m256 load_scales8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scales8(const c10::Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float wide[8];
+  for (int i = 0; i < 8; ++i) wide[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(wide);
+#endif
+}
+#endif
+
 // The loop every product shares: threads split the panels; rows go in chunks of kRowChunk (their
 // activations stay in L2 while the panels stream past), each chunk in calls of at most `step` rows:
 // body(m, rows, panel, n0, columns) writes y[m, m + rows) x [n0, n0 + columns).
@@ -108,8 +132,8 @@ void dispatch_float(const at::Tensor& t, const char* name, F&& f) {
   }
 }
 
-// The checks every product shares; returns the shapes and the bias pointer (or nullptr). scale_numel:
-// the fp32 scales the product reads (N, or the packed blocks' panels * blocks * 48).
+// The checks every product shares; returns the shapes and the bias pointer (or nullptr). The scales: fp32 [N], or
+// the packed blocks' panels * blocks * 48 in fp32 or fp16.
 Shapes check_arguments(const char* name, const at::Tensor& y, const at::Tensor& x, const at::Tensor& packed,
                        const at::Tensor& scale, bool blocks, const c10::optional<at::Tensor>& bias,
                        const float** bias_ptr) {
@@ -124,9 +148,9 @@ Shapes check_arguments(const char* name, const at::Tensor& y, const at::Tensor& 
               ": the packed weight does not match x [", s.M, ", ", s.K, "] and y [", y.size(0), ", ", s.N, "]");
   if (blocks) {
     TORCH_CHECK(s.K % kBlock == 0, name, ": K = ", s.K, " must be a multiple of ", kBlock, " (one scale per block)");
-    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+    TORCH_CHECK((scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf) && scale.is_contiguous() &&
                     scale.numel() == s.panels * (s.K / kBlock) * kPanel,
-                name, ": scale must be the contiguous float32 block scales packed [panels, K / 32, 48]");
+                name, ": scale must be the contiguous float32 or float16 block scales packed [panels, K / 32, 48]");
   } else {
     TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == s.N,
                 name, ": scale must be a contiguous float32 [N]");
@@ -450,15 +474,15 @@ constexpr int64_t kBf16UnitPanels = 2;  // 96 columns: 6 groups of 16
 // kvloom::amx::kTileWords apart). Blocks: codes stored as u8 q + 128 (the W8A8-on-blocks packing), times their
 // block's scale (q d in fp32, rounded to bf16); else s8 codes as they are (exact in bf16: the per-row scale comes in
 // the epilogue).
-template <bool Blocks>
-inline void dequantize_block_tiles(const uint8_t* panel, const float* scales, int64_t b, uint16_t* out) {
+template <bool Blocks, typename S>
+inline void dequantize_block_tiles(const uint8_t* panel, const S* scales, int64_t b, uint16_t* out) {
   using kvloom::amx::spread4;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   KVLOOM_UNROLL
   for (int v = 0; v < kPanelVecs; ++v) {
     __m512 dq[4];
     if constexpr (Blocks) {
-      const __m512 d = _mm512_loadu_ps(scales + b * kPanel + 16 * v);
+      const __m512 d = load_scales16(scales + b * kPanel + 16 * v);
       KVLOOM_UNROLL
       for (int i = 0; i < 4; ++i) dq[i] = spread4(d, i);
     }
@@ -480,9 +504,9 @@ inline void dequantize_block_tiles(const uint8_t* panel, const float* scales, in
 
 // The int8 weight (s8 codes, or Blocks: u8 q + 128 with block scales w_scale [panels][blocks][48]) dequantized into
 // bf16 tiles, two panels (96 columns) a unit, times x; col_scale: the per-row weight's scales [N] (or null).
-template <bool Blocks>
+template <bool Blocks, typename S>
 void int8_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, const uint8_t* packed,
-                   const float* w_scale, const float* col_scale, const float* bias, const Shapes& s) {
+                   const S* w_scale, const float* col_scale, const float* bias, const Shapes& s) {
   const int64_t blocks = s.K / kBlock, panel_size = s.groups * kGroupBytes, scales_size = Blocks ? blocks * kPanel : 0;
   auto dequantize = [&](int64_t unit, uint16_t* tiles) {
     const int64_t p0 = unit * kBf16UnitPanels, count = std::min(kBf16UnitPanels, s.panels - p0);
@@ -497,7 +521,7 @@ void int8_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, const 
   auto prefetch = [&](int64_t unit) {
     const int64_t p0 = unit * kBf16UnitPanels, count = std::min(kBf16UnitPanels, s.panels - p0);
     kvloom::amx::prefetch_l2(packed + p0 * panel_size, count * panel_size);
-    if constexpr (Blocks) kvloom::amx::prefetch_l2(w_scale + p0 * scales_size, count * scales_size * sizeof(float));
+    if constexpr (Blocks) kvloom::amx::prefetch_l2(w_scale + p0 * scales_size, count * scales_size * sizeof(S));
   };
   kvloom::amx::dequantized_product(y, x, ldx, s.M, s.K, s.N, kBf16UnitPanels * kPanel, col_scale, bias, dequantize,
                                    prefetch);
@@ -507,15 +531,18 @@ void int8_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, const 
 
 // Runs the product on AMX-BF16 tiles and returns true where bf16 x of these shapes takes them (from min_rows rows, K
 // whole blocks of 32, the tiles allowed); else false, and the caller runs its own product.
-template <bool Blocks, typename T>
-bool ran_on_bf16_tiles(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const float* w_scale,
+template <bool Blocks, typename T, typename S = float>
+bool ran_on_bf16_tiles(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const S* w_scale,
                        const float* bias, const Shapes& s, bool portable, bool bf16_tiles, int64_t min_rows) {
 #if defined(KVLOOM_AMX_BF16)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (s.K % kBlock == 0 && kvloom::amx::takes_bf16_tiles(portable, bf16_tiles, s.M, min_rows)) {
-      int8_bf16_amx<Blocks>(y.data_ptr<T>(), x.data_ptr<T>(), x.stride(0),
-                            reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()), Blocks ? w_scale : nullptr,
-                            Blocks ? nullptr : w_scale, bias, s);
+      const auto* weight = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
+      if constexpr (Blocks) {
+        int8_bf16_amx<true, S>(y.data_ptr<T>(), x.data_ptr<T>(), x.stride(0), weight, w_scale, nullptr, bias, s);
+      } else {
+        int8_bf16_amx<false, S>(y.data_ptr<T>(), x.data_ptr<T>(), x.stride(0), weight, nullptr, w_scale, bias, s);
+      }
       return true;
     }
   }
@@ -824,11 +851,11 @@ void gemm_int8_weight_only(at::Tensor y, at::Tensor x, at::Tensor packed, at::Te
 // ---- W8A8 on blocks -------------------------------------------------------------------------------
 // xq: s8 rows of K codes; x_scale, x_sum: the rows' block scales and sums of codes (ldxs = blocks a
 // row); panel: the weight as u8 (q + 128) in pack_int8_weight's layout; w_scale: the panel's
-// [blocks][48] (zero past the real columns).
+// [blocks][48] (zero past the real columns), S: float or c10::Half.
 #if defined(KVLOOM_VNNI_DOT)
-template <int R, typename T>
+template <int R, typename T, typename S>
 inline void w8a8_blocks_kernel(const int8_t* xq, int64_t ldq, const float* x_scale, const int32_t* x_sum,
-                               int64_t ldxs, const uint8_t* panel, int64_t blocks, const float* w_scale,
+                               int64_t ldxs, const uint8_t* panel, int64_t blocks, const S* w_scale,
                                const float* bias, T* y, int64_t ldy, int64_t columns) {
   __m512 acc[R][kPanelVecs];
   KVLOOM_UNROLL
@@ -860,7 +887,7 @@ inline void w8a8_blocks_kernel(const int8_t* xq, int64_t ldq, const float* x_sca
     }
     KVLOOM_UNROLL
     for (int v = 0; v < kPanelVecs; ++v) {
-      const __m512 ws = _mm512_loadu_ps(w_scale + b * kPanel + v * 16);
+      const __m512 ws = load_scales16(w_scale + b * kPanel + v * 16);
       KVLOOM_UNROLL
       for (int r = 0; r < R; ++r) {
         const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(x_scale[r * ldxs + b]));
@@ -879,22 +906,22 @@ inline void w8a8_blocks_kernel(const int8_t* xq, int64_t ldq, const float* x_sca
   }
 }
 
-template <typename T>
+template <typename T, typename S>
 using W8A8BlocksKernel = void (*)(const int8_t*, int64_t, const float*, const int32_t*, int64_t, const uint8_t*,
-                                  int64_t, const float*, const float*, T*, int64_t, int64_t);
+                                  int64_t, const S*, const float*, T*, int64_t, int64_t);
 
-template <typename T>
-constexpr W8A8BlocksKernel<T> kW8A8BlocksKernels[kRowsBlocks + 1] = {
-    nullptr, &w8a8_blocks_kernel<1, T>, &w8a8_blocks_kernel<2, T>, &w8a8_blocks_kernel<3, T>,
-    &w8a8_blocks_kernel<4, T>};
+template <typename T, typename S>
+constexpr W8A8BlocksKernel<T, S> kW8A8BlocksKernels[kRowsBlocks + 1] = {
+    nullptr, &w8a8_blocks_kernel<1, T, S>, &w8a8_blocks_kernel<2, T, S>, &w8a8_blocks_kernel<3, T, S>,
+    &w8a8_blocks_kernel<4, T, S>};
 #elif defined(KVLOOM_W8A8_AVX2)
 constexpr int64_t kRowsBlocksAvx2 = 2;  // 2 rows x 16 columns: 4 int32 and 4 fp32 sums
 
 // R rows of y for one panel, 16 columns at a time, as w8a8_avx2_kernel: the weight's u8 bytes (q + 128)
 // flipped back to q, so each block's int32 sums start from zero; then w8a8_blocks_portable_panel's fp32 steps.
-template <int R, typename T>
+template <int R, typename T, typename S>
 inline void w8a8_blocks_avx2_kernel(const int8_t* xq, int64_t ldq, const float* x_scale, int64_t ldxs,
-                                    const uint8_t* panel, int64_t blocks, const float* w_scale, const float* bias,
+                                    const uint8_t* panel, int64_t blocks, const S* w_scale, const float* bias,
                                     T* y, int64_t ldy, int64_t columns) {
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t c0 = 0; c0 < columns; c0 += 16) {
@@ -920,7 +947,7 @@ inline void w8a8_blocks_avx2_kernel(const int8_t* xq, int64_t ldq, const float* 
       }
       KVLOOM_UNROLL
       for (int h = 0; h < 2; ++h) {
-        const __m256 ws = _mm256_loadu_ps(w_scale + b * kPanel + c0 + 8 * h);  // zero past N within the panel
+        const __m256 ws = load_scales8(w_scale + b * kPanel + c0 + 8 * h);  // zero past N within the panel
         KVLOOM_UNROLL
         for (int r = 0; r < R; ++r) {
           const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(x_scale[r * ldxs + b]));
@@ -940,19 +967,19 @@ inline void w8a8_blocks_avx2_kernel(const int8_t* xq, int64_t ldq, const float* 
   }
 }
 
-template <typename T>
+template <typename T, typename S>
 using W8A8BlocksAvx2Kernel = void (*)(const int8_t*, int64_t, const float*, int64_t, const uint8_t*, int64_t,
-                                      const float*, const float*, T*, int64_t, int64_t);
+                                      const S*, const float*, T*, int64_t, int64_t);
 
-template <typename T>
-constexpr W8A8BlocksAvx2Kernel<T> kW8A8BlocksAvx2Kernels[kRowsBlocksAvx2 + 1] = {
-    nullptr, &w8a8_blocks_avx2_kernel<1, T>, &w8a8_blocks_avx2_kernel<2, T>};
+template <typename T, typename S>
+constexpr W8A8BlocksAvx2Kernel<T, S> kW8A8BlocksAvx2Kernels[kRowsBlocksAvx2 + 1] = {
+    nullptr, &w8a8_blocks_avx2_kernel<1, T, S>, &w8a8_blocks_avx2_kernel<2, T, S>};
 #endif
 
 // The same integers and the same fp32 operations in the same order (bit for bit).
-template <typename T>
+template <typename T, typename S>
 void w8a8_blocks_portable_panel(const int8_t* xq, int64_t ldq, const float* x_scale, const int32_t* x_sum,
-                                int64_t ldxs, const uint8_t* panel, int64_t blocks, const float* w_scale,
+                                int64_t ldxs, const uint8_t* panel, int64_t blocks, const S* w_scale,
                                 const float* bias, T* y, int64_t ldy, int64_t rows, int64_t columns) {
   for (int64_t r = 0; r < rows; ++r) {
     float acc[kPanel] = {};
@@ -966,7 +993,7 @@ void w8a8_blocks_portable_panel(const int8_t* xq, int64_t ldq, const float* x_sc
           for (int64_t i = 0; i < kGroup; ++i) sums[c] += int32_t(w[c * kGroup + i]) * int32_t(xr[g * kGroup + i]);
       }
       for (int64_t c = 0; c < kPanel; ++c) {
-        const float s = w_scale[b * kPanel + c] * x_scale[r * ldxs + b];
+        const float s = scale_value(w_scale[b * kPanel + c]) * x_scale[r * ldxs + b];
         acc[c] = std::fma(static_cast<float>(sums[c]), s, acc[c]);
       }
     }
@@ -974,10 +1001,10 @@ void w8a8_blocks_portable_panel(const int8_t* xq, int64_t ldq, const float* x_sc
   }
 }
 
-template <typename T>
-void w8a8_blocks_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const float* w_scale,
+template <typename T, typename S>
+void w8a8_blocks_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& packed, const S* w_scale,
                        const float* bias, const Shapes& s, bool portable, bool bf16_tiles) {
-  if (ran_on_bf16_tiles<true, T>(y, x, packed, w_scale, bias, s, portable, bf16_tiles, kBf16MinRows)) return;
+  if (ran_on_bf16_tiles<true, T, S>(y, x, packed, w_scale, bias, s, portable, bf16_tiles, kBf16MinRows)) return;
   const int64_t blocks = s.K / kBlock;
   std::vector<int8_t> xq(s.M * s.K);
   std::vector<float> x_scale(s.M * blocks);
@@ -999,17 +1026,17 @@ void w8a8_blocks_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
   for_each_panel(s, fast ? step : kRowChunk, [&](int64_t m, int64_t rows, int64_t panel, int64_t n0,
                                                  int64_t columns) {
     const uint8_t* wp = ws + panel * panel_size;
-    const float* sp = w_scale + panel * scales_size;
+    const S* sp = w_scale + panel * scales_size;
     const float* bp = bias ? bias + n0 : nullptr;
 #if defined(KVLOOM_VNNI_DOT)
     if (fast) {
-      kW8A8BlocksKernels<T>[rows](xq.data() + m * s.K, s.K, x_scale.data() + m * blocks, x_sum.data() + m * blocks,
+      kW8A8BlocksKernels<T, S>[rows](xq.data() + m * s.K, s.K, x_scale.data() + m * blocks, x_sum.data() + m * blocks,
                                   blocks, wp, blocks, sp, bp, ys + m * s.N + n0, s.N, columns);
       return;
     }
 #elif defined(KVLOOM_W8A8_AVX2)
     if (fast) {
-      kW8A8BlocksAvx2Kernels<T>[rows](xq.data() + m * s.K, s.K, x_scale.data() + m * blocks, blocks, wp, blocks, sp,
+      kW8A8BlocksAvx2Kernels<T, S>[rows](xq.data() + m * s.K, s.K, x_scale.data() + m * blocks, blocks, wp, blocks, sp,
                                       bp, ys + m * s.N + n0, s.N, columns);
       return;
     }
@@ -1021,7 +1048,7 @@ void w8a8_blocks_typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& pac
 
 // y = the W8A8 product on blocks (+ bias). x: [M, K] float32 or bfloat16 (K a multiple of 32), rows
 // contiguous; packed: pack_int8_weight's [N, K] layout of q + 128 (int8 storage of the u8 bits);
-// scale: float32 block scales packed [panels, K / 32, 48]; bias: float32 [N]; y: [M, N] in x's dtype.
+// scale: float32 or float16 block scales packed [panels, K / 32, 48]; bias: float32 [N]; y: [M, N] in x's dtype.
 void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> bias,
                       bool portable, bool bf16_tiles) {
   const float* bs;
@@ -1029,7 +1056,11 @@ void gemm_w8a8_blocks(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor 
   if (s.M == 0 || s.N == 0) return;
   dispatch_float(x, "gemm_w8a8_blocks", [&](auto tag) {
     using T = decltype(tag);
-    w8a8_blocks_typed<T>(y, x, packed, scale.data_ptr<float>(), bs, s, portable, bf16_tiles);
+    if (scale.scalar_type() == at::kHalf) {
+      w8a8_blocks_typed<T>(y, x, packed, scale.data_ptr<c10::Half>(), bs, s, portable, bf16_tiles);
+    } else {
+      w8a8_blocks_typed<T>(y, x, packed, scale.data_ptr<float>(), bs, s, portable, bf16_tiles);
+    }
   });
 }
 
