@@ -2,10 +2,13 @@
 
 With int8 weights and ``quantize_lm_head``, the embedding table is stored as int8 rows with one scale
 per token (a lookup dequantizes the rows it reads) and the LM head multiplies by the same int8 table,
-so a tied model keeps one int8 copy. A GGUF's Q8_0 table kept as stored (``quantization="gguf"``) holds a scale
-per token and block of 32 instead (``weight_scale`` [vocab, hidden / 32]); the head then multiplies by the blocks
-with activations quantized per block, as llama.cpp does. With ``requantize_lm_head`` (4 or 5) that table becomes
-4- or 5-bit code blocks at load (``blocks``), and the head takes the 4-bit product.
+so a tied model keeps one int8 copy. A GGUF's Q8_0 table, kept as stored on a CPU (``quantization="gguf"``, and the
+Q8_0 default ``"int8"``), holds a scale per token and block of 32 instead (``weight_scale`` [vocab, hidden / 32]); the
+head then multiplies by the blocks with activations quantized per block, as llama.cpp does. A table in code blocks
+(a Q4_K_M file's Q6_K, a Q4_K or Q5_K one: ``Q4Blocks``) is kept as such too (``blocks``), and the head takes the
+code-block product (kvloom/ops/q4.py), as llama.cpp's does: at one sequence the head streams its table once a token,
+so the file's 6.56 bits a weight instead of bf16's 16 (the table of Llama-3.2-1B's Q4_K_M is 22% of its decode
+time in bf16). With ``requantize_lm_head`` (4 or 5) the table becomes 4- or 5-bit code blocks at load.
 
 Once the head is packed for its product (``process_weights_after_loading``), a tied embedding reads its rows from
 the head's packed weight (``share_tied_table``: the packed products' ``rows``) and the row-major table is dropped:
@@ -47,12 +50,19 @@ def int8_rows(qweight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> 
     return (Int8Rows if scale.dim() == 1 else Int8Blocks)(qweight[ids], scale[ids])
 
 
+def check_table_shape(name: str, tensor: Int8Rows | Int8Blocks | Q4Blocks, expected: tuple[int, ...]) -> None:
+    """ValueError unless a table read in blocks has the [vocab, hidden] shape the model was built with."""
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"{name} weight has shape {tuple(tensor.shape)} in the checkpoint, expected {expected}")
+
+
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.qweight: torch.Tensor | None = None  # int8 [vocab, hidden] after quantize
         self.weight_scale: torch.Tensor | None = None  # fp32 [vocab], or [vocab, hidden / 32] for Q8_0 blocks
+        self.blocks: Q4Blocks | None = None  # a GGUF's code-block table, as read (until a tied head takes it)
         # The tied head's packed weight, whose ``rows`` this reads instead of a table of its own (share_tied_table).
         self.table: Callable[[torch.Tensor], Table] | None = None
         self.dtype = self.weight.dtype
@@ -73,14 +83,40 @@ class VocabEmbedding(nn.Module):
         self.qweight, self.weight_scale = qweight.to(device), scale.float().to(device)
         self.weight.data = self.weight.data.new_empty(0, expected[1])
 
-    def load_shard(self, name: str, shard: int, tensor: int8.Int8Rows | int8.Int8Blocks) -> None:
-        """int8 rows or Q8_0 blocks read from a checkpoint (the only things the loader hands this way)."""
+    def load_shard(self, name: str, shard: int, tensor: Int8Rows | Int8Blocks | Q4Blocks) -> None:
+        """int8 rows, Q8_0 blocks or code blocks read from a checkpoint (the only things the loader hands this way)."""
+        if isinstance(tensor, Q4Blocks):
+            check_table_shape("embedding", tensor, tuple(self.weight.shape))
+            device = self.weight.device
+            self.blocks = Q4Blocks(*(t.to(device) for t in tensor))
+            self.dtype = self.weight.dtype
+            self.read_from(self.blocks.take)
+            self.weight.data = self.weight.data.new_empty(0, tensor.shape[1])
+            return
         self.set_int8(tensor.qweight, tensor.scale)
 
     def read_from(self, table: Callable[[torch.Tensor], Table]) -> None:
         """Rows from ``table`` (the tied head's packed weight's ``rows``) instead of a table of this module's own."""
         self.table = table
         self.qweight = self.weight_scale = None
+
+    def holds_blocks(self) -> bool:
+        """Whether the table is a GGUF's blocks (Q8_0, or code blocks) held by this module."""
+        return self.blocks is not None or (self.weight_scale is not None and self.weight_scale.dim() == 2)
+
+    def dequantize(self) -> None:
+        """The table held (int8 or code blocks) as float rows in the model's dtype again, for products that take no
+        blocks (a GPU's: layers/quantization.py keep_tables_in_blocks)."""
+        if self.blocks is None and self.qweight is None:
+            return
+        rows = torch.arange(self.blocks.shape[0] if self.blocks is not None else self.qweight.shape[0],
+                            device=self.weight.device)
+        table = self.blocks.take if self.blocks is not None else (
+            lambda ids: int8_rows(self.qweight, self.weight_scale, ids))
+        # q d exact in fp32, rounded once to the model's dtype (as a dequantized GGUF load does)
+        self.weight.data = torch.cat([dequantize_rows(table(ids), torch.float32).to(self.dtype)
+                                      for ids in rows.split(4096)])
+        self.qweight = self.weight_scale = self.blocks = self.table = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.table is None and self.qweight is None:
@@ -109,14 +145,35 @@ class LMHead(nn.Module):
             self.qweight, self.weight_scale = int8.quantize_per_channel(self.weight.data)
             self.weight.data = self.weight.data.new_empty(0, self.weight.shape[1])
 
-    def load_shard(self, name: str, shard: int, tensor: int8.Int8Rows | int8.Int8Blocks) -> None:
-        """int8 rows (or Q8_0 blocks) of an untied head read from a checkpoint."""
+    def load_shard(self, name: str, shard: int, tensor: Int8Rows | Int8Blocks | Q4Blocks) -> None:
+        """int8 rows, Q8_0 blocks or code blocks of an untied head read from a checkpoint."""
         expected = tuple(self.weight.shape)
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"lm_head int8 weight has shape {tuple(tensor.shape)}, expected {expected}")
+        check_table_shape("lm_head", tensor, expected)
         device = self.weight.device
-        self.qweight, self.weight_scale = tensor.qweight.to(device), tensor.scale.float().to(device)
+        if isinstance(tensor, Q4Blocks):
+            self.blocks = Q4Blocks(*(t.to(device) for t in tensor))
+        else:
+            self.qweight, self.weight_scale = tensor.qweight.to(device), tensor.scale.float().to(device)
         self.weight.data = self.weight.data.new_empty(0, expected[1])
+
+    def take_table(self, embedding: VocabEmbedding) -> None:
+        """A head tied to ``embedding`` multiplies by the table the embedding was loaded with (int8 rows, Q8_0 blocks
+        or code blocks), and the embedding reads its rows back from this head: one copy."""
+        if embedding.blocks is not None:
+            self.blocks, embedding.blocks = embedding.blocks, None
+            embedding.read_from(self.rows)  # until packed, then the packed weight's rows (share_tied_table)
+        else:
+            self.quantize(tied_to=embedding)
+
+    def dequantize(self) -> None:
+        """An untied head's blocks as float rows in the weight's dtype again (see VocabEmbedding.dequantize)."""
+        if self.blocks is None and self.qweight is None:
+            return
+        rows = torch.arange(self.blocks.shape[0] if self.blocks is not None else self.qweight.shape[0],
+                            device=self.weight.device)
+        self.weight.data = torch.cat([dequantize_rows(self.rows(ids), torch.float32).to(self.weight.dtype)
+                                      for ids in rows.split(4096)])
+        self.qweight = self.weight_scale = self.blocks = None
 
     def requantize(self, bits: int, tied_to: VocabEmbedding | None = None) -> None:
         """The table (int8 rows, Q8_0 blocks or float) re-quantized to ``bits``-bit code blocks with a scale and an
@@ -124,7 +181,7 @@ class LMHead(nn.Module):
         a least-squares fit of d and m, llama.cpp's k-quant search, had 10% less squared error on SmolLM2's table
         and a worse perplexity, 12.14 against 12.11 at 5 bits, 12.77 against 12.51 at 4); a tied embedding takes
         the same blocks. Changes the model's values: docs/quantization.md has the perplexity it costs."""
-        table = self.weight if self.qweight is None else self.qweight
+        table = self.blocks.codes if self.blocks is not None else self.weight if self.qweight is None else self.qweight
         rows = torch.arange(table.shape[0], device=table.device)
         pieces = [Q4Blocks.quantize(self.float_rows(ids), bits) for ids in rows.split(4096)]  # a few MB at a time
         self.blocks = Q4Blocks(*(torch.cat(parts) for parts in zip(*pieces)))
@@ -135,7 +192,7 @@ class LMHead(nn.Module):
 
     def float_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] of the table as held before packing, in fp32."""
-        if self.qweight is None:
+        if self.qweight is None and self.blocks is None:
             return self.weight.data[ids].float()
         return dequantize_rows(self.rows(ids), torch.float32)
 

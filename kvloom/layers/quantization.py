@@ -8,9 +8,11 @@ checkpoint holds.
 Each weight is quantized from the tensor the loader produced (fp32 for a GGUF, the stored dtype for
 safetensors) before the model's own dtype ever rounds it, and the float copy is never kept, so the
 first load needs no more memory than the int8 model. A GGUF Q8_0 weight read with ``keep_q8_0`` arrives
-as ``Int8Blocks`` (its int8 codes and block scales, as stored) and a projection keeps them as they are:
-no float copy, no re-quantization. Without ``keep_q8_0`` it arrives as fp32 values equal to its codes
-times its block scales (exact in fp32), and is re-scaled per row from those.
+as ``Int8Blocks`` (its int8 codes and block scales, as stored) and a projection, the embedding and the head keep
+them as they are: no float copy, no re-quantization (a tied head multiplies by the embedding's blocks; on a GPU,
+which has no block product, the embedding and head are dequantized instead: ``keep_tables_in_blocks``). Without
+``keep_q8_0`` it arrives as fp32 values equal to its codes times its block scales (exact in fp32), and is re-scaled
+per row from those.
 """
 
 from __future__ import annotations
@@ -42,15 +44,12 @@ EXPERT_WEIGHTS = ("w1.weight", "w2.weight", "w3.weight")
 def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks]], lm_head: bool
                      ) -> Iterator[tuple[str, torch.Tensor | Int8Rows | Int8Blocks]]:
     """The checkpoint's tensors with every projection weight (and with ``lm_head`` the embedding and the
-    head) turned into int8 rows; a projection that arrives as int8 blocks (a kept GGUF Q8_0) stays as it
-    is. The embedding and the head hold rows only: blocks there are re-quantized per row (or, when they
-    stay float, dequantized)."""
+    head) turned into int8 rows; a projection, embedding or head that arrives as int8 blocks (a kept GGUF Q8_0)
+    stays as it is (a Q8_0 table's blocks are its exact values: finer than rows re-quantized from them)."""
     for name, tensor in weights:
         if isinstance(tensor, Int8Blocks):
-            if name.endswith(LINEAR_WEIGHTS):
+            if name.endswith(LINEAR_WEIGHTS + HEAD_WEIGHTS):
                 yield name, tensor
-            elif lm_head and name.endswith(HEAD_WEIGHTS):
-                yield name, tensor.to_rows()
             else:
                 yield name, tensor.dequantize()
         elif name.endswith(LINEAR_WEIGHTS + (HEAD_WEIGHTS if lm_head else ())) or (
@@ -62,10 +61,11 @@ def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks]], l
 
 def kept_as_stored(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks]]
                    ) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks]]:
-    """``quantization="gguf"``: the projections' 4-bit and Q8_0 blocks, and a Q8_0 embedding and head, as the file
-    stores them; a 4-bit embedding or head dequantized (a lookup and the head take int8 blocks, not 4-bit ones)."""
+    """``quantization="gguf"``: the projections', the embedding's and the head's code blocks and Q8_0 blocks as the
+    file stores them (a Q4_K_M file's Q6_K table: the head takes the code-block product, a lookup reads rows of the
+    same blocks)."""
     for name, tensor in weights:
-        keep = LINEAR_WEIGHTS if isinstance(tensor, Q4Blocks) else LINEAR_WEIGHTS + HEAD_WEIGHTS
+        keep = LINEAR_WEIGHTS + HEAD_WEIGHTS
         if ".experts." in name:  # a mixture's experts keep 4-bit blocks (layers/moe.py), not int8 ones
             keep = LINEAR_WEIGHTS + EXPERT_WEIGHTS if isinstance(tensor, Q4Blocks) else ()
         if isinstance(tensor, (Int8Blocks, Q4Blocks)) and not name.endswith(keep):
@@ -74,14 +74,33 @@ def kept_as_stored(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks | Q4Bl
             yield name, tensor
 
 
-def finish_gguf(model: nn.Module, requantize_lm_head: int | None = None) -> None:
-    """After a ``quantization="gguf"`` (or GPTQ / AWQ) load: a head tied to a Q8_0 embedding multiplies by its
-    blocks; with ``requantize_lm_head`` (4 or 5) the head's table, and a tied embedding's, becomes code blocks."""
+def keep_tables_in_blocks(model: nn.Module, q8_0_on_gpu: bool) -> bool:
+    """After loading: the embedding and the head keep the blocks they were read in (a GGUF's Q8_0 or code blocks) on a
+    CPU, a head tied to such an embedding multiplying by its blocks; returns whether the head is tied. On a GPU code
+    blocks, and Q8_0 ones unless ``q8_0_on_gpu`` (as ``quantization="gguf"`` always kept them), are dequantized to
+    the model's dtype, as before tables were kept in blocks: its code-block product holds no rows for the lookup (the
+    table would be held twice), and it has no Q8_0 block product."""
     head = getattr(model, "lm_head", None)
     embedding = getattr(model, "embed_tokens", None)
     tied = isinstance(head, LMHead) and isinstance(embedding, VocabEmbedding) and head.weight is embedding.weight
-    if tied and head.qweight is None and embedding.qweight is not None:
-        head.quantize(tied_to=embedding)
+    on_gpu = any(isinstance(m, (VocabEmbedding, LMHead)) and m.weight.device.type != "cpu" for m in (embedding, head))
+    if on_gpu:
+        for table in (embedding, head):
+            if isinstance(table, (VocabEmbedding, LMHead)) and (table.blocks is not None or (
+                    not q8_0_on_gpu and table.weight_scale is not None and table.weight_scale.dim() == 2)):
+                table.dequantize()
+    if tied and head.qweight is None and head.blocks is None and embedding.holds_blocks():
+        head.take_table(embedding)
+    return tied
+
+
+def finish_gguf(model: nn.Module, requantize_lm_head: int | None = None) -> None:
+    """After a ``quantization="gguf"`` (or GPTQ / AWQ) load: a head tied to an embedding in Q8_0 or code blocks
+    multiplies by its blocks (keep_tables_in_blocks); with ``requantize_lm_head`` (4 or 5) the head's table, and a
+    tied embedding's, becomes code blocks."""
+    head = getattr(model, "lm_head", None)
+    embedding = getattr(model, "embed_tokens", None)
+    tied = keep_tables_in_blocks(model, q8_0_on_gpu=True)
     if requantize_lm_head is not None:
         if not isinstance(head, LMHead):
             raise ValueError(f"requantize_lm_head: {type(model).__name__} has no LM head to re-quantize")
@@ -97,12 +116,14 @@ def holds_blocks(quantization: str | None, source: ModelSource, backend: Backend
 
 
 def finish_int8(model: nn.Module, lm_head: bool) -> None:
-    """After loading: a head tied to the embedding shares its int8 table; a mixture's experts loaded in float are
-    quantized; every projection must be int8 but those marked ``keep_float`` (a mixture's routers)."""
+    """After loading: a head tied to the embedding shares its int8 table (with ``lm_head``, or a GGUF's Q8_0 blocks
+    kept: keep_tables_in_blocks); a mixture's experts loaded in float are quantized; every projection must be int8
+    but those marked ``keep_float`` (a mixture's routers)."""
     head = getattr(model, "lm_head", None)
     embedding = getattr(model, "embed_tokens", None)
-    if lm_head and isinstance(head, LMHead) and head.qweight is None and isinstance(embedding, VocabEmbedding):
-        head.quantize(tied_to=embedding)
+    tied = keep_tables_in_blocks(model, q8_0_on_gpu=False)
+    if lm_head and isinstance(head, LMHead) and head.qweight is None:
+        head.quantize(tied_to=embedding if tied else None)
     for module in model.modules():
         if hasattr(module, "quantize_experts"):
             module.quantize_experts()

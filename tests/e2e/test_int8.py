@@ -378,8 +378,8 @@ def hf_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def test_q8_0_gguf_loads_its_own_codes_and_block_scales_bit_exactly(q8_0_tiny, monkeypatch) -> None:
-    """int8 with a Q8_0 GGUF keeps each projection's codes and scales as the file stores them: no projection
-    is dequantized (only the float embedding and head are) and nothing is re-quantized."""
+    """int8 with a Q8_0 GGUF keeps each projection's, the embedding's and the head's codes and scales as the file
+    stores them: nothing is dequantized or re-quantized."""
     from kvloom.loader import gguf as kvloom_gguf
 
     dequantized = []
@@ -394,9 +394,13 @@ def test_q8_0_gguf_loads_its_own_codes_and_block_scales_bit_exactly(q8_0_tiny, m
     _, path = q8_0_tiny
     llm = LLM(model=path, dtype="bfloat16", max_model_len=128, quantization="int8",
               override_backend_config={"attention_backend": "reference"})
-    assert dequantized == [(400, 576)] * 2  # token_embd and output only: float in the model
+    assert dequantized == []
     model = llm.llm_engine.executor.driver.model
     stored = file_q8_0_blocks(path)
+    codes, scales = stored["token_embd.weight"]
+    assert torch.equal(model.embed_tokens.qweight, codes) and torch.equal(model.embed_tokens.weight_scale, scales)
+    codes, scales = stored["output.weight"]
+    assert torch.equal(model.lm_head.packed.qweight, codes) and torch.equal(model.lm_head.packed.scale, scales)
     heads, kv_heads = SMOLLM2_SHAPE["num_attention_heads"], SMOLLM2_SHAPE["num_key_value_heads"]
     for i, layer in enumerate(model.layers):
         expected = {
@@ -471,8 +475,9 @@ def test_q8_0_blocks_on_the_fast_path_in_bf16_agree_with_the_reference_ops(q8_0_
 
 def test_q8_0_blocks_greedy_equals_transformers_on_the_dequantized_weights_and_blocked_activations(
         q8_0_tiny, tmp_path) -> None:
-    """The oracle: transformers with the Q8_0 weights dequantized (exact in fp32) and every projection's input
-    rounded through int8 per block of 32 (a pre-hook), as the blocks' product quantizes it."""
+    """The oracle: transformers with the Q8_0 weights dequantized (exact in fp32) and every projection's input, and
+    the LM head's (kept in its Q8_0 blocks too), rounded through int8 per block of 32 (a pre-hook), as the blocks'
+    product quantizes it."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -491,7 +496,7 @@ def test_q8_0_blocks_greedy_equals_transformers_on_the_dequantized_weights_and_b
         return (rows.view(x.shape),)
 
     for name, module in model.named_modules():
-        if name.endswith(PROJECTIONS):
+        if name.endswith(PROJECTIONS) or name == "lm_head":
             module.register_forward_pre_hook(blocked_input)
     prompts = mixed_prompts(400, count=8)
     expected = []

@@ -1,0 +1,120 @@
+"""A GGUF's embedding table and LM head kept in the file's blocks on a CPU (layers/embedding.py).
+
+A Q4_K_M file's tied Q6_K table is kept as code blocks (the head takes the code-block product, the lookup reads rows of
+the same packed blocks), a Q8_0 file's as int8 blocks (the W8A8-on-blocks product, its scales streamed as the file's
+fp16). The oracle for each: the same model written with its table in F32 holding exactly the values the blocks
+decode to, so only the head's product differs (activations quantized to 8 bits per block of 32, as llama.cpp does).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import tiny_models
+import torch
+from safetensors.torch import load_file, save_file
+
+from e2e.test_correctness import kvloom_greedy, mixed_prompts
+from e2e.test_gguf_4bit import worst_prompt_logprob_gap
+from kvloom import LLM
+from kvloom.loader.weights import iter_weights, resolve_model
+from kvloom.ops import cpu
+from kvloom.ops.q4 import PackedQ4Weight
+
+GGML_F32, GGML_Q4_1, GGML_Q8_0, GGML_Q6_K = 0, 3, 8, 14
+TABLE = "model.embed_tokens.weight"
+
+
+def _file_table(path: str, name: str = TABLE) -> torch.Tensor:
+    """A tensor of the file as the loader dequantizes it (fp32, exactly the blocks' values)."""
+    return dict(iter_weights(resolve_model(path)))[name]
+
+
+def _twin_files(root: str, types: dict[str, int], tied: bool) -> tuple[str, str]:
+    """(the file with its table in ``types["embed"]``, the same model with that table's decoded values in F32)."""
+    checkpoint = tiny_models.build_tiny_checkpoint(os.path.join(root, "hf"), arch="llama", hidden_size=256,
+                                                   intermediate_size=256, tie_word_embeddings=tied)
+    blocks = tiny_models.write_tiny_gguf(os.path.join(root, "blocks.gguf"), checkpoint, types=types)
+    names = [name for name in os.listdir(checkpoint) if name.endswith(".safetensors")]
+    for name in names:  # the table's decoded values into the checkpoint, then written in F32
+        path = os.path.join(checkpoint, name)
+        tensors = load_file(path)
+        if TABLE in tensors:
+            tensors[TABLE] = _file_table(blocks).contiguous()
+            save_file(tensors, path, metadata={"format": "pt"})
+    floats = tiny_models.write_tiny_gguf(os.path.join(root, "floats.gguf"), checkpoint, types={**types, "embed": 0})
+    return blocks, floats
+
+
+def _tokens_agree(ours: LLM, theirs: LLM, seed: int) -> None:
+    """Greedy tokens equal the twin's on most prompts; logprobs within the 8-bit activations' rounding."""
+    prompts = mixed_prompts(400, count=6, seed=seed)
+    same = sum(a == b for a, b in zip(kvloom_greedy(ours, prompts, 8), kvloom_greedy(theirs, prompts, 8)))
+    assert same >= len(prompts) - 1
+    # The head's logits move by the activations' per-block rounding (up to 0.4% of a block's largest value): on this
+    # random model's prompt tokens 0.078 (Q6_K) and 0.097 (Q8_0) at worst; a wrong table or scale is whole logprobs.
+    assert worst_prompt_logprob_gap(ours, theirs, prompts) < 0.15
+
+
+@pytest.fixture(scope="module")
+def kernels() -> None:
+    if not cpu.cpu_kernel_available() or not torch.ops.kvloom.q4_gemm_kernel():
+        pytest.skip("the CPU kernels are not built here")
+
+
+def test_a_tied_q6_k_table_is_kept_once_in_its_code_blocks(kernels: None, tmp_path) -> None:
+    """A Q4_K_M-like file (Q4_1 projections here, a tied Q6_K table): the head packs the table's 6-bit code blocks,
+    the embedding reads its rows back there (no float copy, none row-major), the lookup gives exactly the file's
+    values and the tokens are the F32 twin's."""
+    blocks, floats = _twin_files(str(tmp_path), {"embed": GGML_Q6_K, "attn": GGML_Q4_1, "attn_o": GGML_Q4_1,
+                                                 "ffn": GGML_Q4_1, "ffn_down": GGML_Q4_1}, tied=True)
+    llm = LLM(model=blocks, dtype="float32", max_model_len=128)
+    model = llm.llm_engine.executor.driver.model
+    embedding, head = model.embed_tokens, model.lm_head
+    assert isinstance(head.packed, PackedQ4Weight) and head.packed.high is not None  # 6-bit codes
+    assert head.blocks is None and embedding.blocks is None and embedding.weight.numel() == 0
+    assert embedding.table == head.packed.rows
+    ids = torch.tensor([[5, 0], [model.config.vocab_size - 1, 5]])
+    assert torch.equal(embedding(ids), _file_table(blocks)[ids])
+    twin = LLM(model=floats, dtype="float32", max_model_len=128)
+    assert twin.llm_engine.executor.driver.model.lm_head.blocks is None
+    _tokens_agree(llm, twin, seed=5)
+
+
+def test_a_q8_0_files_tied_table_stays_in_blocks_with_fp16_scales(kernels: None, tmp_path) -> None:
+    """The Q8_0 default (``quantization="int8"``, the file's blocks kept) keeps the tied Q8_0 table too: the head's
+    W8A8-on-blocks product streams the file's fp16 scales, the lookup reads the same blocks exactly."""
+    q8 = {"embed": GGML_Q8_0, "attn": GGML_Q8_0, "attn_o": GGML_Q8_0, "ffn": GGML_Q8_0, "ffn_down": GGML_Q8_0}
+    blocks, floats = _twin_files(str(tmp_path), q8, tied=True)
+    llm = LLM(model=blocks, dtype="float32", max_model_len=128)
+    assert llm.llm_engine.config.quantization == "int8"
+    model = llm.llm_engine.executor.driver.model
+    embedding, head = model.embed_tokens, model.lm_head
+    assert isinstance(head.packed, cpu.PackedInt8BlocksWeight) and head.packed.scale.dtype == torch.float16
+    assert embedding.qweight is None and embedding.weight.numel() == 0 and embedding.table == head.packed.rows
+    ids = torch.tensor([3, model.config.vocab_size - 1, 3])
+    assert torch.equal(embedding(ids), _file_table(blocks)[ids])
+    _tokens_agree(llm, LLM(model=floats, dtype="float32", max_model_len=128), seed=6)
+
+
+def test_an_untied_q6_k_head_and_its_embedding_stay_in_blocks(kernels: None, tmp_path) -> None:
+    """An 8B Q4_K_M's layout: an untied Q6_K head (the code-block product) beside a Q4_1 table looked up from its
+    blocks; both give exactly the file's values."""
+    checkpoint = tiny_models.build_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", hidden_size=256,
+                                                   intermediate_size=256, tie_word_embeddings=False)
+    path = tiny_models.write_tiny_gguf(str(tmp_path / "untied.gguf"), checkpoint,
+                                       types={"embed": GGML_Q4_1, "output": GGML_Q6_K, "attn": GGML_Q4_1,
+                                              "attn_o": GGML_Q4_1, "ffn": GGML_Q4_1, "ffn_down": GGML_Q4_1})
+    llm = LLM(model=path, dtype="float32", max_model_len=128)
+    model = llm.llm_engine.executor.driver.model
+    embedding, head = model.embed_tokens, model.lm_head
+    assert isinstance(head.packed, PackedQ4Weight) and embedding.blocks is not None
+    assert embedding.weight.numel() == 0 and head.weight.numel() == 0
+    ids = torch.tensor([2, model.config.vocab_size - 1])
+    assert torch.equal(embedding(ids), _file_table(path)[ids])
+    head_rows = head.packed.rows(ids)
+    assert torch.equal(head_rows.dequantize(), _file_table(path, "lm_head.weight")[ids])
+    floats = LLM(model=path, dtype="float32", max_model_len=128, quantization="none")
+    prompts = mixed_prompts(400, count=4, seed=7)
+    assert worst_prompt_logprob_gap(llm, floats, prompts) < 0.25  # 4-bit projections dominate (as in test_gguf_4bit)
