@@ -19,7 +19,7 @@ import torch
 
 from kvloom.bench.realsize_shapes import gguf_path
 from kvloom.loader import gguf
-from kvloom.ops.cpu import PackedInt8BlocksWeight, PackedWeight, pack_block_columns
+from kvloom.ops.cpu import PackedInt8BlocksWeight, PackedWeight, int8_kernels_available, pack_block_columns
 from kvloom.ops.q4 import PackedQ4Weight
 
 
@@ -39,6 +39,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
+    if not int8_kernels_available():
+        raise SystemExit("kvloom's C++ kernels are not built here (they need AVX2 or AVX-512)")
     _, raw, shape = table(str(gguf_path(args.model, "q8_0")))
     q8 = gguf.q8_0_blocks(raw, shape)
     q6_type, raw6, shape6 = table(str(gguf_path(args.model, "q4_k_m")))

@@ -18,9 +18,12 @@ from safetensors.torch import load_file, save_file
 from e2e.test_correctness import kvloom_greedy, mixed_prompts
 from e2e.test_gguf_4bit import worst_prompt_logprob_gap
 from kvloom import LLM
+from kvloom.layers.embedding import LMHead, VocabEmbedding
+from kvloom.layers.quantization import keep_tables_in_blocks
 from kvloom.loader.weights import iter_weights, resolve_model
 from kvloom.ops import cpu
-from kvloom.ops.q4 import PackedQ4Weight
+from kvloom.ops.int8 import Int8Blocks, quantize_per_block
+from kvloom.ops.q4 import PackedQ4Weight, Q4Blocks
 
 GGML_F32, GGML_Q4_1, GGML_Q8_0, GGML_Q6_K = 0, 3, 8, 14
 TABLE = "model.embed_tokens.weight"
@@ -118,3 +121,35 @@ def test_an_untied_q6_k_head_and_its_embedding_stay_in_blocks(kernels: None, tmp
     floats = LLM(model=path, dtype="float32", max_model_len=128, quantization="none")
     prompts = mixed_prompts(400, count=4, seed=7)
     assert worst_prompt_logprob_gap(llm, floats, prompts) < 0.25  # 4-bit projections dominate (as in test_gguf_4bit)
+
+
+def _tied_tables(device: str, table: Q4Blocks | Int8Blocks) -> torch.nn.Module:
+    """An embedding and a head tied as a model builds them, on ``device``, the embedding loaded with ``table``."""
+    model = torch.nn.Module()
+    with torch.device(device):
+        model.embed_tokens = VocabEmbedding(*table.shape)
+        model.lm_head = LMHead(*table.shape)
+    model.lm_head.weight = model.embed_tokens.weight
+    model.embed_tokens.load_shard("weight", 0, table)
+    return model
+
+
+def test_tables_in_blocks_are_kept_on_a_cpu_and_dequantized_for_a_gpu() -> None:
+    """keep_tables_in_blocks: on a CPU the tied head takes the embedding's code blocks (or Q8_0 ones) and the
+    embedding reads its rows there; placed elsewhere (here "meta", standing for a GPU: only where the tensors are is
+    read) code blocks become a float table the head shares, Q8_0 ones too unless ``q8_0_on_gpu``."""
+    torch.manual_seed(0)
+    code_blocks = Q4Blocks.quantize(torch.randn(40, 64), 6, 16)
+    model = _tied_tables("cpu", code_blocks)
+    assert keep_tables_in_blocks(model, q8_0_on_gpu=False)
+    assert torch.equal(model.lm_head.blocks.codes, code_blocks.codes) and model.embed_tokens.blocks is None
+    ids = torch.tensor([3, 39, 3])
+    assert torch.equal(model.embed_tokens(ids), code_blocks.dequantize()[ids])
+    q8 = Int8Blocks(*quantize_per_block(torch.randn(40, 64)))
+    for table, q8_0_on_gpu, kept in ((code_blocks, True, False), (q8, False, False), (q8, True, True)):
+        model = _tied_tables("meta", table)
+        keep_tables_in_blocks(model, q8_0_on_gpu)
+        embedding, head = model.embed_tokens, model.lm_head
+        assert embedding.holds_blocks() == kept and (head.qweight is not None) == kept
+        assert head.blocks is None and embedding.table is None and head.weight is embedding.weight
+        assert tuple(embedding.weight.shape) == ((0, 64) if kept else (40, 64))
