@@ -63,6 +63,7 @@ class VocabEmbedding(nn.Module):
         self.qweight: torch.Tensor | None = None  # int8 [vocab, hidden] after quantize
         self.weight_scale: torch.Tensor | None = None  # fp32 [vocab], or [vocab, hidden / 32] for Q8_0 blocks
         self.blocks: Q4Blocks | None = None  # a GGUF's code-block table, as read (until a tied head takes it)
+        self.packed_table: object | None = None  # an untied code-block table packed, whose rows this reads
         # The tied head's packed weight, whose ``rows`` this reads instead of a table of its own (share_tied_table).
         self.table: Callable[[torch.Tensor], Table] | None = None
         self.dtype = self.weight.dtype
@@ -99,6 +100,18 @@ class VocabEmbedding(nn.Module):
         """Rows from ``table`` (the tied head's packed weight's ``rows``) instead of a table of this module's own."""
         self.table = table
         self.qweight = self.weight_scale = None
+
+    def process_weights_after_loading(self, ops: Ops) -> None:
+        """A table of its own in code blocks (an untied embedding: an 8B Q4_K_M's Q4_K table) packed as the code-block
+        product packs it, where its rows are read back (4 or 6 bits a weight beside its scales; the unpacked codes take
+        a byte each): the product itself is never called. A tied embedding's blocks are the head's by now."""
+        if self.blocks is None:
+            return
+        packed = ops.pack_linear_q4(self.blocks, None)
+        if getattr(packed, "holds_rows", hasattr(packed, "rows")):
+            self.packed_table = packed
+            self.read_from(packed.rows)
+            self.blocks = None
 
     def holds_blocks(self) -> bool:
         """Whether the table is a GGUF's blocks (Q8_0, or code blocks) held by this module."""

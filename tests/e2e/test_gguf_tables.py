@@ -102,8 +102,8 @@ def test_a_q8_0_files_tied_table_stays_in_blocks_with_fp16_scales(kernels: None,
 
 
 def test_an_untied_q6_k_head_and_its_embedding_stay_in_blocks(kernels: None, tmp_path) -> None:
-    """An 8B Q4_K_M's layout: an untied Q6_K head (the code-block product) beside a Q4_1 table looked up from its
-    blocks; both give exactly the file's values."""
+    """An 8B Q4_K_M's layout: an untied Q6_K head (the code-block product) beside a Q4_1 table packed the same way
+    (4 bits a weight, not a byte) and looked up there; both give exactly the file's values."""
     checkpoint = tiny_models.build_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", hidden_size=256,
                                                    intermediate_size=256, tie_word_embeddings=False)
     path = tiny_models.write_tiny_gguf(str(tmp_path / "untied.gguf"), checkpoint,
@@ -112,7 +112,8 @@ def test_an_untied_q6_k_head_and_its_embedding_stay_in_blocks(kernels: None, tmp
     llm = LLM(model=path, dtype="float32", max_model_len=128)
     model = llm.llm_engine.executor.driver.model
     embedding, head = model.embed_tokens, model.lm_head
-    assert isinstance(head.packed, PackedQ4Weight) and embedding.blocks is not None
+    assert isinstance(head.packed, PackedQ4Weight) and isinstance(embedding.packed_table, PackedQ4Weight)
+    assert embedding.blocks is None and embedding.table == embedding.packed_table.rows
     assert embedding.weight.numel() == 0 and head.weight.numel() == 0
     ids = torch.tensor([2, model.config.vocab_size - 1])
     assert torch.equal(embedding(ids), _file_table(path)[ids])
