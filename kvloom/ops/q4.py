@@ -200,10 +200,94 @@ def pack_high_bits(codes: torch.Tensor, planes: int) -> torch.Tensor:
     return torch.stack(out, dim=2).contiguous()
 
 
+# The two-level scales of the k-quants (GGUF Q4_K / Q5_K / Q6_K) as stored: per super-block of SUPER blocks of 32
+# (256 inputs) an fp16 scale per row, and per group an integer sub-scale; each fp32 scale is their exact product.
+SUPER = 8
+SPLIT_HEAD = 2 * PANEL * 2  # a panel's super-block starts with the fp16 D and M of its 8 columns: 32 bytes
+# Sub-scales tried for a super-block's largest |value| (llama.cpp's quantizers give it 63 in Q4_K / Q5_K and -128 in
+# Q6_K); a tensor whose super-blocks these leave unresolved keeps fp32 scales (the factoring only saves bytes).
+_SUB_SCALE_GUESSES = (63, -128, 127, -127, 31, 15)
+
+
+def split_scales(values: torch.Tensor, per_super: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """fp32 [N, G] -> (fp16 [N, G / per_super], int8 [N, G]) whose products are the values exactly, in fp32 (a
+    k-quant's super-block scale times its sub-scales); None where some super-block is no such product."""
+    n, groups = values.shape
+    if groups % per_super or not values.numel():
+        return None
+    v = values.float().reshape(-1, per_super)
+    top = v.gather(1, v.abs().argmax(dim=1, keepdim=True))  # [S, 1]: the value of largest magnitude
+    scale = torch.zeros_like(top)
+    todo = (top != 0).squeeze(1).nonzero().squeeze(1)
+    for guess in _SUB_SCALE_GUESSES:
+        if not todo.numel():
+            break
+        rows, d = v[todo], top[todo] / guess
+        sub = rows / d
+        ok = ((d.half().float() == d).squeeze(1) & (sub == sub.round()).all(1) & (sub >= -128).all(1)
+              & (sub <= 127).all(1) & (d * sub.round() == rows).all(1))
+        scale[todo[ok]] = d[ok]
+        todo = todo[~ok]
+    if todo.numel():
+        return None
+    nonzero = scale != 0
+    sub = torch.where(nonzero, v / torch.where(nonzero, scale, torch.ones_like(scale)), torch.zeros_like(v))
+    return scale.view(n, groups // per_super).half(), sub.round().to(torch.int8).view(n, groups)
+
+
+def _panel_columns_last(t: torch.Tensor, n: int, per: int) -> torch.Tensor:
+    """[N, S * per] -> [panels, S, per, 8]: each panel's 8 columns last, zero past N."""
+    panels = -(-n // PANEL)
+    padded = t.new_zeros(panels * PANEL, t.shape[1])
+    padded[:n] = t
+    return padded.view(panels, PANEL, -1, per).permute(0, 2, 3, 1)
+
+
+def pack_split_scales(d: torch.Tensor, m: torch.Tensor, groups_per_block: int = 1) -> torch.Tensor | None:
+    """fp32 [N, groups] scales and offsets -> uint8 [ceil(N / 8), blocks / SUPER, SPLIT_HEAD + SUPER * rows * 8]
+    (per panel and super-block: the fp16 D of its 8 columns, their fp16 M, then per block ``rows`` x 8 int8
+    sub-scales: those of d per group, then those of m), with d = D s and m = M t exactly; where m = -32 d (GGUF
+    Q6_K) the offsets' sub-scales are d's and only those are stored (rows = G, M = -32 D). None where the scales
+    are no such products (the file's own fp16 scales per block, GGUF Q4_0 / Q4_1, or a fused layer's mix)."""
+    n, groups = d.shape
+    g = groups_per_block
+    per_super = SUPER * g
+    d_split = split_scales(d, per_super)
+    if d_split is None:
+        return None
+    derived = g == 2 and torch.equal(m, -32 * d)
+    if derived:
+        top_m = (-32 * d_split[0].float()).half()
+        if not torch.equal(top_m.float(), -32 * d_split[0].float()):
+            return None
+        m_split = (top_m, d_split[1])
+    else:
+        m_split = split_scales(m, per_super)
+        if m_split is None:
+            return None
+    head = [_panel_columns_last(t.view(torch.int16), n, 1).contiguous().view(torch.uint8)  # [P, S, 1, 16]
+            for t in (d_split[0], m_split[0])]
+    subs = [d_split[1]] if derived else [d_split[1], m_split[1]]
+    # [P, S, SUPER * g, 8] each -> [P, S, SUPER, rows, 8]: per block, d's groups then m's
+    blocks = [_panel_columns_last(t, n, per_super).reshape(-1, groups // per_super, SUPER, g, PANEL) for t in subs]
+    body = torch.cat(blocks, dim=3).contiguous().view(torch.uint8)
+    panels, supers = body.shape[0], body.shape[1]
+    return torch.cat((head[0].view(panels, supers, -1), head[1].view(panels, supers, -1),
+                      body.view(panels, supers, -1)), dim=2).contiguous()
+
+
 def pack_q4_scales(d: torch.Tensor, m: torch.Tensor, groups_per_block: int = 1) -> torch.Tensor:
-    """fp32 [N, groups] scales and offsets -> [ceil(N / 8), blocks, 2 G, 8] for G groups per block of 32 (d of each
-    group, then m of each, per column; zero past N), in fp16 where every value is exactly one (GGUF Q4_0 / Q4_1, GPTQ,
-    AWQ: half the scale bytes to stream), else fp32 (Q4_K's and Q6_K's products of two scales)."""
+    """fp32 [N, groups] scales and offsets -> the kernel's block scales: the k-quants' two levels where they factor
+    (pack_split_scales: 4.6 bits a weight for Q4_K's 4-bit codes, 6.6 for Q6_K's 6-bit ones), else
+    [ceil(N / 8), blocks, 2 G, 8] for G groups per block of 32 (d of each group, then m of each, per column; zero
+    past N), in fp16 where every value is exactly one (GGUF Q4_0 / Q4_1, GPTQ, AWQ: half the scale bytes to
+    stream), else fp32."""
+    split = pack_split_scales(d, m, groups_per_block)
+    return split if split is not None else pack_block_scales(d, m, groups_per_block)
+
+
+def pack_block_scales(d: torch.Tensor, m: torch.Tensor, groups_per_block: int = 1) -> torch.Tensor:
+    """pack_q4_scales' one level: [ceil(N / 8), blocks, 2 G, 8], fp16 where exact, else fp32."""
     n, groups = d.shape
     panels, g = -(-n // PANEL), groups_per_block
     both = d.new_zeros(2, panels * PANEL, groups)
@@ -213,6 +297,24 @@ def pack_q4_scales(d: torch.Tensor, m: torch.Tensor, groups_per_block: int = 1) 
                                                                                          PANEL).contiguous()
     half = packed.half()
     return half if torch.equal(half.float(), packed) else packed
+
+
+def unpack_q4_scales(scales: torch.Tensor, panels: torch.Tensor, column: torch.Tensor, groups_per_block: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns (panel, column) [T] of pack_q4_scales' scales -> d and m fp32 [T, blocks * G]."""
+    t, g = panels.shape[0], groups_per_block
+    if scales.dtype != torch.uint8:
+        both = scales[panels, :, :, column].float()  # [T, blocks, 2 G]
+        return both[:, :, :g].reshape(t, -1), both[:, :, g:].reshape(t, -1)
+    chosen = scales[panels]  # [T, S, bytes]
+    supers, rows = chosen.shape[1], (chosen.shape[2] - SPLIT_HEAD) // (SUPER * PANEL)
+    top = chosen[:, :, :SPLIT_HEAD].contiguous().view(torch.float16).view(t, supers, 2, PANEL)
+    top = top[torch.arange(t), :, :, column].float()  # [T, S, 2]
+    sub = chosen[:, :, SPLIT_HEAD:].contiguous().view(torch.int8).view(t, supers, SUPER, rows, PANEL)
+    sub = sub[torch.arange(t), :, :, :, column].float()  # [T, S, SUPER, rows]
+    d = top[:, :, 0, None, None] * sub[..., :g]
+    m = top[:, :, 1, None, None] * (sub[..., :g] if rows == g else sub[..., g:])
+    return d.reshape(t, -1), m.reshape(t, -1)
 
 
 def packed_q4_rows(data: torch.Tensor, high: torch.Tensor | None, scales: torch.Tensor, ids: torch.Tensor,
@@ -231,10 +333,8 @@ def packed_q4_rows(data: torch.Tensor, high: torch.Tensor | None, scales: torch.
         for plane in range(high.shape[2]):
             bits = (planes[:, :, plane, None, None, :] >> shifts[..., None]) & 1  # [T, b, j, h, i]
             codes |= bits << (4 + plane)
-    groups = scales.shape[2] // 2  # per block: d of each group, then m of each
-    both = scales[panels, :, :, column].float()  # [T, blocks, 2 G]
-    d = both[:, :, :groups].reshape(t, blocks * groups)
-    m = both[:, :, groups:].reshape(t, blocks * groups)
+    groups = 2 if high is not None and high.shape[2] == 2 else 1  # 6-bit codes: a scale and an offset per 16
+    d, m = unpack_q4_scales(scales, panels, column, groups)
     return Q4Blocks(codes.reshape(t, in_features), d, m)
 
 

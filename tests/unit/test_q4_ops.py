@@ -23,6 +23,7 @@ from kvloom.ops.q4 import (
     NativeQ4Linear,
     PackedQ4Weight,
     Q4Blocks,
+    pack_block_scales,
     pack_high_bits,
     pack_q4_scales,
     pack_q4_weight,
@@ -370,3 +371,80 @@ def test_packed_rows_give_back_the_blocks(kernels: None, bits: int, group: int) 
     assert torch.equal(rows.d, expected.d[ids]) and torch.equal(rows.m, expected.m[ids])
     assert torch.equal(NativeQ4Linear(weight, None).rows(ids).dequantize(), weight.dequantize()[ids])
 
+
+
+def random_k_quant(n: int, k: int, seed: int, bits: int, largest: int | None = None) -> Q4Blocks:
+    """Q4_K / Q5_K / Q6_K-like blocks as llama.cpp's quantizers make them: per super-block of 256 an fp16 D (and
+    dmin), per group an integer sub-scale, d = D s and m = -dmin t (Q6_K: int8 s per 16, m = -32 d); one sub-scale
+    of each super-block at ``largest`` (63 for 4/5 bits, -128 for 6, as llama.cpp sets it)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
+    group = 16 if bits == 6 else BLOCK
+    per_super, supers = 256 // group, k // 256
+    top = (torch.rand(n, supers, 1, generator=g) * 1e-3 + 1e-5).half().float()
+    low, high = (-127, 128) if bits == 6 else (0, 64)
+    subs = torch.randint(low, high, (n, supers, per_super), generator=g).float()
+    subs[..., 0] = largest if largest is not None else (-128 if bits == 6 else 63)
+    d = (top * subs).view(n, -1)
+    if bits == 6:
+        return Q4Blocks(codes, d, -32 * d)
+    mins = torch.randint(0, 64, (n, supers, per_super), generator=g).float()
+    mins[..., 0] = largest if largest is not None else 63
+    dmin = (torch.rand(n, supers, 1, generator=g) * 1e-2).half().float()
+    return Q4Blocks(codes, d, -(dmin * mins).view(n, -1))
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6])
+@pytest.mark.parametrize(("m", "n"), [(1, 61), (5, 8), (17, 33), (64, 95)])
+def test_k_quant_scales_stay_in_their_two_levels_with_the_same_product(kernels: None, bits: int, m: int, n: int
+                                                                      ) -> None:
+    """Q4_K / Q5_K / Q6_K scales are packed as the file's levels (an fp16 scale per 256 and 8-bit sub-scales:
+    4.6 bits a weight for 4-bit codes instead of 6, 6.6 for Q6_K instead of 10, its offsets derived from its
+    scales) and give the fp32 scales' product bit for bit: vector kernel, plain loops, bf16 tiles where present,
+    both dtypes; the rows read back are the blocks."""
+    k = 512
+    weight = random_k_quant(n, k, seed=m + n + bits, bits=bits)
+    packed = PackedQ4Weight(weight, None)
+    rows = 2  # per block: d's and m's sub-scales per 32, or (6 bits) d's per 16 with m = -32 d
+    assert packed.scales.dtype == torch.uint8
+    assert packed.scales.shape == (-(-n // 8), k // 256, 32 + 8 * rows * 8)
+    assert packed.scales.numel() * 8 / (-(-n // 8) * 8 * k) == 0.625  # bits a weight: 0.5 + 2 fp16 per 256
+    group = 2 if bits == 6 else 1
+    bias = torch.randn(n)
+    for dtype in DTYPES:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        for options in ({"bf16_tiles": False}, {"portable": True}, {}):
+            fast, one_level = PackedQ4Weight(weight, bias, **options), PackedQ4Weight(weight, bias, **options)
+            one_level.scales = pack_block_scales(weight.in_groups_of_16().d if bits == 6 else weight.d,
+                                                 weight.in_groups_of_16().m if bits == 6 else weight.m, group)
+            assert one_level.scales.dtype == torch.float32
+            assert torch.equal(fast(x), one_level(x)), (dtype, options)
+    if bits != 6:
+        check_against_reference(weight, m, torch.float32)
+    ids = torch.tensor([0, n - 1, n // 2, 0])
+    back = packed.rows(ids)
+    assert torch.equal(back.codes, weight.codes[ids])
+    assert torch.equal(back.d, weight.d[ids]) and torch.equal(back.m, weight.m[ids])
+
+
+def test_two_level_scales_where_they_factor_and_one_level_where_not(kernels: None) -> None:
+    """A fused layer of Q4_K rows (per 16, repeated) beside Q6_K ones keeps both levels with the offsets' own
+    sub-scales (4 rows a block); sub-scales no guess reaches, a K short of a super-block, or the file's fp16 scales
+    per block (Q4_1) keep one level. Each product equals the reference."""
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    four, six = random_k_quant(16, 512, seed=1, bits=4), random_k_quant(8, 512, seed=2, bits=6)
+    fused = Q4Blocks(torch.cat((four.codes, six.codes)), *(torch.cat((a, b)) for a, b in
+                                                           zip(four.in_groups_of_16()[1:], six[1:])))
+    cases = [(fused, torch.uint8, 32 + 8 * 4 * 8), (random_k_quant(9, 512, seed=3, bits=4, largest=40), None, None),
+             (random_q4(9, 288, seed=4), torch.float16, None),
+             (random_q4(9, 512, seed=5), torch.float16, None)]
+    for weight, dtype, width in cases:
+        packed = PackedQ4Weight(weight, None)
+        if dtype is not None:
+            assert packed.scales.dtype == dtype
+        else:
+            assert packed.scales.dtype != torch.uint8
+        if width is not None:
+            assert packed.scales.shape[-1] == width
+        xs = x[:, :weight.codes.shape[1]].contiguous()
+        assert_within(packed(xs), q4_linear_reference(xs, weight), ulps=1, slack=q4_slack(xs, weight, None))

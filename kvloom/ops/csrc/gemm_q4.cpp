@@ -26,7 +26,11 @@
 // their upper bits in planes beside them (pack_high_bits: high[panel][block][plane][32], bit 2 j + h of byte 4 c + i
 // is bit 4 + plane of the code in nibble h of pair j's byte (c, i)), OR-ed into the nibbles in registers. Q6_K has a
 // scale and an offset per 16 k: its scales are packed [panel][block][4][8] (d0, d1, m0, m1), pairs 0-1 and 2-3 of a
-// block sum apart, and sx comes per half block. Without AVX2 the same layout is read
+// block sum apart, and sx comes per half block. The k-quants' scales (Q4_K / Q5_K / Q6_K) are kept in their two
+// levels instead (SplitScale below, kvloom/ops/q4.py pack_split_scales): per super-block of 8 blocks an fp16 D and M
+// per column and per block int8 sub-scales s (and t), d = D s and m = M t in fp32, exact (an 11-bit times an 8-bit
+// significand): the fp32 scales' values, at 4.6 bits a weight for 4-bit codes instead of 6. Without AVX2 the same
+// layout is read
 // by plain loops (`portable=True` runs those anywhere): the same integers and fp32 steps, bit for bit.
 
 #include "avx2_columns.h"
@@ -70,6 +74,45 @@ constexpr int64_t kHighBytes = kPanel * kBlock / 8;  // one bit plane (bit 4 or 
 constexpr int64_t kRows = 4;               // rows per micro-kernel: 4 x (16-bit sums, fp32 sums)
 constexpr int64_t kRowChunk = 256;         // rows whose codes stay in L2 while panels stream
 
+// Two-level scales (S = SplitScale, addressed in bytes): per panel and super-block of kSuper blocks, the fp16 D and
+// M of its 8 columns (kSplitHead bytes), then per block `rows` x 8 int8 sub-scales: each group's s (d = D s), then
+// each group's t (m = M t); with rows == groups (Q6_K, m = -32 d) the offsets take the scales' s (M = -32 D).
+struct SplitScale {
+  uint8_t byte;
+};
+constexpr int64_t kSuper = 8;
+constexpr int64_t kSplitHead = 2 * kPanel * 2;
+constexpr int64_t split_super_bytes(int rows) { return kSplitHead + kSuper * rows * kPanel; }
+
+// S values per panel: blocks x rows x 8 scales, or the two-level bytes.
+template <typename S>
+int64_t panel_scales_size(int64_t blocks, int rows) {
+  if constexpr (std::is_same_v<S, SplitScale>) {
+    return blocks / kSuper * split_super_bytes(rows);
+  } else {
+    return blocks * rows * kPanel;
+  }
+}
+
+// Block b, group g (of `groups`: 2 for 6-bit codes), column c of a panel's scales: d and m in fp32.
+template <typename S>
+inline void block_scale(const S* s, int64_t b, int rows, int groups, int g, int64_t c, float& d, float& m) {
+  if constexpr (std::is_same_v<S, SplitScale>) {
+    const uint8_t* p = &s->byte + b / kSuper * split_super_bytes(rows);
+    c10::Half top[2];
+    std::memcpy(&top[0], p + 2 * c, 2);
+    std::memcpy(&top[1], p + 2 * (kPanel + c), 2);
+    const int8_t* sub = reinterpret_cast<const int8_t*>(p + kSplitHead) + b % kSuper * rows * kPanel;
+    const float sd = sub[g * kPanel + c];
+    d = static_cast<float>(top[0]) * sd;
+    m = static_cast<float>(top[1]) * (rows == groups ? sd : static_cast<float>(sub[(groups + g) * kPanel + c]));
+  } else {
+    const S* sb = s + b * rows * kPanel;
+    d = static_cast<float>(sb[g * kPanel + c]);
+    m = static_cast<float>(sb[(groups + g) * kPanel + c]);
+  }
+}
+
 // One panel's block of y for rows [0, R): xq s8 codes (stride ldq), dx scales and sx = dx * code sum per
 // (row, block) (stride lds); panel: the panel's packed bytes; scales: its [blocks][2][8] (S: float or c10::Half).
 #if defined(KVLOOM_Q4_AVX2)
@@ -81,6 +124,28 @@ using kvloom::avx2::store_columns;
 inline __m256 load_scales(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load_scales(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// 8 int8 sub-scales as fp32.
+inline __m256 load_sub_scales(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Block b, group g's d and m of a panel's 8 columns (block_scale's values).
+template <typename S>
+inline void block_scales(const S* s, int64_t b, int rows, int groups, int g, __m256& d, __m256& m) {
+  if constexpr (std::is_same_v<S, SplitScale>) {
+    const uint8_t* p = &s->byte + b / kSuper * split_super_bytes(rows);
+    const int8_t* sub = reinterpret_cast<const int8_t*>(p + kSplitHead) + b % kSuper * rows * kPanel;
+    const __m256 sd = load_sub_scales(sub + g * kPanel);
+    d = _mm256_mul_ps(load_scales(reinterpret_cast<const c10::Half*>(p)), sd);
+    m = _mm256_mul_ps(load_scales(reinterpret_cast<const c10::Half*>(p) + kPanel),
+                      rows == groups ? sd : load_sub_scales(sub + (groups + g) * kPanel));
+  } else {
+    const S* sb = s + b * rows * kPanel;
+    d = load_scales(sb + g * kPanel);
+    m = load_scales(sb + (groups + g) * kPanel);
+  }
 }
 
 // Bit t (slot t = 2 j + h: pair j, its low h = 0 or high h = 1 nibbles) of each byte of a bit plane moved to bit
@@ -128,11 +193,10 @@ inline void pair_codes(const uint8_t* w, int j, const __m256i* planes, __m256i& 
 // 2 * 63 * 127 = 16002 (6 bits).
 template <int R, int Bits, typename T, typename S>
 inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, int64_t lds,
-                      const uint8_t* panel, const uint8_t* high, const S* scales, int64_t blocks, const float* bias,
-                      T* y, int64_t ldy, int64_t columns) {
+                      const uint8_t* panel, const uint8_t* high, const S* scales, int rows, int64_t blocks,
+                      const float* bias, T* y, int64_t ldy, int64_t columns) {
   constexpr int kPlanes = Bits - 4;
   constexpr bool Halves = Bits == 6;
-  constexpr int kScales = Halves ? 4 : 2;
 #if !defined(KVLOOM_VNNI_DOT)
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
@@ -191,10 +255,10 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
       }
 #endif
     }
-    const S* sb = scales + b * kScales * kPanel;
     if constexpr (Halves) {
-      const __m256 d0 = load_scales(sb), d1 = load_scales(sb + kPanel);
-      const __m256 m0 = load_scales(sb + 2 * kPanel), m1 = load_scales(sb + 3 * kPanel);
+      __m256 d0, d1, m0, m1;
+      block_scales(scales, b, rows, 2, 0, d0, m0);
+      block_scales(scales, b, rows, 2, 1, d1, m1);
       KVLOOM_UNROLL
       for (int r = 0; r < R; ++r) {
         const __m256 scale = _mm256_set1_ps(dx[r * blocks + b]);
@@ -204,7 +268,8 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
         acc[r] = _mm256_fmadd_ps(m1, _mm256_set1_ps(sx[r * lds + 2 * b + 1]), acc[r]);
       }
     } else {
-      const __m256 d = load_scales(sb), m = load_scales(sb + kPanel);
+      __m256 d, m;
+      block_scales(scales, b, rows, 1, 0, d, m);
       KVLOOM_UNROLL
       for (int r = 0; r < R; ++r) {
         const __m256 s = _mm256_cvtepi32_ps(_mm256_add_epi32(part[r][0], part[r][1]));
@@ -220,7 +285,7 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
 
 template <typename T, typename S>
 using Q4Kernel = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t, const uint8_t*,
-                          const uint8_t*, const S*, int64_t, const float*, T*, int64_t, int64_t);
+                          const uint8_t*, const S*, int, int64_t, const float*, T*, int64_t, int64_t);
 
 template <int Bits, typename T, typename S>
 constexpr Q4Kernel<T, S> kQ4Kernels[kRows + 1] = {nullptr, &q4_kernel<1, Bits, T, S>, &q4_kernel<2, Bits, T, S>,
@@ -228,7 +293,7 @@ constexpr Q4Kernel<T, S> kQ4Kernels[kRows + 1] = {nullptr, &q4_kernel<1, Bits, T
 #endif
 
 // Where panel p's bytes are in the packed weight: its nibbles, its upper-bit planes (null for 4-bit codes) and its
-// scales (S: float or c10::Half).
+// scales (S: float, c10::Half or SplitScale).
 template <typename S>
 struct Panels {
   const uint8_t* packed;
@@ -236,7 +301,8 @@ struct Panels {
   const S* scales;
   int64_t blocks;
   int planes;
-  int64_t scales_size;  // S values per panel: blocks * (2 or 4) * kPanel
+  int rows;             // scale rows per block (block_scale)
+  int64_t scales_size;  // S values per panel: panel_scales_size
 
   const uint8_t* codes(int64_t p) const { return packed + p * blocks * kBlockBytes; }
   const uint8_t* bits(int64_t p) const { return planes ? high + p * blocks * planes * kHighBytes : nullptr; }
@@ -298,18 +364,21 @@ void unpack_tiles(const uint8_t* panel0, const uint8_t* high0, const uint8_t* pa
   }
 }
 
-// 16 columns' scales (8 per panel, at `offset` in each) as one vector; a missing second panel gives zeros.
+// Block b's d and m of 16 columns (8 per panel, groups of 32) as two vectors; a missing second panel gives zeros.
 template <typename S>
-inline __m512 load_scales16(const S* first, const S* second, int64_t offset) {
-  const __m256 a = load_scales(first + offset), b = second ? load_scales(second + offset) : _mm256_setzero_ps();
-  return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
+inline void block_scales16(const S* first, const S* second, int64_t b, int rows, __m512& d, __m512& m) {
+  __m256 d0, m0, d1 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+  block_scales(first, b, rows, 1, 0, d0, m0);
+  if (second) block_scales(second, b, rows, 1, 0, d1, m1);
+  d = _mm512_insertf32x8(_mm512_castps256_ps512(d0), d1, 1);
+  m = _mm512_insertf32x8(_mm512_castps256_ps512(m0), m1, 1);
 }
 
 // 16 rows of y for two panels (columns [0, cols0) and [8, 8 + cols1)).
 template <typename T, typename S>
 void q4_amx_rows(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, int64_t lds, const uint8_t* tiles,
-                 const S* scales0, const S* scales1, int64_t blocks, const float* bias0, const float* bias1, T* y,
-                 int64_t ldy, int64_t cols0, int64_t cols1) {
+                 const S* scales0, const S* scales1, int rows, int64_t blocks, const float* bias0,
+                 const float* bias1, T* y, int64_t ldy, int64_t cols0, int64_t cols1) {
   __m512 acc[kAmxRows];
   KVLOOM_UNROLL
   for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
@@ -320,8 +389,8 @@ void q4_amx_rows(const int8_t* xq, int64_t ldq, const float* dx, const float* sx
     _tile_loadd(2, tiles + b * kTileBytes, 64);
     _tile_dpbsud(0, 1, 2);
     _tile_stored(0, sums, 64);
-    const __m512 d = load_scales16(scales0, scales1, b * 2 * kPanel);
-    const __m512 m = load_scales16(scales0, scales1, b * 2 * kPanel + kPanel);
+    __m512 d, m;
+    block_scales16(scales0, scales1, b, rows, d, m);
     KVLOOM_UNROLL
     for (int r = 0; r < kAmxRows; ++r) {
       const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]));
@@ -355,12 +424,11 @@ constexpr int64_t kBf16Unit = 32;  // columns per unit of the dequantized produc
 // Two panels' weights (panel w[1] null: its 8 columns zero) dequantized to bf16 B tiles, one per block (`stride`
 // words apart). Bits: 4, 5 or 6 (6: a scale and an offset per 16 k).
 template <int Bits, typename S>
-void dequantize_tiles(const uint8_t* const w[2], const uint8_t* const h[2], const S* const sc[2], int64_t blocks,
-                      uint16_t* out, int64_t stride) {
+void dequantize_tiles(const uint8_t* const w[2], const uint8_t* const h[2], const S* const sc[2], int rows,
+                      int64_t blocks, uint16_t* out, int64_t stride) {
   using kvloom::amx::spread4;
   constexpr int kPlanes = Bits - 4;
   constexpr bool Halves = Bits == 6;
-  constexpr int kScales = Halves ? 4 : 2;
   for (int64_t b = 0; b < blocks; ++b) {
     __m512i words[2][kPairs][2];  // [panel][pair j][low / high nibbles]: kvloom::amx::bf16_pairs' words
     for (int panel = 0; panel < 2; ++panel) {
@@ -373,12 +441,12 @@ void dequantize_tiles(const uint8_t* const w[2], const uint8_t* const h[2], cons
       for (int p = 0; p < kPlanes; ++p)
         planes[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h[panel] + (b * kPlanes + p) * kHighBytes));
       // d and m [half of the block (Q6_K's pairs 0-1 and 2-3 have their own)][columns 0-3, 4-7], each 4 times.
-      const S* sb = sc[panel] + b * kScales * kPanel;
       __m512 d[2][2], m[2][2];
       KVLOOM_UNROLL
       for (int g = 0; g < (Halves ? 2 : 1); ++g) {
-        const __m512 dg = _mm512_castps256_ps512(load_scales(sb + g * kPanel));
-        const __m512 mg = _mm512_castps256_ps512(load_scales(sb + ((Halves ? 2 : 1) + g) * kPanel));
+        __m256 d8, m8;
+        block_scales(sc[panel], b, rows, Halves ? 2 : 1, g, d8, m8);
+        const __m512 dg = _mm512_castps256_ps512(d8), mg = _mm512_castps256_ps512(m8);
         KVLOOM_UNROLL
         for (int q = 0; q < 2; ++q) d[g][q] = spread4(dg, q), m[g][q] = spread4(mg, q);
       }
@@ -421,9 +489,9 @@ void q4_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t 
       uint16_t* out = tiles + pair * kvloom::amx::kTileWords;
       const int64_t stride = pairs * kvloom::amx::kTileWords;
       switch (planes) {
-        case 0: dequantize_tiles<4>(two.w, two.h, two.sc, blocks, out, stride); break;
-        case 1: dequantize_tiles<5>(two.w, two.h, two.sc, blocks, out, stride); break;
-        default: dequantize_tiles<6>(two.w, two.h, two.sc, blocks, out, stride); break;
+        case 0: dequantize_tiles<4>(two.w, two.h, two.sc, at.rows, blocks, out, stride); break;
+        case 1: dequantize_tiles<5>(two.w, two.h, two.sc, at.rows, blocks, out, stride); break;
+        default: dequantize_tiles<6>(two.w, two.h, two.sc, at.rows, blocks, out, stride); break;
       }
     }
     return pairs;
@@ -441,10 +509,10 @@ void q4_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t 
 // The same integers and fp32 operations in the same order, by plain loops.
 template <typename T, typename S>
 void q4_portable_panel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, int64_t lds,
-                       const uint8_t* panel, const uint8_t* high, int planes, const S* scales, int64_t blocks,
-                       const float* bias, T* y, int64_t ldy, int64_t rows, int64_t columns) {
+                       const uint8_t* panel, const uint8_t* high, int planes, const S* scales, int scale_rows,
+                       int64_t blocks, const float* bias, T* y, int64_t ldy, int64_t rows, int64_t columns) {
   const bool halves = planes == 2;  // 6-bit codes: a scale and an offset per 16 k
-  const int64_t scale_rows = halves ? 4 : 2;
+  const int groups = halves ? 2 : 1;
   for (int64_t r = 0; r < rows; ++r) {
     float acc[kPanel] = {};
     for (int64_t b = 0; b < blocks; ++b) {
@@ -464,18 +532,20 @@ void q4_portable_panel(const int8_t* xq, int64_t ldq, const float* dx, const flo
             sums[j / 2][c] += lo * xr[i] + hi * xr[4 + i];
           }
       }
-      const S* sb = scales + b * scale_rows * kPanel;
       for (int64_t c = 0; c < kPanel; ++c) {
+        float d0, m0;
+        block_scale(scales, b, scale_rows, groups, 0, c, d0, m0);
         if (halves) {
+          float d1, m1;
+          block_scale(scales, b, scale_rows, groups, 1, c, d1, m1);
           const float scale = dx[r * blocks + b];
-          acc[c] = std::fma(static_cast<float>(sums[0][c]), static_cast<float>(sb[c]) * scale, acc[c]);
-          acc[c] = std::fma(static_cast<float>(sums[1][c]), static_cast<float>(sb[kPanel + c]) * scale, acc[c]);
-          acc[c] = std::fma(static_cast<float>(sb[2 * kPanel + c]), sx[r * lds + 2 * b], acc[c]);
-          acc[c] = std::fma(static_cast<float>(sb[3 * kPanel + c]), sx[r * lds + 2 * b + 1], acc[c]);
+          acc[c] = std::fma(static_cast<float>(sums[0][c]), d0 * scale, acc[c]);
+          acc[c] = std::fma(static_cast<float>(sums[1][c]), d1 * scale, acc[c]);
+          acc[c] = std::fma(m0, sx[r * lds + 2 * b], acc[c]);
+          acc[c] = std::fma(m1, sx[r * lds + 2 * b + 1], acc[c]);
         } else {
-          acc[c] = std::fma(static_cast<float>(sums[0][c] + sums[1][c]), static_cast<float>(sb[c]) * dx[r * blocks + b],
-                            acc[c]);
-          acc[c] = std::fma(static_cast<float>(sb[kPanel + c]), sx[r * lds + b], acc[c]);
+          acc[c] = std::fma(static_cast<float>(sums[0][c] + sums[1][c]), d0 * dx[r * blocks + b], acc[c]);
+          acc[c] = std::fma(m0, sx[r * lds + b], acc[c]);
         }
       }
     }
@@ -485,10 +555,11 @@ void q4_portable_panel(const int8_t* xq, int64_t ldq, const float* dx, const flo
 
 template <typename T, typename S>
 void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const uint8_t* high, int planes,
-              const S* scales, const float* bias, int64_t M, int64_t K, int64_t N, bool portable, bool bf16_tiles) {
+              const S* scales, int rows, const float* bias, int64_t M, int64_t K, int64_t N, bool portable,
+              bool bf16_tiles) {
   const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
   const bool halves = planes == 2;  // 6-bit codes: a scale and an offset per 16 k
-  const Panels<S> at{packed, high, scales, blocks, planes, blocks * (halves ? 4 : 2) * kPanel};
+  const Panels<S> at{packed, high, scales, blocks, planes, rows, panel_scales_size<S>(blocks, rows)};
 #if defined(KVLOOM_Q4_AMX_BF16)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (kvloom::amx::takes_bf16_tiles(portable, bf16_tiles, M, kBf16MinRows)) {
@@ -548,12 +619,12 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
         }
         for (int64_t m = 0; m < whole; m += kAmxRows)
           q4_amx_rows(xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds, tiles.data(), sc[0],
-                      sc[1], blocks, bs[0], bs[1], ys + m * N + n0, N, cols[0], cols[1]);
+                      sc[1], rows, blocks, bs[0], bs[1], ys + m * N + n0, N, cols[0], cols[1]);
         for (int64_t i = 0; i < count; ++i)
           for (int64_t m = whole; m < M; m += kRows)
             kernels[std::min(kRows, M - m)](xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds,
-                                            w[i], h[i], sc[i], blocks, bs[i], ys + m * N + n0 + i * kPanel, N,
-                                            cols[i]);
+                                            w[i], h[i], sc[i], rows, blocks, bs[i], ys + m * N + n0 + i * kPanel,
+                                            N, cols[i]);
       }
       _tile_release();
     });
@@ -570,16 +641,16 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
         const S* sp = at.scales_of(panel);
         const float* bp = bias ? bias + n0 : nullptr;
         for (int64_t m = m0; m < m1; m += step) {
-          const int64_t rows = std::min(step, m1 - m);
+          const int64_t count = std::min(step, m1 - m);
 #if defined(KVLOOM_Q4_AVX2)
           if (fast) {
-            kernels[rows](xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds, wp, hp, sp, blocks,
-                          bp, ys + m * N + n0, N, columns);
+            kernels[count](xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds, wp, hp, sp, rows,
+                           blocks, bp, ys + m * N + n0, N, columns);
             continue;
           }
 #endif
           q4_portable_panel(xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds, wp, hp, planes,
-                            sp, blocks, bp, ys + m * N + n0, N, rows, columns);
+                            sp, rows, blocks, bp, ys + m * N + n0, N, count, columns);
         }
       }
     }
@@ -588,7 +659,8 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
 
 // y = the Q4 product (+ bias). x: [M, K] float32 or bfloat16 (K a multiple of 32), rows contiguous; packed:
 // pack_q4_weight's uint8 [panels, K / 32, 128]; scales: float32 or float16 [panels, K / 32, 2, 8] (d, m per block of
-// 32) or [panels, K / 32, 4, 8] (d0, d1, m0, m1 per 16: 6-bit codes); bias: float32 [N]; high (5- and 6-bit codes):
+// 32) or [panels, K / 32, 4, 8] (d0, d1, m0, m1 per 16: 6-bit codes), or the two-level uint8 [panels, K / 256,
+// 32 + 64 rows] (SplitScale; rows 2, or 2 and 4 with 6-bit codes); bias: float32 [N]; high (5- and 6-bit codes):
 // pack_high_bits' uint8 [panels, K / 32, planes, 32], the codes' fifth (and sixth) bits; y: [M, N] in x's dtype.
 void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> bias,
              bool portable, c10::optional<at::Tensor> high, bool bf16_tiles) {
@@ -602,11 +674,10 @@ void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c
   const int64_t panels = (N + kPanel - 1) / kPanel, blocks = K / kBlock;
   TORCH_CHECK(y.size(0) == M && packed.scalar_type() == at::kByte && packed.numel() == panels * blocks * kBlockBytes,
               "gemm_q4: the packed weight does not match x [", M, ", ", K, "] and y [", y.size(0), ", ", N, "]");
-  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
-                  (scales.numel() == panels * blocks * 2 * kPanel || scales.numel() == panels * blocks * 4 * kPanel),
-              "gemm_q4: scales must be the contiguous float32 or float16 block scales packed [panels, K / 32, 2, 8] "
-              "(a scale and an offset per block of 32) or [panels, K / 32, 4, 8] (per 16)");
-  const bool halves = scales.numel() == panels * blocks * 4 * kPanel;
+  const bool split = scales.scalar_type() == at::kByte;
+  TORCH_CHECK((split || scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
+                  scales.is_contiguous(),
+              "gemm_q4: scales must be contiguous float32 or float16 block scales, or uint8 two-level ones");
   const float* bs = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
@@ -623,18 +694,36 @@ void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c
     hp = high->data_ptr<uint8_t>();
     planes = static_cast<int>(high->numel() / (panels * blocks * kHighBytes));
   }
-  TORCH_CHECK(halves == (planes == 2), "gemm_q4: 6-bit codes (two bit planes) go with scales per 16 k, and only they");
+  const int groups = planes == 2 ? 2 : 1;  // 6-bit codes: a scale and an offset per 16 k
+  int rows = 0;
+  if (split) {
+    const int64_t supers = panels * (blocks / kSuper);
+    if (blocks % kSuper == 0 && scales.numel() == supers * split_super_bytes(2 * groups)) rows = 2 * groups;
+    if (blocks % kSuper == 0 && groups == 2 && scales.numel() == supers * split_super_bytes(groups)) rows = groups;
+    TORCH_CHECK(rows > 0, "gemm_q4: two-level scales must be packed [panels, K / 256, 32 + 64 rows] with K a multiple "
+                "of 256 and rows 2 (codes of 4 or 5 bits) or 2 or 4 (6 bits), got ", scales.numel(), " bytes for ",
+                panels, " panels, K = ", K, " and ", planes, " bit planes");
+  } else {
+    if (scales.numel() == panels * blocks * 2 * kPanel) rows = 2;
+    if (scales.numel() == panels * blocks * 4 * kPanel) rows = 4;
+    TORCH_CHECK(rows > 0, "gemm_q4: scales must be the block scales packed [panels, K / 32, 2, 8] (a scale and an "
+                "offset per block of 32) or [panels, K / 32, 4, 8] (per 16)");
+    TORCH_CHECK(rows == 2 * groups,
+                "gemm_q4: 6-bit codes (two bit planes) go with scales per 16 k, and only they");
+  }
   if (M == 0 || N == 0) return;
   const auto* wp = packed.data_ptr<uint8_t>();
   auto run = [&](const auto* sp) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sp)>>;
     if (x.scalar_type() == at::kFloat) {
-      q4_typed<float, S>(y, x, wp, hp, planes, sp, bs, M, K, N, portable, bf16_tiles);
+      q4_typed<float, S>(y, x, wp, hp, planes, sp, rows, bs, M, K, N, portable, bf16_tiles);
     } else {
-      q4_typed<c10::BFloat16, S>(y, x, wp, hp, planes, sp, bs, M, K, N, portable, bf16_tiles);
+      q4_typed<c10::BFloat16, S>(y, x, wp, hp, planes, sp, rows, bs, M, K, N, portable, bf16_tiles);
     }
   };
-  if (scales.scalar_type() == at::kHalf) {
+  if (split) {
+    run(reinterpret_cast<const SplitScale*>(scales.data_ptr<uint8_t>()));
+  } else if (scales.scalar_type() == at::kHalf) {
     run(scales.data_ptr<c10::Half>());
   } else {
     run(scales.data_ptr<float>());
