@@ -148,6 +148,38 @@ inline void block_scales(const S* s, int64_t b, int rows, int groups, int g, __m
   }
 }
 
+// A panel's scales read block after block (the kernel's loop): block_scales, with a two-level super-block's D and
+// M widened once for its 8 blocks.
+template <typename S>
+struct ScaleReader {
+  const S* s;
+  int rows, groups;
+  inline void at(int64_t b, int g, __m256& d, __m256& m) { block_scales(s, b, rows, groups, g, d, m); }
+};
+
+template <>
+struct ScaleReader<SplitScale> {
+  const SplitScale* s;
+  int rows, groups;
+  int64_t super = -1;
+  __m256 top_d = _mm256_setzero_ps(), top_m = _mm256_setzero_ps();
+  const int8_t* subs = nullptr;
+
+  inline void at(int64_t b, int g, __m256& d, __m256& m) {
+    if (b / kSuper != super) {
+      super = b / kSuper;
+      const uint8_t* p = &s->byte + super * split_super_bytes(rows);
+      top_d = load_scales(reinterpret_cast<const c10::Half*>(p));
+      top_m = load_scales(reinterpret_cast<const c10::Half*>(p) + kPanel);
+      subs = reinterpret_cast<const int8_t*>(p + kSplitHead);
+    }
+    const int8_t* sub = subs + b % kSuper * rows * kPanel;
+    const __m256 sd = load_sub_scales(sub + g * kPanel);
+    d = _mm256_mul_ps(top_d, sd);
+    m = _mm256_mul_ps(top_m, rows == groups ? sd : load_sub_scales(sub + (groups + g) * kPanel));
+  }
+};
+
 // Bit t (slot t = 2 j + h: pair j, its low h = 0 or high h = 1 nibbles) of each byte of a bit plane moved to bit
 // `to` (4: a code's fifth bit, 5: its sixth), the rest masked off; a 16-bit shift keeps a byte's own bit there.
 template <int t, int to>
@@ -197,6 +229,7 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
                       const float* bias, T* y, int64_t ldy, int64_t columns) {
   constexpr int kPlanes = Bits - 4;
   constexpr bool Halves = Bits == 6;
+  ScaleReader<S> reader{scales, rows, Halves ? 2 : 1};
 #if !defined(KVLOOM_VNNI_DOT)
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
@@ -257,8 +290,8 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
     }
     if constexpr (Halves) {
       __m256 d0, d1, m0, m1;
-      block_scales(scales, b, rows, 2, 0, d0, m0);
-      block_scales(scales, b, rows, 2, 1, d1, m1);
+      reader.at(b, 0, d0, m0);
+      reader.at(b, 1, d1, m1);
       KVLOOM_UNROLL
       for (int r = 0; r < R; ++r) {
         const __m256 scale = _mm256_set1_ps(dx[r * blocks + b]);
@@ -269,7 +302,7 @@ inline void q4_kernel(const int8_t* xq, int64_t ldq, const float* dx, const floa
       }
     } else {
       __m256 d, m;
-      block_scales(scales, b, rows, 1, 0, d, m);
+      reader.at(b, 0, d, m);
       KVLOOM_UNROLL
       for (int r = 0; r < R; ++r) {
         const __m256 s = _mm256_cvtepi32_ps(_mm256_add_epi32(part[r][0], part[r][1]));
@@ -588,6 +621,12 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
   const bool fast = !portable;
   const Q4Kernel<T, S>* kernels = planes == 2 ? kQ4Kernels<6, T, S>
                                   : planes == 1 ? kQ4Kernels<5, T, S> : kQ4Kernels<4, T, S>;
+  // Two-level scales over more rows than one kernel call takes: a panel's scales widened to fp32 once (the same
+  // values), not per call of 4 rows (prefill stays at the one-level kernel's speed; decode reads the compact bytes).
+  const bool widen = fast && std::is_same_v<S, SplitScale> && M > kRows;
+  const Q4Kernel<T, float>* wide_kernels = planes == 2 ? kQ4Kernels<6, T, float>
+                                           : planes == 1 ? kQ4Kernels<5, T, float> : kQ4Kernels<4, T, float>;
+  const int groups = halves ? 2 : 1;
 #else
   const bool fast = false;
 #endif
@@ -632,6 +671,9 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
   }
 #endif
   parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+#if defined(KVLOOM_Q4_AVX2)
+    std::vector<float> wide(widen ? blocks * 2 * groups * kPanel : 0);
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
       const int64_t m1 = std::min(M, m0 + kRowChunk);
       for (int64_t panel = begin; panel < end; ++panel) {
@@ -640,6 +682,23 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
         const uint8_t* hp = at.bits(panel);
         const S* sp = at.scales_of(panel);
         const float* bp = bias ? bias + n0 : nullptr;
+#if defined(KVLOOM_Q4_AVX2)
+        if (widen) {
+          ScaleReader<S> reader{sp, rows, groups};
+          for (int64_t b = 0; b < blocks; ++b)
+            for (int g = 0; g < groups; ++g) {
+              __m256 d, m;
+              reader.at(b, g, d, m);
+              _mm256_storeu_ps(wide.data() + (b * 2 * groups + g) * kPanel, d);
+              _mm256_storeu_ps(wide.data() + (b * 2 * groups + groups + g) * kPanel, m);
+            }
+          for (int64_t m = m0; m < m1; m += step)
+            wide_kernels[std::min(step, m1 - m)](xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds,
+                                                 lds, wp, hp, wide.data(), 2 * groups, blocks, bp, ys + m * N + n0, N,
+                                                 columns);
+          continue;
+        }
+#endif
         for (int64_t m = m0; m < m1; m += step) {
           const int64_t count = std::min(step, m1 - m);
 #if defined(KVLOOM_Q4_AVX2)
