@@ -44,10 +44,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -71,7 +73,14 @@ constexpr int64_t kBlock = 32;             // k per scale (a GGUF block)
 constexpr int64_t kPairs = 4;              // 32-byte loads per panel and block (each two groups of 4 k)
 constexpr int64_t kBlockBytes = kPanel * kBlock / 2;
 constexpr int64_t kHighBytes = kPanel * kBlock / 8;  // one bit plane (bit 4 or 5 of the codes) per panel and block
-constexpr int64_t kRows = 4;               // rows per micro-kernel: 4 x (16-bit sums, fp32 sums)
+// Rows per micro-kernel call: their sums stay in registers while a panel's codes are unpacked once for all of them.
+// With VNNI (an AVX-512 build: 32 vector registers) 8 rows x (2 int32 sums, 1 fp32 sum); else 4 x (16-bit sums,
+// 2 int32 sums, fp32 sums) in AVX2's 16.
+#if defined(KVLOOM_VNNI_DOT)
+constexpr int64_t kRows = 8;
+#else
+constexpr int64_t kRows = 4;
+#endif
 constexpr int64_t kRowChunk = 256;         // rows whose codes stay in L2 while panels stream
 
 // Two-level scales (S = SplitScale, addressed in bytes): per panel and super-block of kSuper blocks, the fp16 D and
@@ -320,9 +329,14 @@ template <typename T, typename S>
 using Q4Kernel = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t, const uint8_t*,
                           const uint8_t*, const S*, int, int64_t, const float*, T*, int64_t, int64_t);
 
+// The kernel for each row count 1..kRows (index 0 unused).
+template <int Bits, typename T, typename S, int... R>
+constexpr std::array<Q4Kernel<T, S>, kRows + 1> q4_kernels(std::integer_sequence<int, R...>) {
+  return {nullptr, &q4_kernel<R + 1, Bits, T, S>...};
+}
 template <int Bits, typename T, typename S>
-constexpr Q4Kernel<T, S> kQ4Kernels[kRows + 1] = {nullptr, &q4_kernel<1, Bits, T, S>, &q4_kernel<2, Bits, T, S>,
-                                                  &q4_kernel<3, Bits, T, S>, &q4_kernel<4, Bits, T, S>};
+constexpr std::array<Q4Kernel<T, S>, kRows + 1> kQ4Kernels =
+    q4_kernels<Bits, T, S>(std::make_integer_sequence<int, kRows>{});
 #endif
 
 // Where panel p's bytes are in the packed weight: its nibbles, its upper-bit planes (null for 4-bit codes) and its
@@ -619,13 +633,14 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
   T* ys = y.data_ptr<T>();
 #if defined(KVLOOM_Q4_AVX2)
   const bool fast = !portable;
-  const Q4Kernel<T, S>* kernels = planes == 2 ? kQ4Kernels<6, T, S>
-                                  : planes == 1 ? kQ4Kernels<5, T, S> : kQ4Kernels<4, T, S>;
+  const Q4Kernel<T, S>* kernels = planes == 2 ? kQ4Kernels<6, T, S>.data()
+                                  : planes == 1 ? kQ4Kernels<5, T, S>.data() : kQ4Kernels<4, T, S>.data();
   // Two-level scales over more rows than one kernel call takes: a panel's scales widened to fp32 once (the same
   // values), not per call of 4 rows (prefill stays at the one-level kernel's speed; decode reads the compact bytes).
   const bool widen = fast && std::is_same_v<S, SplitScale> && M > kRows;
-  const Q4Kernel<T, float>* wide_kernels = planes == 2 ? kQ4Kernels<6, T, float>
-                                           : planes == 1 ? kQ4Kernels<5, T, float> : kQ4Kernels<4, T, float>;
+  const Q4Kernel<T, float>* wide_kernels = planes == 2   ? kQ4Kernels<6, T, float>.data()
+                                           : planes == 1 ? kQ4Kernels<5, T, float>.data()
+                                                         : kQ4Kernels<4, T, float>.data();
   const int groups = halves ? 2 : 1;
 #else
   const bool fast = false;
