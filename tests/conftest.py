@@ -12,6 +12,8 @@ import sys
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Starts pack their GGUF anew (tests/e2e/test_packed_cache.py turns the cache on in its own folder).
+os.environ.setdefault("KVLOOM_PACKED_CACHE", "0")
 
 # KVLOOM_CPU_ISA (make test-isa-levels) caps torch's own kernels only if applied before torch's first CPU op.
 from kvloom import cpu_capability  # noqa: E402

@@ -431,14 +431,24 @@ class LlamaLayerStack:
                 min_rows.append(rows)
                 projections += tensors + [None] * (4 - len(tensors))
         dims = [shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size, hidden_size]
-        self._plan = torch.classes.kvloom.LlamaLayerStack(norms, projections, kinds, min_rows, cos, sin, dims,
-                                                          shape.eps, shape.scale)
+        # What the plan is built from: kept to build it again where the stack is unpickled (loader/packed_cache.py).
+        self._plan_args = (norms, projections, kinds, min_rows, cos, sin, dims, shape.eps, shape.scale)
+        self._plan = torch.classes.kvloom.LlamaLayerStack(*self._plan_args)
         # LoRA (kvloom/lora/model_manager.py): each token's compute slot [T] int64 for the next calls, or None.
         self.lora_token_slots: torch.Tensor | None = None
         # Steps of more tokens run module by module, where a hybrid weight takes oneDNN's AMX product.
         hybrid = any(getattr(packed, "format", None) == "hybrid" for layer in layers
                      for packed in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.max_rows = AMX_MIN_ROWS - 1 if hybrid else sys.maxsize
+
+    def __getstate__(self) -> dict:
+        state = dict(vars(self))
+        del state["_plan"]  # a native object: built again from its arguments
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update(state)
+        self._plan = torch.classes.kvloom.LlamaLayerStack(*self._plan_args)
 
     def takes(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens should run here (else module by module: see AMX_MIN_ROWS)."""

@@ -49,6 +49,7 @@ from kvloom.worker.kv_cache import (
     num_kv_blocks,
     profile_cuda_budget,
 )
+from kvloom.worker.packed_cache import PackedModelCache
 from kvloom.worker.speculator import Speculator, build_model_proposer
 
 __all__ = ["ModelInputs", "ModelRunner", "RequestState"]  # ModelInputs: the executors send it to other ranks
@@ -107,15 +108,21 @@ class ModelRunner:
         if self.ops.name == "triton":
             self.artifacts = ArtifactStore.for_config(self.config, self._token_gen_buckets())
             self.artifacts.open()  # before the first kernel compiles
-        with default_dtype(self.dtype), torch.device(self.device):
-            model = build_model(self.model_config, self.ops)
-        load_model_weights(model, self.config)
-        release_freed_heap()  # what reading and converting the weights freed, before packing allocates again
-        if world_size > 1:
-            shard_model_for_tensor_parallel(model, rank, world_size, group)
-            self.model_config = sharded_model_config(self.model_config, world_size)
-        process_weights_after_loading(model, self.ops)
-        release_freed_heap()
+        # A GGUF packed at an earlier start is mapped from disk instead of read and packed (worker/packed_cache.py).
+        packed = PackedModelCache.for_config(self.config, self.ops, world_size)
+        model = packed.load(self.ops) if packed is not None else None
+        if model is None:
+            with default_dtype(self.dtype), torch.device(self.device):
+                model = build_model(self.model_config, self.ops)
+            load_model_weights(model, self.config)
+            release_freed_heap()  # what reading and converting the weights freed, before packing allocates again
+            if world_size > 1:
+                shard_model_for_tensor_parallel(model, rank, world_size, group)
+                self.model_config = sharded_model_config(self.model_config, world_size)
+            process_weights_after_loading(model, self.ops)
+            release_freed_heap()
+            if packed is not None:
+                packed.save(model)
         self.sampler = Sampler(self.generator, argmax=self.ops.argmax)
         self.model = model.eval()
         if hasattr(model, "embed_images"):

@@ -1,0 +1,243 @@
+"""The model as packed for the CPU's kernels, kept on disk and mapped back at the next start.
+
+Reading a GGUF's blocks and packing them for kvloom's products (ops/q4.py, ops/int8.py, ops/cpu.py) is most of a
+CPU start: ~13 s of a Llama-3.2-1B Q4_K_M's 14, over a minute for an 8B. The first start of a configuration writes
+the packed model once (``torch.save``: every module, packed product and layer-stack plan with its tensors); a later
+one memory-maps it (``torch.load(mmap=True)``): no block is decoded, no tensor copied, and the pages come from the
+page cache as the first steps touch them. The products are the same tensors, so every output is bit for bit a cold
+start's.
+
+    KVLOOM_CACHE_DIR/packed/<key digest>/model.pt      the pickled model (tensors stored uncompressed)
+    KVLOOM_CACHE_DIR/packed/<key digest>/manifest.json what it was packed from, and model.pt's size
+
+The key holds everything the packing depends on: the file (its real path, size and modification time), the
+resolved dtype, quantization, backend knobs, batch size hint, context length, model runner, CPU (its ISA level
+and flags), every KVLOOM_* variable, torch's version and a digest of kvloom's own sources. A start with another
+configuration packs anew beside it; the two newest entries of a file are kept, older ones deleted. An entry that
+cannot be read (a partial copy, another version's) is deleted and packed again, with a log line.
+
+Only GGUF files on the CPU, on one rank, without LoRA or speculative decoding are cached (those wrap or share the
+model after loading). ``KVLOOM_PACKED_CACHE=0`` turns it off; the entry is as large as the packed weights (~6 GB
+for an 8B Q4_K_M), and a start checks the disk's free space first. ``rm -r ~/.cache/kvloom/packed`` clears it.
+Entries are pickles: this process loads only what a kvloom process wrote into its own cache directory.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pickle
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvloom import envs
+from kvloom.config import ResolvedConfig
+from kvloom.cpu_capability import cpu_capability
+from kvloom.ops.table import Ops
+from kvloom.version import __version__
+
+logger = logging.getLogger("kvloom")
+
+MODEL_FILE = "model.pt"
+MANIFEST = "manifest.json"
+FORMAT = 1
+KEEP_PER_FILE = 2  # entries of one model file kept (the newest)
+FREE_SPACE_MARGIN = 1 << 30  # bytes left free on the disk beyond an entry
+# KVLOOM_* variables that do not change what is packed (the rest are in the key).
+_UNKEYED_ENV = frozenset({"KVLOOM_CACHE_DIR", "KVLOOM_PACKED_CACHE", "KVLOOM_LOGGING_LEVEL", "KVLOOM_API_KEY",
+                          "KVLOOM_NUM_THREADS", "KVLOOM_CPU_OMP_THREADS_BIND", "KVLOOM_CPU_THREAD_POOL"})
+
+# The op table of the process loading an entry: what a pickled module's reference to its ops becomes.
+_LOADING_OPS: contextvars.ContextVar[Ops | None] = contextvars.ContextVar("kvloom_packed_cache_ops", default=None)
+
+
+def _current_ops() -> Ops:
+    ops = _LOADING_OPS.get()
+    if ops is None:
+        raise RuntimeError("a packed model's op table is only restored inside PackedModelCache.load")
+    return ops
+
+
+def _resolve_op(qualified_name: str, overload: str) -> Any:
+    """torch.ops.<namespace>.<name>.<overload> of this process (its library is loaded before the model is)."""
+    namespace, name = qualified_name.split("::")
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a model's references to the op table and to torch.ops overloads by name (neither pickles)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Ops):
+            return _current_ops, ()
+        if isinstance(obj, torch._ops.OpOverload):
+            return _resolve_op, (obj._schema.name, obj._overloadname)
+        return NotImplemented
+
+
+class _PickleModule:
+    """What torch.save takes as its ``pickle_module``: the standard one with the pickler above."""
+
+    Pickler = _Pickler
+    Unpickler = pickle.Unpickler
+    __name__ = "pickle"
+
+
+def sources_digest() -> str:
+    """A digest of kvloom's Python and C++ sources: a change to any of them packs anew."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted((*root.rglob("*.py"), *root.rglob("*.cpp"), *root.rglob("*.h"))):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:24]
+
+
+def enabled() -> bool:
+    return envs.get_bool("KVLOOM_PACKED_CACHE", default=True)
+
+
+def cache_root() -> Path:
+    return envs.cache_dir() / "packed"
+
+
+def cache_key(config: ResolvedConfig, ops: Ops) -> dict[str, Any]:
+    """Everything the packed model depends on."""
+    engine, capability = config.engine, cpu_capability()
+    stat = os.stat(config.source.path)
+    return {
+        "format": FORMAT, "kvloom": __version__, "sources": sources_digest(), "torch": torch.__version__,
+        "file": {"path": os.path.realpath(config.source.path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns},
+        "ops": ops.name, "dtype": str(config.dtype), "max_model_len": config.max_model_len,
+        "block_size": config.block_size, "batch_hint": min(engine.max_num_seqs, 256),
+        "quantization": engine.quantization, "quantized_checkpoint_path": engine.quantized_checkpoint_path,
+        "kv_cache_dtype": engine.kv_cache_dtype, "runner": engine.runner, "task": engine.task,
+        "pooling_type": engine.pooling_type, "backend": dataclasses.asdict(engine.backend),
+        "cpu": {"level": capability.level, "flags": sorted(capability.cpu_flags)},
+        "env": {name: value for name, value in sorted(os.environ.items())
+                if name.startswith("KVLOOM_") and name not in _UNKEYED_ENV},
+    }
+
+
+def _digest(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class PackedModelCache:
+    """One configuration's entry under ``root``; ``for_config`` says whether a start caches at all."""
+
+    def __init__(self, root: Path, key: dict[str, Any]) -> None:
+        self.root = Path(root)
+        self.key = key
+        self.directory = self.root / _digest(key)
+
+    @classmethod
+    def for_config(cls, config: ResolvedConfig, ops: Ops, world_size: int) -> PackedModelCache | None:
+        """The entry of this start, or None where it is not cached (see the module's docstring)."""
+        engine = config.engine
+        if (not enabled() or world_size != 1 or ops.name != "cpu" or config.device.type != "cpu"
+                or config.source.kind != "gguf" or engine.enable_lora or engine.speculative is not None):
+            return None
+        return cls(cache_root(), cache_key(config, ops))
+
+    def load(self, ops: Ops) -> torch.nn.Module | None:
+        """The packed model mapped from the entry, or None (no entry, or one that cannot be used: then deleted)."""
+        manifest_path, model_path = self.directory / MANIFEST, self.directory / MODEL_FILE
+        if not manifest_path.is_file():
+            return None
+        start = time.perf_counter()
+        token = _LOADING_OPS.set(ops)
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            if manifest.get("key") != json.loads(json.dumps(self.key, default=str)):
+                raise ValueError("its manifest names another configuration")
+            if model_path.stat().st_size != manifest.get("bytes"):
+                raise ValueError(f"{MODEL_FILE} is not the size its manifest gives (a partial copy)")
+            model = torch.load(model_path, mmap=True, weights_only=False)
+            if not isinstance(model, torch.nn.Module):
+                raise ValueError(f"{MODEL_FILE} holds a {type(model).__name__}, not a model")
+        except Exception as error:  # a corrupt or foreign entry: packed again below, never fatal
+            logger.warning("packed model cache: the entry %s cannot be used (%s); packing the model again",
+                           self.directory, error)
+            shutil.rmtree(self.directory, ignore_errors=True)
+            return None
+        finally:
+            _LOADING_OPS.reset(token)
+        logger.info("packed model cache: mapped %s (%.1f GB) in %.2f s", model_path, manifest["bytes"] / 1e9,
+                    time.perf_counter() - start)
+        return model
+
+    def save(self, model: torch.nn.Module) -> None:
+        """Write the entry once (a temporary folder renamed into place), then drop this file's oldest entries."""
+        if (self.directory / MANIFEST).is_file():
+            return
+        size = sum(t.untyped_storage().nbytes() for t in _tensors(model))
+        self.root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.root).free
+        if free < size + FREE_SPACE_MARGIN:
+            logger.warning("packed model cache: not written (%.1f GB needed, %.1f GB free under %s)", size / 1e9,
+                           free / 1e9, self.root)
+            return
+        start = time.perf_counter()
+        staging = self.root / f"tmp.{uuid.uuid4().hex}"
+        try:
+            staging.mkdir()
+            torch.save(model, staging / MODEL_FILE, pickle_module=_PickleModule)
+            manifest = {"key": self.key, "bytes": (staging / MODEL_FILE).stat().st_size, "written": time.time()}
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True, default=str))
+            os.rename(staging, self.directory)
+        except OSError as error:  # another start wrote it first (the rename finds a folder), or the disk filled
+            shutil.rmtree(staging, ignore_errors=True)
+            if not (self.directory / MANIFEST).is_file():
+                logger.warning("packed model cache: not written (%s)", error)
+            return
+        except Exception:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        logger.info("packed model cache: wrote %s (%.1f GB) in %.1f s; the next start maps it", self.directory,
+                    manifest["bytes"] / 1e9, time.perf_counter() - start)
+        self._evict()
+
+    def _evict(self) -> None:
+        """Keep the KEEP_PER_FILE newest entries of this model file."""
+        entries = []
+        for directory in self.root.iterdir():
+            try:
+                manifest = json.loads((directory / MANIFEST).read_text())
+            except (OSError, ValueError):
+                continue
+            if manifest.get("key", {}).get("file", {}).get("path") == self.key["file"]["path"]:
+                entries.append((manifest.get("written", 0), directory))
+        for _, directory in sorted(entries, reverse=True)[KEEP_PER_FILE:]:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors pickling the model would store: its parameters, buffers and the packed products' attributes,
+    each storage once (an estimate of the entry's size)."""
+    seen: dict[int, torch.Tensor] = {}
+    stack: list[Any] = [model]
+    visited: set[int] = set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in visited:
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            seen.setdefault(obj.untyped_storage().data_ptr(), obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, Ops)):
+            stack.extend(vars(obj).values())
+    return list(seen.values())

@@ -1,0 +1,143 @@
+"""The packed model kept across restarts (kvloom/worker/packed_cache.py).
+
+A tiny GGUF mixing the products a real Q4_K_M / Q8_0 file takes (Q4_1 and Q6_K code blocks, Q8_0 int8 blocks, a
+tied Q6_K table): the first start packs and writes it, the second maps it without decoding a block, with every
+token and logprob equal; a changed file or configuration packs anew, a damaged entry is packed again, the oldest
+entries of a file go.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import tiny_models
+import torch
+
+from e2e.test_correctness import mixed_prompts
+from kvloom import LLM, SamplingParams
+from kvloom.loader import gguf
+from kvloom.ops import cpu
+from kvloom.worker import packed_cache
+from kvloom.worker.packed_cache import MANIFEST, MODEL_FILE
+
+GGML_Q4_1, GGML_Q8_0, GGML_Q6_K = 3, 8, 14
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels are not built here")
+    root = tmp_path_factory.mktemp("packed")
+    checkpoint = tiny_models.build_tiny_checkpoint(str(root / "hf"), arch="llama", hidden_size=256,
+                                                   intermediate_size=256)
+    types = {"embed": GGML_Q6_K, "attn": GGML_Q4_1, "attn_v": GGML_Q6_K, "attn_o": GGML_Q8_0, "ffn": GGML_Q4_1,
+             "ffn_down": GGML_Q6_K}
+    return tiny_models.write_tiny_gguf(str(root / "mixed.gguf"), checkpoint, types=types)
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVLOOM_PACKED_CACHE", "1")
+    return tmp_path / "cache" / "packed"
+
+
+def _run(path: str, **kwargs: object) -> list[tuple[list[int], list[float]]]:
+    llm = LLM(path, max_model_len=256, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(400, count=4, seed=3)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [step[token].logprob for step, token in zip(o.outputs[0].logprobs,
+                                                                                  o.outputs[0].token_ids)])
+            for o in outputs]
+
+
+def _entries(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if (p / MANIFEST).is_file()) if root.exists() else []
+
+
+def _no_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any read of the file's blocks fails the test."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the GGUF's blocks were decoded on a start the cache should have served")
+    monkeypatch.setattr(gguf, "q4_blocks", refuse)
+    monkeypatch.setattr(gguf, "read_tensor_bytes", refuse)
+
+
+def test_a_second_start_maps_the_packed_model_with_the_same_outputs(mixed_gguf: str, cache_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    cold = _run(mixed_gguf)
+    [entry] = _entries(cache_dir)
+    manifest = json.loads((entry / MANIFEST).read_text())
+    assert manifest["bytes"] == (entry / MODEL_FILE).stat().st_size > 0
+    assert manifest["key"]["file"]["path"] == os.path.realpath(mixed_gguf)
+    with monkeypatch.context() as patched:
+        _no_decoding(patched)
+        warm = _run(mixed_gguf)
+    assert warm == cold  # tokens and logprobs bit for bit
+
+
+def test_the_mapped_model_holds_the_packed_products(mixed_gguf: str, cache_dir: Path) -> None:
+    """Every projection comes back as its packed product over mapped storage, with the layer stack rebuilt."""
+    from kvloom.ops.q4 import PackedQ4Weight
+
+    _run(mixed_gguf)
+    model = LLM(mixed_gguf, max_model_len=256).llm_engine.executor.driver.model
+    packed = [m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), PackedQ4Weight)]
+    assert packed and all(p.scales.untyped_storage().nbytes() > 0 for p in packed)
+    assert getattr(model, "layer_stack", None) is None or model.layer_stack._plan is not None
+
+
+def test_a_changed_file_or_configuration_packs_anew(mixed_gguf: str, cache_dir: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    _run(mixed_gguf)
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(Path(mixed_gguf).read_bytes())
+    _run(str(copy))  # another file: its own entry
+    _run(mixed_gguf, max_num_seqs=8)  # another batch hint: another entry
+    assert len(_entries(cache_dir)) == 3
+    os.utime(copy, ns=(1, 1))  # the same path, changed: read again, not mapped
+    decoded = []
+    real = gguf.q4_blocks
+
+    def counting(*args: object, **kwargs: object) -> object:
+        decoded.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(gguf, "q4_blocks", counting)
+    _run(str(copy))
+    assert decoded
+
+
+def test_a_damaged_entry_is_packed_again(mixed_gguf: str, cache_dir: Path) -> None:
+    cold = _run(mixed_gguf)
+    [entry] = _entries(cache_dir)
+    model = entry / MODEL_FILE
+    model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])  # a partial copy
+    assert _run(mixed_gguf) == cold
+    [again] = _entries(cache_dir)
+    assert (again / MODEL_FILE).stat().st_size == json.loads((again / MANIFEST).read_text())["bytes"]
+    (again / MANIFEST).write_text("{not json")
+    assert _run(mixed_gguf) == cold
+    assert len(_entries(cache_dir)) == 1
+
+
+def test_the_oldest_entries_of_a_file_go_and_the_knob_turns_it_off(mixed_gguf: str, cache_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    for seqs in (4, 8, 16):
+        _run(mixed_gguf, max_num_seqs=seqs)
+    kept = _entries(cache_dir)
+    assert len(kept) == packed_cache.KEEP_PER_FILE
+    assert {json.loads((e / MANIFEST).read_text())["key"]["batch_hint"] for e in kept} == {8, 16}
+    monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
+    _run(mixed_gguf, max_num_seqs=32)
+    assert len(_entries(cache_dir)) == packed_cache.KEEP_PER_FILE
+
+
+def test_no_cache_off_the_cpu_path_or_for_lora(mixed_gguf: str, cache_dir: Path) -> None:
+    """LoRA wraps the model after loading: such a start packs as before and writes nothing."""
+    _run(mixed_gguf, enable_lora=True)
+    assert not _entries(cache_dir)
+    assert torch.ops.kvloom.gemm_q4 is not None
