@@ -181,8 +181,12 @@ class PackedModelCache:
         if (self.directory / MANIFEST).is_file():
             return
         size = sum(t.untyped_storage().nbytes() for t in _tensors(model))
-        self.root.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(self.root).free
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(self.root).free
+        except OSError as error:  # a read-only or missing cache folder: the start goes on without the entry
+            logger.warning("packed model cache: not written (%s)", error)
+            return
         if free < size + FREE_SPACE_MARGIN:
             logger.warning("packed model cache: not written (%.1f GB needed, %.1f GB free under %s)", size / 1e9,
                            free / 1e9, self.root)

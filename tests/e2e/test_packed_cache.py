@@ -141,3 +141,13 @@ def test_no_cache_off_the_cpu_path_or_for_lora(mixed_gguf: str, cache_dir: Path)
     _run(mixed_gguf, enable_lora=True)
     assert not _entries(cache_dir)
     assert torch.ops.kvloom.gemm_q4 is not None
+
+
+def test_an_unwritable_cache_folder_costs_only_the_entry(mixed_gguf: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setattr(packed_cache, "cache_root", lambda: blocker / "packed")  # a folder that cannot be made
+    monkeypatch.setenv("KVLOOM_PACKED_CACHE", "1")
+    assert len(_run(mixed_gguf)) == 4
+    assert not (tmp_path / "packed").exists()
