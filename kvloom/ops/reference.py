@@ -5,6 +5,8 @@ Attention goes one request at a time, in fp32, every key gathered by its slot: s
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Callable
 
 import torch
@@ -25,12 +27,29 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     """
     if dtype == torch.int8:  # kv_cache_dtype="int8": a row's codes, then its fp16 scale (quantize_kv_rows)
         shape = (num_blocks, block_size, num_kv_heads, head_dim + INT8_KV_SCALE_BYTES)
-        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        return _kv_zeros(shape, dtype, device), _kv_zeros(shape, dtype, device)
     if not pairs:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-    return (torch.zeros(num_blocks, num_kv_heads, head_dim // 2, block_size, 2, dtype=dtype, device=device),
-            torch.zeros(num_blocks, num_kv_heads, block_size // 2, head_dim, 2, dtype=dtype, device=device))
+        return _kv_zeros(shape, dtype, device), _kv_zeros(shape, dtype, device)
+    return (_kv_zeros((num_blocks, num_kv_heads, head_dim // 2, block_size, 2), dtype, device),
+            _kv_zeros((num_blocks, num_kv_heads, block_size // 2, head_dim, 2), dtype, device))
+
+
+# A CPU cache of this many bytes or more is mapped zeroed on first touch instead of written by torch.zeros.
+LAZY_ZEROS_MIN_BYTES = 1 << 20
+
+
+def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed cache tensor. On the CPU a large one is a private anonymous mapping, whose pages the kernel
+    zero-fills when a step first writes them: torch.zeros writes every page at start-up (~1.3 s a GiB on a Zen 4
+    VM; the default 2 GiB KV cache was most of a start that maps a packed model), this costs nothing until the
+    blocks are used. The memory is reserved by the budget, not made resident up front."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes < LAZY_ZEROS_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # MAP_PRIVATE: a forked process gets its own copy on write, never the parent's blocks.
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)  # keeps the mapping alive
 
 
 INT8_KV_SCALE_BYTES = 2  # an int8 KV row ends in its scale, one fp16
