@@ -191,8 +191,9 @@ class PackedModelCache:
             logger.warning("packed model cache: not written (%.1f GB needed, %.1f GB free under %s)", size / 1e9,
                            free / 1e9, self.root)
             return
+        _remove_abandoned_staging(self.root)
         start = time.perf_counter()
-        staging = self.root / f"tmp.{uuid.uuid4().hex}"
+        staging = self.root / f"tmp.{os.getpid()}.{uuid.uuid4().hex}"
         try:
             staging.mkdir()
             torch.save(model, staging / MODEL_FILE, pickle_module=_PickleModule)
@@ -223,6 +224,22 @@ class PackedModelCache:
                 entries.append((manifest.get("written", 0), directory))
         for _, directory in sorted(entries, reverse=True)[KEEP_PER_FILE:]:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def _remove_abandoned_staging(root: Path) -> None:
+    """Delete the temporary folders of writers that died mid-write (``tmp.<pid>.<id>`` whose process is gone): a
+    killed first start would otherwise leave a partial entry of gigabytes behind for good."""
+    for staging in root.glob("tmp.*"):
+        pid = staging.name.split(".")[1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            logger.info("packed model cache: removing %s, left by a start that did not finish", staging)
+            shutil.rmtree(staging, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            continue
 
 
 def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:

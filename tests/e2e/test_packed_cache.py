@@ -151,3 +151,20 @@ def test_an_unwritable_cache_folder_costs_only_the_entry(mixed_gguf: str, tmp_pa
     monkeypatch.setenv("KVLOOM_PACKED_CACHE", "1")
     assert len(_run(mixed_gguf)) == 4
     assert not (tmp_path / "packed").exists()
+
+
+def test_a_dead_writers_partial_entry_is_removed(mixed_gguf: str, cache_dir: Path) -> None:
+    """A first start killed while writing leaves tmp.<pid>.<id>: the next write deletes it; a live writer's stays."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    abandoned = cache_dir / f"tmp.{int(dead.stdout)}.0123"
+    live = cache_dir / f"tmp.{os.getpid()}.4567"
+    for staging in (abandoned, live):
+        staging.mkdir(parents=True)
+        (staging / MODEL_FILE).write_bytes(b"partial")
+    _run(mixed_gguf)
+    assert not abandoned.exists() and live.exists()
+    assert len(_entries(cache_dir)) == 1
