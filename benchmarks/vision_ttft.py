@@ -6,6 +6,7 @@ processor (longest edge resized to 2048, 512-pixel tiles): a 512 x 512 image bec
 view, 17 tiles, 1,088 image tokens. It is built once into ``--model-dir`` (a cache) by tests/tiny_vision.py.
 
     .venv/bin/python benchmarks/vision_ttft.py [--runs 3] [--dtype float32] [--concurrent 16]
+    .venv/bin/python benchmarks/vision_ttft.py --kvloom-dtype bfloat16 --quantization int8   # kvloom's tower in W8A8
 
 Each engine runs in this process in turn, a warm-up first; every timed request carries an image it has not
 seen (fresh pixels), so the encoder runs. kvloom's time is ``LLM.generate`` of one token (preprocessing on its
@@ -53,10 +54,12 @@ def image(seed: int, size: int):
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
 
 
-def time_kvloom(model_dir: str, dtype: str, runs: int, size: int, concurrent: int, warmup: bool) -> dict:
+def time_kvloom(model_dir: str, dtype: str, runs: int, size: int, concurrent: int, warmup: bool,
+                quantization: str | None = None) -> dict:
     from kvloom import LLM, SamplingParams
 
-    llm = LLM(model_dir, dtype=dtype, max_model_len=4096, max_num_batched_tokens=max(4096, 1200 * concurrent),
+    llm = LLM(model_dir, dtype=dtype, quantization=quantization, max_model_len=4096,
+              max_num_batched_tokens=max(4096, 1200 * concurrent),
               limit_mm_per_prompt={"image": 1})
     one = SamplingParams(temperature=0, max_tokens=1)
 
@@ -120,6 +123,9 @@ def main() -> int:
     parser.add_argument("--model-dir", default=os.path.expanduser("~/.cache/kvloom/bench/smolvlm-256m-random"))
     parser.add_argument("--dtype", default="float32", help="both engines' dtype (float32 or bfloat16)")
     parser.add_argument("--kvloom-dtype", default=None, help="kvloom's dtype where it differs (e.g. bfloat16)")
+    parser.add_argument("--quantization", default=None, choices=["int8"],
+                        help="kvloom's quantization (int8: the tower's, the connector's and the text model's "
+                        "projections in int8 rows, W8A8 on a CPU)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--no-warmup", action="store_true", help="time from the first request (each is minutes "
                         "long on a small CPU; the warm-up's own costs are seconds)")
@@ -130,8 +136,9 @@ def main() -> int:
     args = parser.parse_args()
     build(args.model_dir)
     results = {"image": f"{args.image_size}x{args.image_size}", "dtype": args.dtype,
+               "kvloom_dtype": args.kvloom_dtype or args.dtype, "kvloom_quantization": args.quantization,
                "kvloom": time_kvloom(args.model_dir, args.kvloom_dtype or args.dtype, args.runs, args.image_size,
-                                     args.concurrent, not args.no_warmup)}
+                                     args.concurrent, not args.no_warmup, args.quantization)}
     if not args.skip_transformers:
         results["transformers"] = time_transformers(args.model_dir, args.dtype, args.runs, args.image_size,
                                                     not args.no_warmup)

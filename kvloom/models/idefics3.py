@@ -39,7 +39,9 @@ class Idefics3ForConditionalGeneration(WrapsLanguageModel, nn.Module):
     the rows that replace the image tokens. ``forward`` takes those rows with the flat token indices they
     belong at (``multimodal_embeddings``)."""
 
-    supports_int8 = False  # the vision tower's projections are float; int8 runs the text-only families
+    # quantization="int8": the text model's projections as the dense families', and the vision tower's and the
+    # connector's too (load_weights), W8A8 on a CPU with int8 activations: the tower's time is its GEMMs.
+    supports_int8 = True
     smoothable = False
 
     def __init__(self, config: ModelConfig, ops: Ops) -> None:
@@ -92,3 +94,9 @@ class Idefics3ForConditionalGeneration(WrapsLanguageModel, nn.Module):
             missing.append("connector.modality_projection.proj.weight")
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} vision tensor(s), e.g. {missing[:4]}")
+        if self.vision_model.layers and self.vision_model.layers[0].self_attn.qkv_proj.quantized:
+            # quantization="int8" quantizes the tensors it knows by name as read (q/k/v here); the tower's other
+            # projections (patch embedding, out_proj, fc1, fc2) and the connector follow, per output row.
+            for module in (*self.vision_model.modules(), self.modality_projection):
+                if isinstance(module, Linear) and not module.quantized:
+                    module.quantize()
