@@ -140,30 +140,17 @@ inline __m256 load_sub_scales(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Block b, group g's d and m of a panel's 8 columns (block_scale's values).
-template <typename S>
-inline void block_scales(const S* s, int64_t b, int rows, int groups, int g, __m256& d, __m256& m) {
-  if constexpr (std::is_same_v<S, SplitScale>) {
-    const uint8_t* p = &s->byte + b / kSuper * split_super_bytes(rows);
-    const int8_t* sub = reinterpret_cast<const int8_t*>(p + kSplitHead) + b % kSuper * rows * kPanel;
-    const __m256 sd = load_sub_scales(sub + g * kPanel);
-    d = _mm256_mul_ps(load_scales(reinterpret_cast<const c10::Half*>(p)), sd);
-    m = _mm256_mul_ps(load_scales(reinterpret_cast<const c10::Half*>(p) + kPanel),
-                      rows == groups ? sd : load_sub_scales(sub + (groups + g) * kPanel));
-  } else {
-    const S* sb = s + b * rows * kPanel;
-    d = load_scales(sb + g * kPanel);
-    m = load_scales(sb + (groups + g) * kPanel);
-  }
-}
-
-// A panel's scales read block after block (the kernel's loop): block_scales, with a two-level super-block's D and
-// M widened once for its 8 blocks.
+// A panel's scales read block after block (the kernel's loop): block b, group g's d and m of its 8 columns
+// (block_scale's values); a two-level super-block's D and M are widened once for its 8 blocks.
 template <typename S>
 struct ScaleReader {
   const S* s;
   int rows, groups;
-  inline void at(int64_t b, int g, __m256& d, __m256& m) { block_scales(s, b, rows, groups, g, d, m); }
+  inline void at(int64_t b, int g, __m256& d, __m256& m) {
+    const S* sb = s + b * rows * kPanel;
+    d = load_scales(sb + g * kPanel);
+    m = load_scales(sb + (groups + g) * kPanel);
+  }
 };
 
 template <>
@@ -188,6 +175,12 @@ struct ScaleReader<SplitScale> {
     m = _mm256_mul_ps(top_m, rows == groups ? sd : load_sub_scales(sub + (groups + g) * kPanel));
   }
 };
+
+// One block's scales, read without a reader's state (the AMX paths, which visit a panel's blocks once each).
+template <typename S>
+inline void block_scales(const S* s, int64_t b, int rows, int groups, int g, __m256& d, __m256& m) {
+  ScaleReader<S>{s, rows, groups}.at(b, g, d, m);
+}
 
 // Bit t (slot t = 2 j + h: pair j, its low h = 0 or high h = 1 nibbles) of each byte of a bit plane moved to bit
 // `to` (4: a code's fifth bit, 5: its sixth), the rest masked off; a 16-bit shift keeps a byte's own bit there.
