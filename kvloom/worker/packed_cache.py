@@ -44,6 +44,7 @@ from kvloom.config import ResolvedConfig
 from kvloom.cpu_capability import cpu_capability
 from kvloom.ops.table import Ops
 from kvloom.version import __version__
+from kvloom.worker.compiled_artifacts import key_digest
 
 logger = logging.getLogger("kvloom")
 
@@ -128,17 +129,13 @@ def cache_key(config: ResolvedConfig, ops: Ops) -> dict[str, Any]:
     }
 
 
-def _digest(key: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 class PackedModelCache:
     """One configuration's entry under ``root``; ``for_config`` says whether a start caches at all."""
 
     def __init__(self, root: Path, key: dict[str, Any]) -> None:
         self.root = Path(root)
-        self.key = key
-        self.directory = self.root / _digest(key)
+        self.key = json.loads(json.dumps(key, default=str))  # as the manifest will hold it
+        self.directory = self.root / key_digest(self.key)
 
     @classmethod
     def for_config(cls, config: ResolvedConfig, ops: Ops, world_size: int) -> PackedModelCache | None:
@@ -158,7 +155,7 @@ class PackedModelCache:
         token = _LOADING_OPS.set(ops)
         try:
             manifest = json.loads(manifest_path.read_text())
-            if manifest.get("key") != json.loads(json.dumps(self.key, default=str)):
+            if manifest.get("key") != self.key:
                 raise ValueError("its manifest names another configuration")
             if model_path.stat().st_size != manifest.get("bytes"):
                 raise ValueError(f"{MODEL_FILE} is not the size its manifest gives (a partial copy)")
@@ -198,7 +195,7 @@ class PackedModelCache:
             staging.mkdir()
             torch.save(model, staging / MODEL_FILE, pickle_module=_PickleModule)
             manifest = {"key": self.key, "bytes": (staging / MODEL_FILE).stat().st_size, "written": time.time()}
-            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True, default=str))
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
             os.rename(staging, self.directory)
         except OSError as error:  # another start wrote it first (the rename finds a folder), or the disk filled
             shutil.rmtree(staging, ignore_errors=True)
