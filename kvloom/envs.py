@@ -36,6 +36,9 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "KVLOOM_PACKED_CACHE": "0: a GGUF is read and packed for the CPU's kernels at every start; default 1: the first "
     "start of a configuration writes the packed model to KVLOOM_CACHE_DIR/packed/ (as large as the packed weights) "
     "and later ones map it from there (kvloom/worker/packed_cache.py)",
+    "KVLOOM_HUGE_PAGES": "0: packed weights and the KV cache on the CPU in ordinary 4 KiB pages; default 1: in "
+    "transparent huge pages where Linux offers them (madvise), which decode streams ~10% faster "
+    "(kvloom/ops/huge_pages.py)",
     "KVLOOM_TOKEN_GEN_BUCKETS": "decode batch sizes a step is padded to, comma-separated, e.g. 1,2,4,8,16 "
     "(the seeds' NEURON_TOKEN_GEN_BUCKETS; same as override_backend_config token_gen_buckets)",
     "KVLOOM_CONTEXT_LENGTH_BUCKETS": "prefill token counts a step is padded to, comma-separated "

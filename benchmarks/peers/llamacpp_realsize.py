@@ -3,6 +3,9 @@
     .venv/bin/python benchmarks/peers/llamacpp_realsize.py --model llama-3.2-1b:q4_k_m
     .venv/bin/python benchmarks/peers/llamacpp_realsize.py --model llama-3.2-3b:q4_k_m --tests tg128,pp512,b16
     .venv/bin/python benchmarks/peers/llamacpp_realsize.py --model FILE.gguf --rounds 3 --json out.json
+    .venv/bin/python benchmarks/peers/llamacpp_realsize.py --model llama-3.2-3b:q4_k_m --tests b16 --batched-peer server
+    KVLOOM_CPU_ISA=avx2 .venv/bin/python benchmarks/peers/llamacpp_realsize.py --model llama-3.2-1b:q4_k_m \
+        --llamacpp-bin .peers/llamacpp/bin-avx2     # both engines at AVX2 on a CPU with more
 
 The file is a ``SHAPE:FORMAT`` of kvloom/bench/realsize_shapes.py (made by make_realsize_gguf.py) or a path.
 First the read bandwidth is measured (``kvloom.bench.membw``, 1 and 2 threads). Then ``--rounds`` rounds,
@@ -10,8 +13,11 @@ each running both engines once (the order alternates between rounds) while holdi
 ``flock /tmp/kvloom-bench.lock`` (one round at a time), so no other timed benchmark on the box runs beside it:
 - llama.cpp (``LLAMACPP_TOOLS_ONLY=1 bash benchmarks/peers/setup_llamacpp.sh``, 2 threads):
   ``llama-bench -m FILE -t 2 -r 1 -p 0 -n 128`` (tgN), ``-p N -n 0`` (ppN); ``llama-batched-bench -m FILE -t 2
-  -npp 64 -ntg 128 -npl N`` (bN, its S_TG); ``llama-server -m FILE -t 2`` started until /health answers, for
-  time to ready and resident memory (VmRSS) after load (``ready``);
+  -npp 64 -ntg 128 -npl N`` (bN, its S_TG), or with ``--batched-peer server`` ``llama-server -m FILE -t 2 -np N``
+  (N slots, continuous batching) given N concurrent 64-token prompts of 128 tokens each (bN: the tokens
+  generated over the longest request's generation time, as the server's own timings give them);
+  ``llama-server -m FILE -t 2`` started until /health answers, for time to ready and resident memory (VmRSS)
+  after load (``ready``);
 - kvloom: ``kvloom bench realsize --model FILE --tests ... --num-iters 1`` (one warm-up run per test), with
   the bandwidth measured above.
 Medians over the rounds with their spread; decode at one sequence is also given as a fraction of the
@@ -42,7 +48,15 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kvloom.bench import common  # noqa: E402
-from kvloom.bench.realsize import PROMPT_LEN, bound_tok_s, gguf_traffic, mean_context, parse_tests, test_name  # noqa: E402
+from kvloom.bench.realsize import (  # noqa: E402
+    PROMPT_LEN,
+    bound_tok_s,
+    gguf_traffic,
+    mean_context,
+    parse_tests,
+    random_prompts,
+    test_name,
+)
 from kvloom.bench.realsize_shapes import resolve_model  # noqa: E402
 
 BIN = ROOT / ".peers" / "llamacpp" / "bin"
@@ -64,7 +78,8 @@ def bench_lock() -> Iterator[None]:
 def tool(name: str) -> str:
     path = BIN / name
     if not path.is_file():
-        raise SystemExit(f"{path} is missing: LLAMACPP_TOOLS_ONLY=1 bash benchmarks/peers/setup_llamacpp.sh")
+        isa = "LLAMACPP_ISA=avx2 " if BIN.name == "bin-avx2" else ""
+        raise SystemExit(f"{path} is missing: {isa}LLAMACPP_TOOLS_ONLY=1 bash benchmarks/peers/setup_llamacpp.sh")
     return str(path)
 
 
@@ -96,10 +111,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def llama_server_ready(path: Path) -> dict[str, float]:
-    """Seconds from launching llama-server on the file until /health answers, and its VmRSS then (MiB)."""
+@contextlib.contextmanager
+def llama_server(path: Path, *extra: str) -> Iterator[tuple[subprocess.Popen, int, float]]:
+    """llama-server on the file, started until /health answers: (process, port, seconds to ready)."""
     port = free_port()
-    argv = [tool("llama-server"), "-m", str(path), "-t", str(THREADS), "-c", "4096", "--port", str(port)]
+    argv = [tool("llama-server"), "-m", str(path), "-t", str(THREADS), "--port", str(port), *extra]
     with open(os.devnull, "wb") as devnull:
         started = time.time()
         proc = subprocess.Popen(argv, stdout=devnull, stderr=devnull, start_new_session=True)
@@ -116,19 +132,56 @@ def llama_server_ready(path: Path) -> dict[str, float]:
                 if time.time() - started > 600:
                     raise RuntimeError("llama-server not ready after 600 s")
                 time.sleep(0.02)
-            ready = time.time() - started
-            status = Path(f"/proc/{proc.pid}/status").read_text()
-            rss_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+            yield proc, port, time.time() - started
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
+
+
+def llama_server_ready(path: Path) -> dict[str, float]:
+    """Seconds from launching llama-server on the file until /health answers, and its VmRSS then (MiB)."""
+    with llama_server(path, "-c", "4096") as (proc, _, ready):
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        rss_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
     return {"ready_s": ready, "rss_mib": rss_kib / 1024}
 
 
-def llamacpp_round(path: Path, tests: list[tuple[str, int]], ready: bool) -> dict[str, float]:
+def llama_server_batch(path: Path, n: int, vocab: int) -> float:
+    """Aggregate decode tok/s of llama-server with N slots serving N concurrent requests (64-token prompts
+    of random ids, as kvloom's bN, 128 tokens each, EOS ignored): the tokens generated over the longest
+    request's generation time (the server's timings.predicted_ms), as llama-batched-bench's S_TG."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = random_prompts(n, PROMPT_LEN, vocab, seed=0)
+    with llama_server(path, "-np", str(n), "-c", str(n * (PROMPT_LEN + 128 + 16))) as (_, port, _ready):
+        def complete(prompt: list[int], tokens: int = 128) -> dict[str, Any]:
+            body = json.dumps({"prompt": prompt, "n_predict": tokens, "temperature": 0, "ignore_eos": True,
+                               "cache_prompt": False}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=1800) as resp:
+                return json.loads(resp.read())
+
+        complete(prompts[0], 4)  # warm-up
+        with ThreadPoolExecutor(n) as pool:
+            results = list(pool.map(complete, prompts))
+    generated = sum(int(r["timings"]["predicted_n"]) for r in results)
+    longest_ms = max(float(r["timings"]["predicted_ms"]) for r in results)
+    if generated != n * 128:
+        raise RuntimeError(f"llama-server generated {generated} tokens, expected {n * 128}")
+    return generated / (longest_ms / 1e3)
+
+
+def llamacpp_round(path: Path, tests: list[tuple[str, int]], ready: bool, batched_peer: str,
+                   vocab: int) -> dict[str, float]:
     figures: dict[str, float] = {}
     for kind, n in tests:
-        figures[test_name(kind, n)] = llama_batched_bench(path, n) if kind == "b" else llama_bench(path, kind, n)
+        if kind != "b":
+            figures[test_name(kind, n)] = llama_bench(path, kind, n)
+        elif batched_peer == "server":
+            figures[test_name(kind, n)] = llama_server_batch(path, n, vocab)
+        else:
+            figures[test_name(kind, n)] = llama_batched_bench(path, n)
     if ready:
         figures.update(llama_server_ready(path))
     return figures
@@ -162,16 +215,23 @@ def fmt(values: list[float], digits: int = 1) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global BIN
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a .gguf file or SHAPE:FORMAT")
     ap.add_argument("--tests", default="tg128,pp512,pp2048,b4,b16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-ready", dest="ready", action="store_false",
                     help="skip llama-server's time to ready and resident memory")
+    ap.add_argument("--batched-peer", choices=("batched-bench", "server"), default="batched-bench",
+                    help="bN against llama-batched-bench -npl N (default) or llama-server with N slots")
+    ap.add_argument("--llamacpp-bin", default=str(BIN), metavar="DIR",
+                    help="llama.cpp's tools (.peers/llamacpp/bin-avx2: the AVX2 build of LLAMACPP_ISA=avx2 "
+                         "setup_llamacpp.sh, beside KVLOOM_CPU_ISA=avx2 for kvloom)")
     ap.add_argument("--kvloom-arg", action="append", default=[], metavar="ARG",
                     help="extra flag for kvloom bench realsize, e.g. --kvloom-arg=--engine-arg=...")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
+    BIN = Path(args.llamacpp_bin)
     if not args.model:
         ap.error("--model is required")
     if args.rounds < 1:
@@ -192,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                 if engine == "kvloom":
                     figures = kvloom_round(path, tests, bandwidth[THREADS], args.kvloom_arg)
                 else:
-                    figures = llamacpp_round(path, tests, args.ready)
+                    figures = llamacpp_round(path, tests, args.ready, args.batched_peer, traffic["vocab"])
                 runs[engine].append(figures)
                 print(f"round {r + 1} {engine} (load average {os.getloadavg()[0]:.2f}): "
                       + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()), flush=True)

@@ -24,7 +24,17 @@ JOBS="${JOBS:-2}"
 mkdir -p "$DEST"
 
 TOOLS="llama-server llama-quantize llama-bench llama-batched-bench"
-missing_tool() { for t in $TOOLS; do [ -x "$DEST/bin/$t" ] || return 0; done; return 1; }
+# LLAMACPP_ISA=avx2: a second build for AVX2 alone (no AVX-512) in .peers/llamacpp/bin-avx2, the peer of
+# kvloom at KVLOOM_CPU_ISA=avx2 on a CPU that has more (llamacpp_realsize.py --llamacpp-bin).
+ISA="${LLAMACPP_ISA:-native}"
+case "$ISA" in
+    native) BIN="$DEST/bin"; BUILD="$DEST/build"
+            ISA_FLAGS="-DGGML_NATIVE=ON" ;;
+    avx2) BIN="$DEST/bin-avx2"; BUILD="$DEST/build-avx2"
+          ISA_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF" ;;
+    *) echo "LLAMACPP_ISA must be native or avx2, got $ISA" >&2; exit 2 ;;
+esac
+missing_tool() { for t in $TOOLS; do [ -x "$BIN/$t" ] || return 0; done; return 1; }
 if missing_tool; then
     if [ ! -d "$DEST/src" ]; then
         rm -rf "$DEST/sdist" && mkdir -p "$DEST/sdist"
@@ -40,16 +50,18 @@ if missing_tool; then
     # without it ggml runs its AVX-512 VNNI kernels. LLAMA_CPP_AMX=1 keeps AMX in.
     NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     if [ "${LLAMA_CPP_AMX:-0}" = 1 ]; then NO_AMX=""; fi
-    cmake -S "$DEST/src" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+    # shellcheck disable=SC2086
+    cmake -S "$DEST/src" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
         -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
-        -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+        $ISA_FLAGS -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
         -DBUILD_SHARED_LIBS=OFF
     # shellcheck disable=SC2086
-    cmake --build "$DEST/build" --target $TOOLS -j "$JOBS"
-    mkdir -p "$DEST/bin"
-    for t in $TOOLS; do cp "$DEST/build/bin/$t" "$DEST/bin/"; done
+    cmake --build "$BUILD" --target $TOOLS -j "$JOBS"
+    mkdir -p "$BIN"
+    for t in $TOOLS; do cp "$BUILD/bin/$t" "$BIN/"; done
 fi
-echo "llama.cpp tools: $DEST/bin ($TOOLS)"
+echo "llama.cpp tools: $BIN ($TOOLS)"
+if [ "$ISA" != native ]; then exit 0; fi
 # LLAMACPP_TOOLS_ONLY=1: the binaries only (benchmarks/peers/llamacpp_realsize.py makes its own GGUFs).
 if [ "${LLAMACPP_TOOLS_ONLY:-0}" = 1 ]; then exit 0; fi
 

@@ -49,6 +49,7 @@ import torch
 
 from kvloom import envs
 from kvloom.cpu_capability import cpu_capability
+from kvloom.ops import huge_pages
 from kvloom.ops.int8 import Int8Blocks, Int8Rows, check_blocks_shape, compact_block_scales
 from kvloom.ops.layer_stack import LayerShape, LayerWeights
 from kvloom.ops.metadata import AttentionMetadata
@@ -379,7 +380,7 @@ class PackedWeight:
         # Whether rows() can read the weight back (kvloom's panels; oneDNN's packing is opaque).
         self.holds_rows = fmt in ("kvloom", "hybrid")
         if self.holds_rows:
-            self.data = pack_gemm_weight(weight, gemm_panel())
+            self.data = huge_pages.rehome(pack_gemm_weight(weight, gemm_panel()))
             self.bias = None if bias is None else bias.float()  # added to the fp32 sums before rounding
         if fmt in ("onednn", "hybrid"):
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
@@ -603,7 +604,7 @@ class PackedInt8Weight(_PackedInt8Linear):
                 raise ValueError(f"PackedInt8Weight: {name} must have shape ({self.out_features},), "
                                  f"got {tuple(t.shape)}")
         self.w8a8_min_rows = w8a8_min_rows if self.in_features <= W8A8_MAX_IN_FEATURES else sys.maxsize
-        self.data = pack_int8_weight(qweight)
+        self.data = huge_pages.rehome(pack_int8_weight(qweight))
         # What the +128 shift of the activations adds to every sum of column n: 128 * sum_k q[n, k].
         self.compensation = (qweight.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
         self.scale = scale.float().contiguous()
@@ -653,7 +654,7 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
                              f"got {tuple(bias.shape)}")
         # The panels of pack_int8_weight holding q + 128 as u8 (each byte's top bit flipped): the kernel's
         # shift to vpdpbusd's unsigned operand is on the weight, so activations need no compensation per column.
-        self.data = pack_int8_weight(qweight).view(torch.uint8).bitwise_xor(0x80).view(torch.int8)
+        self.data = huge_pages.rehome(pack_int8_weight(qweight).view(torch.uint8).bitwise_xor(0x80).view(torch.int8))
         self.scale = pack_block_columns(compact_block_scales(scale))  # fp16 where exact: a Q8_0 file's own d
         self.bias = None if bias is None else bias.float().contiguous()
         self.bf16_tiles = bf16_tiles

@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvloom.ops import huge_pages
 from kvloom.ops.int8 import dequantized_product_reference, quantize_per_block
 
 BLOCK = 32
@@ -384,10 +385,10 @@ class PackedQ4Weight:
         if halves:
             weight = weight.in_groups_of_16()
         planes = 2 if halves else 1 if top > 15 else 0
-        self.data = pack_q4_weight(codes & 0x0F)
+        self.data = huge_pages.rehome(pack_q4_weight(codes & 0x0F))
         # The codes' fifth (and sixth) bits in planes beside the nibbles, read by the same kernel.
-        self.high = pack_high_bits(codes, planes) if planes else None
-        self.scales = pack_q4_scales(weight.d.float(), weight.m.float(), 2 if halves else 1)
+        self.high = huge_pages.rehome(pack_high_bits(codes, planes)) if planes else None
+        self.scales = huge_pages.rehome(pack_q4_scales(weight.d.float(), weight.m.float(), 2 if halves else 1))
         self.bias = None if bias is None else bias.float().contiguous()
         self.portable = portable
         self.bf16_tiles = bf16_tiles

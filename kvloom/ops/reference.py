@@ -6,12 +6,12 @@ Attention goes one request at a time, in fp32, every key gathered by its slot: s
 from __future__ import annotations
 
 import math
-import mmap
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from kvloom.ops import huge_pages
 from kvloom.ops.metadata import AttentionMetadata
 
 
@@ -43,13 +43,12 @@ def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device |
     """A zeroed cache tensor. On the CPU a large one is a private anonymous mapping, whose pages the kernel
     zero-fills when a step first writes them: torch.zeros writes every page at start-up (~1.3 s a GiB on a Zen 4
     VM; the default 2 GiB KV cache was most of a start that maps a packed model), this costs nothing until the
-    blocks are used. The memory is reserved by the budget, not made resident up front."""
+    blocks are used. The memory is reserved by the budget, not made resident up front. Where available it is on
+    huge pages (ops/huge_pages.py): attention reads blocks scattered over the whole cache."""
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < LAZY_ZEROS_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
-    # MAP_PRIVATE: a forked process gets its own copy on write, never the parent's blocks.
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)  # keeps the mapping alive
+    return huge_pages.zeros(shape, dtype)
 
 
 INT8_KV_SCALE_BYTES = 2  # an int8 KV row ends in its scale, one fp16

@@ -24,6 +24,7 @@ from kvloom.lora.model_manager import LoRAModelManager
 from kvloom.lora.peft import model_shape
 from kvloom.lora.request import LoRARequest
 from kvloom.models.registry import build_model, load_model_weights, process_weights_after_loading
+from kvloom.ops.huge_pages import StepwiseRehome
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops, select_ops
 from kvloom.platform import default_dtype, release_freed_heap
@@ -92,6 +93,7 @@ class ModelRunner:
         self.encoder_cache: EncoderCache | None = None
         # With enable_lora: the adapters' compute slots, host cache and per-layer deltas (kvloom/lora/).
         self.lora: LoRAModelManager | None = None
+        self.rehome: StepwiseRehome | None = None  # a mapped packed model moving onto huge pages
         # Async scheduling: the last step's sampled tokens, still on the device, and each request's row in them;
         # a step's placeholder tokens are read from there.
         self.async_scheduling = config.async_scheduling
@@ -111,6 +113,8 @@ class ModelRunner:
         # A GGUF packed at an earlier start is mapped from disk instead of read and packed (worker/packed_cache.py).
         packed = PackedModelCache.for_config(self.config, self.ops, world_size)
         model = packed.load(self.ops) if packed is not None else None
+        # A mapped model moves onto huge pages over the first steps (execute_async, before each).
+        self.rehome = packed.rehome if model is not None else None
         if model is None:
             with default_dtype(self.dtype), torch.device(self.device):
                 model = build_model(self.model_config, self.ops)
@@ -238,6 +242,10 @@ class ModelRunner:
         Everything copied to the device (inputs, sampling parameters) is copied before the launch: a copy
         from pageable host memory waits for the device's queue, so none may follow the forward pass.
         """
+        if self.rehome is not None:  # no step runs now: part of the mapped model moves onto huge pages
+            self.rehome.step()
+            if self.rehome.finished:
+                self.rehome = None
         for new in scheduler_output.new_requests:
             self.requests[new.request_id] = self._request_state(new)
             if self.lora is not None:

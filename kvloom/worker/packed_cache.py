@@ -42,6 +42,7 @@ import torch
 from kvloom import envs
 from kvloom.config import ResolvedConfig
 from kvloom.cpu_capability import cpu_capability
+from kvloom.ops import huge_pages
 from kvloom.ops.table import Ops
 from kvloom.version import __version__
 from kvloom.worker.compiled_artifacts import key_digest
@@ -136,6 +137,7 @@ class PackedModelCache:
         self.root = Path(root)
         self.key = json.loads(json.dumps(key, default=str))  # as the manifest will hold it
         self.directory = self.root / key_digest(self.key)
+        self.rehome: huge_pages.StepwiseRehome | None = None  # set by a load (the model moving onto huge pages)
 
     @classmethod
     def for_config(cls, config: ResolvedConfig, ops: Ops, world_size: int) -> PackedModelCache | None:
@@ -171,6 +173,8 @@ class PackedModelCache:
             _LOADING_OPS.reset(token)
         logger.info("packed model cache: mapped %s (%.1f GB) in %.2f s", model_path, manifest["bytes"] / 1e9,
                     time.perf_counter() - start)
+        # Served from the file's pages at once; moved onto huge pages over the first steps (the runner steps it).
+        self.rehome = huge_pages.StepwiseRehome.start(_tensors(model, every_view=True))
         return model
 
     def save(self, model: torch.nn.Module) -> None:
@@ -239,10 +243,12 @@ def _remove_abandoned_staging(root: Path) -> None:
             continue
 
 
-def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+def _tensors(model: torch.nn.Module, every_view: bool = False) -> list[torch.Tensor]:
     """The tensors pickling the model would store: its parameters, buffers and the packed products' attributes,
-    each storage once (an estimate of the entry's size)."""
+    each storage once (an estimate of the entry's size); with ``every_view``, every tensor object instead (those
+    sharing a storage too)."""
     seen: dict[int, torch.Tensor] = {}
+    views: list[torch.Tensor] = []
     stack: list[Any] = [model]
     visited: set[int] = set()
     while stack:
@@ -252,10 +258,11 @@ def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
         visited.add(id(obj))
         if isinstance(obj, torch.Tensor):
             seen.setdefault(obj.untyped_storage().data_ptr(), obj)
+            views.append(obj)
         elif isinstance(obj, dict):
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple)):
             stack.extend(obj)
         elif hasattr(obj, "__dict__") and not isinstance(obj, (type, Ops)):
             stack.extend(vars(obj).values())
-    return list(seen.values())
+    return views if every_view else list(seen.values())

@@ -19,7 +19,7 @@ import torch
 from e2e.test_correctness import mixed_prompts
 from kvloom import LLM, SamplingParams
 from kvloom.loader import gguf
-from kvloom.ops import cpu
+from kvloom.ops import cpu, huge_pages
 from kvloom.worker import packed_cache
 from kvloom.worker.packed_cache import MANIFEST, MODEL_FILE
 
@@ -46,7 +46,10 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _run(path: str, **kwargs: object) -> list[tuple[list[int], list[float]]]:
-    llm = LLM(path, max_model_len=256, **kwargs)
+    return _generate(LLM(path, max_model_len=256, **kwargs))
+
+
+def _generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     prompts = [{"prompt_token_ids": p} for p in mixed_prompts(400, count=4, seed=3)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -168,3 +171,30 @@ def test_a_dead_writers_partial_entry_is_removed(mixed_gguf: str, cache_dir: Pat
     _run(mixed_gguf)
     assert not abandoned.exists() and live.exists()
     assert len(_entries(cache_dir)) == 1
+
+
+def test_a_mapped_model_moves_onto_huge_pages_over_its_first_steps(mixed_gguf: str, cache_dir: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mapped start serves from the file's pages at once; before each step the runner moves part of the model (the
+    large storages onto huge pages; this tiny model's count as large here): the same tensors, now on 2 MiB-aligned
+    mappings, and the same tokens and logprobs."""
+    from kvloom.ops.q4 import PackedQ4Weight
+
+    cold = _run(mixed_gguf)
+    monkeypatch.setattr(huge_pages, "available", lambda: True)
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 4096)
+    llm = LLM(mixed_gguf, max_model_len=256)
+    runner = llm.llm_engine.executor.driver
+    rehome = runner.rehome
+    assert rehome is not None and not rehome.finished
+    packed = [m.packed for m in runner.model.modules() if isinstance(getattr(m, "packed", None), PackedQ4Weight)]
+    large = [p.data for p in packed if p.data.untyped_storage().nbytes() >= 4096]
+    assert large and not any(t.data_ptr() % huge_pages.HUGE_PAGE == 0 for t in large)
+    monkeypatch.setattr(rehome, "STEP_BYTES", 1)  # a storage a step: the model half moved while it generates
+    assert _generate(llm) == cold
+    assert not rehome.finished and runner.rehome is rehome
+    monkeypatch.setattr(rehome, "STEP_BYTES", 1 << 30)
+    assert _generate(llm) == cold
+    assert runner.rehome is None and rehome.finished
+    assert all(t.data_ptr() % huge_pages.HUGE_PAGE == 0 for t in large)
+    assert _generate(llm) == cold

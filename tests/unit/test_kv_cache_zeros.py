@@ -9,7 +9,7 @@ import resource
 import pytest
 import torch
 
-from kvloom.ops import reference
+from kvloom.ops import huge_pages, reference
 from kvloom.ops.reference import LAZY_ZEROS_MIN_BYTES, allocate_kv_cache
 
 
@@ -38,7 +38,7 @@ def test_a_large_cache_is_the_zeroed_cache_torch_zeros_makes(dtype: torch.dtype,
 def test_small_or_non_cpu_caches_take_torch_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a small or non-CPU cache was mapped")
-    monkeypatch.setattr(reference.mmap, "mmap", refuse)
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
     key, value = allocate_kv_cache(2, 16, 2, 64, torch.bfloat16, "cpu")
     assert key.numel() * 2 < LAZY_ZEROS_MIN_BYTES and torch.equal(key, torch.zeros_like(key))
     assert allocate_kv_cache(128, 16, 8, 64, torch.bfloat16, "meta")[0].device.type == "meta"
