@@ -56,7 +56,8 @@ KEEP_PER_FILE = 2  # entries of one model file kept (the newest)
 FREE_SPACE_MARGIN = 1 << 30  # bytes left free on the disk beyond an entry
 # KVLOOM_* variables that do not change what is packed (the rest are in the key).
 _UNKEYED_ENV = frozenset({"KVLOOM_CACHE_DIR", "KVLOOM_PACKED_CACHE", "KVLOOM_LOGGING_LEVEL", "KVLOOM_API_KEY",
-                          "KVLOOM_NUM_THREADS", "KVLOOM_CPU_OMP_THREADS_BIND", "KVLOOM_CPU_THREAD_POOL"})
+                          "KVLOOM_NUM_THREADS", "KVLOOM_CPU_OMP_THREADS_BIND", "KVLOOM_CPU_THREAD_POOL",
+                          "KVLOOM_HUGE_PAGES"})
 
 # The op table of the process loading an entry: what a pickled module's reference to its ops becomes.
 _LOADING_OPS: contextvars.ContextVar[Ops | None] = contextvars.ContextVar("kvloom_packed_cache_ops", default=None)
