@@ -12,6 +12,14 @@ tokens). 'cpu' reads the caches in the layout the op table allocates (pairs wher
 AVX512-BF16), 'cpu-rows' the same kernel on caches in rows. Each call reads a different layer's cache
 in turn, as a model would, so the K/V come from memory rather than from a cache the previous call
 warmed. The metadata is built as the model runner builds it (decodes padded to a 64-token bucket for 'native').
+
+    .venv/bin/python benchmarks/attention_micro.py --dense [--shape 17,12,1024,64] [--dtype bfloat16] [--repeats 7]
+
+--dense times the vision tower's attention instead (models/vision_encoder.py: no mask, no cache), kvloom's
+csrc/dense_attention.cpp (ops/cpu.py dense_attention, the kernel called directly) against torch's SDPA at
+[tiles, heads, patches, head_dim] (default SmolVLM-256M's tower on a 2048-pixel image: 17 tiles), q/k/v as views of
+one fused projection as the tower passes them: GFLOP/s (4 * tiles * heads * patches^2 * head_dim per call), medians
+of alternated calls, and the largest difference from an fp32 SDPA.
 """
 
 from __future__ import annotations
@@ -114,15 +122,64 @@ def time_backends(name: str, backends: list[str], step, repeats: int) -> None:
               f"max |diff| {error:.1e}")
 
 
+def time_dense(shape: list[int], dtype: torch.dtype, repeats: int) -> None:
+    import torch.nn.functional as F
+
+    from kvloom.ops import cpu
+
+    tiles, heads, patches, head_dim = shape
+    kernel = cpu.dense_attention_kernel(dtype, head_dim) if cpu.cpu_kernel_available() else None
+    print(f"dense attention [{tiles}, {heads}, {patches}, {head_dim}] {dtype}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, build {cpu.compiled_isa()}, kernel {kernel or 'none (SDPA runs)'}")
+    if not cpu.cpu_kernel_available():
+        return
+    torch.manual_seed(0)
+    qkv = torch.randn(tiles, patches, 3, heads, head_dim, dtype=dtype).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    out = torch.empty(tiles, patches, heads, head_dim, dtype=dtype).transpose(1, 2)
+
+    def kvloom_kernel() -> torch.Tensor:  # the op itself, also where the op table would route to SDPA
+        torch.ops.kvloom.dense_attention(out, q, k, v, head_dim ** -0.5)
+        return out
+
+    def sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v)
+
+    reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    flop = 4 * tiles * heads * patches * patches * head_dim
+    calls = {"kvloom": kvloom_kernel, "sdpa": sdpa}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for name, call in calls.items():  # warm-up
+        error = (call().float() - reference).abs().max().item()
+        print(f"  {name:>6}: max |diff| from fp32 SDPA {error:.1e}")
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["sdpa"])
+    for name in calls:
+        median = statistics.median(times[name])
+        print(f"  {name:>6}: {median * 1e3:8.1f} ms/call ({min(times[name]) * 1e3:.1f}-{max(times[name]) * 1e3:.1f})  "
+              f"{flop / median / 1e9:6.1f} GFLOP/s  x{base / median:4.2f} vs sdpa")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--layers", type=int, default=8, help="caches the calls cycle through")
     parser.add_argument("--backends", default="reference,native,cpu")
+    parser.add_argument("--dense", action="store_true", help="the vision tower's dense attention instead")
+    parser.add_argument("--shape", default="17,12,1024,64", help="--dense: tiles,heads,patches,head_dim")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="--dense")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.dense:
+        with torch.inference_mode():
+            time_dense([int(x) for x in args.shape.split(",")], getattr(torch, args.dtype), args.repeats)
+        return
     backends = args.backends.split(",")
     if select_ops(torch.device("cpu"), torch.bfloat16, "cpu").name != "cpu":  # the warning said why
         backends = [b for b in backends if not b.startswith("cpu")]

@@ -23,6 +23,7 @@ from torch import nn
 
 from kvloom.layers.linear import Linear
 from kvloom.ops.metadata import AttentionMetadata
+from kvloom.ops.table import DenseAttentionFn, Ops
 
 # A checkpoint's q/k/v projections -> their shard of the fused qkv_proj.
 QKV_SHARDS = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
@@ -102,12 +103,18 @@ class VisionAttention(nn.Module):
         size = config.hidden_size
         self.qkv_proj = Linear(size, [size, size, size], bias=True)
         self.out_proj = Linear(size, [size], bias=True)
+        # q, k, v [N, heads, P, head_dim] -> [N, heads, P, head_dim]: the op table's dense attention once the
+        # weights are processed (the CPU's own kernel), torch's SDPA until then.
+        self.attend: DenseAttentionFn = F.scaled_dot_product_attention
+
+    def process_weights_after_loading(self, ops: Ops) -> None:
+        self.attend = ops.dense_attention
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, P, D]: every patch of a tile attends to every patch of the same tile (no mask)."""
         n, p, d = hidden.shape
         qkv = self.qkv_proj(hidden).view(n, p, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [N, heads, P, head_dim]
+        out = self.attend(qkv[0], qkv[1], qkv[2])  # [N, heads, P, head_dim]
         return self.out_proj(out.transpose(1, 2).reshape(n, p, d))
 
 

@@ -46,6 +46,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kvloom import envs
 from kvloom.cpu_capability import cpu_capability
@@ -62,11 +63,11 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 # 4-bit GEMMs, the LoRA delta (lora.cpp) and the thread pool that all of them run their loops on.
 SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name
                      for name in ("fused_ops.cpp", "gemm.cpp", "gemm_int8.cpp", "gemm_q4.cpp", "parallel.cpp",
-                                  "decoder.cpp", "lora.cpp")))
+                                  "decoder.cpp", "lora.cpp", "dense_attention.cpp")))
 # Included by them: the ISA flags (all), the thread pool's loops, the int8/4-bit GEMMs' AVX2 columns and AMX tiles.
 HEADERS = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("cpu_capability.h", "kernels.h", "parallel.h", "avx2_columns.h", "lora.h", "amx.h",
-                             "amx_bf16.h"))
+                             "amx_bf16.h", "transpose.h"))
 # Tried in order: built for the ISA level in force (kvloom.cpu_capability: this CPU's own -march=native, or
 # the capped level's baseline), then portable (for compilers that reject those flags).
 PORTABLE = ("portable", [])
@@ -207,7 +208,8 @@ def compiled_isa() -> str | None:
 def _register_fake() -> None:
     """Shapes-only versions of the ops for torch.compile's tracing: each writes its output argument and
     returns nothing."""
-    for op in ("kvloom::paged_attention", "kvloom::paged_attention_softcap", "kvloom::gemm_w8a8",
+    for op in ("kvloom::paged_attention", "kvloom::paged_attention_softcap", "kvloom::dense_attention",
+               "kvloom::gemm_w8a8",
                "kvloom::gemm_int8_weight_only", "kvloom::gemm_w8a8_blocks", "kvloom::gemm_q4"):
         try:
             torch.library.register_fake(op)(lambda *args: None)
@@ -245,6 +247,40 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     torch.ops.kvloom.paged_attention(out, query, key_cache, value_cache, metadata.block_table,
                                      metadata.seq_lens, query_start_loc_tensor(metadata, query.device),
                                      scale, metadata.sliding_window or 0)
+    return out
+
+
+# ---- dense attention (a vision tower's, within a tile) ----------------------------------------------
+# csrc/dense_attention.cpp against torch's SDPA (its CPU flash attention) at SmolVLM-256M's tower shape, 17 tiles x
+# 12 heads x 1024 patches x head_dim 64, on the 2-core Zen 4 (benchmarks/attention_micro.py --dense; alternated,
+# medians): bf16 with AVX512-BF16 ("pairs", vdpbf16ps) ~2x; fp32 on AVX-512 ("float", fp32 FMAs) 1.1x; on AVX2
+# ("float" for bf16 and fp32 alike) 0.75-0.8x, so there torch's SDPA runs instead.
+def dense_attention_kernel(dtype: torch.dtype, head_dim: int) -> str | None:
+    """The kernel csrc/dense_attention.cpp runs for ``dtype`` and ``head_dim`` where it is faster than torch's SDPA:
+    "pairs" (bf16 by vdpbf16ps) or "float" (fp32 FMAs, on AVX-512); None where SDPA runs (another dtype, a head_dim
+    over the kernel's maximum, an AVX2 or generic build)."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16) or not cpu_kernel_available() \
+            or not hasattr(torch.ops.kvloom, "dense_attention"):
+        return None
+    if not 1 <= head_dim <= torch.ops.kvloom.dense_attention_max_head_dim():
+        return None
+    kernel = torch.ops.kvloom.dense_attention_kernel(dtype, head_dim)
+    return kernel if kernel == "pairs" or compiled_isa().startswith("avx512") else None
+
+
+def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """query [B, H, Lq, D], key and value [B, H, Lk, D] (any strides, rows contiguous: views of a fused qkv) ->
+    softmax(Q K^T / sqrt(D)) V [B, H, Lq, D] with no mask, F.scaled_dot_product_attention's answer, by
+    csrc/dense_attention.cpp where ``dense_attention_kernel`` names a kernel, else by SDPA. The kernel's result is
+    laid out [B, Lq, H, D] in memory, so ``out.transpose(1, 2).reshape(B, Lq, H * D)`` copies nothing."""
+    if (query.device.type != "cpu" or query.dim() != 4 or key.shape[2] == 0
+            or not query.dtype == key.dtype == value.dtype
+            or dense_attention_kernel(query.dtype, query.shape[-1]) is None):
+        return F.scaled_dot_product_attention(query, key, value)
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    batch, heads, length, head_dim = query.shape
+    out = query.new_empty(batch, length, heads, head_dim).transpose(1, 2)
+    torch.ops.kvloom.dense_attention(out, query, key, value, head_dim ** -0.5)
     return out
 
 

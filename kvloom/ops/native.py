@@ -47,6 +47,12 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
+def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """query [B, H, Lq, D], key and value [B, H, Lk, D] -> [B, H, Lq, D]: every query attends to every key (no mask,
+    scale 1 / sqrt(D)), a vision tower's attention within a tile."""
+    return F.scaled_dot_product_attention(query, key, value)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """torch's fused kernel. In bf16 it accumulates in fp32 and rounds once at the end (the
     reference rounds before the weight multiply too), so results differ by at most an ulp."""

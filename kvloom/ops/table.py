@@ -67,6 +67,11 @@ PackExpertsFn = Callable[[torch.Tensor, torch.Tensor], Callable[[torch.Tensor, t
                                                                   torch.Tensor]]
 
 
+# (query [B, H, Lq, D], key [B, H, Lk, D], value [B, H, Lk, D]) -> [B, H, Lq, D]: attention with no mask and no
+# cache (a vision tower's, within a tile), scale 1 / sqrt(D).
+DenseAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 # (per-layer weights, shape, hidden size, rotary cos table, sin table) -> a function (embeddings [T, H],
 # positions, kv_caches, metadata) -> (last layer's output, residual stream) running every decoder layer at
 # once, or None where these layers do not qualify.
@@ -103,6 +108,8 @@ class Ops:
     llama_layer_stack: LayerStackFn | None = None
     # A mixture of experts' MLPs (layers/moe.py), prepared once from the stacked weights.
     pack_experts: PackExpertsFn = reference.ReferenceExperts
+    # A vision tower's attention (models/vision_encoder.py): the CPU's csrc/dense_attention.cpp, else torch's SDPA.
+    dense_attention: DenseAttentionFn = native.dense_attention
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                           dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +147,7 @@ def select_ops(device: torch.device, dtype: torch.dtype, attention_backend: str 
     platform = _cpu_ops(dtype, batch_hint, int8_activations) if on_cpu else _cuda_ops()
     if attention_backend == "native":
         return dataclasses.replace(platform, name="native", attention=native.attention, needs_decode_mask=True,
-                                   pairs_layout=None, llama_layer_stack=None)
+                                   pairs_layout=None, llama_layer_stack=None, dense_attention=native.dense_attention)
     return platform
 
 
@@ -192,7 +199,7 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
                rotary_embedding=cpu.rotary_embedding, silu_and_mul=cpu.silu_and_mul, argmax=cpu.argmax,
                pack_linear=pack, pack_linear_int8=pack_int8, pack_linear_int8_blocks=pack_int8_blocks,
                pack_linear_q4=pack_q4, pairs_layout=cpu.pairs_layout, llama_layer_stack=cpu.llama_layer_stack,
-               pack_experts=pack_experts)
+               pack_experts=pack_experts, dense_attention=cpu.dense_attention)
 
 
 def _cuda_ops() -> Ops:
