@@ -70,6 +70,31 @@ def generated(llm: LLM, cases: list[tuple[str, list[Image.Image]]]) -> list[list
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts(cases), GREEDY, use_tqdm=False)]
 
 
+# int8 products (W8A8: activations rounded to 8 bits per token) move this random model's logits by a few hundredths:
+# where transformers' fp32 run sees two candidates that close (the second image case's fourth token: three within
+# 0.04 in log-probability), a rounding of the tower's or the text model's may tip the choice either way.
+NEAR_TIE = 0.1
+
+
+def assert_greedy_equal_but_near_ties(llm: LLM, cases: list[tuple[str, list[Image.Image]]],
+                                      expected: list[list[int]]) -> None:
+    """Greedy tokens equal ``expected`` (transformers' in fp32), or part from them at most once, and only at a step
+    where this run's own choice leads transformers' token by at most NEAR_TIE in log-probability."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    parted = 0
+    for output, want in zip(llm.generate(prompts(cases), params, use_tqdm=False), expected):
+        ours = output.outputs[0]
+        if list(ours.token_ids) == want:
+            continue
+        parted += 1
+        step = next(i for i, (a, b) in enumerate(zip(ours.token_ids, want)) if a != b)
+        ranked = ours.logprobs[step]
+        assert want[step] in ranked, f"step {step}: transformers' token {want[step]} is not in our top 5"
+        gap = ranked[ours.token_ids[step]].logprob - ranked[want[step]].logprob
+        assert gap <= NEAR_TIE, f"the greedy tokens part at step {step} where our margin is {gap:.3f}"
+    assert parted <= 1, f"{parted} of {len(cases)} prompts part from transformers' greedy tokens"
+
+
 @pytest.mark.parametrize("max_num_batched_tokens", [None, 16])
 def test_greedy_equals_transformers(model_dir: str, expected: list[list[int]],
                                     max_num_batched_tokens: int | None) -> None:
@@ -265,7 +290,8 @@ def test_the_tower_in_int8_gives_the_fp32_towers_embeddings(model_dir: str, expe
     """quantization="int8" takes the tower's projections (patch embedding, q/k/v, out, fc1, fc2) and the connector to
     int8 rows beside the text model's, run W8A8 on a CPU (int8 activations per token): its image rows against the fp32
     tower's, row by row, within int8's rounding through the layers (cosine >= 0.999, relative error <= 5%; measured
-    0.99984 and 1.4%), and greedy text after images (text model int8 too) still equals transformers' in fp32."""
+    0.99984 and 1.4%), and greedy text after images (text model int8 too) still equals transformers' in fp32 but at a
+    near tie (``assert_greedy_equal_but_near_ties``)."""
     import torch
 
     from kvloom.layers.linear import Linear
@@ -281,7 +307,7 @@ def test_the_tower_in_int8_gives_the_fp32_towers_embeddings(model_dir: str, expe
         tower = [m for m in (*model.vision_model.modules(), model.modality_projection) if isinstance(m, Linear)]
         if quantization == "int8":  # int8 packed products, the float weights released
             assert all(m.packed is not None and m.weight.numel() == 0 for m in tower)
-            assert generated(llm, CASES) == expected
+            assert_greedy_equal_but_near_ties(llm, CASES, expected)
         with torch.inference_mode():
             rows[quantization] = model.embed_images(pixels).float()
         llm.llm_engine.shutdown()

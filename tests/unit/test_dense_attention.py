@@ -19,10 +19,10 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}
 
 # (batch, heads, query rows, keys, head_dim): one key; fewer rows than a query block; lengths that are not multiples
 # of the 64-key tile (AVX-512; 32 on AVX2) or of the 48-row query block; an odd number of keys (a pair with no
-# partner); head_dim 64 (SigLIP, CLIP), 32, 80, 72 (SigLIP so400m: not a multiple of 16), 128, 7 (odd: the float
-# kernel) and 256 (the largest).
+# partner); head_dim 64 (SigLIP, CLIP), 32, 80, 72 (SigLIP so400m: not a multiple of 16), 128, 16 (the tests' tiny
+# towers), 7 (odd: the float kernel) and 256 (the largest).
 SHAPES = [(2, 3, 1, 1, 64), (2, 3, 17, 17, 64), (1, 2, 100, 77, 64), (2, 2, 130, 130, 32), (1, 2, 65, 200, 80),
-          (1, 1, 50, 51, 72), (1, 2, 129, 129, 128), (1, 1, 33, 40, 7), (1, 1, 97, 65, 256)]
+          (1, 1, 50, 51, 72), (1, 2, 129, 129, 128), (3, 2, 16, 16, 16), (1, 1, 33, 40, 7), (1, 1, 97, 65, 256)]
 
 
 @pytest.fixture(scope="module", autouse=True)
