@@ -22,7 +22,7 @@ setup: $(BIN)/.installed
 
 # The tests whose fast paths depend on the CPU's ISA level (ops against their references, greedy against
 # transformers); `make test` runs them again under each level below the CPU's own (KVLOOM_CPU_ISA).
-ISA_TESTS := tests/unit/test_ops.py tests/unit/test_cpu_attention.py tests/unit/test_dense_attention.py tests/unit/test_gemm.py \
+ISA_TESTS := tests/unit/test_ops.py tests/unit/test_cpu_attention.py tests/unit/test_vision_ops.py tests/unit/test_gemm.py \
 	tests/unit/test_int8_ops.py tests/unit/test_q4_ops.py tests/unit/test_layer_stack.py tests/unit/test_cpu_capability.py \
 	tests/e2e/test_correctness.py
 

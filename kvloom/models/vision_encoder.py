@@ -15,6 +15,8 @@ replace their tokens' embeddings). No device code.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -124,13 +126,21 @@ class VisionMLP(nn.Module):
         self.fc1 = Linear(config.hidden_size, [config.intermediate_size], bias=True)
         self.fc2 = Linear(config.intermediate_size, [config.hidden_size], bias=True)
         self.act = config.hidden_act
+        # gelu_pytorch_tanh (SigLIP's): the op table's once the weights are processed (the CPU's own kernel, which
+        # writes over fc1's output).
+        self.gelu_tanh: Callable[[torch.Tensor], torch.Tensor] = functools.partial(F.gelu, approximate="tanh")
+
+    def process_weights_after_loading(self, ops: Ops) -> None:
+        self.gelu_tanh = ops.gelu_tanh
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.fc1(hidden)
         if self.act == "quick_gelu":  # CLIP's: x * sigmoid(1.702 x)
             hidden = hidden * torch.sigmoid(1.702 * hidden)
+        elif self.act == "gelu_pytorch_tanh":
+            hidden = self.gelu_tanh(hidden)
         else:
-            hidden = F.gelu(hidden, approximate="tanh" if self.act == "gelu_pytorch_tanh" else "none")
+            hidden = F.gelu(hidden)
         return self.fc2(hidden)
 
 

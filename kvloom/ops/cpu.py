@@ -319,6 +319,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """gelu with tanh's approximation, written over x (csrc/fused_ops.cpp: x / (1 + exp(-2u)) in fp32, vectorized):
+    on SigLIP's [17, 1024, 3072] in bf16 20 ms against F.gelu's 84-114 ms, of which a new output's page faults alone
+    cost ~25 ms. The caller must own x (a projection's fresh output)."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    torch.ops.kvloom.gelu_tanh(x, x)
+    return x
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits: [B, V] in any float dtype -> [B] int64, over the low-precision values (no fp32 copy)."""
     out = torch.empty(logits.shape[0], dtype=torch.long)

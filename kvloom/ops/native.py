@@ -53,6 +53,11 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
     return F.scaled_dot_product_attention(query, key, value)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """gelu with tanh's approximation (SigLIP's ``gelu_pytorch_tanh``)."""
+    return F.gelu(x, approximate="tanh")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """torch's fused kernel. In bf16 it accumulates in fp32 and rounds once at the end (the
     reference rounds before the weight multiply too), so results differ by at most an ulp."""

@@ -110,6 +110,8 @@ class Ops:
     pack_experts: PackExpertsFn = reference.ReferenceExperts
     # A vision tower's attention (models/vision_encoder.py): the CPU's csrc/dense_attention.cpp, else torch's SDPA.
     dense_attention: DenseAttentionFn = native.dense_attention
+    # gelu with tanh's approximation (a SigLIP tower's MLP): x -> gelu(x); may write over x.
+    gelu_tanh: Callable[[torch.Tensor], torch.Tensor] = native.gelu_tanh
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                           dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,7 +201,7 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
                rotary_embedding=cpu.rotary_embedding, silu_and_mul=cpu.silu_and_mul, argmax=cpu.argmax,
                pack_linear=pack, pack_linear_int8=pack_int8, pack_linear_int8_blocks=pack_int8_blocks,
                pack_linear_q4=pack_q4, pairs_layout=cpu.pairs_layout, llama_layer_stack=cpu.llama_layer_stack,
-               pack_experts=pack_experts, dense_attention=cpu.dense_attention)
+               pack_experts=pack_experts, dense_attention=cpu.dense_attention, gelu_tanh=cpu.gelu_tanh)
 
 
 def _cuda_ops() -> Ops:

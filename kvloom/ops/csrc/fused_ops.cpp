@@ -342,6 +342,42 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
   });
 }
 
+// gelu with tanh's approximation (SigLIP's gelu_pytorch_tanh), 0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x +
+// 0.044715 x^3), computed as x / (1 + exp(-2u)) (the same function) in fp32 and rounded once. n values.
+template <typename T>
+void gelu_tanh_values(const T* x, T* o, int64_t n) {
+  using L = Lanes<T>;
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi), and torch's cubic term
+  const Vec linear(-2.f * kBeta), cubic(-2.f * kBeta * kKappa);
+  int64_t i = 0;
+  for (; i + kVec <= n; i += kVec) {
+    const Vec v = L::load(x + i);
+    const Vec minus_2u = v * at::vec::fmadd(v * v, cubic, linear);
+    L::store(o + i, L::narrow(v / (Vec(1.f) + exp_u20(minus_2u))));
+  }
+  for (; i < n; ++i) {
+    const float v = float(x[i]);
+    o[i] = T(0.5f * v * (1.f + std::tanh(kBeta * (v + kKappa * v * v * v))));
+  }
+}
+
+// out = gelu_tanh(x), both contiguous and of one shape.
+void gelu_tanh(at::Tensor out, at::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.sizes() == x.sizes() &&
+              out.scalar_type() == x.scalar_type(), "gelu_tanh: out and x must be contiguous, of one shape and dtype");
+  constexpr int64_t kChunk = 16384;  // values a thread takes at a time: well past a second thread's ~1 us cost
+  const int64_t n = x.numel();
+  dispatch<void>(x, "gelu_tanh", [&](auto zero) {
+    using T = decltype(zero);
+    const T* xs = x.data_ptr<T>();
+    T* os = out.data_ptr<T>();
+    parallel_for(0, (n + kChunk - 1) / kChunk, 1, [&](int64_t begin, int64_t end) {
+      const int64_t first = begin * kChunk, last = std::min(n, end * kChunk);
+      gelu_tanh_values(xs + first, os + first, last - first);
+    });
+  });
+}
+
 // key, value: [T, Hkv, D] (rows may be strided views of a fused qkv; D contiguous);
 // caches: [num_blocks, block_size, Hkv, D] contiguous; slot_mapping: [T]. Row t goes to its slot.
 // key, value: [T, Hkv, D] (rows contiguous); the caches in the rows layout [num_blocks, block_size, Hkv, D],
@@ -593,4 +629,12 @@ TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("write_kv_cache", &write_kv_cache);
+}
+
+TORCH_LIBRARY_FRAGMENT(kvloom, m) {
+  m.def("gelu_tanh(Tensor(a!) out, Tensor x) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
+  m.impl("gelu_tanh", &gelu_tanh);
 }

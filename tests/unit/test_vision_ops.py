@@ -1,4 +1,5 @@
-"""The vision tower's dense attention (csrc/dense_attention.cpp) against torch's SDPA in fp32."""
+"""The vision tower's CPU ops: dense attention (csrc/dense_attention.cpp) against torch's SDPA in fp32, and the
+tanh-approximated gelu (csrc/fused_ops.cpp) against torch's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvloom.cpu_capability import cpu_capability
-from kvloom.models.vision_encoder import VisionAttention, VisionConfig
+from kvloom.models.vision_encoder import VisionAttention, VisionConfig, VisionMLP
 from kvloom.ops import cpu
 from kvloom.ops.table import select_ops
 
@@ -133,3 +134,45 @@ def test_the_tower_attends_through_the_op_table() -> None:
     # The same packed projections around either attention: only the attention's rounding differs.
     torch.testing.assert_close(attention(hidden).float(), packed_sdpa, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(packed_sdpa, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(7,), (3, 45), (2, 1024, 96), (100003,)])
+def test_gelu_tanh_matches_torch(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Against the function in fp64: fp32 within exp's polynomial's error, bf16 / fp16 within one rounding (half an ulp
+    each side, and that error). torch's own rounds the same where |x| is small; for x below about -4 its 1 + tanh(u)
+    cancels (-0.0 where gelu is -1.5e-10 at -5.9), which x / (1 + exp(-2u)) does not."""
+    torch.manual_seed(len(shape))
+    x = (torch.randn(shape) * 3).to(dtype)
+    x.view(-1)[:3] = torch.tensor([-30.0, 30.0, 0.0], dtype=dtype)  # exp's under- and overflow; gelu(0) = 0
+    ours = cpu.gelu_tanh(x.clone())
+    assert ours.dtype == dtype and ours.shape == x.shape
+    exact = F.gelu(x.double(), approximate="tanh")
+    ulp = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -8 + 1e-5, torch.float16: 2.0 ** -11 + 1e-5}[dtype]
+    assert ((ours.double() - exact).abs() <= ulp * exact.abs() + 1e-7).all()
+    small = x.abs() <= 3
+    if dtype != torch.float32:  # the same rounding but where torch's fp32 value lies within that error of an edge
+        assert (ours[small] != F.gelu(x, approximate="tanh")[small]).float().mean().item() <= 0.01
+
+
+def test_gelu_tanh_writes_over_its_input() -> None:
+    x = torch.randn(4, 33, dtype=torch.bfloat16)
+    expected = F.gelu(x, approximate="tanh")
+    out = cpu.gelu_tanh(x)
+    assert out.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+    strided = torch.randn(33, 4, dtype=torch.bfloat16).t()  # not contiguous: a contiguous copy is computed on
+    torch.testing.assert_close(cpu.gelu_tanh(strided), F.gelu(strided, approximate="tanh"), atol=1e-2, rtol=1e-2)
+
+
+def test_the_tower_mlp_takes_the_table_gelu() -> None:
+    config = VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                          image_size=32, patch_size=16)
+    mlp = VisionMLP(config).to(torch.bfloat16)
+    for linear in (mlp.fc1, mlp.fc2):
+        linear.weight.data.normal_(std=0.2)
+    hidden = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    expected = mlp(hidden).float()
+    mlp.process_weights_after_loading(select_ops(torch.device("cpu"), torch.bfloat16))
+    assert mlp.gelu_tanh is cpu.gelu_tanh
+    torch.testing.assert_close(mlp(hidden).float(), expected, atol=2e-2, rtol=2e-2)
