@@ -356,7 +356,8 @@ inline void add_values(const int32_t* probs, const float* values, int pairs, int
     KVLOOM_UNROLL
     for (int c = 0; c < C; ++c)
       acc[r][c] = first ? _mm512_setzero_ps()
-                        : _mm512_mul_ps(_mm512_loadu_ps(o + r * width + column + c * 16), _mm512_set1_ps(correction[r]));
+                  : correction ? _mm512_mul_ps(_mm512_loadu_ps(o + r * width + column + c * 16), _mm512_set1_ps(correction[r]))
+                               : _mm512_loadu_ps(o + r * width + column + c * 16);
   for (int i = 0; i < pairs; ++i) {
     __m512bh v[C];
     KVLOOM_UNROLL
@@ -421,26 +422,41 @@ inline void rows_through_tile(const int32_t* query, int pairs, const float* keys
   }
   alignas(64) int32_t probs[R][kPairStride];
   float correction[R];
+  bool rescale = first;
   const __m512 scale_vec = _mm512_set1_ps(scale);  // scale * log2(e): the exponents are powers of 2
   KVLOOM_UNROLL
   for (int r = 0; r < R; ++r) {
-    __m512 m = acc[r][0];
     KVLOOM_UNROLL
-    for (int v = 1; v < kKeyVecs; ++v) m = _mm512_max_ps(m, acc[r][v]);
-    const float max_score = _mm512_reduce_max_ps(m) * scale;
-    const float new_max = first ? max_score : std::max(row_max[r], max_score);
-    correction[r] = first ? 0.0f : std::exp2(row_max[r] - new_max);
-    const __m512 shift = _mm512_set1_ps(-new_max);
+    for (int v = 0; v < kKeyVecs; ++v) acc[r][v] = _mm512_mul_ps(acc[r][v], scale_vec);
+    // Only a tile holding a score above the row's max so far needs the horizontal max and a rescaling of the row's
+    // output (after the first few tiles, few do): one vector compare per key vector tells.
+    __mmask16 above = 0;
+    if (!first) {
+      const __m512 limit = _mm512_set1_ps(row_max[r]);
+      KVLOOM_UNROLL
+      for (int v = 0; v < kKeyVecs; ++v) above |= _mm512_cmp_ps_mask(acc[r][v], limit, _CMP_GT_OQ);
+    }
+    correction[r] = 1.0f;
+    if (first || above) {
+      __m512 m = acc[r][0];
+      KVLOOM_UNROLL
+      for (int v = 1; v < kKeyVecs; ++v) m = _mm512_max_ps(m, acc[r][v]);
+      const float max_score = _mm512_reduce_max_ps(m);
+      const float new_max = first ? max_score : std::max(row_max[r], max_score);
+      correction[r] = first ? 0.0f : std::exp2(row_max[r] - new_max);
+      row_max[r] = new_max;
+      rescale = true;
+    }
+    const __m512 shift = _mm512_set1_ps(row_max[r]);
     __m512 sum = _mm512_setzero_ps();
     KVLOOM_UNROLL
     for (int v = 0; v < kKeyVecs; ++v) {
-      acc[r][v] = exp2_probability(_mm512_fmadd_ps(acc[r][v], scale_vec, shift));
+      acc[r][v] = exp2_probability(_mm512_sub_ps(acc[r][v], shift));
       sum = _mm512_add_ps(sum, acc[r][v]);
     }
     // The row's sum stays a vector of 16 partial sums until the row is written.
     _mm512_storeu_ps(row_sum + r * 16,
                      first ? sum : _mm512_fmadd_ps(_mm512_loadu_ps(row_sum + r * 16), _mm512_set1_ps(correction[r]), sum));
-    row_max[r] = new_max;
     KVLOOM_UNROLL
     for (int v = 0; v < kKeyVecs; v += 2)
       _mm512_store_si512(&probs[r][v * 8], (__m512i)_mm512_cvtne2ps_pbh(acc[r][v + 1], acc[r][v]));
@@ -449,7 +465,7 @@ inline void rows_through_tile(const int32_t* query, int pairs, const float* keys
   for (int column = 0; column < width; column += kColumns * 16)
     with_columns(std::min(kColumns, (width - column) / 16), [&](auto cc) {
       constexpr int C = decltype(cc)::value;
-      add_values<R, C>(&probs[0][0], values, used_pairs, width, column, correction, first, o);
+      add_values<R, C>(&probs[0][0], values, used_pairs, width, column, rescale ? correction : nullptr, first, o);
     });
 }
 
