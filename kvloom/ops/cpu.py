@@ -3,7 +3,10 @@
 - attention (csrc/paged_attention.cpp): the kernel reads each cached K/V row in place, once per
   group of query heads that share it, for decodes and prefill chunks alike, so the whole flat batch
   is one call per layer;
-- the KV-cache write, add+RMSNorm, rotary, SiLU-and-mul and argmax (csrc/fused_ops.cpp, vectorized);
+- the KV-cache write, add+RMSNorm, rotary, SiLU-and-mul, a SigLIP tower's tanh gelu and argmax (csrc/fused_ops.cpp,
+  vectorized);
+- a vision tower's attention within a tile (csrc/dense_attention.cpp, ``dense_attention``): no mask, no cache,
+  flash-style tiles, vdpbf16ps for Q K^T and P V in bf16;
 - the bf16 GEMM (csrc/gemm.cpp): weights packed once after loading (``pack_linear``) into panels for an
   AVX512-BF16 micro-kernel (1.05-1.2x oneDNN at batch 64, about 2x at batches of 1-8 on SmolLM2's shapes,
   ``benchmarks/gemm_micro.py``) or, on AVX2, bf16 widened to fp32 in registers for FMAs; oneDNN's
@@ -253,8 +256,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 # ---- dense attention (a vision tower's, within a tile) ----------------------------------------------
 # csrc/dense_attention.cpp against torch's SDPA (its CPU flash attention) at SmolVLM-256M's tower shape, 17 tiles x
 # 12 heads x 1024 patches x head_dim 64, on the 2-core Zen 4 (benchmarks/attention_micro.py --dense; alternated,
-# medians): bf16 with AVX512-BF16 ("pairs", vdpbf16ps) ~2x; fp32 on AVX-512 ("float", fp32 FMAs) 1.1x; on AVX2
-# ("float" for bf16 and fp32 alike) 0.75-0.8x, so there torch's SDPA runs instead.
+# medians): bf16 with AVX512-BF16 ("pairs", vdpbf16ps) 2.2-2.6x (321-335 vs 129-145 GFLOP/s); fp32 on AVX-512
+# ("float", fp32 FMAs) 1.1x; on AVX2 ("float" for bf16 and fp32 alike) 0.75-0.8x, so there torch's SDPA runs instead.
 def dense_attention_kernel(dtype: torch.dtype, head_dim: int) -> str | None:
     """The kernel csrc/dense_attention.cpp runs for ``dtype`` and ``head_dim`` where it is faster than torch's SDPA:
     "pairs" (bf16 by vdpbf16ps) or "float" (fp32 FMAs, on AVX-512); None where SDPA runs (another dtype, a head_dim
