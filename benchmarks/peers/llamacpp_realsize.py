@@ -197,7 +197,8 @@ def kvloom_round(path: Path, tests: list[tuple[str, int]], bandwidth: float, ext
         subprocess.run(argv, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
         result = json.loads(out.read_text())
     figures: dict[str, Any] = {row["test"]: row["tok_s"] for row in result["tests"]}
-    figures.update(ready_s=result["ready_s"], rss_mib=result["rss_after_load_mib"])
+    figures.update(ready_s=result["ready_s"], rss_mib=result["rss_after_load_mib"],
+                   huge_pages_mib=result.get("huge_pages_end_mib") or 0.0)
     return figures
 
 

@@ -138,6 +138,19 @@ def resident_mib() -> float:
     return total / 2**20
 
 
+def huge_pages_mib() -> float | None:
+    """Anonymous memory of this process on transparent huge pages now (MiB; /proc/self/smaps_rollup), None where
+    not readable: a round whose weights fell back to 4 KiB pages shows here (kvloom/ops/huge_pages.py)."""
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """``count`` prompts of ``length`` token ids drawn from the first ``min(vocab, 32000)`` ids (fixed seed)."""
     rng = random.Random(seed)
@@ -206,6 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                "ttft_s": common.median([r["ttft_s"] for r in runs]), "runs": runs}
         results.append(row)
     rss_end = resident_mib()
+    huge_end = huge_pages_mib()
     engine.shutdown()
 
     threads = args.bandwidth_threads or int(os.environ.get("KVLOOM_NUM_THREADS") or os.cpu_count() or 1)
@@ -235,6 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rss_before_load_mib": rss_before,
         "rss_after_load_mib": rss_after_load,
         "rss_end_mib": rss_end,
+        "huge_pages_end_mib": huge_end,
         "bandwidth": bandwidth,
         "num_iters": args.num_iters,
         "tests": results,
@@ -270,6 +285,7 @@ def report(result: dict[str, Any]) -> None:
               f"{'' if fraction is None else f'{fraction:.0%}':>8} {'' if gbs is None else f'{gbs:.1f}':>6}")
     print(f"ready {result['ready_s']:.2f} s ({result['ready_from_process_start_s']:.2f} s from process start); "
           f"resident after load {result['rss_after_load_mib']:.0f} MiB (file {t['file_bytes'] / 2**20:.0f} MiB); "
+          f"on huge pages at the end {result.get('huge_pages_end_mib') or 0:.0f} MiB; "
           f"read bandwidth {bw['best_gb_s']:.1f} GB/s on {bw['threads']} thread(s); "
           f"bytes per decode token {t['weight_bytes_per_token'] / 1e9:.3f} GB + KV "
           f"{t['kv_bytes_per_position'] / 1e3:.0f} kB per position; load average {result['machine']['loadavg']}")
