@@ -75,9 +75,14 @@ def rehome(tensor: torch.Tensor) -> torch.Tensor:
     nbytes = tensor.numel() * tensor.element_size()
     if tensor.device.type != "cpu" or nbytes < MIN_BYTES or not available():
         return tensor
-    out = mapped_zeros(nbytes, True).view(tensor.dtype).view(tensor.shape)
-    out.copy_(tensor)
-    return out
+    return _copied(tensor.contiguous().view(-1).view(torch.uint8)).view(tensor.dtype).view(tensor.shape)
+
+
+def _copied(flat: torch.Tensor) -> torch.Tensor:
+    """A uint8 copy of ``flat`` (contiguous uint8 bytes): on huge pages from MIN_BYTES, in ordinary memory below."""
+    nbytes = flat.numel()
+    out = mapped_zeros(nbytes, True) if nbytes >= MIN_BYTES else torch.empty(nbytes, dtype=torch.uint8)
+    return out.copy_(flat)
 
 
 class StepwiseRehome:
@@ -126,9 +131,7 @@ class StepwiseRehome:
                 group = self._groups[self._next]
                 source = group[0].untyped_storage()
                 nbytes = source.nbytes()
-                copy = mapped_zeros(nbytes, True) if nbytes >= MIN_BYTES else torch.empty(nbytes, dtype=torch.uint8)
-                copy.copy_(torch.empty(0, dtype=torch.uint8).set_(source))
-                storage = copy.untyped_storage()
+                storage = _copied(torch.empty(0, dtype=torch.uint8).set_(source)).untyped_storage()
                 for tensor in group:
                     tensor.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
                 self._next += 1
