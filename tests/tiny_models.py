@@ -196,15 +196,16 @@ def quantize_q6_k(w: Any) -> Any:
     return out.reshape(rows, k // 256 * 210)
 
 
-def write_tiny_gguf(path: str, checkpoint_dir: str, *, types: dict[str, int] | None = None, arch: str = "llama"
-                    ) -> str:
+def write_tiny_gguf(path: str, checkpoint_dir: str, *, types: dict[str, int] | None = None, arch: str = "llama",
+                    pre: str = "smollm") -> str:
     """The checkpoint's weights and tokenizer as a llama GGUF, written the way llama.cpp's converter does.
 
     Q/K rows are permuted to llama.cpp's rotary order, and each weight is quantized to a ggml type
     chosen by tensor kind (types overrides: "embed", "attn", "ffn", "output", "norm" -> ggml type id; a
     layer tensor's own GGUF name, e.g. "attn_v", overrides its kind's),
     so one file exercises Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and F16. ``arch`` "qwen2" / "qwen3": llama.cpp's Qwen
-    files, which keep HF's q/k row order and carry the q/k/v biases (Qwen2) or q/k norms (Qwen3).
+    files, which keep HF's q/k row order and carry the q/k/v biases (Qwen2) or q/k norms (Qwen3). ``pre``: the
+    tokenizer.ggml.pre name written (which pre-tokenizer split the file's readers apply).
     """
     import gguf
     import numpy as np
@@ -238,7 +239,7 @@ def write_tiny_gguf(path: str, checkpoint_dir: str, *, types: dict[str, int] | N
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"]))
     writer.add_file_type(q.Q4_1)
-    _add_gguf_tokenizer(writer, checkpoint_dir)
+    _add_gguf_tokenizer(writer, checkpoint_dir, pre)
 
     def permute(w: np.ndarray, n_head: int) -> np.ndarray:
         # llama.cpp's convert_hf_to_gguf.py LlamaModel.permute
@@ -304,7 +305,7 @@ def _llama3_rope_factors(config: dict[str, Any]) -> Any:
     return np.array(factors, dtype=np.float32)
 
 
-def _add_gguf_tokenizer(writer: Any, checkpoint_dir: str) -> None:
+def _add_gguf_tokenizer(writer: Any, checkpoint_dir: str, pre: str = "smollm") -> None:
     """The byte-level BPE of checkpoint_dir as llama.cpp's "gpt2" tokenizer metadata."""
     with open(os.path.join(checkpoint_dir, "tokenizer.json"), encoding="utf-8") as f:
         spec = json.load(f)
@@ -313,7 +314,7 @@ def _add_gguf_tokenizer(writer: Any, checkpoint_dir: str) -> None:
     special = {added["content"] for added in spec["added_tokens"] if added["special"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if token in special else 1 for token in tokens])  # 3: control, 1: normal
     writer.add_token_merges(merges)

@@ -191,6 +191,19 @@ def test_tiny_gguf_tokenizer_matches_transformers(tiny_gguf_path: str, tiny_toke
     assert all(tokenizer.encode(text) == tiny_tokenizer.encode(text) for text in TEXTS)
 
 
+@pytest.mark.parametrize("pre", ["qwen2", "deepseek-r1-qwen", "qwen35", "gpt-4o", "llama-bpe"])
+def test_gguf_pre_tokenizer_split_matches_transformers(tiny_gguf_path: str, tiny_llama_dir: str, tmp_path: Path,
+                                                       pre: str) -> None:
+    """A byte-level file's tokenizer.ggml.pre picks the split transformers and llama.cpp apply to it (Qwen2.5's
+    files say "qwen2": single digits, case-blind contractions), not GPT-2's."""
+    path = tiny_models.write_tiny_gguf(str(tmp_path / f"{pre}.gguf"), tiny_llama_dir, pre=pre)
+    tokenizer = load_tokenizer(resolve_model(path))
+    texts = [*TEXTS, "Tokens 2024 and 31337, I'VE HE'S You'Re x1y22z333", "Ａｂｃ 12 ｘ３４ é\u0301 e\u0301t\u00e9"]
+    _assert_same_as_transformers(tokenizer, _transformers_tokenizer(path), texts)
+    gpt2_split = load_tokenizer(resolve_model(tiny_gguf_path))  # "smollm": GPT-2's split
+    assert any(tokenizer.encode(text) != gpt2_split.encode(text) for text in texts), pre
+
+
 def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path: Path) -> None:
     path = tiny_models.write_sentencepiece_gguf(str(tmp_path / "spm.gguf"))
     tokenizer = load_tokenizer(resolve_model(path))
