@@ -37,7 +37,7 @@ DEFAULT_ALIGNMENT = 32
 
 # ggml type ids (gguf.GGMLQuantizationType), for the types dequantized here without the gguf package.
 GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0, GGML_BF16 = 0, 1, 2, 3, 6, 7, 8, 30
-GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 12, 13, 14
+GGML_Q2_K, GGML_Q3_K, GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 10, 11, 12, 13, 14
 # The types kept as codes with a scale and offset per block of 32 (Q6_K: per 16): each is exactly a Q4Blocks (a
 # k-quant's sub-block scales and mins times its fp16 super-block ones are exact in fp32): 4-bit codes for Q4_0,
 # Q4_1, Q4_K (``keep_q4``), 5-bit ones for Q5_1, Q5_K (``keep_q5``), 6-bit ones for Q6_K (``keep_q6``).
@@ -255,8 +255,12 @@ def _block_layout(ggml_type: int) -> tuple[int, int]:
         raise ValueError(f"unknown ggml tensor type {ggml_type}") from None
 
 
+# The types of the common files, known here so that reading a header does not import the gguf package (0.1-0.2 s
+# of a start); the rest come from gguf.constants (test_gguf_block_layouts_match_the_gguf_package).
 _KNOWN_LAYOUTS = {GGML_F32: (1, 4), GGML_F16: (1, 2), GGML_BF16: (1, 2), GGML_Q4_0: (32, 18),
-                  GGML_Q4_1: (32, 20), GGML_Q5_0: (32, 22), GGML_Q5_1: (32, 24), GGML_Q8_0: (32, 34)}
+                  GGML_Q4_1: (32, 20), GGML_Q5_0: (32, 22), GGML_Q5_1: (32, 24), GGML_Q8_0: (32, 34),
+                  GGML_Q2_K: (256, 84), GGML_Q3_K: (256, 110), GGML_Q4_K: (256, 144), GGML_Q5_K: (256, 176),
+                  GGML_Q6_K: (256, 210)}
 
 
 def _tensor_nbytes(path: str, name: str, shape: tuple[int, ...], ggml_type: int) -> int:

@@ -15,40 +15,55 @@ from kvloom.ops import huge_pages
 from kvloom.ops.metadata import AttentionMetadata
 
 
-def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                      device: torch.device | str = "cpu", pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's zeroed (key_cache, value_cache), in one of two layouts:
+def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    pairs: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One layer's (key_cache, value_cache) shapes, in one of two layouts:
 
     rows   both [num_blocks, block_size, Hkv, D];
     pairs  keys [num_blocks, Hkv, D / 2, block_size, 2] and values [num_blocks, Hkv, block_size / 2, D, 2]: per
            block and kv head, keys as pairs of dimensions with the block's keys side by side, and values as
            pairs of keys with the dimensions side by side, as the CPU kernel's bf16 dot products read them
            (csrc/paged_attention.cpp).
+    int8   rows of D codes and then the row's fp16 scale (kv_cache_dtype="int8", quantize_kv_rows).
     """
-    if dtype == torch.int8:  # kv_cache_dtype="int8": a row's codes, then its fp16 scale (quantize_kv_rows)
+    if dtype == torch.int8:
         shape = (num_blocks, block_size, num_kv_heads, head_dim + INT8_KV_SCALE_BYTES)
-        return _kv_zeros(shape, dtype, device), _kv_zeros(shape, dtype, device)
+        return shape, shape
     if not pairs:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        return _kv_zeros(shape, dtype, device), _kv_zeros(shape, dtype, device)
-    return (_kv_zeros((num_blocks, num_kv_heads, head_dim // 2, block_size, 2), dtype, device),
-            _kv_zeros((num_blocks, num_kv_heads, block_size // 2, head_dim, 2), dtype, device))
+        return shape, shape
+    return ((num_blocks, num_kv_heads, head_dim // 2, block_size, 2),
+            (num_blocks, num_kv_heads, block_size // 2, head_dim, 2))
 
 
-# A CPU cache of this many bytes or more is mapped zeroed on first touch instead of written by torch.zeros.
+def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      device: torch.device | str = "cpu", pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's zeroed (key_cache, value_cache) (shapes: kv_cache_shapes)."""
+    return allocate_kv_caches(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, pairs)[0]
+
+
+# A CPU cache of this many bytes or more (all layers) is mapped zeroed on first touch instead of torch.zeros.
 LAZY_ZEROS_MIN_BYTES = 1 << 20
 
 
-def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zeroed cache tensor. On the CPU a large one is a private anonymous mapping, whose pages the kernel
-    zero-fills when a step first writes them: torch.zeros writes every page at start-up (~1.3 s a GiB on a Zen 4
-    VM; the default 2 GiB KV cache was most of a start that maps a packed model), this costs nothing until the
-    blocks are used. The memory is reserved by the budget, not made resident up front. Where available it is on
-    huge pages (ops/huge_pages.py): attention reads blocks scattered over the whole cache."""
-    nbytes = math.prod(shape) * dtype.itemsize
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, device: torch.device | str = "cpu", pairs: bool = False
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's zeroed (key_cache, value_cache) (shapes: kv_cache_shapes).
+
+    On the CPU a cache of LAZY_ZEROS_MIN_BYTES or more is one private anonymous mapping for all layers, whose pages
+    the kernel zero-fills when a step first writes them: torch.zeros writes every page at start-up (~1.3 s a GiB
+    on a Zen 4 VM, 12 ms a MiB in small tensors: most of a start that maps a packed model), this costs nothing
+    until the blocks are used. The memory is reserved by the budget, not made resident up front. Where available
+    it is on huge pages (ops/huge_pages.py): attention reads blocks scattered over the whole cache, and a huge
+    page is faulted in whole."""
+    key_shape, value_shape = kv_cache_shapes(num_blocks, block_size, num_kv_heads, head_dim, dtype, pairs)
+    nbytes = num_layers * (math.prod(key_shape) + math.prod(value_shape)) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < LAZY_ZEROS_MIN_BYTES:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return huge_pages.zeros(shape, dtype)
+        return [(torch.zeros(key_shape, dtype=dtype, device=device),
+                 torch.zeros(value_shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+    tensors = huge_pages.zeros_many([key_shape, value_shape] * num_layers, dtype)
+    return list(zip(tensors[0::2], tensors[1::2], strict=True))
 
 
 INT8_KV_SCALE_BYTES = 2  # an int8 KV row ends in its scale, one fp16

@@ -45,7 +45,7 @@ import torch
 from kvloom.ops import ATTENTION_BACKENDS, int8, native, q4, reference
 from kvloom.ops.layer_stack import LayerShape, LayerWeights
 from kvloom.ops.metadata import AttentionMetadata
-from kvloom.ops.reference import allocate_kv_cache
+from kvloom.ops.reference import allocate_kv_caches
 
 logger = logging.getLogger("kvloom")
 
@@ -116,8 +116,16 @@ class Ops:
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                           dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's zeroed (key_cache, value_cache) in the layout this table's attention reads."""
+        return self.allocate_kv_caches(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)[0]
+
+    def allocate_kv_caches(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_dim: int, dtype: torch.dtype, device: torch.device | str
+                           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's zeroed (key_cache, value_cache) in the layout this table's attention reads (on the CPU
+        one mapping for all layers: ops/reference.py allocate_kv_caches)."""
         pairs = self.pairs_layout is not None and self.pairs_layout(head_dim, block_size, dtype)
-        return allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, pairs=pairs)
+        return allocate_kv_caches(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                                  pairs=pairs)
 
 
 NATIVE_OPS = Ops(name="native", attention=native.attention, rms_norm=native.rms_norm,

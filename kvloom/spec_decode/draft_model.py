@@ -130,9 +130,9 @@ class DraftModelProposer:
         """Per draft layer a key and a value cache of num_blocks blocks, in the layout the ops' attention reads."""
         config = self.config
         self.block_size = block_size
-        self.kv_caches = [self.ops.allocate_kv_cache(num_blocks, block_size, config.num_key_value_heads,
-                                                     config.head_dim, self.dtype, self.device)
-                          for _ in range(config.num_hidden_layers)]
+        self.kv_caches = self.ops.allocate_kv_caches(config.num_hidden_layers, num_blocks, block_size,
+                                                     config.num_key_value_heads, config.head_dim, self.dtype,
+                                                     self.device)
 
     # ---- proposing -------------------------------------------------------------------------
     def first_pass(self, request: DraftRequest) -> tuple[list[int], list[int]]:

@@ -174,11 +174,11 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Per layer a key and a value cache of num_blocks blocks, in the layout the ops' attention reads
-        (ops/reference.py allocate_kv_cache)."""
+        (ops/reference.py allocate_kv_caches)."""
         mc = self.model_config
-        self.kv_caches = [self.ops.allocate_kv_cache(num_blocks, self.block_size, mc.num_key_value_heads,
-                                                     mc.head_dim, self.kv_cache_dtype, self.device)
-                          for _ in range(mc.num_hidden_layers)]
+        self.kv_caches = self.ops.allocate_kv_caches(mc.num_hidden_layers, num_blocks, self.block_size,
+                                                     mc.num_key_value_heads, mc.head_dim, self.kv_cache_dtype,
+                                                     self.device)
         if self.speculator is not None:
             self.speculator.init_kv_cache(num_blocks, self.block_size)
         self.capture_graphs()

@@ -187,6 +187,15 @@ def test_torch_dequantization_equals_gguf_reference(ggml_type: int) -> None:
     assert torch.equal(got, expected)
 
 
+def test_gguf_block_layouts_match_the_gguf_package() -> None:
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from kvloom.loader.gguf import _KNOWN_LAYOUTS
+
+    for ggml_type, layout in _KNOWN_LAYOUTS.items():
+        assert GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)] == layout, ggml_type
+
+
 def test_tiny_gguf_weights_equal_transformers(tiny_gguf_path: str) -> None:
     from transformers import AutoModelForCausalLM
 
