@@ -204,6 +204,38 @@ def test_gguf_pre_tokenizer_split_matches_transformers(tiny_gguf_path: str, tiny
     assert any(tokenizer.encode(text) != gpt2_split.encode(text) for text in texts), pre
 
 
+def test_gguf_tokenizer_comes_back_from_its_cache_entry_the_same(tiny_gguf_path: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvloom.loader import tokenizer as tokenizer_module
+
+    monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path / "cache"))
+    path = shutil.copy(tiny_gguf_path, tmp_path / "t.gguf")
+    built = tokenizer_module._build_gguf(str(path))
+    first = load_tokenizer(resolve_model(str(path)))  # builds and writes the entry
+    entries = list((tmp_path / "cache" / "tokenizers").glob("*.json"))
+    assert len(entries) == 1
+    monkeypatch.setattr(tokenizer_module, "_build_gguf", lambda p: pytest.fail("built again, not read back"))
+    cached = load_tokenizer(resolve_model(str(path)))
+    for tokenizer in (first, cached):
+        for text in TEXTS:
+            for add_special_tokens in (True, False):
+                assert tokenizer.encode(text, add_special_tokens) == built.encode(text, add_special_tokens)
+            assert tokenizer.decode(built.encode(text), False) == built.decode(built.encode(text), False)
+        assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.eos_token_ids,
+                tokenizer.all_special_ids, tokenizer.vocab_size, tokenizer.special_tokens) == (
+            built.bos_token_id, built.eos_token_id, built.pad_token_id, built.eos_token_ids, built.all_special_ids,
+            built.vocab_size, built.special_tokens)
+        assert tokenizer.apply_chat_template(CONVERSATION) == built.apply_chat_template(CONVERSATION)
+    monkeypatch.undo()
+    monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path / "cache"))
+    entries[0].write_text("{not json")  # a broken entry is rebuilt and rewritten
+    assert load_tokenizer(resolve_model(str(path))).encode(TEXTS[2]) == built.encode(TEXTS[2])
+    assert json.loads(entries[0].read_text())["special"] == built.special_tokens
+    os.utime(path, ns=(1, 1))  # the file changed: another entry
+    load_tokenizer(resolve_model(str(path)))
+    assert len(list((tmp_path / "cache" / "tokenizers").glob("*.json"))) == 2
+
+
 def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path: Path) -> None:
     path = tiny_models.write_sentencepiece_gguf(str(tmp_path / "spm.gguf"))
     tokenizer = load_tokenizer(resolve_model(path))
