@@ -35,6 +35,29 @@ from kvloom.bench.realsize_shapes import FORMATS, SHAPES, cache_root, gguf_path,
 LLAMACPP = ROOT / ".peers" / "llamacpp"
 SEED = 0
 SHARD_BYTES = 2 << 30
+# The converter names a byte-level BPE's pre-tokenizer by hashing how it splits a test text, and knows only the
+# released models' hashes. Under a Qwen2 config transformers loads SmolLM2's vocabulary as a Qwen2Tokenizer,
+# which splits with Qwen2's own rule: an unknown hash, named here for what it is ("qwen2").
+PRE_TOKENIZERS = {"qwen2": "qwen2"}
+# convert_hf_to_gguf.py run with argv[1] as the pre-tokenizer name to use where the hash is unknown ("": none).
+CONVERT = """
+import runpy, sys
+from pathlib import Path
+pre, script = sys.argv[1], sys.argv[2]
+sys.path.insert(0, str(Path(script).parent))
+from conversion import base
+known = base.TextModel.get_vocab_base_pre
+def named(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        if not pre:
+            raise
+        return pre
+base.TextModel.get_vocab_base_pre = named
+sys.argv = sys.argv[2:]
+runpy.run_path(script, run_name="__main__")
+"""
 # Above this many parameters the converter writes Q8_0 directly (no bf16 file).
 DIRECT_Q8_0_PARAMS = 4_000_000_000
 
@@ -143,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             write_hf_checkpoint(args.shape, hf)
             print(f"HF checkpoint {hf} in {time.time() - t0:.0f} s", flush=True)
         partial = source.with_suffix(".partial")
-        run([sys.executable, str(LLAMACPP / "src" / "convert_hf_to_gguf.py"), str(hf), "--outtype", source_fmt,
+        run([sys.executable, "-c", CONVERT, PRE_TOKENIZERS.get(SHAPES[args.shape]["model_type"], ""),
+             str(LLAMACPP / "src" / "convert_hf_to_gguf.py"), str(hf), "--outtype", source_fmt,
              "--outfile", str(partial)], PYTHONPATH=str(LLAMACPP / "src" / "gguf-py"))
         partial.rename(source)
         print(f"{source} in {time.time() - t0:.0f} s", flush=True)
