@@ -29,7 +29,6 @@ from kvloom.ops.table import AttentionFn, Ops
 
 # A norm over one head's D values of [N, D] rows: RMSNorm (Qwen3), or Gemma's (1 + w) RMSNorm.
 HeadNorm = Callable[[int, float, Ops], nn.Module]
-_UNSET = object()
 
 
 class LlamaAttention(nn.Module):
@@ -54,9 +53,12 @@ class LlamaAttention(nn.Module):
         self.k_norm = head_norm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.rotary = rotary  # one table of cos/sin for every layer (of a kind)
         self.attention = ops.attention if attention is None else attention
-        # _UNSET: the step's metadata as the runner built it (one window, or none, for every layer).
+        # Without windows per layer the step's metadata is used as the runner built it (one window, or none, for
+        # every layer). Plain values, not a sentinel object: the module is pickled into the packed-model cache
+        # (worker/packed_cache.py), where an object() would come back as another object.
         windows = config.layer_sliding_windows
-        self.sliding_window = _UNSET if windows is None else windows[layer_index]
+        self.own_window = windows is not None
+        self.sliding_window = windows[layer_index] if windows is not None else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -75,7 +77,7 @@ class LlamaAttention(nn.Module):
                                                    k.view(tokens, self.num_kv_heads, self.head_dim)), dim=1))
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.num_heads + self.num_kv_heads:]
-        if self.sliding_window is not _UNSET:
+        if self.own_window:
             metadata = with_sliding_window(metadata, self.sliding_window)
         out = self.attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))

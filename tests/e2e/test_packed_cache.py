@@ -198,3 +198,24 @@ def test_a_mapped_model_moves_onto_huge_pages_over_its_first_steps(mixed_gguf: s
     assert runner.rehome is None and rehome.finished
     assert all(t.data_ptr() % huge_pages.HUGE_PAGE == 0 for t in large)
     assert _generate(llm) == cold
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
+def test_other_families_map_back_with_the_same_outputs(family: str, tmp_path: Path, cache_dir: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Families whose layers run module by module (q/k/v biases, q/k norms, a window per layer) are pickled whole:
+    the mapped start must behave as the cold one (a sentinel object() once came back as another object)."""
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels are not built here")
+    checkpoint = tiny_models.build_tiny_family_checkpoint(str(tmp_path / "hf"), family)
+    types = {"attn": GGML_Q4_1, "attn_o": GGML_Q8_0, "ffn": GGML_Q4_1, "ffn_down": GGML_Q8_0}
+    if family == "gemma3":
+        path = tiny_models.write_tiny_family_gguf(str(tmp_path / f"{family}.gguf"), checkpoint, family, types=types)
+    else:
+        path = tiny_models.write_tiny_gguf(str(tmp_path / f"{family}.gguf"), checkpoint, arch=family, types=types)
+    cold = _run(path)
+    assert len(_entries(cache_dir)) == 1
+    with monkeypatch.context() as patched:
+        _no_decoding(patched)
+        warm = _run(path)
+    assert warm == cold
