@@ -13,7 +13,8 @@ start's.
 The key holds everything the packing depends on: the file (its real path, size and modification time), the
 resolved dtype, quantization, backend knobs, batch size hint, context length, model runner, CPU (its ISA level
 and flags), every KVLOOM_* variable, torch's version and a digest of kvloom's own sources. A start with another
-configuration packs anew beside it; the two newest entries of a file are kept, older ones deleted. An entry that
+configuration packs anew beside it; the two newest entries of a file are kept, older ones deleted, and where the
+disk cannot hold a new entry the file's older ones (another configuration, an older kvloom's) make room first. An entry that
 cannot be read (a partial copy, another version's) is deleted and packed again, with a log line.
 
 Only GGUF files on the CPU, on one rank, without LoRA or speculative decoding are cached (those wrap or share the
@@ -189,6 +190,16 @@ class PackedModelCache:
         except OSError as error:  # a read-only or missing cache folder: the start goes on without the entry
             logger.warning("packed model cache: not written (%s)", error)
             return
+        # Short of space, this file's older entries (another configuration, or written by an older kvloom: a key
+        # this process no longer asks for) make way, oldest first, where removing them makes room enough.
+        older = [(directory, _entry_bytes(directory)) for directory in self._entries_of_this_file()]
+        if free < size + FREE_SPACE_MARGIN <= free + sum(nbytes for _, nbytes in older):
+            for directory, nbytes in older:
+                shutil.rmtree(directory, ignore_errors=True)
+                logger.info("packed model cache: removed %s (%.1f GB) to make room", directory, nbytes / 1e9)
+                free = shutil.disk_usage(self.root).free
+                if free >= size + FREE_SPACE_MARGIN:
+                    break
         if free < size + FREE_SPACE_MARGIN:
             logger.warning("packed model cache: not written (%.1f GB needed, %.1f GB free under %s)", size / 1e9,
                            free / 1e9, self.root)
@@ -216,6 +227,12 @@ class PackedModelCache:
 
     def _evict(self) -> None:
         """Keep the KEEP_PER_FILE newest entries of this model file."""
+        entries = self._entries_of_this_file()
+        for directory in entries[:max(0, len(entries) - KEEP_PER_FILE)]:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def _entries_of_this_file(self) -> list[Path]:
+        """The written entries of this model file (this one's too, once written), oldest first."""
         entries = []
         for directory in self.root.iterdir():
             try:
@@ -223,9 +240,15 @@ class PackedModelCache:
             except (OSError, ValueError):
                 continue
             if manifest.get("key", {}).get("file", {}).get("path") == self.key["file"]["path"]:
-                entries.append((manifest.get("written", 0), directory))
-        for _, directory in sorted(entries, reverse=True)[KEEP_PER_FILE:]:
-            shutil.rmtree(directory, ignore_errors=True)
+                entries.append((manifest.get("written", 0), str(directory), directory))
+        return [directory for *_, directory in sorted(entries)]
+
+
+def _entry_bytes(directory: Path) -> int:
+    try:
+        return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+    except OSError:
+        return 0
 
 
 def _remove_abandoned_staging(root: Path) -> None:

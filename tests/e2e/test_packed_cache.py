@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,27 @@ def test_the_oldest_entries_of_a_file_go_and_the_knob_turns_it_off(mixed_gguf: s
     monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
     _run(mixed_gguf, max_num_seqs=32)
     assert len(_entries(cache_dir)) == packed_cache.KEEP_PER_FILE
+
+
+def test_short_of_space_this_files_older_entries_make_room(mixed_gguf: str, cache_dir: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry of another configuration (or an older kvloom's) gives way when the disk cannot hold both; with no
+    entry of the file to remove, the new one is not written."""
+    _run(mixed_gguf, max_num_seqs=4)
+    [old] = _entries(cache_dir)
+    real_usage = shutil.disk_usage
+    old_bytes = (old / MODEL_FILE).stat().st_size
+
+    def full_while_old_exists(path: object) -> object:  # room for the new entry only once the old one goes
+        usage = real_usage(path)
+        return usage._replace(free=packed_cache.FREE_SPACE_MARGIN + old_bytes // 2) if old.exists() else usage
+    monkeypatch.setattr(packed_cache.shutil, "disk_usage", full_while_old_exists)
+    _run(mixed_gguf, max_num_seqs=8)
+    [new] = _entries(cache_dir)
+    assert not old.exists() and json.loads((new / MANIFEST).read_text())["key"]["batch_hint"] == 8
+    monkeypatch.setattr(packed_cache.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=0))
+    _run(mixed_gguf, max_num_seqs=16)  # nothing else of this file to remove: not written, the start goes on
+    assert _entries(cache_dir) == [new]
 
 
 def test_no_cache_off_the_cpu_path_or_for_lora(mixed_gguf: str, cache_dir: Path) -> None:
