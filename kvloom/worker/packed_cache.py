@@ -14,8 +14,8 @@ The key holds everything the packing depends on: the file (its real path, size a
 resolved dtype, quantization, backend knobs, batch size hint, context length, model runner, CPU (its ISA level
 and flags), every KVLOOM_* variable, torch's version and a digest of kvloom's own sources. A start with another
 configuration packs anew beside it; the two newest entries of a file are kept, older ones deleted, and where the
-disk cannot hold a new entry the file's older ones (another configuration, an older kvloom's) make room first. An entry that
-cannot be read (a partial copy, another version's) is deleted and packed again, with a log line.
+disk cannot hold a new entry the file's older ones (another configuration, an older kvloom's) make room first. An
+entry that cannot be read (a partial copy, another version's) is deleted and packed again, with a log line.
 
 Only GGUF files on the CPU, on one rank, without LoRA or speculative decoding are cached (those wrap or share the
 model after loading). ``KVLOOM_PACKED_CACHE=0`` turns it off; the entry is as large as the packed weights (~6 GB
