@@ -192,7 +192,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     machine = common.machine_info()
     tests = parse_tests(args.tests)
     path = resolve_model(args.model)
-    traffic = gguf_traffic(path)
     longest = max(n + 1 if kind == "pp" else PROMPT_LEN + (n if kind == "tg" else 128) for kind, n in tests)
     max_model_len = args.max_model_len or -(-longest // 256) * 256
     max_seqs = max([n for kind, n in tests if kind == "b"] + [1])
@@ -205,6 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ready_s = time.time() - t0
     ready_from_start_s = time.time() - start
     rss_after_load = resident_mib()
+    traffic = gguf_traffic(path)  # after the start: gguf's reader takes seconds over a large vocabulary
 
     results = []
     for kind, n in tests:
