@@ -44,12 +44,14 @@ def process_start_time() -> float:
     Start-up figures count from here, so interpreter start and imports are included.
     """
     try:
-        # Field 22 (starttime, clock ticks after boot); the command name may contain spaces.
+        # Field 22 (starttime, clock ticks after boot); the command name may contain spaces. Measured against
+        # /proc/uptime (the same clock): /proc/stat's btime is whole seconds and drifts from time.time() as the
+        # wall clock is adjusted (a second off on a VM up for hours).
         fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        with open("/proc/stat") as f:
-            boot_time = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot_time + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        now = time.time()
+        return now - (uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return _IMPORT_TIME
 
 

@@ -166,6 +166,16 @@ def test_memory_and_start_time_are_plausible() -> None:
     assert common.process_start_time() <= time.time()
 
 
+def test_process_start_time_is_when_the_process_started() -> None:
+    """Start-up figures count from it: a child's start lies between the parent's spawn and its own first line
+    (within the clock's 10 ms ticks), not a second off as /proc/stat's whole-second btime drifted."""
+    before = time.time()
+    out = subprocess.run([sys.executable, "-c", "import time; from kvloom.bench.runner import process_start_time; "
+                          "print(process_start_time(), time.time())"], check=True, capture_output=True, text=True)
+    started, printed = map(float, out.stdout.split())
+    assert before - 0.05 <= started <= printed
+
+
 def test_each_benchmark_has_a_parser_and_main() -> None:
     assert throughput.build_parser().parse_args([]).num_prompts == 64
     args = throughput.build_parser().parse_args(["--input-len", "32", "--output-json", "x.json"])
