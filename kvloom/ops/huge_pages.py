@@ -64,11 +64,6 @@ def mapped_zeros(nbytes: int, huge: bool) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8, offset=start, count=nbytes)
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor mapped on first touch (see mapped_zeros), on huge pages where available()."""
-    return zeros_many([shape], dtype)[0]
-
-
 def zeros_many(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
     """Zeroed CPU tensors carved from one mapping (see mapped_zeros), each starting on a 4 KiB page boundary: on
     huge pages where available() and the whole is MIN_BYTES or more. A model's KV cache, every layer's keys and

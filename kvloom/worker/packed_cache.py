@@ -192,7 +192,7 @@ class PackedModelCache:
             return
         # Short of space, this file's older entries (another configuration, or written by an older kvloom: a key
         # this process no longer asks for) make way, oldest first, where removing them makes room enough.
-        older = [(directory, _entry_bytes(directory)) for directory in self._entries_of_this_file()]
+        older = self._entries_of_this_file()
         if free < size + FREE_SPACE_MARGIN <= free + sum(nbytes for _, nbytes in older):
             for directory, nbytes in older:
                 shutil.rmtree(directory, ignore_errors=True)
@@ -228,11 +228,12 @@ class PackedModelCache:
     def _evict(self) -> None:
         """Keep the KEEP_PER_FILE newest entries of this model file."""
         entries = self._entries_of_this_file()
-        for directory in entries[:max(0, len(entries) - KEEP_PER_FILE)]:
+        for directory, _ in entries[:max(0, len(entries) - KEEP_PER_FILE)]:
             shutil.rmtree(directory, ignore_errors=True)
 
-    def _entries_of_this_file(self) -> list[Path]:
-        """The written entries of this model file (this one's too, once written), oldest first."""
+    def _entries_of_this_file(self) -> list[tuple[Path, int]]:
+        """The written entries of this model file (this one's too, once written), oldest first, with the size of
+        their model file (their manifest's "bytes")."""
         entries = []
         for directory in self.root.iterdir():
             try:
@@ -240,15 +241,8 @@ class PackedModelCache:
             except (OSError, ValueError):
                 continue
             if manifest.get("key", {}).get("file", {}).get("path") == self.key["file"]["path"]:
-                entries.append((manifest.get("written", 0), str(directory), directory))
-        return [directory for *_, directory in sorted(entries)]
-
-
-def _entry_bytes(directory: Path) -> int:
-    try:
-        return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
-    except OSError:
-        return 0
+                entries.append((manifest.get("written", 0), str(directory), directory, manifest.get("bytes", 0)))
+        return [(directory, nbytes) for *_, directory, nbytes in sorted(entries)]
 
 
 def _remove_abandoned_staging(root: Path) -> None:
