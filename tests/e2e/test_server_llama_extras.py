@@ -126,6 +126,14 @@ def test_infill_answers_as_llama_server(server: Any, client: openai.OpenAI, fim_
     assert sum((e["tokens"] for e in events), []) == answer["tokens"]
     assert events[-1]["timings"]["predicted_n"] == answer["tokens_predicted"]
 
+    body = {**body, "input_prefix": "x = 1\n" * 20, "stream": True, "return_progress": True}
+    with httpx.stream("POST", server.url + "/infill", json=body, timeout=120) as response:
+        events = [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: ")]
+    progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+    total, cache = events[-1]["tokens_evaluated"], progress[0]["cache"]
+    assert total > cache + STEP_TOKENS
+    assert [p["processed"] for p in progress] == [*range(cache + STEP_TOKENS, total, STEP_TOKENS), total]
+
 
 def test_infill_bad_bodies_are_400s(server: Any) -> None:
     for body, words in [({"input_suffix": ""}, "input_prefix"),

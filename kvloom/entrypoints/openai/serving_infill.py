@@ -50,8 +50,8 @@ class OpenAIServingInfill(OpenAIServing):
         except ValueError as e:
             raise APIError(str(e), param="input_extra") from None
         # llama-server tokenizes prompt with special tokens parsed and none added.
-        self.check_prompt_chars(len(request.prompt), "prompt")
-        prompt_tokens = self.tokenizer.encode(request.prompt, add_special_tokens=False) if request.prompt else []
+        prompt_tokens = list((await self.tokenize_prompt(request.prompt, False, "prompt")).token_ids) \
+            if request.prompt else []
         prompt = await self.infill_prompt(fim, request.input_prefix, request.input_suffix, extra, prompt_tokens)
         if request.n_predict is not None and request.n_predict >= 0:
             max_tokens, param = request.n_predict, "n_predict"
