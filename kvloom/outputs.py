@@ -40,6 +40,18 @@ class RequestMetrics:
 
 
 @dataclass
+class PromptProgress:
+    """How far a request's prompt has been computed, after a prefill chunk (llama-server's prompt_progress): the
+    prompt's tokens, those the prefix cache held, those in the KV cache now (the cached included), and the
+    milliseconds since the request was first scheduled."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -50,6 +62,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # With EngineRequest.return_progress: the prompt's progress after this step's prefill chunk (an output with no
+    # new tokens may carry only this).
+    prompt_progress: PromptProgress | None = None
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Merge a later output of the same request into this one (vLLM's ``RequestOutput.add``).
@@ -59,8 +74,11 @@ class RequestOutput:
         replaces the older. A completion this output lacks (n > 1) is added.
         """
         self.finished = next_output.finished
-        self.metrics = next_output.metrics
+        if next_output.metrics is not None:  # a progress-only output carries none
+            self.metrics = next_output.metrics
         self.num_cached_tokens = next_output.num_cached_tokens
+        if next_output.prompt_progress is not None:
+            self.prompt_progress = next_output.prompt_progress
         if self.prompt_logprobs is None:
             self.prompt_logprobs = next_output.prompt_logprobs
         for next_completion in next_output.outputs:

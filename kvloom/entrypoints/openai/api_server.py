@@ -2,7 +2,7 @@
 ``python -m kvloom.entrypoints.openai.api_server --model MODEL``: the app and its routes.
 
 Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``
-(``serving_responses.py``), ``/health``, ``/version``,
+(``serving_responses.py``), llama-server's ``/infill`` (``serving_infill.py``), ``/health``, ``/version``,
 ``/tokenize``, ``/detokenize``, ``/metrics`` and ``/dashboard``. One uvicorn process serves them on
 one asyncio loop; the engine steps in its own thread (AsyncLLM), or with ``--data-parallel-size N``
 N engines run as replicas behind a router (``kvloom/engine/data_parallel/``) that offers the same
@@ -34,6 +34,7 @@ from kvloom.engine.engine_client import EngineClient, EngineDeadError
 from kvloom.entrypoints.anthropic.api_router import anthropic_routes
 from kvloom.entrypoints.openai.args import DEFAULT_MAX_REQUEST_BODY_BYTES, add_server_args
 from kvloom.entrypoints.openai.auth import require_api_key
+from kvloom.entrypoints.openai.cors import add_cors
 from kvloom.entrypoints.openai.dashboard import dashboard_routes
 from kvloom.entrypoints.openai.launcher import bind_socket, serve_http
 from kvloom.entrypoints.openai.protocol import (
@@ -42,6 +43,7 @@ from kvloom.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingRequest,
+    InfillRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -59,6 +61,7 @@ from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvloom.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, embedding_pooler_config, runner_of
 from kvloom.entrypoints.openai.serving_engine import APIError, error_response, max_chars_per_token_of
+from kvloom.entrypoints.openai.serving_infill import OpenAIServingInfill
 from kvloom.entrypoints.openai.serving_lora import LoRAModules, lora_routes, parse_lora_modules
 from kvloom.entrypoints.openai.serving_responses import responses_routes
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -103,17 +106,19 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     tokenization = OpenAIServingTokenization(engine, names, chat_template, **limits)
     embedding = OpenAIServingEmbedding(engine, names, chat_template, **limits,
                                        pooler=embedding_pooler_config(args), runner=runner_of(args))
-    completion.runner = chat.runner = runner_of(args)
+    infill = OpenAIServingInfill(engine, names, chat_template, **limits)
+    completion.runner = chat.runner = infill.runner = runner_of(args)
     lora_modules = LoRAModules(engine, names, bool(getattr(args, "enable_lora", False)))
     for name, path, base_model_name in parse_lora_modules(getattr(args, "lora_modules", None)):
         lora_modules.add(name, path, base_model_name)
-    completion.lora_modules = chat.lora_modules = tokenization.lora_modules = lora_modules
+    completion.lora_modules = chat.lora_modules = tokenization.lora_modules = infill.lora_modules = lora_modules
 
     app = FastAPI(title="kvloom", version=__version__, docs_url=None, redoc_url=None, responses=ERRORS)
     app.state.engine = engine
     app.state.max_request_body_bytes = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
     if api_key:
         require_api_key(app, api_key, getattr(args, "metrics_require_key", False))
+    add_cors(app, args)  # outermost: preflights are answered before the key is asked for
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
@@ -166,6 +171,10 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         return await embedding.create_embedding(request, raw_request)
 
     app.include_router(v1)
+
+    @app.post("/infill", openapi_extra=json_body(InfillRequest), responses=BODY_ERRORS)
+    async def create_infill(raw_request: Request) -> Response:
+        return await infill.create_infill(await parse_body(raw_request, InfillRequest), raw_request)
     app.include_router(anthropic_routes(chat))
     app.include_router(responses_routes(chat))
     app.include_router(lora_routes(lora_modules))

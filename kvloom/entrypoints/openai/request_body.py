@@ -26,6 +26,7 @@ from kvloom.entrypoints.openai.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     ErrorResponse,
+    InfillRequest,
     RequestModel,
     TokenizeRequest,
 )
@@ -129,7 +130,7 @@ def describe_validation_error(errors: list[Any]) -> tuple[str, int, str | None]:
 REQUEST_MODELS: tuple[type[RequestModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                                                   DetokenizeRequest, EmbeddingRequest,
                                                   AnthropicMessagesRequest, AnthropicCountTokensRequest,
-                                                  ResponsesRequest)
+                                                  ResponsesRequest, InfillRequest)
 _SCHEMA_REF = "#/components/schemas/{model}"
 
 
