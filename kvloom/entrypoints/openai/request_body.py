@@ -27,6 +27,8 @@ from kvloom.entrypoints.openai.protocol import (
     EmbeddingRequest,
     ErrorResponse,
     RequestModel,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from kvloom.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -129,7 +131,7 @@ def describe_validation_error(errors: list[Any]) -> tuple[str, int, str | None]:
 REQUEST_MODELS: tuple[type[RequestModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                                                   DetokenizeRequest, EmbeddingRequest,
                                                   AnthropicMessagesRequest, AnthropicCountTokensRequest,
-                                                  ResponsesRequest)
+                                                  ResponsesRequest, ScoreRequest, RerankRequest)
 _SCHEMA_REF = "#/components/schemas/{model}"
 
 
