@@ -28,7 +28,8 @@ QWEN3_RERANKER_TEMPLATE = (
     "answer the query\", true), true), true) }}\n"
     "<Query>: {{ messages | selectattr(\"role\", \"eq\", \"query\") | map(attribute=\"content\") | first }}\n"
     "<Document>: {{ messages | selectattr(\"role\", \"eq\", \"document\") | map(attribute=\"content\") | first }}"
-    "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    # The closing newlines as an expression: Jinja drops a template's last newline.
+    "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>{{ '\\n\\n' }}"
 )
 
 HF_OVERRIDES_EXAMPLE = ('{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '

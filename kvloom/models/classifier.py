@@ -55,21 +55,9 @@ class SequenceClassifier(nn.Module):
         return self.classify(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.config.classifier_from_token is None:
-            super().load_weights(weights)  # type: ignore[misc]
-            return
-        rows: dict[str, torch.Tensor] = {}
-        super().load_weights(_taking_head_rows(weights, self.config, rows))  # type: ignore[misc]
-        head = rows.get("lm_head.weight")
-        if head is None and self.config.tie_word_embeddings:
-            head = rows.get("model.embed_tokens.weight", rows.get("embed_tokens.weight"))
-        if head is None:
-            raise ValueError(f"hf_overrides classifier_from_token: the checkpoint has no LM head to take the rows "
-                             f"of {self.config.classifier_from_token} from")
-        if self.config.classifier_method == "from_2_way_softmax":
-            head = head[1:2] - head[0:1]  # softmax over (no, yes) = sigmoid(yes - no)
-        with torch.no_grad():
-            self.score.weight.copy_(head)
+        if self.config.classifier_from_token is not None:
+            weights = _with_head_from_tokens(weights, self.config)
+        super().load_weights(weights)  # type: ignore[misc]
 
 
 # Module-level classes (a packed model pickles by class name), one per text family.
@@ -120,18 +108,28 @@ SEQUENCE_CLASSIFIERS: dict[str, type[nn.Module]] = {cls.__name__: cls for cls in
     Qwen3MoeForSequenceClassification)}
 
 
-def _taking_head_rows(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig,
-                      rows: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors without the LM head, whose rows of the classifier's tokens (fp32 [n, H]) go to
-    ``rows`` (and so do the embedding's, which a tied head reads): the decoder loads as it would."""
+def _with_head_from_tokens(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors without the LM head, then ``score.weight`` made of the LM head's rows of the
+    classifier's tokens (the embedding's, where the head is tied to it): the model loads it as a stored head."""
     token_ids = config.classifier_token_ids
     if token_ids is None:
         raise ValueError("classifier_from_token's token ids were not settled (config.resolved."
                          "settle_classifier_tokens runs before loading)")
+    rows: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
         if name in _HEAD_NAMES:
             table = tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()  # int8 / 4-bit as read
-            rows[name] = table[token_ids].float()
+            rows[name] = table[token_ids].float()  # [n, H]
             if name == "lm_head.weight":
                 continue
         yield name, tensor
+    head = rows.get("lm_head.weight")
+    if head is None and config.tie_word_embeddings:
+        head = rows.get("model.embed_tokens.weight", rows.get("embed_tokens.weight"))
+    if head is None:
+        raise ValueError(f"hf_overrides classifier_from_token: the checkpoint has no LM head to take the rows of "
+                         f"{config.classifier_from_token} from")
+    if config.classifier_method == "from_2_way_softmax":
+        head = head[1:2] - head[0:1]  # softmax over (no, yes) = sigmoid(yes - no): [1, H]
+    yield "score.weight", head
