@@ -249,7 +249,11 @@ def test_server_reranks_and_scores_as_transformers(qwen3_reranker: str, server_f
         assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "documents", too_long.text
         assert post(server, "/v1/rerank", {"model": "other", "query": QUERY, "documents": DOCUMENTS}
                     ).status_code == 404
-        # A classifier does not generate: the server keeps serving after all that.
+        # A classifier does not generate (a 400 on every generating route); the server keeps serving after all that.
+        for route, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                      "stream": True})):
+            assert_400(post(server, route, body), "model", "sequence classifier")
         assert httpx.get(server.url + "/health", timeout=10).status_code == 200
         assert server.wait_idle()["kvloom:num_requests_running"] == 0
 

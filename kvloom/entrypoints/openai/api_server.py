@@ -62,7 +62,7 @@ from kvloom.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, 
 from kvloom.entrypoints.openai.serving_engine import APIError, error_response, max_chars_per_token_of
 from kvloom.entrypoints.openai.serving_lora import LoRAModules, lora_routes, parse_lora_modules
 from kvloom.entrypoints.openai.serving_responses import responses_routes
-from kvloom.entrypoints.openai.serving_score import OpenAIServingScore, score_model_config, score_routes
+from kvloom.entrypoints.openai.serving_score import OpenAIServingScore, score_routes
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvloom.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from kvloom.sampling_params import MAX_LOGPROBS
@@ -106,8 +106,8 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     embedding = OpenAIServingEmbedding(engine, names, chat_template, **limits,
                                        pooler=embedding_pooler_config(args), runner=runner_of(args))
     completion.runner = chat.runner = runner_of(args)
-    scoring = OpenAIServingScore(engine, names, chat_template, **limits, model_config=score_model_config(args),
-                                 runner=runner_of(args))
+    scoring = OpenAIServingScore(engine, names, chat_template, **limits, runner=runner_of(args))
+    completion.generation_refusal = chat.generation_refusal = scoring.generation_refusal
     lora_modules = LoRAModules(engine, names, bool(getattr(args, "enable_lora", False)))
     for name, path, base_model_name in parse_lora_modules(getattr(args, "lora_modules", None)):
         lora_modules.add(name, path, base_model_name)

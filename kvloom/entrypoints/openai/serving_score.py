@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -27,7 +26,6 @@ from kvloom.entrypoints.openai.protocol import (
 )
 from kvloom.entrypoints.openai.request_body import BODY_ERRORS, json_body, parse_body
 from kvloom.entrypoints.openai.serving_engine import APIError, OpenAIServing, last_output, run_until_disconnected
-from kvloom.loader.model_config import ModelConfig
 from kvloom.outputs import ClassificationRequestOutput
 from kvloom.pooling import embedding_sampling_params
 from kvloom.pooling_params import PoolingParams
@@ -35,15 +33,19 @@ from kvloom.scoring import check_scorer, default_score_template, score_pairs, sc
 
 
 class OpenAIServingScore(OpenAIServing):
-    def __init__(self, *args: Any, model_config: Callable[[], ModelConfig], runner: str = "auto",
-                 **kwargs: Any) -> None:
-        """``model_config``: reads the served model's config (with --hf-overrides) at the first scoring request;
-        ``runner``: the engine's (scoring is refused on a 'generate' one). The server's ``--chat-template`` is
+    def __init__(self, *args: Any, runner: str = "auto", **kwargs: Any) -> None:
+        """``runner``: the engine's (scoring is refused on a 'generate' one). The server's ``--chat-template`` is
         the score template (vLLM's), else the model's default (kvloom/scoring.py)."""
         super().__init__(*args, **kwargs)
-        self.load_model_config = model_config
-        self._model_config: ModelConfig | None = None
         self.runner = runner
+
+    def generation_refusal(self) -> str | None:
+        """Why the served model does not generate (a sequence classifier), or None: for the generating routes."""
+        config = self.engine.model_config
+        if not config.is_classifier:
+            return None
+        return (f"this model is a sequence classifier ({config.architecture}): it serves /score and /rerank (and "
+                f"/v1/embeddings), not generation")
 
     async def create_score(self, request: ScoreRequest, raw_request: Request) -> Response:
         await self._check(request.model, "/score")
@@ -97,10 +99,8 @@ class OpenAIServingScore(OpenAIServing):
         if self.runner == "generate":
             raise APIError(f"this server runs with --runner generate: {route} is off (serve with --runner auto "
                            f"or pooling)", param="model")
-        if self._model_config is None:
-            self._model_config = await asyncio.to_thread(self.load_model_config)
         try:
-            check_scorer(self._model_config, route)
+            check_scorer(self.engine.model_config, route)
         except ValueError as e:
             raise APIError(str(e), param="model") from None
 
@@ -111,7 +111,7 @@ class OpenAIServingScore(OpenAIServing):
             raise APIError(f"the request holds {len(pairs)} pairs; at most {self.max_num_seqs * 16} per request",
                            param=param)
         template = self.chat_template if self.chat_template is not None else \
-            default_score_template(self._model_config)
+            default_score_template(self.engine.model_config)
         prompts = [await self._prompt(first, second, template, param) for first, second in pairs]
         params = embedding_sampling_params(_classify_params(use_activation))
         requests = [self.engine_request(f"{request_id}-{i}", prompt, params, param, None)
@@ -133,19 +133,6 @@ def _classify_params(use_activation: bool | None) -> PoolingParams:
     params = PoolingParams(use_activation=True if use_activation is None else use_activation)
     params.task = "classify"
     return params
-
-
-def score_model_config(args: Any) -> Callable[[], ModelConfig]:
-    """What reads the served model's config (its --hf-overrides applied) on the server's side: the engine may run
-    in another process."""
-    from kvloom.config.engine import parse_hf_overrides
-    from kvloom.loader.weights import load_model_config, resolve_model
-
-    def load() -> ModelConfig:
-        return load_model_config(resolve_model(getattr(args, "model", None)),
-                                 parse_hf_overrides(getattr(args, "hf_overrides", None)))
-
-    return load
 
 
 def score_routes(serving: OpenAIServingScore) -> APIRouter:
