@@ -52,6 +52,9 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     model_config = load_model_config(source, config.hf_overrides)
     if model_config.classifier_from_token:
         settle_classifier_tokens(model_config, resolve_model(config.tokenizer) if config.tokenizer else source)
+    if model_config.is_classifier and config.speculative is not None:
+        raise ValueError(f"speculative decoding drafts generated tokens, and {model_config.architecture} is a "
+                         f"sequence classifier (it scores, never generates): leave speculative_config unset")
     device = resolve_device(config.device)
     model_max = model_config.max_position_embeddings
     max_model_len = config.max_model_len or model_max
