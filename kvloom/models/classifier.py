@@ -44,6 +44,7 @@ class SequenceClassifier(nn.Module):
         super().__init__(config, ops)  # type: ignore[call-arg]  # the family's causal LM
         del self.lm_head  # the classifier's head is ``score``
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False, dtype=torch.float32)
+        self.score.requires_grad_(False)  # inference only, as every kvloom weight (a packed model is remapped)
 
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: final hidden states [N, H] -> label logits [N, num_labels] in fp32."""

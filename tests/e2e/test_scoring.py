@@ -176,6 +176,41 @@ def test_yes_no_reranker_scores_equal_its_yes_probability(tmp_path: Any, qwen3_r
     assert abs(again.outputs.score - expected[0]) < TOL
 
 
+def test_a_gguf_reranker_scores_as_its_checkpoint_and_from_the_packed_cache(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3 GGUF of Q8_0 tensors (its LM head's rows dequantized into the head), made a reranker by
+    hf_overrides, scores as its safetensors checkpoint up to the quantization, and the same again when its model
+    is mapped from the packed model cache (the classifier pickles by name)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvloom.ops import cpu
+    from tests.tiny_models import write_tiny_gguf
+
+    if not cpu.cpu_kernel_available():  # loaded from the usual cache before the packed cache moves to tmp_path
+        pytest.skip("the CPU kernels are not built here")
+    monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVLOOM_PACKED_CACHE", "1")
+    model_dir = str(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_config(_tiny_config("qwen3", save_tokenizer(model_dir),
+                                                          tie_word_embeddings=False)).eval()
+    _widen(model)
+    model.save_pretrained(model_dir)
+    q8_0 = 8  # ggml's Q8_0: every matrix, the LM head too (its rows read back from the int8 blocks)
+    gguf_path = write_tiny_gguf(str(tmp_path / "tiny.gguf"), model_dir, arch="qwen3", types={
+        kind: q8_0 for kind in ("embed", "attn", "attn_o", "ffn", "ffn_down", "output")})
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": ["\u0120the", "\u0120fox"], "method": "from_2_way_softmax"}
+
+    def scores(model_path: str) -> list[float]:
+        llm = LLM(model_path, max_model_len=256, hf_overrides=overrides)
+        return [o.outputs.score for o in llm.score(QUERY, DOCUMENTS[:3], use_tqdm=False)]
+
+    reference, packed, mapped = scores(model_dir), scores(gguf_path), scores(gguf_path)
+    assert os.listdir(tmp_path / "cache" / "packed")
+    assert packed == mapped
+    assert max(abs(a - b) for a, b in zip(packed, reference)) < 0.01
+
+
 def test_score_refuses_a_model_that_is_no_classifier_and_bad_pairs(tiny_llama_dir: str,
                                                                    llama_classifier: str) -> None:
     llm = LLM(tiny_llama_dir, max_model_len=128)
