@@ -129,3 +129,59 @@ class EmbeddingRequestOutput:
             raise ValueError(f"request {output.request_id} finished without an embedding")
         return EmbeddingRequestOutput(output.request_id, EmbeddingOutput(list(vector)),
                                       list(output.prompt_token_ids), output.num_cached_tokens, output.finished)
+
+
+@dataclass
+class ClassificationOutput:
+    """One prompt's label scores (vLLM's name): probabilities (a softmax, or a sigmoid for one label)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What ``LLM.classify`` returns per prompt (vLLM's fields): ``outputs.probs`` are the label scores."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+    @staticmethod
+    def from_request_output(output: RequestOutput) -> ClassificationRequestOutput:
+        """The label scores a finished RequestOutput of a classification request carries (extra["pooler_output"])."""
+        scores = output.extra.get("pooler_output")
+        if scores is None:
+            raise ValueError(f"request {output.request_id} finished without label scores")
+        return ClassificationRequestOutput(output.request_id, ClassificationOutput(list(scores)),
+                                           list(output.prompt_token_ids), output.num_cached_tokens, output.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's relevance (vLLM's name): the classifier's one label through a sigmoid, in (0, 1)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What ``LLM.score`` returns per pair (vLLM's fields): ``outputs.score`` is the pair's score."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+    @staticmethod
+    def from_request_output(output: RequestOutput) -> ScoringRequestOutput:
+        """The score a finished RequestOutput of a one-label classification request carries."""
+        classified = ClassificationRequestOutput.from_request_output(output)
+        return ScoringRequestOutput(classified.request_id, ScoringOutput(classified.outputs.probs[0]),
+                                    classified.prompt_token_ids, classified.num_cached_tokens, classified.finished)

@@ -3,7 +3,8 @@
 
 Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``
 (``serving_responses.py``), llama-server's ``/infill`` (``serving_infill.py``), ``/health``, ``/version``,
-``/tokenize``, ``/detokenize``, ``/metrics`` and ``/dashboard``. One uvicorn process serves them on
+``/tokenize``, ``/detokenize``, ``/metrics`` and ``/dashboard``; ``/score`` and ``/rerank`` (with their ``/v1``
+aliases, ``serving_score.py``). One uvicorn process serves them on
 one asyncio loop; the engine steps in its own thread (AsyncLLM), or with ``--data-parallel-size N``
 N engines run as replicas behind a router (``kvloom/engine/data_parallel/``) that offers the same
 surface. Each endpoint family's logic is its ``serving_*.py`` module; request bodies are parsed and
@@ -64,6 +65,7 @@ from kvloom.entrypoints.openai.serving_engine import APIError, error_response, m
 from kvloom.entrypoints.openai.serving_infill import OpenAIServingInfill
 from kvloom.entrypoints.openai.serving_lora import LoRAModules, lora_routes, parse_lora_modules
 from kvloom.entrypoints.openai.serving_responses import responses_routes
+from kvloom.entrypoints.openai.serving_score import OpenAIServingScore, score_routes
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvloom.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from kvloom.sampling_params import MAX_LOGPROBS
@@ -108,6 +110,9 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
                                        pooler=embedding_pooler_config(args), runner=runner_of(args))
     infill = OpenAIServingInfill(engine, names, chat_template, **limits)
     completion.runner = chat.runner = infill.runner = runner_of(args)
+    scoring = OpenAIServingScore(engine, names, chat_template, **limits, runner=runner_of(args))
+    completion.generation_refusal = chat.generation_refusal = infill.generation_refusal = \
+        scoring.generation_refusal
     lora_modules = LoRAModules(engine, names, bool(getattr(args, "enable_lora", False)))
     for name, path, base_model_name in parse_lora_modules(getattr(args, "lora_modules", None)):
         lora_modules.add(name, path, base_model_name)
@@ -178,6 +183,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     app.include_router(anthropic_routes(chat))
     app.include_router(responses_routes(chat))
     app.include_router(lora_routes(lora_modules))
+    app.include_router(score_routes(scoring))
 
     @app.get("/health")
     async def health() -> Response:

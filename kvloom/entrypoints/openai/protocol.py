@@ -401,3 +401,65 @@ class DetokenizeRequest(RequestModel):
 
 class DetokenizeResponse(ResponseModel):
     prompt: str
+
+
+# ---- scoring (/score, /v1/score) and reranking (/rerank, /v1/rerank): serving_score.py ----------------------
+
+class ScoreRequest(RequestModel):
+    """vLLM's /score body: text_1 scored against text_2 (one text and a list, or two lists of one length)."""
+
+    model: str | None = None
+    text_1: StrictStr | list[StrictStr]
+    text_2: StrictStr | list[StrictStr]
+    use_activation: bool | None = None  # False: the raw logit instead of its sigmoid
+    user: str | None = None
+
+
+class ScoreData(ResponseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(ResponseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: UsageInfo
+
+
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    text: StrictStr
+
+
+class RerankRequest(RequestModel):
+    """The rerank body of Jina, Cohere and vLLM: a query, documents (strings or {"text": ...}), top_n (0 or
+    unset: every document), return_documents."""
+
+    model: str | None = None
+    query: StrictStr
+    documents: list[StrictStr | RerankDocument]
+    top_n: StrictInt | None = None
+    return_documents: bool = True
+    use_activation: bool | None = None
+
+
+class RerankResult(ResponseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(ResponseModel):
+    total_tokens: int
+
+
+class RerankResponse(ResponseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

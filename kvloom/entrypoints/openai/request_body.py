@@ -28,6 +28,8 @@ from kvloom.entrypoints.openai.protocol import (
     ErrorResponse,
     InfillRequest,
     RequestModel,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from kvloom.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -130,7 +132,7 @@ def describe_validation_error(errors: list[Any]) -> tuple[str, int, str | None]:
 REQUEST_MODELS: tuple[type[RequestModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                                                   DetokenizeRequest, EmbeddingRequest,
                                                   AnthropicMessagesRequest, AnthropicCountTokensRequest,
-                                                  ResponsesRequest, InfillRequest)
+                                                  ResponsesRequest, InfillRequest, ScoreRequest, RerankRequest)
 _SCHEMA_REF = "#/components/schemas/{model}"
 
 

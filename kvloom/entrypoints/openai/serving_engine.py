@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import json
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -215,6 +215,8 @@ class OpenAIServing:
 
     # The engine's runner (--runner): 'pooling' serves embeddings only, so generation requests are refused.
     runner = "auto"
+    # Set by the app: why the served model does not generate (a sequence classifier: serving_score.py), or None.
+    generation_refusal: Callable[[], str | None] | None = None
 
     def __init__(self, engine: EngineClient, served_model_names: list[str], chat_template: str | None = None,
                  *, max_logprobs: int = MAX_LOGPROBS, max_chars_per_token: int | None = None) -> None:
@@ -302,6 +304,9 @@ class OpenAIServing:
         if self.runner == "pooling":
             raise APIError("this server runs with --runner pooling (embeddings only): use /v1/embeddings, or serve "
                            "with --runner auto to generate too", param="model")
+        refusal = None if self.generation_refusal is None else self.generation_refusal()
+        if refusal is not None:
+            raise APIError(refusal, param="model")
         self.check_refused_fields(request)
         top_k = request.top_k
         if top_k is not None and top_k >= self.vocab_size:
