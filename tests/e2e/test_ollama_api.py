@@ -113,6 +113,14 @@ def test_chat_is_the_chat_completion(client: ollama.Client, chat: openai.OpenAI)
     assert reply.prompt_eval_count == expected.usage.prompt_tokens and reply.eval_count == 12
     assert is_rfc3339(reply.created_at)
     assert reply.total_duration >= reply.load_duration + reply.prompt_eval_duration + reply.eval_duration > 0
+    # logprobs: the chat API's, per token, with the top alternatives.
+    scored = client.chat(model="tiny", messages=CONVERSATION, stream=False, logprobs=True, top_logprobs=2,
+                         options={**GREEDY, "num_predict": 12})
+    expected_logprobs = oracle(chat, CONVERSATION, 12, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    assert [entry.token for entry in scored.logprobs] == [entry.token for entry in expected_logprobs]
+    assert [entry.logprob for entry in scored.logprobs] == pytest.approx([e.logprob for e in expected_logprobs])
+    assert [[top.token for top in entry.top_logprobs] for entry in scored.logprobs] == [
+        [top.token for top in entry.top_logprobs] for entry in expected_logprobs]
     # Ollama's tag: tiny:latest is tiny.
     again = client.chat(model="tiny:latest", messages=CONVERSATION, stream=False, options={**GREEDY, "num_predict": 12})
     assert again.model == "tiny:latest" and again.message.content == reply.message.content
