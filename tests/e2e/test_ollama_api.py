@@ -313,7 +313,8 @@ def test_tags_ps_show_and_version(server: Any, client: ollama.Client, model_dir:
     assert version == {"version": __version__}
     root = httpx.get(server.url + "/", headers=AUTH)
     assert root.status_code == 200 and root.text == "Ollama is running"
-    assert httpx.head(server.url + "/", headers=AUTH).status_code == 200
+    for path in ("/", "/api/tags", "/api/version"):
+        assert httpx.head(server.url + path, headers=AUTH).status_code == 200
 
 
 # ---- errors --------------------------------------------------------------------------------------------
@@ -396,3 +397,17 @@ def test_langchain_ollama_chat_and_embeddings(server: Any, client: ollama.Client
     embeddings = OllamaEmbeddings(model="tiny", base_url=server.url, client_kwargs={"headers": AUTH})
     assert embeddings.embed_query("The sky is blue.") == pytest.approx(
         client.embed(model="tiny", input="The sky is blue.").embeddings[0], abs=1e-6)
+
+
+def test_openapi_documents_the_bodies_and_ollama_errors(server: Any) -> None:
+    from openapi_spec_validator import validate
+
+    document = httpx.get(server.url + "/openapi.json", headers=AUTH).json()
+    validate(document)
+    for path, model in (("/api/chat", "OllamaChatRequest"), ("/api/generate", "OllamaGenerateRequest"),
+                        ("/api/embed", "OllamaEmbedRequest"), ("/api/show", "OllamaShowRequest")):
+        operation = document["paths"][path]["post"]
+        assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + model)
+        error = operation["responses"]["400"]["content"]["application/json"]["schema"]["$ref"]
+        assert error.endswith("/OllamaErrorResponse") and "422" not in operation["responses"]
+    assert {"/api/tags", "/api/ps", "/api/version"} <= set(document["paths"])

@@ -119,7 +119,7 @@ def ollama_routes(chat: OpenAIServingChat, embedding: OpenAIServingEmbedding, mo
     async def show(raw_request: Request) -> Response:
         return JSONResponse(await models.show(await body(raw_request, OllamaShowRequest)))
 
-    @router.api_route(API_PATH + "/tags", methods=["GET", "HEAD"], responses=ERRORS)
+    @router.get(API_PATH + "/tags", responses=ERRORS)
     @in_ollama_shape
     async def tags(raw_request: Request) -> Response:
         return JSONResponse(await models.tags())
@@ -129,10 +129,14 @@ def ollama_routes(chat: OpenAIServingChat, embedding: OpenAIServingEmbedding, mo
     async def ps(raw_request: Request) -> Response:
         return JSONResponse(await models.ps())
 
-    @router.api_route(API_PATH + "/version", methods=["GET", "HEAD"], responses=ERRORS)
+    @router.get(API_PATH + "/version", responses=ERRORS)
     @in_ollama_shape
     async def version(raw_request: Request) -> Response:
         return JSONResponse(models.version())
+
+    # Ollama answers HEAD on these as on GET (clients probe them); one operation each in /openapi.json.
+    router.add_api_route(API_PATH + "/tags", tags, methods=["HEAD"], include_in_schema=False)
+    router.add_api_route(API_PATH + "/version", version, methods=["HEAD"], include_in_schema=False)
 
     async def elsewhere(raw_request: Request) -> Response:
         path = raw_request.url.path.removeprefix(API_PATH)
