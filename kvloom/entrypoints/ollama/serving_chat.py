@@ -139,7 +139,7 @@ def served_name(serving: OpenAIServing, model: str) -> str:
 @dataclass
 class Timing:
     """A request's durations as Ollama reports them, from the engine's ``RequestMetrics``: ``load_duration`` the
-    time before the engine had the request (body, template, tokenizing, grammar: kvloom loads its model when it
+    time before the engine had the request (template, tokenizing, grammar, images: kvloom loads its model when it
     starts, so no request waits for a load), ``prompt_eval_duration`` from then to the first token (queue and
     prefill), ``eval_duration`` from the first token to the last, ``total_duration`` all of it."""
 
