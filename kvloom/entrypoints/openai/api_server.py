@@ -12,7 +12,8 @@ documented by ``request_body.py``; ``--api-key`` is ``auth.py``; the dashboard i
 serving over HTTP with a bounded drain on SIGTERM is ``launcher.py``.
 
 Every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``, but those of Anthropic's
-Messages API (``/v1/messages``, ``kvloom/entrypoints/anthropic/``), which have its own.
+Messages API (``/v1/messages``, ``kvloom/entrypoints/anthropic/``) and of Ollama's API (``/api/...``,
+``kvloom/entrypoints/ollama/``), which have their own.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvloom.config import config_from_args
 from kvloom.engine.async_engine import AsyncLLM
 from kvloom.engine.engine_client import EngineClient, EngineDeadError
 from kvloom.entrypoints.anthropic.api_router import anthropic_routes
+from kvloom.entrypoints.ollama.api_router import ollama_routes
 from kvloom.entrypoints.openai.args import DEFAULT_MAX_REQUEST_BODY_BYTES, add_server_args
 from kvloom.entrypoints.openai.auth import require_api_key
 from kvloom.entrypoints.openai.cors import add_cors
@@ -184,6 +186,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     app.include_router(responses_routes(chat))
     app.include_router(lora_routes(lora_modules))
     app.include_router(score_routes(scoring))
+    app.include_router(ollama_routes(chat, embedding, root or names[0], getattr(args, "device", None) or "auto"))
 
     @app.get("/health")
     async def health() -> Response:
