@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvloom.entrypoints.ollama.protocol import KEEP_ALIVE_FOREVER, OllamaMessage, parse_keep_alive
-from kvloom.entrypoints.ollama.serving_chat import _chat_messages, fim_prompt, listed_name
+from kvloom.entrypoints.ollama.serving_chat import _chat_messages, fim_tokens, listed_name
 from kvloom.entrypoints.ollama.serving_models import parameter_size
 from kvloom.entrypoints.openai.serving_engine import APIError
 
@@ -88,14 +88,19 @@ class _Serving:
         self.tokenizer = tokenizer
 
 
-def test_fim_prompt_is_prefix_suffix_middle_or_a_400() -> None:
-    qwen = _Serving(_Tokenizer({"<|fim_prefix|>": 900, "<|fim_suffix|>": 901, "<|fim_middle|>": 902}))
-    assert fim_prompt(qwen, "coder", "ab", "c") == [1, 900, ord("a"), ord("b"), 901, ord("c"), 902]
-    codellama = _Serving(_Tokenizer({"▁<PRE>": 5, "▁<SUF>": 6, "▁<MID>": 7}))
-    assert fim_prompt(codellama, "codellama", "a", "b") == [1, 5, ord("a"), 6, ord("b"), 7]
+def test_suffix_takes_the_fim_tokens_infill_takes_or_a_400() -> None:
+    """generate's suffix builds its prompt as /infill does (openai/fim.py, llama.cpp's construction); its FIM tokens
+    are fim.py's, and a model without them gets a 400 in Ollama's words."""
+    class FimTokenizer:
+        def __init__(self, ids: dict[str, int]) -> None:
+            self.fim_token_ids = ids
+
+    coder = _Serving(FimTokenizer({"pre": 900, "suf": 901, "mid": 902, "pad": 903}))
+    fim = fim_tokens(coder, "coder")
+    assert (fim.pre, fim.suf, fim.mid) == (900, 901, 902) and 903 in fim.end_of_generation_ids
     with pytest.raises(APIError, match='"chat" does not support insert') as error:
-        fim_prompt(_Serving(_Tokenizer({"<|fim_prefix|>": 900})), "chat", "a", "b")
-    assert error.value.status_code == 400
+        fim_tokens(_Serving(FimTokenizer({"pre": 900})), "chat")
+    assert error.value.status_code == 400 and "suffix token is missing" in error.value.message
 
 
 def test_names_and_sizes_as_ollama_writes_them() -> None:

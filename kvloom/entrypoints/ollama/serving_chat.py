@@ -27,8 +27,8 @@ Request:
   the server; one model stays loaded for the server's life, so an empty request with ``keep_alive: 0`` (Ollama's
   unload) is a 400.
 - generate: ``system`` and ``prompt`` (with ``images``) as a system and a user message; ``raw``: the prompt as it
-  is; ``suffix``: a fill-in-the-middle prompt (``fim_prompt``; 400 for a model without FIM tokens); ``template``
-  (a Go template) and ``context`` (deprecated by Ollama) are a 400.
+  is; ``suffix``: a fill-in-the-middle prompt (built as llama-server builds ``/infill``'s: openai/fim.py; 400 for a
+  model without FIM tokens); ``template`` (a Go template) and ``context`` (deprecated by Ollama) are a 400.
 
 Answer: per delta ``{"model", "created_at", "message": {"role", "content", "thinking"?, "tool_calls"?}, "done":
 false}`` (generate: ``"response"`` and ``"thinking"``), each tool call whole once its arguments are complete
@@ -65,6 +65,7 @@ from kvloom.entrypoints.ollama.protocol import (
     parse_keep_alive,
     rfc3339,
 )
+from kvloom.entrypoints.openai.fim import FimTokens, InfillUnsupportedError
 from kvloom.entrypoints.openai.protocol import ChatCompletionLogProbs, ChatCompletionRequest, CompletionRequest
 from kvloom.entrypoints.openai.request_body import describe_validation_error
 from kvloom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
@@ -92,12 +93,6 @@ OPTION_EXTRAS = (*EXTRA_SAMPLING_FIELDS, "structured_outputs")
 THINK_LEVELS = ("low", "medium", "high", "max")
 ROLES = ("system", "user", "assistant", "tool")
 # Fill-in-the-middle tokens (prefix, suffix, middle) of the code model families, laid out prefix-suffix-middle.
-FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, StarCoder2, Granite
-              ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, SantaCoder
-              ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
-              ("▁<PRE>", "▁<SUF>", "▁<MID>"),  # CodeLlama
-              ("<PRE>", "<SUF>", "<MID>"),
-              ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"))  # DeepSeek-Coder
 # The first bytes of the image formats a client sends, for the data URL's media type.
 IMAGE_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"),
                     (b"BM", "image/bmp"))
@@ -370,9 +365,12 @@ class OllamaServingChat:
             if request.logprobs:
                 raise APIError("logprobs are given for templated prompts: send them without raw and suffix")
             prompt: str | list[int] = request.prompt
+            stop_token_ids: list[int] = []
             if request.suffix:
-                prompt = fim_prompt(self.chat, request.model, request.prompt, request.suffix)
-            pieces = await self._start_plain(request, model, prompt, timing)
+                fim = fim_tokens(self.chat, request.model)
+                prompt = list((await self.chat.infill_prompt(fim, request.prompt, request.suffix, [], [])).token_ids)
+                stop_token_ids = fim.end_of_generation_ids
+            pieces = await self._start_plain(request, model, prompt, timing, stop_token_ids)
             return await self._answer(pieces, "generate", request, timing, raw_request)
         messages: list[dict[str, Any]] = [{"role": "system", "content": request.system}] if request.system else []
         messages.append({"role": "user", "content": chat_content(
@@ -383,12 +381,15 @@ class OllamaServingChat:
 
     # ---- running -------------------------------------------------------------------------------
     async def _start_plain(self, request: OllamaGenerateRequest, model: str, prompt: str | list[int],
-                           timing: Timing) -> AsyncIterator[Piece | Finish]:
-        """A raw or fill-in-the-middle prompt started on the engine, as the completion serving starts one."""
+                           timing: Timing, stop_token_ids: list[int]) -> AsyncIterator[Piece | Finish]:
+        """A raw or fill-in-the-middle prompt started on the engine, as the completion serving starts one
+        (``stop_token_ids``: a FIM prompt's end-of-generation tokens, beside the request's own)."""
         chat = self.chat
         chat.check_engine()
         try:
             fields = CompletionRequest(model=model, prompt=prompt, **self.sampling_fields(request))
+            if stop_token_ids:
+                fields.stop_token_ids = [*(fields.stop_token_ids or []), *stop_token_ids]
         except ValidationError as e:
             raise APIError(describe_validation_error(e.errors(include_url=False))[0]) from None
         constraint, constraint_param = chat.structured_outputs_of(fields)
@@ -598,28 +599,22 @@ def _image_parts(images: list[str], where: str) -> list[dict[str, Any]]:
 # ---- fill in the middle --------------------------------------------------------------------------
 
 
-def fim_tokens(serving: OpenAIServing) -> tuple[int, int, int] | None:
-    """The model's fill-in-the-middle token ids (prefix, suffix, middle), or None where it has none."""
-    for spelling in FIM_TOKENS:
-        ids = [serving.tokenizer.token_to_id(token) for token in spelling]
-        if None not in ids:
-            return ids[0], ids[1], ids[2]
-    return None
-
-
-def fim_prompt(serving: OpenAIServing, model: str, prompt: str, suffix: str) -> list[int]:
-    """The token ids of a generate request's fill-in-the-middle prompt: [BOS] prefix-token prompt suffix-token
-    suffix middle-token; a 400 in Ollama's words for a model without FIM tokens."""
-    tokens = fim_tokens(serving)
-    if tokens is None:
+def fim_tokens(serving: OpenAIServing, model: str) -> FimTokens:
+    """The model's fill-in-the-middle tokens (fim.py: a GGUF's keys, else the known spellings, as llama.cpp finds
+    them); a 400 in Ollama's words for a model without them."""
+    try:
+        return FimTokens.of(serving.tokenizer)
+    except InfillUnsupportedError as e:
         raise APIError(f"\"{model}\" does not support insert: suffix needs a code model trained for fill-in-the-"
-                       f"middle (its tokenizer has no FIM tokens, such as <|fim_prefix|> <|fim_suffix|> "
-                       f"<|fim_middle|>)")
-    tokenizer = serving.tokenizer
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and tokenizer.encode(
-        "x", add_special_tokens=True)[:1] == [tokenizer.bos_token_id] else []
-    return [*bos, tokens[0], *tokenizer.encode(prompt, add_special_tokens=False), tokens[1],
-            *tokenizer.encode(suffix, add_special_tokens=False), tokens[2]]
+                       f"middle ({e})") from None
+
+
+def supports_insert(serving: OpenAIServing) -> bool:
+    try:
+        FimTokens.of(serving.tokenizer)
+    except InfillUnsupportedError:
+        return False
+    return True
 
 
 # ---- errors -----------------------------------------------------------------------------------

@@ -40,10 +40,10 @@ from kvloom.entrypoints.ollama.protocol import (
 )
 from kvloom.entrypoints.ollama.serving_chat import (
     Timing,
-    fim_tokens,
     keep_alive_seconds,
     listed_name,
     served_name,
+    supports_insert,
 )
 from kvloom.entrypoints.openai.protocol import EmbeddingRequest
 from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -186,7 +186,7 @@ class OllamaServingModels:
         capabilities = [] if runner == "pooling" else ["completion"]
         if runner != "pooling" and chat.enable_auto_tools and chat.tool_parser is not None:
             capabilities.append("tools")
-        if runner != "pooling" and fim_tokens(chat) is not None:
+        if runner != "pooling" and supports_insert(chat):
             capabilities.append("insert")
         if chat.engine.input_processor.multimodal is not None:
             capabilities.append("vision")
