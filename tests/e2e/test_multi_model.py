@@ -271,3 +271,42 @@ def test_a_lora_adapter_is_served_on_its_base_model(checkpoints: dict[str, str],
         taken = httpx.post(server.url + "/v1/load_lora_adapter", timeout=60,
                            json={"lora_name": "on-b", "lora_path": adapter, "base_model_name": "a"})
         assert taken.status_code == 400 and "taken by model 'b'" in taken.json()["error"]["message"]
+
+
+# ---- an unloaded model's memory ------------------------------------------------------------------------------
+
+def test_an_unloaded_models_engine_is_freed(checkpoints: dict[str, str]) -> None:
+    """In process: once unloaded, nothing holds the model's engine (its weights and KV cache go with it)."""
+    import argparse
+    import asyncio
+    import gc
+    import weakref
+
+    from kvloom.config import EngineConfig
+    from kvloom.engine.async_engine import AsyncLLM
+    from kvloom.entrypoints.openai.api_server import model_serving
+    from kvloom.entrypoints.openai.served_models import ModelSpec, ServedModel, ServedModels
+
+    models = [ServedModel(ModelSpec(name, checkpoints[name]),
+                          EngineConfig(model=checkpoints[name], max_model_len=128, kv_cache_memory="4MiB"), 0, [])
+              for name in ("a", "b")]
+    pool = ServedModels(
+        models, build_engine=lambda m: AsyncLLM.from_config(m.config, model_name=m.name, stats_interval=0),
+        build_serving=lambda engine, m: model_serving(engine, m.spec.names, argparse.Namespace(model=m.spec.model),
+                                                      None, m.lora_specs))
+    pool.adopt(pool.default, AsyncLLM.from_config(models[0].config, model_name="a", stats_interval=0))
+
+    async def run() -> tuple[weakref.ref, weakref.ref]:
+        served = await pool.acquire("b")
+        engine = weakref.ref(served.engine)
+        runner = weakref.ref(served.engine.engine.executor.driver)
+        assert served.size_bytes > 4 << 20  # measured: the weight files and the KV cache it took
+        await pool.unload("b")
+        return engine, runner
+
+    try:
+        engine, runner = asyncio.run(run())
+        gc.collect()
+        assert pool.models["b"].engine is None and engine() is None and runner() is None
+    finally:
+        pool.shutdown()

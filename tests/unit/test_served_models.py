@@ -232,3 +232,39 @@ def test_the_lease_middleware_holds_a_model_until_the_exchange_ends() -> None:
 
     asyncio.run(run())
     assert seen == [1] and pool.models["a"].in_flight == 0
+
+
+def test_requests_for_a_model_that_is_loading_wait_for_its_one_load() -> None:
+    log: list[str] = []
+    pool = _pool({"a": 1, "b": 1}, log)
+
+    async def run() -> None:
+        first, second = await asyncio.gather(pool.acquire("b"), pool.acquire("b"))
+        assert first is second and first.status == LOADED
+        assert log == ["load b"]
+
+    asyncio.run(run())
+
+
+def test_a_failed_load_is_a_503_naming_why_and_the_next_request_tries_again() -> None:
+    log: list[str] = []
+    pool = _pool({"a": 1, "b": 1}, log)
+    build = pool.build_engine
+    failures = [RuntimeError("out of memory")]
+
+    def flaky(model: ServedModel) -> Any:
+        if failures:
+            raise failures.pop()
+        return build(model)  # type: ignore[misc]
+
+    pool.build_engine = flaky
+
+    async def run() -> None:
+        with pytest.raises(APIError, match="'b' failed to load: out of memory") as error:
+            await pool.acquire("b")
+        assert error.value.status_code == 503 and error.value.code == "model_load_failed"
+        card = next(card for card in pool.model_cards() if card.id == "b")
+        assert card.status == {"value": UNLOADED, "failed": True, "error": "out of memory"}
+        assert (await pool.acquire("b")).status == LOADED
+
+    asyncio.run(run())
