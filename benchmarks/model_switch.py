@@ -1,7 +1,7 @@
 """The time to switch models on one server: ``kvloom serve a=MODEL b=MODEL --max-loaded-models 1`` (the same file
 under two names), then requests alternate between a and b, so each one unloads the other and loads its own.
-Prints the time to first token of a switching request against that of a request to the loaded model, and the
-server's own load time (``kvloom:model_load_seconds``).
+Prints the time to first token of a switching request against that of a request to the loaded model (before the
+switches, and the request right after each), and the server's own load time (``kvloom:model_load_seconds``).
 
     python benchmarks/model_switch.py                      # SmolLM2-135M (the default model's GGUF)
     python benchmarks/model_switch.py --model /path/to/model.gguf --switches 5 --packed-cache off
@@ -37,15 +37,15 @@ def free_port() -> int:
 def time_to_first_token(url: str, model: str) -> float:
     body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
     start = time.perf_counter()
+    first = None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
-            if line.startswith("data: {"):
+            if first is None and line.startswith("data: {"):
                 first = time.perf_counter() - start
-                for _ in response.iter_lines():
-                    pass
-                return first
-    raise RuntimeError(f"no token came from {model}")
+    if first is None:
+        raise RuntimeError(f"no token came from {model}")
+    return first
 
 
 def load_seconds(url: str) -> dict[str, float]:
@@ -91,16 +91,18 @@ def main() -> int:
             time.sleep(0.2)
         time_to_first_token(url, "a")  # warm-up
         loaded = [time_to_first_token(url, "a") for _ in range(3)]
-        switches, loads = [], []
+        switches, loads, after = [], [], []
         for i in range(args.switches):
             model = "b" if i % 2 == 0 else "a"
             switches.append(time_to_first_token(url, model))
             loads.append(load_seconds(url)[model])
+            after.append(time_to_first_token(url, model))
         print(f"model {args.model} (packed cache {args.packed_cache}, {' '.join(server_flags) or 'default flags'}), "
               f"{args.switches} switches")
         print(f"  TTFT, model loaded:      median {statistics.median(loaded) * 1000:8.1f} ms")
         print(f"  TTFT, switching model:   median {statistics.median(switches) * 1000:8.1f} ms "
               f"(each: {', '.join(f'{s:.2f}' for s in switches)} s)")
+        print(f"  TTFT, the next request:  median {statistics.median(after) * 1000:8.1f} ms")
         print(f"  the server's load time:  median {statistics.median(loads) * 1000:8.1f} ms "
               f"(kvloom:model_load_seconds)")
     finally:

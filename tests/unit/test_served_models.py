@@ -268,3 +268,20 @@ def test_a_failed_load_is_a_503_naming_why_and_the_next_request_tries_again() ->
         assert (await pool.acquire("b")).status == LOADED
 
     asyncio.run(run())
+
+
+def test_kvloom_serve_takes_several_models_and_the_pool_flags() -> None:
+    from kvloom.entrypoints.cli import build_parser
+    from kvloom.entrypoints.openai.api_server import model_items
+
+    args = build_parser().parse_args(["serve", "a=/models/a", "/models/b.gguf", "--max-loaded-models", "1",
+                                      "--models-memory-budget", "8GiB", "--model-idle-timeout", "300",
+                                      "--default-model", "b"])
+    assert model_items(args) == ["a=/models/a", "/models/b.gguf"]
+    assert (args.max_loaded_models, args.models_memory_budget, args.model_idle_timeout, args.default_model) == (
+        1, 8 << 30, 300.0, "b")
+    both = build_parser().parse_args(["serve", "--model", "/models/a", "/models/b"])
+    assert model_items(both) == ["/models/a", "/models/b"]
+    assert model_items(build_parser().parse_args(["serve"])) == ["SmolLM2-135M-Instruct"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--models-memory-budget", "lots"])

@@ -10,6 +10,9 @@ surface. Each endpoint family's logic is its ``serving_*.py`` module; request bo
 documented by ``request_body.py``; ``--api-key`` is ``auth.py``; the dashboard is ``dashboard/``;
 serving over HTTP with a bounded drain on SIGTERM is ``launcher.py``.
 
+Every route resolves a request's ``model`` through ``served_models.ServedModels`` (``app.state.served_models``):
+one model as given (``kvloom serve MODEL``), or several (``kvloom serve A B C``), each loaded on first use.
+
 Every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``, but those of Anthropic's
 Messages API (``/v1/messages``, ``kvloom/entrypoints/anthropic/``), which have its own.
 """

@@ -17,6 +17,11 @@ more than ``--max-loaded-models`` models or ``--models-memory-budget`` bytes fir
 recently used first; when only busy models stand in the way, the load waits for one of them to go idle. A model's
 size is its weight files' bytes plus its KV cache (its budget before its first load, what it took after).
 
+Another dialect's routes (Ollama's) use the pool the app keeps as ``app.state.served_models``: ``await
+acquire(name)`` for a loaded ``ServedModel`` (``.serving.chat`` and the rest, ``.engine``), held until the HTTP
+exchange ends; ``touch(name, keep_alive_s)`` for a request's ``keep_alive``; ``models`` (name -> ``ServedModel``:
+``status``, ``size_bytes``, ``spec``) for listings; ``PooledChat(pool)`` for the chat seam over every model.
+
 With one model given as today (``kvloom serve MODEL``) the pool holds that one engine, loaded at start and never
 unloaded unless ``--model-idle-timeout`` is given: the server behaves as a one-model server always did.
 """
