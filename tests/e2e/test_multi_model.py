@@ -237,7 +237,7 @@ def test_loading_a_model_does_not_stall_a_stream_on_another(checkpoints: dict[st
         print(f"\nbig model load {load_seconds:.2f}s; longest gap between 'long' chunks while it loaded "
               f"{max(gaps) * 1000:.0f} ms ({len(during)} chunks, median {statistics.median(gaps) * 1000:.1f} ms); "
               f"before it: longest {max(before) * 1000:.0f} ms, median {statistics.median(before) * 1000:.1f} ms")
-        assert max(gaps) < load_seconds / 4
+        assert max(gaps) < load_seconds / 3  # a load on the event loop would show as a gap of about its length
 
 
 # ---- LoRA adapters on their base model -----------------------------------------------------------------------

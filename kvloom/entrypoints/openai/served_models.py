@@ -363,7 +363,8 @@ class ServedModels:
 
     # ---- names ---------------------------------------------------------------------------------
     def names(self) -> list[str]:
-        return list(self.models)
+        """Every name a request may give a model (each model's, then its aliases)."""
+        return [name for model in self.models.values() for name in model.spec.names]
 
     def find(self, name: str | None) -> ServedModel | None:
         """The model ``name`` stands for (its name, an alias, or one of its LoRA adapters; None: the default)."""
