@@ -9,7 +9,9 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
+from fastapi import FastAPI, Request
 
 from kvloom.entrypoints.openai.served_models import (
     LOADED,
@@ -285,3 +287,44 @@ def test_kvloom_serve_takes_several_models_and_the_pool_flags() -> None:
     assert model_items(build_parser().parse_args(["serve"])) == ["SmolLM2-135M-Instruct"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--models-memory-budget", "lots"])
+
+
+def test_a_keep_alive_a_route_leaves_on_request_state_applies_once_the_exchange_ends() -> None:
+    """Ollama's routes leave the request's keep_alive (seconds) on ``request.state.keep_alive``."""
+    pool = _pool({"a": 1, "b": 1}, [])
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await pool.acquire("b")
+        scope.setdefault("state", {})["keep_alive"] = 0.0  # what request.state.keep_alive = 0 writes
+
+    async def run() -> None:
+        await ModelLeaseMiddleware(app, pool)({"type": "http"}, None, None)
+        assert pool.models["b"].keep_alive == 0.0
+        for _ in range(100):
+            if _status(pool)["b"] == UNLOADED:
+                break
+            await asyncio.sleep(0.02)
+        assert _status(pool) == {"a": LOADED, "b": UNLOADED}
+
+    asyncio.run(run())
+
+
+
+def test_request_state_keep_alive_reaches_the_middleware_through_fastapi() -> None:
+    pool = _pool({"a": 1, "b": 1}, [])
+    app = FastAPI()
+    app.add_middleware(ModelLeaseMiddleware, models=pool)
+
+    @app.post("/generate")
+    async def generate(raw_request: Request) -> dict[str, int]:
+        model = await pool.acquire("b")
+        raw_request.state.keep_alive = -1.0  # keep it for ever
+        return {"in_flight": model.in_flight}
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            assert (await http.post("/generate")).json() == {"in_flight": 1}
+        assert pool.models["b"].keep_alive == -1.0 and pool.models["b"].in_flight == 0
+        assert pool.keep_alive_of(pool.models["b"]) is None
+
+    asyncio.run(run())

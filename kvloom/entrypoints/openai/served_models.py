@@ -292,7 +292,9 @@ _LEASES: contextvars.ContextVar[list[ServedModel] | None] = contextvars.ContextV
 
 class ModelLeaseMiddleware:
     """Counts a request in flight on the models it acquired until its whole HTTP exchange ends, a streamed
-    body included (or the client goes away), so that no model is unloaded under a request."""
+    body included (or the client goes away), so that no model is unloaded under a request. A route that leaves a
+    keep-alive in seconds on ``request.state.keep_alive`` (Ollama's routes: None for the server's default) has it
+    applied to those models then (``ServedModels.touch``)."""
 
     def __init__(self, app: ASGIApp, models: ServedModels) -> None:
         self.app = app
@@ -308,7 +310,10 @@ class ModelLeaseMiddleware:
             await self.app(scope, receive, send)
         finally:
             _LEASES.reset(token)
+            state = scope.get("state") or {}
             for model in leases:
+                if "keep_alive" in state:
+                    self.models.touch(model.name, state["keep_alive"])
                 self.models.release(model)
 
 
