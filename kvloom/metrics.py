@@ -8,9 +8,10 @@ Two kinds of numbers:
 - per-request latencies (time to first token, inter-token latency, end-to-end latency, queue
   time) are observed by the engine thread from the engine's ``IterationStats``.
 
-Every metric carries a ``model_name`` label, as vLLM's do. ``kvloom:kv_cache_usage_perc`` is
-exactly 0 when no request holds a block (cached prefix blocks that are free count as free), which
-is how the tests check that an aborted request gave its blocks back.
+Every metric carries a ``model_name`` label, as vLLM's do; a server of several models serves each loaded model's
+metrics in one exposition (``merge_metrics``) with ``kvloom:model_loaded`` per model (``served_models_metrics``).
+``kvloom:kv_cache_usage_perc`` is exactly 0 when no request holds a block (cached prefix blocks that are free count
+as free), which is how the tests check that an aborted request gave its blocks back.
 """
 
 from __future__ import annotations
@@ -194,6 +195,48 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+def merge_metrics(texts: list[bytes]) -> bytes:
+    """Several registries' Prometheus text (one per served model, each sample labelled with its ``model_name``) as
+    one exposition: each family once, holding every registry's samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Metric] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text.decode()):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            merged.samples.extend(family.samples)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families
+
+
+def served_models_metrics(rows: list[tuple[str, bool, float | None, int]]) -> bytes:
+    """The served models of a many-model server (``served_models.py``), per ``model_name``: whether it is loaded, its
+    last load's seconds and its size (weights and KV cache, estimated until it first loads)."""
+    loaded = GaugeMetricFamily("kvloom:model_loaded", "1 while the served model is loaded, else 0.",
+                               labels=["model_name"])
+    load_seconds = GaugeMetricFamily("kvloom:model_load_seconds", "Seconds the served model's last load took.",
+                                     labels=["model_name"])
+    size = GaugeMetricFamily("kvloom:model_size_bytes", "The served model's weight files and KV cache, in bytes "
+                             "(its KV cache budget until it first loads).", labels=["model_name"])
+    for name, is_loaded, seconds, size_bytes in rows:
+        loaded.add_metric([name], 1.0 if is_loaded else 0.0)
+        if seconds is not None:
+            load_seconds.add_metric([name], seconds)
+        size.add_metric([name], float(size_bytes))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families([loaded, load_seconds, size]))
+    return generate_latest(registry)
 
 
 class StatLogger:

@@ -149,8 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help=f"model to serve (default {DEFAULT_MODEL}); same as --model")
+    serve.add_argument("model_tag", nargs="*", default=None, metavar="MODEL",
+                       help=f"model(s) to serve (default {DEFAULT_MODEL}), each [NAME=]MODEL: a HF directory, a "
+                       ".gguf file, a Hugging Face cache folder or a folder of models; several are loaded on demand "
+                       "(docs/serving.md, Many models)")
     from kvloom.entrypoints.openai.args import add_server_args
 
     add_server_args(serve)

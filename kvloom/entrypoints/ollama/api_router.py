@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -28,10 +28,11 @@ from kvloom.entrypoints.ollama.protocol import (
     error_response,
 )
 from kvloom.entrypoints.ollama.serving_chat import OllamaServingChat, error_status
-from kvloom.entrypoints.ollama.serving_models import OllamaServingModels
+from kvloom.entrypoints.ollama.serving_models import OllamaServingModels, unloaded_tags
 from kvloom.entrypoints.openai.request_body import json_body, parse_body
-from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
-from kvloom.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+
+if TYPE_CHECKING:
+    from kvloom.entrypoints.openai.served_models import ServedModels
 
 logger = logging.getLogger("kvloom")
 
@@ -72,13 +73,29 @@ def in_ollama_shape(handler: Callable[[Request], Awaitable[Response]]) -> Callab
     return answer
 
 
-def ollama_routes(chat: OpenAIServingChat, embedding: OpenAIServingEmbedding, model: str,
-                  device: str = "auto") -> APIRouter:
-    """Ollama's routes over the chat and embeddings servings; ``model``: the server's ``--model`` (what
-    ``/api/show`` reads the facts of), ``device`` where it runs."""
-    serving = OllamaServingChat(chat)
-    models = OllamaServingModels(chat, embedding, model, device)
+def pool_name(model: str | None) -> str | None:
+    """The served model an Ollama name stands for (Ollama's ``:latest`` tag dropped)."""
+    return model.removesuffix(":latest") if model else model
+
+
+def ollama_routes(pool: ServedModels) -> APIRouter:
+    """Ollama's routes over the pool of served models: each request on the model it names (loaded on first use),
+    through that model's chat and embeddings servings; the listings over every model."""
     router = APIRouter()
+
+    async def serving_of(model: str | None) -> tuple[OllamaServingChat, OllamaServingModels]:
+        served = await pool.acquire(pool_name(model))
+        return served.serving.ollama_chat, served.serving.ollama_models
+
+    async def listing(kind: str) -> dict[str, Any]:
+        """/api/tags (every model whose engine is loaded, then the others from their files) or /api/ps (loaded)."""
+        entries: list[dict[str, Any]] = []
+        for model in pool.models.values():
+            if model.serving is not None:
+                entries += (await getattr(model.serving.ollama_models, kind)())["models"]
+            elif kind == "tags":
+                entries += await unloaded_tags(model.spec.model, model.spec.names)
+        return {"models": entries}
 
     async def body(raw_request: Request, request_model: Any) -> Any:
         return await parse_body(raw_request, request_model, any_content_type=True)
@@ -92,47 +109,52 @@ def ollama_routes(chat: OpenAIServingChat, embedding: OpenAIServingEmbedding, mo
                                   "stream: false one object"}, **ERRORS})
     @in_ollama_shape
     async def create_chat(raw_request: Request) -> Response:
-        return await serving.create_chat(await body(raw_request, OllamaChatRequest), raw_request)
+        request = await body(raw_request, OllamaChatRequest)
+        return await (await serving_of(request.model))[0].create_chat(request, raw_request)
 
     @router.post(API_PATH + "/generate", openapi_extra=json_body(OllamaGenerateRequest),
                  responses={200: {"description": "The reply: NDJSON objects (application/x-ndjson), or with "
                                   "stream: false one object"}, **ERRORS})
     @in_ollama_shape
     async def create_generate(raw_request: Request) -> Response:
-        return await serving.create_generate(await body(raw_request, OllamaGenerateRequest), raw_request)
+        request = await body(raw_request, OllamaGenerateRequest)
+        return await (await serving_of(request.model))[0].create_generate(request, raw_request)
 
     @router.post(API_PATH + "/embed", openapi_extra=json_body(OllamaEmbedRequest),
                  responses={200: {"description": "{\"model\", \"embeddings\": [[...]], ...}"}, **ERRORS})
     @in_ollama_shape
     async def embed(raw_request: Request) -> Response:
-        return await models.embed(await body(raw_request, OllamaEmbedRequest), raw_request)
+        request = await body(raw_request, OllamaEmbedRequest)
+        return await (await serving_of(request.model))[1].embed(request, raw_request)
 
     @router.post(API_PATH + "/embeddings", openapi_extra=json_body(OllamaEmbeddingsRequest),
                  responses={200: {"description": "{\"embedding\": [...]}"}, **ERRORS})
     @in_ollama_shape
     async def embeddings(raw_request: Request) -> Response:
-        return await models.embeddings(await body(raw_request, OllamaEmbeddingsRequest), raw_request)
+        request = await body(raw_request, OllamaEmbeddingsRequest)
+        return await (await serving_of(request.model))[1].embeddings(request, raw_request)
 
     @router.post(API_PATH + "/show", openapi_extra=json_body(OllamaShowRequest),
                  responses={200: {"description": "The model's details, template and capabilities"}, **ERRORS})
     @in_ollama_shape
     async def show(raw_request: Request) -> Response:
-        return JSONResponse(await models.show(await body(raw_request, OllamaShowRequest)))
+        request = await body(raw_request, OllamaShowRequest)
+        return JSONResponse(await (await serving_of(request.model or request.name))[1].show(request))
 
     @router.get(API_PATH + "/tags", responses=ERRORS)
     @in_ollama_shape
     async def tags(raw_request: Request) -> Response:
-        return JSONResponse(await models.tags())
+        return JSONResponse(await listing("tags"))
 
     @router.get(API_PATH + "/ps", responses=ERRORS)
     @in_ollama_shape
     async def ps(raw_request: Request) -> Response:
-        return JSONResponse(await models.ps())
+        return JSONResponse(await listing("ps"))
 
     @router.get(API_PATH + "/version", responses=ERRORS)
     @in_ollama_shape
     async def version(raw_request: Request) -> Response:
-        return JSONResponse(models.version())
+        return JSONResponse(OllamaServingModels.version())
 
     # Ollama answers HEAD on these as on GET (clients probe them); one operation each in /openapi.json.
     router.add_api_route(API_PATH + "/tags", tags, methods=["HEAD"], include_in_schema=False)

@@ -145,6 +145,21 @@ def parameter_size(count: int) -> str:
     return str(count)
 
 
+async def unloaded_tags(model: str, names: list[str]) -> list[dict[str, Any]]:
+    """/api/tags's entries of a served model whose engine is not loaded (several models behind one server): its
+    names, with the facts read from its files' headers."""
+    facts = await asyncio.to_thread(read_model_facts, model, 0)  # the context length is not among the tags
+    return [OllamaListedModel(name=listed_name(name), model=listed_name(name), modified_at=rfc3339(facts.modified_at),
+                              size=facts.size, digest=facts.digest, details=model_details(facts)).model_dump()
+            for name in names]
+
+
+def model_details(facts: ModelFacts, parent: str = "") -> OllamaModelDetails:
+    return OllamaModelDetails(parent_model=parent, format=facts.format, family=facts.family, families=[facts.family],
+                              parameter_size=parameter_size(facts.parameter_count),
+                              quantization_level=facts.quantization_level)
+
+
 class OllamaServingModels:
     """The listings and embeddings over the chat and embeddings servings; ``model``: the server's ``--model``."""
 
@@ -168,9 +183,7 @@ class OllamaServingModels:
         return self._facts
 
     def _details(self, facts: ModelFacts, parent: str = "") -> OllamaModelDetails:
-        return OllamaModelDetails(parent_model=parent, format=facts.format, family=facts.family,
-                                  families=[facts.family], parameter_size=parameter_size(facts.parameter_count),
-                                  quantization_level=facts.quantization_level)
+        return model_details(facts, parent)
 
     def _parents(self) -> dict[str, str]:
         """Each name this server answers to -> its base model's listed name ("" for a base model)."""

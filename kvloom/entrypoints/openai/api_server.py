@@ -11,6 +11,9 @@ surface. Each endpoint family's logic is its ``serving_*.py`` module; request bo
 documented by ``request_body.py``; ``--api-key`` is ``auth.py``; the dashboard is ``dashboard/``;
 serving over HTTP with a bounded drain on SIGTERM is ``launcher.py``.
 
+Every route resolves a request's ``model`` through ``served_models.ServedModels`` (``app.state.served_models``):
+one model as given (``kvloom serve MODEL``), or several (``kvloom serve A B C``), each loaded on first use.
+
 Every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``, but those of Anthropic's
 Messages API (``/v1/messages``, ``kvloom/entrypoints/anthropic/``) and of Ollama's API (``/api/...``,
 ``kvloom/entrypoints/ollama/``), which have their own.
@@ -30,11 +33,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvloom import __version__, envs
-from kvloom.config import config_from_args
+from kvloom.config import DEFAULT_MODEL, EngineConfig, config_from_args
 from kvloom.engine.async_engine import AsyncLLM
 from kvloom.engine.engine_client import EngineClient, EngineDeadError
 from kvloom.entrypoints.anthropic.api_router import anthropic_routes
 from kvloom.entrypoints.ollama.api_router import ollama_routes
+from kvloom.entrypoints.ollama.serving_chat import OllamaServingChat
+from kvloom.entrypoints.ollama.serving_models import OllamaServingModels
 from kvloom.entrypoints.openai.args import DEFAULT_MAX_REQUEST_BODY_BYTES, add_server_args
 from kvloom.entrypoints.openai.auth import require_api_key
 from kvloom.entrypoints.openai.cors import add_cors
@@ -60,6 +65,19 @@ from kvloom.entrypoints.openai.request_body import (
     openapi_schema,
     parse_body,
 )
+from kvloom.entrypoints.openai.served_models import (
+    ModelLeaseMiddleware,
+    ModelServing,
+    PooledChat,
+    ServedModel,
+    ServedModels,
+    kv_cache_budget,
+    lora_specs_by_model,
+    model_args,
+    model_specs,
+    models_routes,
+    weights_bytes,
+)
 from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvloom.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, embedding_pooler_config, runner_of
@@ -70,6 +88,7 @@ from kvloom.entrypoints.openai.serving_responses import responses_routes
 from kvloom.entrypoints.openai.serving_score import OpenAIServingScore, score_routes
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvloom.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+from kvloom.metrics import merge_metrics, served_models_metrics
 from kvloom.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger("kvloom")
@@ -94,12 +113,10 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
     return list(names) if names else [args.model]
 
 
-def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
-    """The FastAPI app serving ``engine`` under the names and settings in ``args``."""
-    names = served_model_names(args)
-    chat_template = load_chat_template(getattr(args, "chat_template", None))
-    api_key = getattr(args, "api_key", None) or envs.get("KVLOOM_API_KEY")
-    root = getattr(args, "model", None)
+def model_serving(engine: EngineClient, names: list[str], args: argparse.Namespace, chat_template: str | None,
+                  lora_specs: list[tuple[str, str, str | None]], *, strict_lora: bool = True) -> ModelServing:
+    """One model's endpoint families over its ``engine``, served under ``names``, with its LoRA adapters
+    (``strict_lora``: an adapter that cannot be loaded is an error, else a warning)."""
     limits = dict(max_logprobs=getattr(args, "max_logprobs", MAX_LOGPROBS),
                   max_chars_per_token=max_chars_per_token_of(engine.tokenizer))
     completion = OpenAIServingCompletion(engine, names, chat_template, **limits)
@@ -116,13 +133,39 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     completion.generation_refusal = chat.generation_refusal = infill.generation_refusal = \
         scoring.generation_refusal
     lora_modules = LoRAModules(engine, names, bool(getattr(args, "enable_lora", False)))
-    for name, path, base_model_name in parse_lora_modules(getattr(args, "lora_modules", None)):
-        lora_modules.add(name, path, base_model_name)
+    for name, path, base_model_name in lora_specs:
+        try:
+            lora_modules.add(name, path, base_model_name)
+        except ValueError as error:
+            if strict_lora:
+                raise
+            logger.warning("LoRA adapter %s is not offered on model %s: %s", name, names[0], error)
     completion.lora_modules = chat.lora_modules = tokenization.lora_modules = infill.lora_modules = lora_modules
+    return ModelServing(completion, chat, tokenization, embedding, lora_modules, infill, scoring,
+                        OllamaServingChat(chat), OllamaServingModels(chat, embedding, args.model,
+                                                                      getattr(args, "device", None) or "auto"))
 
-    app = FastAPI(title="kvloom", version=__version__, docs_url=None, redoc_url=None, responses=ERRORS)
-    app.state.engine = engine
+
+def build_app(engine: EngineClient | ServedModels, args: argparse.Namespace) -> FastAPI:
+    """The FastAPI app serving ``engine`` (one model, under the names in ``args``) or a pool of models, with
+    the settings in ``args``."""
+    api_key = getattr(args, "api_key", None) or envs.get("KVLOOM_API_KEY")
+    if isinstance(engine, ServedModels):
+        models = engine
+    else:
+        chat_template = load_chat_template(getattr(args, "chat_template", None))
+        models = ServedModels.single(
+            engine, served_model_names(args),
+            lambda built, model: model_serving(built, model.spec.names, args, chat_template, model.lora_specs),
+            root=getattr(args, "model", None), lora_specs=parse_lora_modules(getattr(args, "lora_modules", None)))
+    pooled_chat = PooledChat(models)
+
+    app = FastAPI(title="kvloom", version=__version__, docs_url=None, redoc_url=None, responses=ERRORS,
+                  lifespan=models.lifespan)
+    app.state.engine = models.default.engine
+    app.state.served_models = models  # what every route resolves a request's model through
     app.state.max_request_body_bytes = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
+    app.add_middleware(ModelLeaseMiddleware, models=models)
     if api_key:
         require_api_key(app, api_key, getattr(args, "metrics_require_key", False))
     add_cors(app, args)  # outermost: preflights are answered before the key is asked for
@@ -153,65 +196,78 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
 
     @v1.get("/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=engine.max_model_len)
-                               for name in names] + lora_modules.model_cards(engine.max_model_len))
+        return ModelList(data=models.model_cards())
 
     @v1.get("/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> ModelCard:
-        completion.check_model(model_id)
-        cards = [card for card in lora_modules.model_cards(engine.max_model_len) if card.id == model_id]
-        return cards[0] if cards else ModelCard(id=model_id, root=root, max_model_len=engine.max_model_len)
+        return models.model_card(model_id)
 
     @v1.post("/completions", openapi_extra=json_body(CompletionRequest), responses=BODY_ERRORS)
     async def create_completion(raw_request: Request) -> Response:
         request = await parse_body(raw_request, CompletionRequest)
-        return await completion.create_completion(request, raw_request)
+        served = await models.acquire(request.model)
+        return await served.serving.completion.create_completion(request, raw_request)
 
     @v1.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=BODY_ERRORS)
     async def create_chat_completion(raw_request: Request) -> Response:
         request = await parse_body(raw_request, ChatCompletionRequest)
-        return await chat.create_chat_completion(request, raw_request)
+        served = await models.acquire(request.model)
+        return await served.serving.chat.create_chat_completion(request, raw_request)
 
     @v1.post("/embeddings", openapi_extra=json_body(EmbeddingRequest), responses=BODY_ERRORS)
     async def create_embedding(raw_request: Request) -> Response:
         request = await parse_body(raw_request, EmbeddingRequest)
-        return await embedding.create_embedding(request, raw_request)
+        served = await models.acquire(request.model)
+        return await served.serving.embedding.create_embedding(request, raw_request)
 
     app.include_router(v1)
 
     @app.post("/infill", openapi_extra=json_body(InfillRequest), responses=BODY_ERRORS)
     async def create_infill(raw_request: Request) -> Response:
-        return await infill.create_infill(await parse_body(raw_request, InfillRequest), raw_request)
-    app.include_router(anthropic_routes(chat))
-    app.include_router(responses_routes(chat))
-    app.include_router(lora_routes(lora_modules))
-    app.include_router(score_routes(scoring))
-    app.include_router(ollama_routes(chat, embedding, root or names[0], getattr(args, "device", None) or "auto"))
+        request = await parse_body(raw_request, InfillRequest)
+        served = await models.acquire(request.model)
+        return await served.serving.infill.create_infill(request, raw_request)
+
+    app.include_router(anthropic_routes(pooled_chat))
+    app.include_router(responses_routes(pooled_chat))
+    app.include_router(lora_routes(models))
+    app.include_router(models_routes(models))
+    app.include_router(score_routes(models))
+    app.include_router(ollama_routes(models))
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.errored:
-            return error_response(f"the engine is dead: {engine.dead_error}", 503, type="server_error",
-                                  code="engine_dead")
+        for model in models.loaded():
+            if model.engine.errored:
+                where = f" (model {model.name})" if models.several else ""
+                return error_response(f"the engine is dead{where}: {model.engine.dead_error}", 503,
+                                      type="server_error", code="engine_dead")
         return Response(status_code=200)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    app.include_router(dashboard_routes(engine, names[0]))
+    app.include_router(dashboard_routes(models))
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.metrics.render() + embedding.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+        texts = [model.engine.metrics.render() + model.serving.embedding.metrics_text() for model in models.loaded()]
+        if models.several:
+            texts = [merge_metrics([*texts, served_models_metrics(models.metric_rows())])]
+        return Response(b"".join(texts), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest), responses=BODY_ERRORS)
     async def tokenize(raw_request: Request) -> TokenizeResponse:
-        return await tokenization.tokenize(await parse_body(raw_request, TokenizeRequest))
+        request = await parse_body(raw_request, TokenizeRequest)
+        served = await models.acquire(request.model)
+        return await served.serving.tokenization.tokenize(request)
 
     @app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest), responses=BODY_ERRORS)
     async def detokenize(raw_request: Request) -> DetokenizeResponse:
-        return await tokenization.detokenize(await parse_body(raw_request, DetokenizeRequest))
+        request = await parse_body(raw_request, DetokenizeRequest)
+        served = await models.acquire(request.model)
+        return await served.serving.tokenization.detokenize(request)
 
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
@@ -230,53 +286,90 @@ def _setup_logging(level: str) -> None:
     kvloom_logger.setLevel(level.upper())
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Load the engine, serve until SIGTERM / SIGINT, then stop the engine. Returns the exit code."""
+def model_items(args: argparse.Namespace) -> list[str]:
+    """The models to serve: ``--model`` where given, then the positional ones (default: the default model)."""
+    items = ([args.model] if getattr(args, "model", None) else []) + list(getattr(args, "model_tag", None) or [])
+    return items or [DEFAULT_MODEL]
 
-    if getattr(args, "model_tag", None):
-        args.model = args.model_tag
+
+def run_server(args: argparse.Namespace) -> int:
+    """Load the engine(s), serve until SIGTERM / SIGINT, then stop them. Returns the exit code."""
+
     level = (args.log_level or envs.get("KVLOOM_LOGGING_LEVEL") or "info").lower()
     _setup_logging(level)
+    specs = model_specs(model_items(args), served_model_names_flag(args))
+    args.model = specs[0].model
     config = config_from_args(args)
-    load_chat_template(args.chat_template)  # a bad --chat-template fails before the model loads
+    chat_template = load_chat_template(args.chat_template)  # a bad --chat-template fails before the model loads
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
                          f"{sorted(TOOL_CALL_PARSERS)})")
-    sock = bind_socket(args.host, args.port)
-    try:
-        names = served_model_names(args)
-        # vLLM's --disable-log-stats: no periodic stats line (what --stats-interval 0 also asks).
-        stats_interval = 0.0 if config.disable_log_stats else args.stats_interval
-        engine: EngineClient
-        if config.data_parallel_size > 1:
+    lora_specs = lora_specs_by_model(specs, parse_lora_modules(getattr(args, "lora_modules", None)),
+                                     getattr(args, "default_model", None) or specs[0].name)
+    # vLLM's --disable-log-stats: no periodic stats line (what --stats-interval 0 also asks).
+    stats_interval = 0.0 if config.disable_log_stats else args.stats_interval
+    models_by_name = {spec.name: ServedModel(spec, config if i == 0 else replace_model(config, spec.model), 0,
+                                             lora_specs[spec.name]) for i, spec in enumerate(specs)}
+
+    def build_engine(model: ServedModel) -> EngineClient:
+        model_config = model.config
+        if model_config.data_parallel_size > 1:
             from kvloom.engine.data_parallel.router import ReplicaRouter
 
-            engine = ReplicaRouter(config, model_name=names[0], stats_interval=stats_interval,
-                                   log_requests=not args.disable_log_requests, log_level=level)
-        else:
-            engine = AsyncLLM.from_config(config, model_name=names[0], stats_interval=stats_interval,
-                                          log_requests=not args.disable_log_requests)
+            return ReplicaRouter(model_config, model_name=model.name, stats_interval=stats_interval,
+                                 log_requests=not args.disable_log_requests, log_level=level)
+        return AsyncLLM.from_config(model_config, model_name=model.name, stats_interval=stats_interval,
+                                    log_requests=not args.disable_log_requests)
+
+    def build_serving(engine: EngineClient, model: ServedModel) -> ModelServing:
+        return model_serving(engine, model.spec.names, model_args(args, model.spec), chat_template, model.lora_specs,
+                             strict_lora=model.loads == 0)
+
+    sock = bind_socket(args.host, args.port)
+    try:
+        for model in models_by_name.values():
+            model.size_bytes = weights_bytes(model.config.model) + kv_cache_budget(model.config)
+        models = ServedModels(list(models_by_name.values()), build_engine=build_engine, build_serving=build_serving,
+                              default_model=getattr(args, "default_model", None), idle_timeout=args.model_idle_timeout,
+                              max_loaded_models=args.max_loaded_models, memory_budget=args.models_memory_budget)
+        default = models.default
+        if models.memory_budget is not None and default.size_bytes > models.memory_budget:
+            raise ValueError(f"the default model {default.name!r} needs about {default.size_bytes} bytes (weights "
+                             f"and KV cache), more than --models-memory-budget ({models.memory_budget})")
+        models.adopt(default, build_engine(default))  # the default model loads at start, as one model always did
     except BaseException:
         sock.close()
         raise
     try:
-        app = build_app(engine, args)
+        app = build_app(models, args)
         host, port = sock.getsockname()[:2]
-        logger.info("kvloom %s serving %s at http://%s:%d (API key %s)", __version__, ", ".join(names),
+        logger.info("kvloom %s serving %s at http://%s:%d (API key %s)", __version__, ", ".join(models.names()),
                     host if ":" not in host else f"[{host}]", port,
                     "required" if (args.api_key or envs.get("KVLOOM_API_KEY")) else "off")
-        serve_http(app, sock, engine, log_level=level, access_log=args.uvicorn_access_log,
+        serve_http(app, sock, models, log_level=level, access_log=args.uvicorn_access_log,
                    shutdown_timeout=args.shutdown_timeout)
     finally:
-        engine.shutdown()
+        models.shutdown()
         sock.close()
     logger.info("kvloom server stopped")
     return 0
 
 
+def served_model_names_flag(args: argparse.Namespace) -> list[str] | None:
+    names = getattr(args, "served_model_name", None)
+    return [names] if isinstance(names, str) else names
+
+
+def replace_model(config: EngineConfig, model: str) -> EngineConfig:
+    """``config`` for another model: every other setting the same."""
+    return EngineConfig.from_kwargs(**{**config.to_dict(), "model": model})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvloom.entrypoints.openai.api_server",
                                      description="kvloom's OpenAI-compatible server")
+    parser.add_argument("model_tag", nargs="*", default=None, metavar="MODEL",
+                        help="more models to serve beside --model, each [NAME=]MODEL (docs/serving.md, Many models)")
     add_server_args(parser)
     args = parser.parse_args(argv)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvloom.config import add_engine_args
+from kvloom.config.parsing import parse_memory
 from kvloom.entrypoints.openai.cors import add_cors_args
 from kvloom.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from kvloom.sampling_params import MAX_LOGPROBS
@@ -18,6 +19,8 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
+    # --model or the positional models (api_server.model_items); unset: the default model.
+    parser.set_defaults(model=None)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--api-key", default=None,
@@ -35,7 +38,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "with an error; a second signal exits at once")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the model name(s) clients use; the first is reported in responses "
-                        "and metrics (default: the model argument)")
+                        "and metrics (default: the model argument); with several models, one name per model")
+    parser.add_argument("--default-model", default=None, metavar="NAME",
+                        help="with several models: the one a request without 'model' gets, loaded at start "
+                        "(default: the first)")
+    parser.add_argument("--model-idle-timeout", type=_non_negative_float, default=None, metavar="SECONDS",
+                        help="unload a model once it has had no request for this long (a request's keep_alive "
+                        "overrides it; default: never); it loads again on its next request")
+    parser.add_argument("--max-loaded-models", type=_positive_int, default=None, metavar="N",
+                        help="most models loaded at once; loading another unloads the least recently used idle one "
+                        "(default: no limit)")
+    parser.add_argument("--models-memory-budget", type=_memory_size, default=None, metavar="BYTES",
+                        help="most bytes the loaded models may take (each: its weight files + its KV cache), e.g. "
+                        "8GiB; loading another unloads the least recently used idle ones (default: no limit)")
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                         help="with --enable-lora: LoRA adapters served by name, as name=path or vLLM's JSON "
                         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
@@ -69,4 +84,14 @@ def _non_negative_float(value: str) -> float:
     number = float(value)
     if not number >= 0 or number == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {value}")
+    return number
+
+
+def _memory_size(value: str) -> int:
+    try:
+        number = parse_memory(value)
+    except ValueError:
+        number = None
+    if number is None:
+        raise argparse.ArgumentTypeError(f"must be a byte count or a size like '8GiB', got {value}")
     return number

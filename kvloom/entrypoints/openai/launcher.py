@@ -12,11 +12,15 @@ import signal
 import socket
 import threading
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
 
 from kvloom.engine.engine_client import EngineClient
+
+if TYPE_CHECKING:
+    from kvloom.entrypoints.openai.served_models import ServedModels
 
 logger = logging.getLogger("kvloom")
 
@@ -41,7 +45,7 @@ class DrainingServer(uvicorn.Server):
     which ends the remaining requests with an error (a stream's last event); a second signal
     of either kind exits at once (uvicorn alone forces only on a second SIGINT)."""
 
-    def __init__(self, config: uvicorn.Config, engine: EngineClient, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineClient | ServedModels, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
@@ -71,10 +75,10 @@ class DrainingServer(uvicorn.Server):
                              f"--shutdown-timeout ({self.shutdown_timeout:g}s)")
 
 
-def serve_http(app: FastAPI, sock: socket.socket, engine: EngineClient, *, log_level: str, access_log: bool,
-               shutdown_timeout: float) -> None:
+def serve_http(app: FastAPI, sock: socket.socket, engine: EngineClient | ServedModels, *, log_level: str,
+               access_log: bool, shutdown_timeout: float) -> None:
     """Serve ``app`` on the bound ``sock`` until SIGTERM / SIGINT and the drain are over (the
-    caller then stops ``engine``)."""
+    caller then stops ``engine``: one engine, or every loaded model's)."""
     # uvicorn's own deadline is a backstop: by then the engine has ended every stream.
     server = DrainingServer(uvicorn.Config(app, log_level=log_level, access_log=access_log, timeout_keep_alive=5,
                                            timeout_graceful_shutdown=shutdown_timeout + 1),

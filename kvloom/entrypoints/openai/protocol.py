@@ -369,6 +369,8 @@ class ModelCard(ResponseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    # llama-server's {"value": "loaded" | "loading" | "unloading" | "unloaded"} (served_models.py); None: an adapter.
+    status: dict[str, Any] | None = None
 
 
 class ModelList(ResponseModel):

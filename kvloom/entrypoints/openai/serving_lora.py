@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
@@ -108,8 +108,17 @@ async def _json(raw_request: Request) -> Any:
         raise APIError("the request body must be a JSON object", 400) from None
 
 
-def lora_routes(modules: LoRAModules) -> APIRouter:
-    """``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``: 404 unless runtime updating is allowed."""
+class AdapterHost(Protocol):
+    """Where the routes load and unload adapters: the served models (``served_models.ServedModels``)."""
+
+    async def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> None: ...
+
+    def remove_lora(self, name: str) -> None: ...
+
+
+def lora_routes(models: AdapterHost) -> APIRouter:
+    """``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` over the served models (an adapter goes to its
+    ``base_model_name``, else the default model, loaded first): 404 unless runtime updating is allowed."""
     router = APIRouter(prefix="/v1")
 
     def check_allowed() -> None:
@@ -122,8 +131,11 @@ def lora_routes(modules: LoRAModules) -> APIRouter:
         check_allowed()
         body = await _json(raw_request)
         name, path = _body_field(body, "lora_name"), _body_field(body, "lora_path")
+        base_model_name = body.get("base_model_name")
+        if base_model_name is not None and not isinstance(base_model_name, str):
+            raise APIError("'base_model_name' must be a served model's name", 400, "base_model_name")
         try:
-            modules.add(name, path, body.get("base_model_name"))
+            await models.add_lora(name, path, base_model_name)
         except ValueError as error:
             raise APIError(str(error), 400, "lora_path" if "adapter at" in str(error) else "lora_name") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -133,7 +145,7 @@ def lora_routes(modules: LoRAModules) -> APIRouter:
         check_allowed()
         name = _body_field(await _json(raw_request), "lora_name")
         try:
-            modules.remove(name)
+            models.remove_lora(name)
         except KeyError:
             raise APIError(f"The lora adapter '{name}' cannot be found.", 404, "lora_name",
                            code="not_found") from None

@@ -135,15 +135,20 @@ def _classify_params(use_activation: bool | None) -> PoolingParams:
     return params
 
 
-def score_routes(serving: OpenAIServingScore) -> APIRouter:
-    """POST /score, /v1/score, /rerank and /v1/rerank."""
+def score_routes(models: Any) -> APIRouter:
+    """POST /score, /v1/score, /rerank and /v1/rerank, each on the model its request names (``models``: the server's
+    pool, served_models.ServedModels, which imports this module)."""
     router = APIRouter()
 
     async def score(raw_request: Request) -> Response:
-        return await serving.create_score(await parse_body(raw_request, ScoreRequest), raw_request)
+        request = await parse_body(raw_request, ScoreRequest)
+        served = await models.acquire(request.model)
+        return await served.serving.scoring.create_score(request, raw_request)
 
     async def rerank(raw_request: Request) -> Response:
-        return await serving.create_rerank(await parse_body(raw_request, RerankRequest), raw_request)
+        request = await parse_body(raw_request, RerankRequest)
+        served = await models.acquire(request.model)
+        return await served.serving.scoring.create_rerank(request, raw_request)
 
     for path in ("/score", "/v1/score"):
         router.add_api_route(path, score, methods=["POST"], openapi_extra=json_body(ScoreRequest),
