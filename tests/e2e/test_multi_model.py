@@ -163,6 +163,27 @@ def test_models_load_and_unload_routes(trio: Server) -> None:
     assert {card["id"] for card in listed} == {"a", "b", "c"}
 
 
+def test_ollamas_api_picks_loads_lists_and_unloads_models(trio: Server, oracle: dict[str, str]) -> None:
+    """Ollama's routes over the pool: a request names its model (with Ollama's :latest), which loads; /api/tags lists
+    every served model, /api/ps the loaded ones; keep_alive 0 with nothing to generate unloads the model; an
+    unknown model is a 404 in Ollama's words naming the served ones."""
+    import ollama
+
+    httpx.post(trio.url + "/models/unload", json={"model": "c"}, timeout=30)
+    client = ollama.Client(host=trio.url, timeout=120)
+    reply = client.generate(model="c:latest", prompt="hello", raw=True, options={"temperature": 0, "num_predict": 4})
+    assert statuses(trio)["c"] == "loaded" and reply.eval_count
+    assert {m.model for m in client.list().models} == {"a:latest", "b:latest", "c:latest"}
+    assert "c:latest" in {m.model for m in client.ps().models}
+    assert client.generate(model="c", keep_alive=0).done_reason == "unload"
+    wait_for(trio, {**statuses(trio), "c": "unloaded"})
+    assert "c:latest" not in {m.model for m in client.ps().models}
+    with pytest.raises(ollama.ResponseError) as error:
+        client.chat(model="nope", messages=[{"role": "user", "content": "hi"}])
+    assert error.value.status_code == 404 and "model 'nope' not found" in error.value.error
+    assert "a:latest" in error.value.error
+
+
 def test_metrics_and_dashboard_show_every_loaded_model(trio: Server) -> None:
     complete(trio, "a")
     complete(trio, "b")

@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from tiny_models import BOS_ID, EOS_ID, save_tokenizer
 
 from kvloom import LLM, PoolingParams
 from kvloom.scoring import QWEN3_RERANKER_TEMPLATE
-from tests.tiny_models import BOS_ID, EOS_ID, save_tokenizer
 
 QUERY = "What is the capital of France?"
 DOCUMENTS = ["The capital of France is Paris.", "The quick brown fox jumps over the lazy dog.",
@@ -181,10 +181,10 @@ def test_a_gguf_reranker_scores_as_its_checkpoint_and_from_the_packed_cache(
     """A Qwen3 GGUF of Q8_0 tensors (its LM head's rows dequantized into the head), made a reranker by
     hf_overrides, scores as its safetensors checkpoint up to the quantization, and the same again when its model
     is mapped from the packed model cache (the classifier pickles by name)."""
+    from tiny_models import write_tiny_gguf
     from transformers import AutoModelForCausalLM
 
     from kvloom.ops import cpu
-    from tests.tiny_models import write_tiny_gguf
 
     if not cpu.cpu_kernel_available():  # loaded from the usual cache before the packed cache moves to tmp_path
         pytest.skip("the CPU kernels are not built here")

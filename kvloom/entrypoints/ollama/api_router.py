@@ -27,9 +27,10 @@ from kvloom.entrypoints.ollama.protocol import (
     OllamaShowRequest,
     error_response,
 )
-from kvloom.entrypoints.ollama.serving_chat import OllamaServingChat, error_status
+from kvloom.entrypoints.ollama.serving_chat import OllamaServingChat, error_status, listed_name
 from kvloom.entrypoints.ollama.serving_models import OllamaServingModels, unloaded_tags
 from kvloom.entrypoints.openai.request_body import json_body, parse_body
+from kvloom.entrypoints.openai.serving_engine import APIError
 
 if TYPE_CHECKING:
     from kvloom.entrypoints.openai.served_models import ServedModels
@@ -84,7 +85,14 @@ def ollama_routes(pool: ServedModels) -> APIRouter:
     router = APIRouter()
 
     async def serving_of(model: str | None) -> tuple[OllamaServingChat, OllamaServingModels]:
-        served = await pool.acquire(pool_name(model))
+        if not model:
+            raise APIError("model is required")
+        name = model if pool.find(model) is not None else pool_name(model)
+        if pool.find(name) is None:  # a 404 in Ollama's words, naming the models there are
+            available = [*pool.names(), *(a for served in pool.models.values() for a in served.adapter_names())]
+            raise APIError(f"model '{model}' not found; this server serves "
+                           f"{', '.join(listed_name(n) for n in available)}", 404)
+        served = await pool.acquire(name)
         return served.serving.ollama_chat, served.serving.ollama_models
 
     async def listing(kind: str) -> dict[str, Any]:

@@ -251,8 +251,11 @@ def _logprobs(logprobs: ChatCompletionLogProbs | None) -> list[dict[str, Any]]:
 class OllamaServingChat:
     """``/api/chat`` and ``/api/generate`` over the chat serving ``chat``."""
 
-    def __init__(self, chat: OpenAIServingChat) -> None:
+    def __init__(self, chat: OpenAIServingChat, can_unload: bool = False) -> None:
+        """``can_unload``: whether the server can unload this model and load it again (several models behind one
+        server), so that ``keep_alive: 0`` with nothing to generate unloads it once idle."""
         self.chat = chat
+        self.can_unload = can_unload
 
     # ---- request -------------------------------------------------------------------------------
     def sampling_fields(self, request: OllamaGenerationFields) -> dict[str, Any]:
@@ -336,7 +339,7 @@ class OllamaServingChat:
         model = served_name(self.chat, request.model)
         raw_request.state.keep_alive = keep_alive = keep_alive_seconds(request.keep_alive)
         if not request.messages:
-            return _load_response(request.model, keep_alive, "chat")
+            return _load_response(request.model, keep_alive, "chat", self.can_unload)
         run = await self.chat.start_chat(self.chat_request(request, model, _chat_messages(request.messages)))
         run.generator = timing.watch(run.generator)
         return await self._answer(self._chat_pieces(run), "chat", request, timing, raw_request)
@@ -355,7 +358,7 @@ class OllamaServingChat:
         if request.suffix and request.system:
             raise APIError("suffix makes a fill-in-the-middle prompt, which has no system message: leave system out")
         if not request.prompt:
-            return _load_response(request.model, keep_alive, "generate")
+            return _load_response(request.model, keep_alive, "generate", self.can_unload)
         if request.raw or request.suffix:
             if request.images:
                 raise APIError("images need the chat template: send them without raw and suffix")
@@ -496,14 +499,15 @@ async def _ndjson(pieces: AsyncIterator[Piece | Finish], kind: str, model: str, 
         yield json.dumps({"error": error_status(e)[0]}, ensure_ascii=False) + "\n"
 
 
-def _load_response(model: str, keep_alive: float | None, kind: str) -> JSONResponse:
-    """Ollama's answer to a request with nothing to generate: the model is loaded (it is, for the server's life).
-    ``keep_alive: 0`` asks to unload it, which a server of one model cannot."""
-    if keep_alive == 0:
+def _load_response(model: str, keep_alive: float | None, kind: str, can_unload: bool) -> JSONResponse:
+    """Ollama's answer to a request with nothing to generate: the model is loaded. ``keep_alive: 0`` asks to unload
+    it: done (``done_reason`` "unload") once idle where the server can load it again (the pool applies the request's
+    keep-alive as its exchange ends), a 400 where it cannot (a server started with one engine)."""
+    if keep_alive == 0 and not can_unload:
         raise APIError(f"kvloom keeps \"{model}\" loaded for the server's life: it cannot unload it (keep_alive 0 "
                        f"with nothing to generate)")
     body = _object(kind, model, Piece(), True)
-    body["done_reason"] = "load"
+    body["done_reason"] = "unload" if keep_alive == 0 else "load"
     return JSONResponse(body)
 
 

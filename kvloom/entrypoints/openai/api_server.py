@@ -114,7 +114,8 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
 
 
 def model_serving(engine: EngineClient, names: list[str], args: argparse.Namespace, chat_template: str | None,
-                  lora_specs: list[tuple[str, str, str | None]], *, strict_lora: bool = True) -> ModelServing:
+                  lora_specs: list[tuple[str, str, str | None]], *, strict_lora: bool = True,
+                  can_unload: bool = False) -> ModelServing:
     """One model's endpoint families over its ``engine``, served under ``names``, with its LoRA adapters
     (``strict_lora``: an adapter that cannot be loaded is an error, else a warning)."""
     limits = dict(max_logprobs=getattr(args, "max_logprobs", MAX_LOGPROBS),
@@ -142,7 +143,7 @@ def model_serving(engine: EngineClient, names: list[str], args: argparse.Namespa
             logger.warning("LoRA adapter %s is not offered on model %s: %s", name, names[0], error)
     completion.lora_modules = chat.lora_modules = tokenization.lora_modules = infill.lora_modules = lora_modules
     return ModelServing(completion, chat, tokenization, embedding, lora_modules, infill, scoring,
-                        OllamaServingChat(chat), OllamaServingModels(chat, embedding, args.model,
+                        OllamaServingChat(chat, can_unload), OllamaServingModels(chat, embedding, args.model,
                                                                       getattr(args, "device", None) or "auto"))
 
 
@@ -323,7 +324,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     def build_serving(engine: EngineClient, model: ServedModel) -> ModelServing:
         return model_serving(engine, model.spec.names, model_args(args, model.spec), chat_template, model.lora_specs,
-                             strict_lora=model.loads == 0)
+                             strict_lora=model.loads == 0,
+                             can_unload=model.config is not None and len(models_by_name) > 1)
 
     sock = bind_socket(args.host, args.port)
     try:

@@ -469,7 +469,12 @@ class ServedModels:
 
     def keep_alive_of(self, model: ServedModel) -> float | None:
         """Seconds a model stays loaded once idle; None: for ever."""
-        keep_alive = model.keep_alive if model.keep_alive is not None else self.idle_timeout
+        if model.config is None:  # an engine handed over loaded: it could not be loaded again, so it stays
+            return None
+        # A request's keep-alive rules where several models share the server; one model stays for the server's life
+        # (unless --model-idle-timeout says otherwise).
+        touched = model.keep_alive if self.several else None
+        keep_alive = touched if touched is not None else self.idle_timeout
         if keep_alive is None or keep_alive < 0 or math.isinf(keep_alive):
             return None
         return keep_alive
