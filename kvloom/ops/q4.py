@@ -344,7 +344,8 @@ class NativeQ4Linear:
     reference does, both sides dequantized to fp32 per call (the same sums up to fp32 rounding)."""
 
     def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None) -> None:
-        self.weight = weight
+        # A Q4_K weight as the file's super-blocks (q4k.Q4KBlocks) is decoded into code blocks of 32 here.
+        self.weight = weight if isinstance(weight, Q4Blocks) else weight.to_blocks()
         self.bias = None if bias is None else bias.float()
 
     def rows(self, ids: torch.Tensor) -> Q4Blocks:

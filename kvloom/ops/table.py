@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.ops import ATTENTION_BACKENDS, int8, native, q4, reference
+from kvloom.ops import ATTENTION_BACKENDS, int8, native, q4, q4k, reference
 from kvloom.ops.layer_stack import LayerShape, LayerWeights
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.reference import allocate_kv_caches
@@ -196,7 +196,7 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
         return dataclasses.replace(NATIVE_OPS, pack_linear=pack, pack_experts=pack_experts)
     # csrc/gemm_q4.cpp: its AVX2 kernel where built, else the same product on plain loops (still faster than
     # torch ops, which dequantize the whole weight every call).
-    pack_q4 = q4.PackedQ4Weight
+    pack_q4 = q4k.pack_code_blocks  # a GGUF's Q4_K super-blocks: csrc/gemm_q4k.cpp
     # csrc/gemm_int8.cpp for float32 and bfloat16 activations alike, where its AVX-512 or AVX2 kernels are built.
     pack_int8, pack_int8_blocks = int8.NativeInt8Linear, int8.NativeInt8BlocksLinear
     if cpu.int8_kernels_available():

@@ -571,3 +571,72 @@ def test_the_default_models_perplexity_equals_llama_cpps(smollm2_gguf_path: str)
     ours = perplexity(llm, ids, 512, score_from=257, whole_windows=True)
     print(f"perplexity of the Q4_1 GGUF, -c 512: kvloom {ours:.4f}, llama.cpp {theirs:.4f}")
     assert ours == pytest.approx(theirs, rel=0.01)
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama (width 256) shaped as llama.cpp's Q4_K_M: Q4_K projections, a Q6_K v (so q|k|v mixes the two),
+    an untied Q4_K embedding and Q6_K head."""
+    root = tmp_path_factory.mktemp("q4_k_m")
+    checkpoint = tiny_models.build_tiny_checkpoint(str(root / "hf"), arch="llama", hidden_size=256,
+                                                   intermediate_size=256, tie_word_embeddings=False)
+    return tiny_models.write_tiny_gguf(str(root / "q4_k_m.gguf"), checkpoint,
+                                       types={"attn": gguf.GGML_Q4_K, "attn_o": gguf.GGML_Q4_K, "ffn": gguf.GGML_Q4_K,
+                                              "ffn_down": gguf.GGML_Q4_K, "attn_v": gguf.GGML_Q6_K,
+                                              "embed": gguf.GGML_Q4_K, "output": gguf.GGML_Q6_K})
+
+
+def test_q4_k_weights_arrive_as_the_files_super_blocks(q4_k_m_gguf: str) -> None:
+    """keep_q4_k: a Q4_K projection comes as the file's bytes (q and k rows in HF's order), decoding to the values of
+    the code blocks read without it."""
+    from kvloom.ops.q4k import Q4KBlocks
+
+    source = resolve_model(q4_k_m_gguf)
+    blocks = dict(iter_weights(source, keep_q4=True, keep_q6=True))
+    raw = dict(iter_weights(source, keep_q4=True, keep_q6=True, keep_q4_k=True))
+    kinds = {name: type(t).__name__ for name, t in raw.items() if name.endswith(".weight")}
+    assert kinds["model.layers.0.self_attn.q_proj.weight"] == "Q4KBlocks"
+    assert kinds["model.layers.0.self_attn.v_proj.weight"] == "Q4Blocks"  # Q6_K
+    for name, tensor in raw.items():
+        if isinstance(tensor, Q4KBlocks):
+            assert all(torch.equal(a, b) for a, b in zip(tensor.to_blocks(), blocks[name])), name
+
+
+def _packed_kinds(llm: LLM) -> dict[str, str]:
+    model = llm.llm_engine.executor.driver.model
+    return {name: type(m.packed).__name__ for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_q4_k_super_blocks_give_the_code_block_products_results_exactly(q4_k_m_gguf: str, dtype: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default packs a layer whose shards are all Q4_K on the file's super-blocks (o, gate|up, down) and the
+    q|k|v beside a Q6_K v as code blocks; its prompt logprobs and greedy tokens equal those of the load with
+    gguf_q4_k_superblocks false (every projection code blocks) exactly, through the layer stack and module by module
+    alike."""
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels could not be built here")
+    monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
+    prompts = mixed_prompts(300, count=4, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def run(llm: LLM) -> tuple[list[list[float]], list[list[int]]]:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        logprobs = [[next(iter(lp.values())).logprob for lp in out.prompt_logprobs[1:]] for out in outputs]
+        return logprobs, kvloom_greedy(llm, prompts, 6)
+
+    new = LLM(model=q4_k_m_gguf, dtype=dtype, max_model_len=128)
+    kinds = _packed_kinds(new)
+    for part in ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        assert kinds[f"model.layers.0.{part}"] == "PackedQ4KWeight"
+    assert kinds["model.layers.0.self_attn.qkv_proj"] == "PackedQ4Weight"
+    model = new.llm_engine.executor.driver.model
+    if cpu.layer_stack_available():
+        assert model.layer_stack is not None
+    expected = run(new)
+    old = LLM(model=q4_k_m_gguf, dtype=dtype, max_model_len=128,
+              override_backend_config={"gguf_q4_k_superblocks": False})
+    assert "PackedQ4KWeight" not in _packed_kinds(old).values()
+    assert run(old) == expected
+    monkeypatch.setenv("KVLOOM_CPU_LAYER_STACK", "0")
+    assert run(LLM(model=q4_k_m_gguf, dtype=dtype, max_model_len=128)) == expected

@@ -1,0 +1,143 @@
+"""The Q4_K product on the file's super-blocks (csrc/gemm_q4k.cpp, kvloom/ops/q4k.py) against its references.
+
+The packing is the file's bytes rearranged (no decoding): its rows read back equal gguf's own dequantization. The
+product takes the same fp32 steps in the same order as the code-block product (csrc/gemm_q4.cpp) on the decoded
+weight, so it equals PackedQ4Weight's result bit for bit, and q4_linear_reference's within an ulp and a few fp32
+roundings per block; its AVX2 and plain-loop versions agree bit for bit, and a row's result does not depend on the
+rows beside it. Run with KVLOOM_CPU_ISA=generic too: the library's generic build is the plain loops alone.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from kvloom.ops import cpu
+from kvloom.ops.q4 import NativeQ4Linear, PackedQ4Weight, Q4Blocks
+from kvloom.ops.q4k import (
+    PANEL_SUPER_BYTES,
+    SUPER_BYTES,
+    PackedQ4KWeight,
+    Q4KBlocks,
+    pack_code_blocks,
+    q4k_linear_reference,
+)
+from kvloom.worker import packed_cache
+from unit.test_int8_ops import DTYPE_NAMES, DTYPES, assert_within
+from unit.test_q4_ops import q4_slack
+
+# (M, K, N): one row, whole and partial 4-row kernels, one and several super-blocks, N past a panel of 8.
+SHAPES = [(1, 256, 37), (2, 512, 64), (5, 768, 19), (17, 256, 8), (33, 1024, 97)]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> None:
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels could not be built here")
+
+
+def random_q4_k(n: int, k: int, seed: int) -> Q4KBlocks:
+    """Random Q4_K super-blocks: every scale, min and code byte random (all 6 and 4 bits taken), d and dmin positive
+    fp16 values."""
+    rng = np.random.default_rng(seed)
+    count = n * k // 256
+    raw = rng.integers(0, 256, size=(count, SUPER_BYTES), dtype=np.uint8)
+    for offset, top in ((0, 0.002), (2, 0.004)):
+        raw[:, offset:offset + 2] = rng.uniform(1e-4, top, count).astype(np.float16).view(np.uint8).reshape(count, 2)
+    return Q4KBlocks.from_gguf(torch.from_numpy(raw.reshape(-1).copy()), (n, k))
+
+
+def test_super_blocks_decode_as_the_gguf_package_dequantizes() -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    weight = random_q4_k(5, 512, seed=1)
+    expected = dequantize(weight.data.numpy(), GGMLQuantizationType.Q4_K)
+    assert torch.equal(weight.dequantize(), torch.from_numpy(expected))
+    blocks = weight.to_blocks()
+    assert blocks.group == 32 and int(blocks.codes.max()) == 15
+    with pytest.raises(ValueError, match="multiple of 256"):
+        Q4KBlocks.from_gguf(torch.zeros(2 * SUPER_BYTES, dtype=torch.uint8), (2, 320))
+    with pytest.raises(ValueError, match="do not hold a Q4_K weight"):
+        Q4KBlocks.from_gguf(torch.zeros(3 * SUPER_BYTES, dtype=torch.uint8), (2, 256))
+
+
+def test_packed_bytes_are_the_files_and_read_back_as_its_rows(kernels: None) -> None:
+    """Packed at the file's size (to whole panels of 8 rows), and rows() gives back the decoded rows exactly."""
+    n, k = 21, 768
+    weight = random_q4_k(n, k, seed=2)
+    packed = PackedQ4KWeight(weight, None)
+    assert packed.data.shape == (3, 3, PANEL_SUPER_BYTES)
+    assert packed.data.numel() == 24 * weight.data.shape[1]  # the file's bytes for 24 rows: 4.5 bits a weight
+    assert packed.data[2, :, :].view(-1).count_nonzero() > 0
+    ids = torch.tensor([0, 7, 8, 20, 13, 20])
+    rows, expected = packed.rows(ids), weight.take(ids).to_blocks()
+    assert all(torch.equal(a, b) for a, b in zip(rows, expected))
+
+
+def test_pack_rejects_what_is_no_q4_k_weight(kernels: None) -> None:
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        torch.ops.kvloom.pack_q4k(torch.zeros(144, dtype=torch.uint8), 1, 320)
+    with pytest.raises(RuntimeError, match="contiguous uint8 bytes of a Q4_K"):
+        torch.ops.kvloom.pack_q4k(torch.zeros(100, dtype=torch.uint8), 1, 256)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_q4_k_product_equals_the_code_block_product_bit_for_bit(kernels: None, dtype: torch.dtype, m: int, k: int,
+                                                                 n: int) -> None:
+    weight = random_q4_k(n, k, seed=m + k + n)
+    blocks = weight.to_blocks()
+    for with_bias in (True, False):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)).to(dtype)
+        bias = torch.randn(n) if with_bias else None
+        fast = PackedQ4KWeight(weight, bias)(x)
+        assert fast.dtype == dtype and fast.shape == (m, n)
+        assert torch.equal(PackedQ4KWeight(weight, bias, portable=True)(x), fast)
+        assert torch.equal(PackedQ4Weight(blocks, bias, bf16_tiles=False)(x), fast)
+        expected = q4k_linear_reference(x, weight, bias)
+        assert_within(fast, expected, ulps=1, slack=q4_slack(x, blocks, bias))
+        assert_within(NativeQ4Linear(weight, bias)(x), expected, ulps=1, slack=q4_slack(x, blocks, bias) * 64)
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels: None) -> None:
+    """One formula at every row count: each row of a 13-row product equals that row's product alone."""
+    weight = random_q4_k(45, 512, seed=5)
+    packed = PackedQ4KWeight(weight, torch.randn(45))
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(5))
+    together = packed(x)
+    for i in range(13):
+        assert torch.equal(packed(x[i:i + 1]), together[i:i + 1])
+
+
+def test_activations_are_checked(kernels: None) -> None:
+    packed = PackedQ4KWeight(random_q4_k(8, 256, seed=6), None)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        packed(torch.zeros(1, 256, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.kvloom.gemm_q4k(torch.empty(1, 8), torch.zeros(1, 512), packed.data, None)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        PackedQ4KWeight(random_q4_k(8, 256, seed=6), torch.zeros(3))
+
+
+def test_the_cpu_table_packs_q4_k_super_blocks_and_other_code_blocks_apart(kernels: None) -> None:
+    weight = random_q4_k(16, 256, seed=7)
+    assert isinstance(pack_code_blocks(weight, None), PackedQ4KWeight)
+    assert isinstance(pack_code_blocks(weight.to_blocks(), None), PackedQ4Weight)
+    assert isinstance(NativeQ4Linear(weight, None).weight, Q4Blocks)
+
+
+def test_the_packed_weight_pickles_as_the_packed_cache_saves_it(kernels: None) -> None:
+    weight = random_q4_k(19, 512, seed=8)
+    packed = PackedQ4KWeight(weight, torch.randn(19))
+    buffer = io.BytesIO()
+    torch.save({"w": packed}, buffer, pickle_module=packed_cache._PickleModule)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False, pickle_module=pickle)["w"]
+    x = torch.randn(3, 512)
+    assert torch.equal(loaded(x), packed(x))
+    assert loaded.stack_args()[0] == packed.stack_args()[0]
