@@ -628,8 +628,8 @@ def test_q4_k_super_blocks_give_the_code_block_products_results_exactly(q4_k_m_g
     new = LLM(model=q4_k_m_gguf, dtype=dtype, max_model_len=128)
     kinds = _packed_kinds(new)
     for part in ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-        assert kinds[f"model.layers.0.{part}"] == "PackedQ4KWeight"
-    assert kinds["model.layers.0.self_attn.qkv_proj"] == "PackedQ4Weight"
+        assert kinds[f"layers.0.{part}"] == "PackedQ4KWeight", kinds
+    assert kinds["layers.0.self_attn.qkv_proj"] == "PackedQ4Weight"
     model = new.llm_engine.executor.driver.model
     if cpu.layer_stack_available():
         assert model.layer_stack is not None
