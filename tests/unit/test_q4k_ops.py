@@ -141,3 +141,51 @@ def test_the_packed_weight_pickles_as_the_packed_cache_saves_it(kernels: None) -
     x = torch.randn(3, 512)
     assert torch.equal(loaded(x), packed(x))
     assert loaded.stack_args()[0] == packed.stack_args()[0]
+
+
+def test_a_layer_keeps_q4_k_shards_and_decodes_them_beside_other_kinds() -> None:
+    """All shards Q4_K: held as the file's bytes and packed so; a shard of another kind before or after them: every
+    Q4_K shard decoded into the code blocks, exactly."""
+    from kvloom.layers.linear import Linear
+    from kvloom.ops.table import REFERENCE_OPS
+
+    q, k = random_q4_k(16, 256, seed=9), random_q4_k(8, 256, seed=10)
+    layer = Linear(256, [16, 8])
+    layer.load_shard("weight", 0, q)
+    layer.load_shard("weight", 1, k)
+    assert layer.q4 is None and torch.equal(layer.q4k.data, torch.cat((q.data, k.data)))
+    x = torch.randn(3, 256)
+    assert torch.equal(layer(x), q4k_linear_reference(x, Q4KBlocks(torch.cat((q.data, k.data)))))
+    layer.process_weights_after_loading(REFERENCE_OPS)
+    assert layer.q4k is None and layer.weight.numel() == 0
+    assert torch.equal(layer.packed.weight.codes, torch.cat((q.to_blocks().codes, k.to_blocks().codes)))
+    v = Q4Blocks.quantize(torch.randn(8, 256))
+    for order in ((0, 1), (1, 0)):
+        mixed = Linear(256, [16, 8])
+        for shard in order:
+            mixed.load_shard("weight", shard, (q, v)[shard])
+        assert mixed.q4k is None and mixed.q4_shards == {0, 1}
+        expected = [torch.cat(parts) for parts in zip(q.to_blocks(), v)]
+        assert all(torch.equal(a, b) for a, b in zip(mixed.q4, expected))
+    with pytest.raises(ValueError, match="only fill a weight"):
+        Linear(256, [16], bias=True).load_shard("bias", 0, q)
+
+
+def test_tensor_parallel_cuts_q4_k_rows_and_whole_super_blocks() -> None:
+    from kvloom.layers import tensor_parallel
+    from kvloom.layers.linear import Linear
+
+    weight = random_q4_k(16, 512, seed=11)
+    out = Linear(512, [8, 8])
+    out.load_shard("weight", 0, weight.take(torch.arange(8)))
+    out.load_shard("weight", 1, weight.take(torch.arange(8, 16)))
+    tensor_parallel._shard_columns_out(out, 1, 2)  # rank 1 keeps rows 4-7 of each shard
+    assert torch.equal(out.q4k.data, weight.data[torch.tensor([4, 5, 6, 7, 12, 13, 14, 15])])
+    cut = Linear(512, [16])
+    cut.load_shard("weight", 0, weight)
+    tensor_parallel._shard_rows_in(cut, 1, 2, None)  # rank 1: inputs 256-511, its second super-block
+    assert torch.equal(cut.q4k.data, weight.data[:, 144:])
+    odd = Linear(512, [16])
+    odd.load_shard("weight", 0, weight)
+    tensor_parallel._shard_rows_in(odd, 1, 4, None)  # 128 inputs a rank: decoded, then cut per block of 32
+    assert odd.q4k is None and torch.equal(odd.q4.codes, weight.to_blocks().codes[:, 128:256])
