@@ -1,5 +1,5 @@
 """Decode at one sequence on a Q4_K GGUF, its Q4_K layers on the file's super-blocks (the default) or as code blocks
-(``--code-blocks``: ``override_backend_config {"gguf_q4_k_superblocks": false}``), for a paired comparison.
+(``--code-blocks``: ``override_backend_config {"gguf_super_blocks": false}``), for a paired comparison.
 
     .venv/bin/python benchmarks/q4k_decode.py MODEL.gguf [--code-blocks] [--tokens 64] [--repeats 5]
 
@@ -33,7 +33,7 @@ def main() -> int:
     args = parser.parse_args()
     start = time.perf_counter()
     llm = LLM(model=args.model, dtype="float32", max_model_len=512,
-              override_backend_config={"gguf_q4_k_superblocks": not args.code_blocks})
+              override_backend_config={"gguf_super_blocks": not args.code_blocks})
     load = time.perf_counter() - start
     model = llm.llm_engine.executor.driver.model
     packed = [m.packed for m in model.modules() if isinstance(m, Linear)]

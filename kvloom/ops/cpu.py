@@ -214,7 +214,7 @@ def _register_fake() -> None:
     for op in ("kvloom::paged_attention", "kvloom::paged_attention_softcap", "kvloom::dense_attention",
                "kvloom::gemm_w8a8",
                "kvloom::gemm_int8_weight_only", "kvloom::gemm_w8a8_blocks", "kvloom::gemm_q4",
-               "kvloom::gemm_q4k"):
+               "kvloom::gemm_kquant"):
         try:
             torch.library.register_fake(op)(lambda *args: None)
         except RuntimeError:  # already registered (a second variant in one process cannot happen)

@@ -573,32 +573,43 @@ def test_the_default_models_perplexity_equals_llama_cpps(smollm2_gguf_path: str)
     assert ours == pytest.approx(theirs, rel=0.01)
 
 
-@pytest.fixture(scope="module")
-def q4_k_m_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny Llama (width 256) shaped as llama.cpp's Q4_K_M: Q4_K projections, a Q6_K v (so q|k|v mixes the two),
-    an untied Q4_K embedding and Q6_K head."""
-    root = tmp_path_factory.mktemp("q4_k_m")
+def _k_quant_gguf(factory: pytest.TempPathFactory, name: str, v_type: int) -> str:
+    """A tiny Llama (width 256) shaped as llama.cpp's Q4_K_M: Q4_K projections, a Q6_K down, v of ``v_type``, an
+    untied Q4_K embedding and Q6_K head."""
+    root = factory.mktemp(name)
     checkpoint = tiny_models.build_tiny_checkpoint(str(root / "hf"), arch="llama", hidden_size=256,
                                                    intermediate_size=256, tie_word_embeddings=False)
-    return tiny_models.write_tiny_gguf(str(root / "q4_k_m.gguf"), checkpoint,
+    return tiny_models.write_tiny_gguf(str(root / f"{name}.gguf"), checkpoint,
                                        types={"attn": gguf.GGML_Q4_K, "attn_o": gguf.GGML_Q4_K, "ffn": gguf.GGML_Q4_K,
-                                              "ffn_down": gguf.GGML_Q4_K, "attn_v": gguf.GGML_Q6_K,
+                                              "ffn_down": gguf.GGML_Q6_K, "attn_v": v_type,
                                               "embed": gguf.GGML_Q4_K, "output": gguf.GGML_Q6_K})
 
 
-def test_q4_k_weights_arrive_as_the_files_super_blocks(q4_k_m_gguf: str) -> None:
-    """keep_q4_k: a Q4_K projection comes as the file's bytes (q and k rows in HF's order), decoding to the values of
-    the code blocks read without it."""
-    from kvloom.ops.q4k import Q4KBlocks
+@pytest.fixture(scope="module")
+def q4_k_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Every layer of one k-quant: Q4_K q|k|v, o and gate|up, a Q6_K down."""
+    return _k_quant_gguf(tmp_path_factory, "q4_k", gguf.GGML_Q4_K)
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """As Q4_K_M's layers with more bits: Q4_K q and k beside a Q6_K v."""
+    return _k_quant_gguf(tmp_path_factory, "q4_k_m", gguf.GGML_Q6_K)
+
+
+def test_k_quant_weights_arrive_as_the_files_super_blocks(q4_k_m_gguf: str) -> None:
+    """keep_super_blocks: a Q4_K or Q6_K projection comes as the file's bytes (q and k rows in HF's order), decoding
+    to the values of the code blocks read without it; the tables as code blocks."""
+    from kvloom.ops.q4k import SUPER_BLOCK_TYPES
 
     source = resolve_model(q4_k_m_gguf)
     blocks = dict(iter_weights(source, keep_q4=True, keep_q6=True))
-    raw = dict(iter_weights(source, keep_q4=True, keep_q6=True, keep_q4_k=True))
+    raw = dict(iter_weights(source, keep_q4=True, keep_q6=True, keep_super_blocks=True))
     kinds = {name: type(t).__name__ for name, t in raw.items() if name.endswith(".weight")}
     assert kinds["model.layers.0.self_attn.q_proj.weight"] == "Q4KBlocks"
-    assert kinds["model.layers.0.self_attn.v_proj.weight"] == "Q4Blocks"  # Q6_K
+    assert kinds["model.layers.0.self_attn.v_proj.weight"] == "Q6KBlocks"
     for name, tensor in raw.items():
-        if isinstance(tensor, Q4KBlocks):
+        if isinstance(tensor, SUPER_BLOCK_TYPES):
             assert all(torch.equal(a, b) for a, b in zip(tensor.to_blocks(), blocks[name])), name
 
 
@@ -607,36 +618,53 @@ def _packed_kinds(llm: LLM) -> dict[str, str]:
     return {name: type(m.packed).__name__ for name, m in model.named_modules() if isinstance(m, Linear)}
 
 
+def _logprobs_and_greedy(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[float]], list[list[int]]]:
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    logprobs = [[next(iter(lp.values())).logprob for lp in out.prompt_logprobs[1:]] for out in outputs]
+    return logprobs, kvloom_greedy(llm, prompts, 6)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_q4_k_super_blocks_give_the_code_block_products_results_exactly(q4_k_m_gguf: str, dtype: str,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default packs a layer whose shards are all Q4_K on the file's super-blocks (o, gate|up, down) and the
-    q|k|v beside a Q6_K v as code blocks; its prompt logprobs and greedy tokens equal those of the load with
-    gguf_q4_k_superblocks false (every projection code blocks) exactly, through the layer stack and module by module
-    alike."""
+def test_super_blocks_give_the_code_block_products_results_exactly(q4_k_gguf: str, dtype: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every projection on the file's super-blocks (the default); its prompt logprobs and greedy tokens equal those
+    of the load with gguf_super_blocks false (code blocks) exactly, through the layer stack and module by module."""
     if not cpu.cpu_kernel_available():
         pytest.skip("the CPU kernels could not be built here")
     monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
     prompts = mixed_prompts(300, count=4, seed=5)
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-
-    def run(llm: LLM) -> tuple[list[list[float]], list[list[int]]]:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        logprobs = [[next(iter(lp.values())).logprob for lp in out.prompt_logprobs[1:]] for out in outputs]
-        return logprobs, kvloom_greedy(llm, prompts, 6)
-
-    new = LLM(model=q4_k_m_gguf, dtype=dtype, max_model_len=128)
-    kinds = _packed_kinds(new)
-    for part in ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-        assert kinds[f"layers.0.{part}"] == "PackedQ4KWeight", kinds
-    assert kinds["layers.0.self_attn.qkv_proj"] == "PackedQ4Weight"
-    model = new.llm_engine.executor.driver.model
+    new = LLM(model=q4_k_gguf, dtype=dtype, max_model_len=128)
+    assert set(_packed_kinds(new).values()) == {"PackedKQuantWeight"}
     if cpu.layer_stack_available():
-        assert model.layer_stack is not None
-    expected = run(new)
-    old = LLM(model=q4_k_m_gguf, dtype=dtype, max_model_len=128,
-              override_backend_config={"gguf_q4_k_superblocks": False})
-    assert "PackedQ4KWeight" not in _packed_kinds(old).values()
-    assert run(old) == expected
+        assert new.llm_engine.executor.driver.model.layer_stack is not None
+    expected = _logprobs_and_greedy(new, prompts)
+    old = LLM(model=q4_k_gguf, dtype=dtype, max_model_len=128, override_backend_config={"gguf_super_blocks": False})
+    assert set(_packed_kinds(old).values()) == {"PackedQ4Weight"}
+    assert _logprobs_and_greedy(old, prompts) == expected
     monkeypatch.setenv("KVLOOM_CPU_LAYER_STACK", "0")
-    assert run(LLM(model=q4_k_m_gguf, dtype=dtype, max_model_len=128)) == expected
+    assert _logprobs_and_greedy(LLM(model=q4_k_gguf, dtype=dtype, max_model_len=128), prompts) == expected
+
+
+def test_q4_k_rows_beside_a_q6_k_v_keep_their_own_bits(q4_k_m_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """q|k|v of Q4_K q and k and a Q6_K v: one product on the file's super-blocks (4.5 and 6.56 bits a weight where
+    the code blocks held all three at 7.125), q and k rows summed per 32 inputs where the code blocks summed them per
+    16 (the fp32 rounding differs): close to the code blocks' results, the stack equal to the modules'."""
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels could not be built here")
+    monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
+    prompts = mixed_prompts(300, count=4, seed=6)
+    new = LLM(model=q4_k_m_gguf, dtype="float32", max_model_len=128)
+    model = new.llm_engine.executor.driver.model
+    qkv = model.layers[0].self_attn.qkv_proj.packed
+    assert type(qkv).__name__ == "PackedKQuantWeight" and qkv.q4_k.numel() and qkv.q6_k.numel()
+    old = LLM(model=q4_k_m_gguf, dtype="float32", max_model_len=128,
+              override_backend_config={"gguf_super_blocks": False})
+    old_qkv = old.llm_engine.executor.driver.model.layers[0].self_attn.qkv_proj.packed
+    new_bytes = qkv.q4_k.numel() + qkv.q6_k.numel()
+    old_bytes = sum(t.numel() * t.element_size() for t in (old_qkv.data, old_qkv.high, old_qkv.scales))
+    assert new_bytes < 0.75 * old_bytes
+    assert worst_prompt_logprob_gap(new, old, prompts) < 1e-3
+    expected = _logprobs_and_greedy(new, prompts)
+    monkeypatch.setenv("KVLOOM_CPU_LAYER_STACK", "0")
+    assert _logprobs_and_greedy(LLM(model=q4_k_m_gguf, dtype="float32", max_model_len=128), prompts) == expected
