@@ -43,11 +43,18 @@ SHAPES = {"small": (((512, 768), (512, 512), (512, 3072), (1536, 512)), 128, 30)
 
 
 def random_bytes(n: int, k: int, rng: np.random.Generator, six: bool) -> Q4KBlocks | Q6KBlocks:
-    """Random super-blocks: random scale, min and code bytes, small positive fp16 d (and dmin)."""
+    """Random super-blocks: random scale, min and code bytes, small positive fp16 d (and dmin); the largest sub-scale
+    (and min) of each as llama.cpp's quantizers make it (Q4_K 63, Q6_K -128), so that the code blocks hold their
+    scales in two levels, as they do a real file's."""
     count = n * k // 256
     raw = rng.integers(0, 256, size=(count, Q6_K_SUPER_BYTES if six else SUPER_BYTES), dtype=np.uint8)
     for offset in (208,) if six else (0, 2):
         raw[:, offset:offset + 2] = rng.uniform(1e-5, 2e-4, count).astype(np.float16).view(np.uint8).reshape(count, 2)
+    if six:
+        raw[:, 192] = 0x80
+    else:
+        raw[:, 4] |= 63
+        raw[:, 8] |= 63
     return (Q6KBlocks if six else Q4KBlocks).from_gguf(torch.from_numpy(raw.reshape(-1)), (n, k))
 
 

@@ -45,32 +45,40 @@ def kernels() -> None:
         pytest.skip("the CPU kernels could not be built here")
 
 
-def random_q4_k(n: int, k: int, seed: int) -> Q4KBlocks:
+def random_q4_k(n: int, k: int, seed: int, llama_cpp: bool = False) -> Q4KBlocks:
     """Random Q4_K super-blocks: every scale, min and code byte random (all 6 and 4 bits taken), d and dmin positive
-    fp16 values."""
+    fp16 values; ``llama_cpp``: block 0's scale and min 63, the largest, as llama.cpp's quantizer makes them (then
+    PackedQ4Weight holds the scales in two levels, else one level of fp32)."""
     rng = np.random.default_rng(seed)
     count = n * k // 256
     raw = rng.integers(0, 256, size=(count, SUPER_BYTES), dtype=np.uint8)
     for offset, top in ((0, 0.002), (2, 0.004)):
         raw[:, offset:offset + 2] = rng.uniform(1e-4, top, count).astype(np.float16).view(np.uint8).reshape(count, 2)
+    if llama_cpp:
+        raw[:, 4] |= 63
+        raw[:, 8] |= 63
     return Q4KBlocks.from_gguf(torch.from_numpy(raw.reshape(-1).copy()), (n, k))
 
 
-def random_q6_k(n: int, k: int, seed: int) -> Q6KBlocks:
-    """Random Q6_K super-blocks: every code and int8 scale byte random, d a positive fp16 value."""
+def random_q6_k(n: int, k: int, seed: int, llama_cpp: bool = False) -> Q6KBlocks:
+    """Random Q6_K super-blocks: every code and int8 scale byte random, d a positive fp16 value; ``llama_cpp``: group
+    0's scale -128, the largest magnitude, as llama.cpp's quantizer makes it (PackedQ4Weight's two levels)."""
     rng = np.random.default_rng(seed)
     count = n * k // 256
     raw = rng.integers(0, 256, size=(count, Q6_K_SUPER_BYTES), dtype=np.uint8)
     raw[:, 208:210] = rng.uniform(1e-5, 2e-4, count).astype(np.float16).view(np.uint8).reshape(count, 2)
+    if llama_cpp:
+        raw[:, 192] = 0x80
     return Q6KBlocks.from_gguf(torch.from_numpy(raw.reshape(-1).copy()), (n, k))
 
 
 def random_weight(kind: str, n: int, k: int, seed: int) -> Q4KBlocks | Q6KBlocks | KQuantRows:
-    """``kind``: "q4_k", "q6_k", or "mixed" (the first 8 * (n // 16) rows Q4_K, the rest Q6_K)."""
-    if kind == "q4_k":
-        return random_q4_k(n, k, seed)
-    if kind == "q6_k":
-        return random_q6_k(n, k, seed)
+    """``kind``: "q4_k", "q6_k" (with "_llama": llama.cpp's largest sub-scales), or "mixed" (the first 8 * (n // 16)
+    rows Q4_K, the rest Q6_K)."""
+    if kind.startswith("q4_k"):
+        return random_q4_k(n, k, seed, llama_cpp=kind.endswith("_llama"))
+    if kind.startswith("q6_k"):
+        return random_q6_k(n, k, seed, llama_cpp=kind.endswith("_llama"))
     head = 8 * max(1, n // 16)  # n = 8: Q4_K rows alone
     return KQuantRows(random_q4_k(head, k, seed), random_q6_k(n - head, k, seed + 1) if n > head else None)
 
@@ -149,7 +157,7 @@ def test_pack_rejects_what_is_no_q4_k_weight(kernels: None) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
-@pytest.mark.parametrize("kind", ["q4_k", "q6_k", "mixed"])
+@pytest.mark.parametrize("kind", ["q4_k", "q4_k_llama", "q6_k", "q6_k_llama", "mixed"])
 def test_k_quant_product_equals_the_code_block_product_bit_for_bit(kernels: None, kind: str, dtype: torch.dtype,
                                                                    m: int, k: int, n: int) -> None:
     """All Q4_K or all Q6_K: PackedQ4Weight's result on the decoded blocks, bit for bit; Q4_K rows then Q6_K ones:
@@ -168,7 +176,10 @@ def test_k_quant_product_equals_the_code_block_product_bit_for_bit(kernels: None
                 part_bias = None if bias is None else bias[columns].contiguous()
                 assert torch.equal(PackedQ4Weight(part.to_blocks(), part_bias, bf16_tiles=False)(x), fast[:, columns])
         else:
-            assert torch.equal(PackedQ4Weight(blocks, bias, bf16_tiles=False)(x), fast)
+            old = PackedQ4Weight(blocks, bias, bf16_tiles=False)
+            # the code blocks' scales in two levels (fp16 per 256, int8 per group) from llama.cpp's sub-scales
+            assert (old.scales.dtype == torch.uint8) == kind.endswith("_llama")
+            assert torch.equal(old(x), fast)
         expected = q4k_linear_reference(x, weight, bias)
         assert_within(fast, expected, ulps=1, slack=q4_slack(x, blocks, bias))
         assert_within(NativeQ4Linear(weight, bias)(x), expected, ulps=1, slack=q4_slack(x, blocks, bias) * 64)
