@@ -307,9 +307,11 @@ class PackedKQuantWeight:
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def pack_code_blocks(weight: Q4Blocks | KQuantRows, bias: torch.Tensor | None) -> PackedQ4Weight | PackedKQuantWeight:
-    """The CPU op table's code-block product: the file's k-quant super-blocks take PackedKQuantWeight, every other
-    code block PackedQ4Weight."""
+def pack_code_blocks(weight: Q4Blocks | KQuantRows, bias: torch.Tensor | None, bf16_tiles: bool = True
+                     ) -> PackedQ4Weight | PackedKQuantWeight:
+    """The CPU op table's code-block product: the file's k-quant super-blocks take PackedKQuantWeight (one formula at
+    every row count), every other code block PackedQ4Weight (``bf16_tiles``: its dequantizing AMX-BF16 product from
+    16 bf16 rows, on a CPU with those tiles)."""
     if isinstance(weight, (KQuantRows, *SUPER_BLOCK_TYPES)):
         return PackedKQuantWeight(weight, bias)
-    return PackedQ4Weight(weight, bias)
+    return PackedQ4Weight(weight, bias, bf16_tiles=bf16_tiles)
