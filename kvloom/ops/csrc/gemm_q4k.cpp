@@ -79,6 +79,9 @@ constexpr int64_t kQ6HeadBytes = kPanel * (2 + 16);                 // 144
 constexpr int64_t kQ6BlockBytes = kBlockBytes + kPanel * kBlock / 4;  // 192
 constexpr int64_t kQ6SuperBytes = kPanel * kQ6FileBytes;            // 1680 = kQ6HeadBytes + 8 * kQ6BlockBytes
 constexpr int64_t kRows = 4;                           // rows of x per micro-kernel call (AVX2's 16 registers)
+// Software prefetch: a panel is one sequential stream (heads between its blocks), read kSuperBytes / 8 (Q6_K:
+// kQ6SuperBytes / 8) bytes a block; each block prefetches as many whole cache lines or more, this far ahead.
+constexpr int64_t kPrefetchAhead = 1024;
 constexpr int64_t kRowChunk = 256;                     // rows of x whose codes stay in L2 while panels stream
 
 // Sub-block j's 6-bit scale and min of the 12 bytes q (ggml's get_scale_min_k4); q[i] at p[i * stride].
@@ -245,9 +248,11 @@ void q4k_kernel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx,
     unpack_sub_scales(head + 4 * kPanel, subs);
     for (int64_t b = 0; b < kBlocksPerSuper; ++b) {
       const uint8_t* w = head + kHeadBytes + b * kBlockBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(w + 4 * kBlockBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + 4 * kBlockBytes + 64), _MM_HINT_T0);
       const int64_t block = s * kBlocksPerSuper + b;
+      const char* ahead =
+          reinterpret_cast<const char*>(panel + block * (kSuperBytes / kBlocksPerSuper) + kPrefetchAhead);
+      KVLOOM_UNROLL
+      for (int line = 0; line < 3; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);  // 144 bytes a block
       const int8_t* xb = xq + block * kBlock;
       __m256i sums[R];  // 16-bit: a block's 8 pair sums of at most 2 * 15 * 127 each
       KVLOOM_UNROLL
@@ -328,10 +333,11 @@ void q6k_kernel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx,
     const uint8_t* scales = head + 2 * kPanel;
     for (int64_t b = 0; b < kBlocksPerSuper; ++b) {
       const uint8_t* w = head + kQ6HeadBytes + b * kQ6BlockBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(w + 3 * kQ6BlockBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + 3 * kQ6BlockBytes + 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + 3 * kQ6BlockBytes + 128), _MM_HINT_T0);
       const int64_t block = s * kBlocksPerSuper + b;
+      const char* ahead =
+          reinterpret_cast<const char*>(panel + block * (kQ6SuperBytes / kBlocksPerSuper) + kPrefetchAhead);
+      KVLOOM_UNROLL
+      for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);  // 210 bytes a block
       const int8_t* xb = xq + block * kBlock;
       const __m256i tops[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBlockBytes)),
                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBlockBytes + 32))};
