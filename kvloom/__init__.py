@@ -33,6 +33,10 @@ _EXPORTS = {
     "PoolingParams": "kvloom.pooling_params",
     "EmbeddingRequestOutput": "kvloom.outputs",
     "EmbeddingOutput": "kvloom.outputs",
+    "ScoringRequestOutput": "kvloom.outputs",
+    "ScoringOutput": "kvloom.outputs",
+    "ClassificationRequestOutput": "kvloom.outputs",
+    "ClassificationOutput": "kvloom.outputs",
     "LoRARequest": "kvloom.lora.request",
 }
 
@@ -42,7 +46,17 @@ if TYPE_CHECKING:
     from kvloom.config import EngineConfig  # noqa: F401
     from kvloom.llm import LLM  # noqa: F401
     from kvloom.lora.request import LoRARequest  # noqa: F401
-    from kvloom.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput  # noqa: F401
+    from kvloom.outputs import (  # noqa: F401
+        ClassificationOutput,
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        RequestOutput,
+        ScoringOutput,
+        ScoringRequestOutput,
+    )
     from kvloom.pooling_params import PoolingParams  # noqa: F401
     from kvloom.sampling_params import SamplingParams  # noqa: F401
 

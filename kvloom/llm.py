@@ -13,10 +13,11 @@ from kvloom.engine.output_processor import raise_if_failed
 from kvloom.loader.tokenizer import Tokenizer
 from kvloom.lora.request import LoRARequest
 from kvloom.multimodal.chat import chat_prompt
-from kvloom.outputs import EmbeddingRequestOutput, RequestOutput
+from kvloom.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from kvloom.pooling import embedding_sampling_params
 from kvloom.pooling_params import PoolerConfig, PoolingParams, load_pooler_config
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
+from kvloom.scoring import check_classifier, check_scorer, default_score_template, score_pairs, score_prompt
 
 # vLLM generate() keywords that kvloom accepts when they ask for nothing it lacks.
 _IGNORED_GENERATE_KWARGS = ("priority", "prompt_adapter_request")
@@ -57,7 +58,14 @@ class LLM:
         if self.llm_engine.config.runner == "pooling":
             raise ValueError("this LLM was built with runner='pooling' (embeddings only): call LLM.embed, or "
                              "build it with runner='auto' to generate too")
+        self._check_generates()
         return self._run(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def _check_generates(self) -> None:
+        model_config = self.llm_engine.model_config
+        if model_config.is_classifier:
+            raise ValueError(f"this model is a sequence classifier ({model_config.architecture}): it scores and "
+                             f"classifies (LLM.score, LLM.classify) and does not generate")
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -69,6 +77,7 @@ class LLM:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts "
                              "(or a list of such lists)")
+        self._check_generates()
         conversations = [messages] if isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         # Text conversations render to text; ones with image parts to a prompt dict with their images.
@@ -163,41 +172,76 @@ class LLM:
                 progress.close()
         return [finished[r] for r in request_ids]
 
-    # ---- embeddings ------------------------------------------------------------------------------
+    # ---- embeddings, classification, scoring ---------------------------------------------------
     def embed(self, prompts: PromptInput | Sequence[PromptInput],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (vLLM's ``LLM.embed``): the prompt's final hidden states pooled (LAST,
         MEAN or CLS: ``pooling_type``, or the model's sentence-transformers config), normalized by default."""
-        engine = self.llm_engine
-        if engine.config.runner == "generate":
-            raise ValueError("this LLM was built with runner='generate': build it with runner='pooling' "
-                             "(or 'auto') to embed")
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params_list = [pooling_params] * len(prompts)
-        else:
-            params_list = list(pooling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(params_list)} pooling_params for {len(prompts)} prompts; "
-                                 f"give one PoolingParams or one per prompt")
+        self._check_pooling_runner("embed")
+        prompts = _prompt_list(prompts)
         pooler = self.pooler_config()
-        requests = []
-        for prompt, params in zip(prompts, params_list):
-            sampling = embedding_sampling_params(pooler.resolve(params))
-            requests.append(engine.input_processor.process(engine.next_request_id(), prompt, sampling))
+        params = [pooler.resolve(p) for p in _per_prompt_pooling_params(pooling_params, len(prompts))]
+        outputs = self._run_pooling(prompts, params, use_tqdm)
+        return [EmbeddingRequestOutput.from_request_output(output) for output in outputs]
+
+    def classify(self, prompts: PromptInput | Sequence[PromptInput],
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Label scores per prompt (vLLM's ``LLM.classify``) from a sequence classifier: its ``score`` head on the
+        last token's final hidden state, softmaxed (a sigmoid for one label; ``use_activation=False``: logits)."""
+        self._check_pooling_runner("classify")
+        check_classifier(self.llm_engine.model_config, "LLM.classify")
+        prompts = _prompt_list(prompts)
+        params = [self.pooler_config().resolve(p, task="classify")
+                  for p in _per_prompt_pooling_params(pooling_params, len(prompts))]
+        outputs = self._run_pooling(prompts, params, use_tqdm)
+        return [ClassificationRequestOutput.from_request_output(output) for output in outputs]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], /, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, lora_request: LoRARequest | None = None,
+              chat_template: str | None = None) -> list[ScoringRequestOutput]:
+        """Relevance scores of text pairs (vLLM's ``LLM.score``) from a one-label classifier or reranker: one
+        ``text_1`` against each ``text_2``, or two lists pair by pair. Each pair is one prompt (kvloom/scoring.py:
+        the score template ``chat_template``, Qwen's reranker prompt for an original Qwen3-Reranker, else the
+        tokenizer's pair encoding); its score is the sigmoid of the label's logit."""
+        if truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens is not supported by kvloom's score; leave it None (a pair "
+                             "longer than max_model_len is refused)")
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported for scoring; leave it None")
+        self._check_pooling_runner("score")
+        model_config = self.llm_engine.model_config
+        check_scorer(model_config, "LLM.score")
+        template = chat_template if chat_template is not None else default_score_template(model_config)
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptInput] = [score_prompt(tokenizer, first, second, template)
+                                      for first, second in score_pairs(text_1, text_2)]
+        params = self.pooler_config().resolve(pooling_params, task="classify")
+        outputs = self._run_pooling(prompts, [params] * len(prompts), use_tqdm)
+        return [ScoringRequestOutput.from_request_output(output) for output in outputs]
+
+    def _check_pooling_runner(self, what: str) -> None:
+        if self.llm_engine.config.runner == "generate":
+            raise ValueError(f"this LLM was built with runner='generate': build it with runner='pooling' "
+                             f"(or 'auto') to {what}")
+
+    def _run_pooling(self, prompts: list[PromptInput], params: list[PoolingParams], use_tqdm: bool
+                     ) -> list[RequestOutput]:
+        """Pooling requests (embeddings, label scores), every prompt processed before any is queued."""
+        engine = self.llm_engine
+        requests = [engine.input_processor.process(engine.next_request_id(), prompt, embedding_sampling_params(p))
+                    for prompt, p in zip(prompts, params)]
         request_ids = []
         try:
             for request in requests:
                 engine.add_request(request.request_id, request)
                 request_ids.append(request.request_id)
-            outputs = self._run_engine(request_ids, use_tqdm)
+            return self._run_engine(request_ids, use_tqdm)
         except BaseException:
             engine.abort_request(request_ids)
             raise
-        return [EmbeddingRequestOutput.from_request_output(output) for output in outputs]
 
     def pooler_config(self) -> PoolerConfig:
         """The model's pooling (its directory's sentence-transformers config, the pooling_type knob)."""
@@ -206,6 +250,24 @@ class LLM:
             self._pooler_config = load_pooler_config(engine.source.path, engine.model_config.hidden_size,
                                                      engine.config.pooling_type)
         return self._pooler_config
+
+
+def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    """One prompt (text, token ids, a prompt dict) or a list of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _per_prompt_pooling_params(pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+                               num_prompts: int) -> list[PoolingParams | None]:
+    if pooling_params is None or isinstance(pooling_params, PoolingParams):
+        return [pooling_params] * num_prompts
+    params = list(pooling_params)
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} pooling_params for {num_prompts} prompts; give one PoolingParams "
+                         f"or one per prompt")
+    return params
 
 
 def _per_prompt_lora_requests(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,

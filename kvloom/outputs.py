@@ -40,6 +40,18 @@ class RequestMetrics:
 
 
 @dataclass
+class PromptProgress:
+    """How far a request's prompt has been computed, after a prefill chunk (llama-server's prompt_progress): the
+    prompt's tokens, those the prefix cache held, those in the KV cache now (the cached included), and the
+    milliseconds since the request was first scheduled."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -50,6 +62,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # With EngineRequest.return_progress: the prompt's progress after this step's prefill chunk (an output with no
+    # new tokens may carry only this).
+    prompt_progress: PromptProgress | None = None
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Merge a later output of the same request into this one (vLLM's ``RequestOutput.add``).
@@ -59,8 +74,11 @@ class RequestOutput:
         replaces the older. A completion this output lacks (n > 1) is added.
         """
         self.finished = next_output.finished
-        self.metrics = next_output.metrics
+        if next_output.metrics is not None:  # a progress-only output carries none
+            self.metrics = next_output.metrics
         self.num_cached_tokens = next_output.num_cached_tokens
+        if next_output.prompt_progress is not None:
+            self.prompt_progress = next_output.prompt_progress
         if self.prompt_logprobs is None:
             self.prompt_logprobs = next_output.prompt_logprobs
         for next_completion in next_output.outputs:
@@ -111,3 +129,59 @@ class EmbeddingRequestOutput:
             raise ValueError(f"request {output.request_id} finished without an embedding")
         return EmbeddingRequestOutput(output.request_id, EmbeddingOutput(list(vector)),
                                       list(output.prompt_token_ids), output.num_cached_tokens, output.finished)
+
+
+@dataclass
+class ClassificationOutput:
+    """One prompt's label scores (vLLM's name): probabilities (a softmax, or a sigmoid for one label)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What ``LLM.classify`` returns per prompt (vLLM's fields): ``outputs.probs`` are the label scores."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+    @staticmethod
+    def from_request_output(output: RequestOutput) -> ClassificationRequestOutput:
+        """The label scores a finished RequestOutput of a classification request carries (extra["pooler_output"])."""
+        scores = output.extra.get("pooler_output")
+        if scores is None:
+            raise ValueError(f"request {output.request_id} finished without label scores")
+        return ClassificationRequestOutput(output.request_id, ClassificationOutput(list(scores)),
+                                           list(output.prompt_token_ids), output.num_cached_tokens, output.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's relevance (vLLM's name): the classifier's one label through a sigmoid, in (0, 1)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What ``LLM.score`` returns per pair (vLLM's fields): ``outputs.score`` is the pair's score."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+    @staticmethod
+    def from_request_output(output: RequestOutput) -> ScoringRequestOutput:
+        """The score a finished RequestOutput of a one-label classification request carries."""
+        classified = ClassificationRequestOutput.from_request_output(output)
+        return ScoringRequestOutput(classified.request_id, ScoringOutput(classified.outputs.probs[0]),
+                                    classified.prompt_token_ids, classified.num_cached_tokens, classified.finished)

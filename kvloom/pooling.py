@@ -1,7 +1,10 @@
-"""Pooling a prompt's final hidden states into one embedding, as the model runner does it chunk by chunk
-(``PoolingState``), and its plain-torch reference (``pool_reference``)."""
+"""Pooling a prompt's final hidden states into one embedding (or, through a sequence classifier's ``score``
+head, label scores), as the model runner does it chunk by chunk (``PoolingState``), and its plain-torch
+reference (``pool_reference``)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -43,9 +46,14 @@ class PoolingState:
             self.pooled = hidden[-1].float()
         self.count = start + hidden.shape[0]
 
-    def result(self) -> torch.Tensor:
-        """The embedding [D]: pooled, truncated to ``dimensions``, normalized where asked."""
+    def result(self, classify: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """The embedding [D]: pooled, truncated to ``dimensions``, normalized where asked; for a classification
+        request the label scores [num_labels] of ``classify`` (the model's head: [N, H] -> [N, num_labels])."""
         vector = self.pooled / self.count if self.params.pooling_type == "MEAN" else self.pooled
+        if self.params.task == "classify":
+            if classify is None:
+                raise ValueError("a classification request reached a model without a classifier head")
+            return finish_classification(classify(vector[None])[0], self.params)
         return finish_embedding(vector, self.params)
 
 
@@ -56,6 +64,15 @@ def finish_embedding(vector: torch.Tensor, params: PoolingParams) -> torch.Tenso
     if params.normalize:
         vector = torch.nn.functional.normalize(vector, dim=-1)
     return vector
+
+
+def finish_classification(logits: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+    """Label logits [L] -> scores: with the activation on (``normalize`` / ``use_activation``), a sigmoid for one
+    label (a reranker's relevance), a softmax over several (vLLM's classify and score activations)."""
+    logits = logits.float()
+    if not params.normalize:
+        return logits
+    return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
 
 
 def pool_reference(hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:

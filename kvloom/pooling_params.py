@@ -6,7 +6,10 @@ An embedding request is a prompt whose final hidden states [T, H] are pooled int
     MEAN  the mean of every prompt row
     CLS   the first row
 
-then, where asked, truncated to ``dimensions`` (Matryoshka models only) and L2-normalized. A model
+then, where asked, truncated to ``dimensions`` (Matryoshka models only) and L2-normalized. A classification
+request (``task="classify"``, a sequence classifier's: ``LLM.classify``, ``LLM.score``, /v1/rerank) pools LAST,
+as transformers' ``...ForSequenceClassification`` does, and the model's ``score`` head turns the row into label
+logits, activated where asked (``use_activation``, default on: a sigmoid for one label, else a softmax). A model
 directory laid out for sentence-transformers (``modules.json`` naming a ``Pooling`` module, its
 ``1_Pooling/config.json``, an optional ``Normalize`` module) sets the pooling type and whether to
 normalize; ``config.json``'s ``matryoshka_dimensions`` / ``is_matryoshka`` say whether ``dimensions`` is
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+POOLING_TASKS = ("embed", "classify")
 
 # sentence-transformers' 1_Pooling/config.json keys -> kvloom's pooling type.
 _SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
@@ -41,6 +45,8 @@ class PoolingParams:
     use_activation: bool | None = None
     # Filled by the engine's front (LLM.embed, the server) from the model's PoolerConfig.
     pooling_type: str = field(default="LAST", init=False)
+    # What the runner makes of the pooled row: an embedding, or a classifier's label scores (its ``score`` head).
+    task: str = field(default="embed", init=False)
 
     def __post_init__(self) -> None:
         for name in ("normalize", "use_activation"):
@@ -67,11 +73,20 @@ class PoolerConfig:
     hidden_size: int = 0
     matryoshka_dimensions: tuple[int, ...] | None = None
 
-    def resolve(self, params: PoolingParams | None) -> PoolingParams:
-        """A request's PoolingParams checked against the model, defaults filled: a copy."""
+    def resolve(self, params: PoolingParams | None, task: str = "embed") -> PoolingParams:
+        """A request's PoolingParams checked against the model, defaults filled: a copy. ``task``: "embed", or
+        "classify" (a sequence classifier's labels: LAST pooling, activated unless use_activation=False)."""
         params = PoolingParams() if params is None else params
         if not isinstance(params, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        if task not in POOLING_TASKS:
+            raise ValueError(f"task must be one of {list(POOLING_TASKS)}, got {task!r}")
+        if task == "classify":
+            if params.dimensions is not None:
+                raise ValueError("dimensions is for embeddings; a classifier's scores have one value per label")
+            resolved = PoolingParams(normalize=True if params.normalize is None else params.normalize)
+            resolved.task = "classify"
+            return resolved
         dimensions = params.dimensions
         if dimensions is not None:
             if self.matryoshka_dimensions is None:

@@ -120,9 +120,6 @@ def weight_bytes(llm: Any) -> int:
 
     def add(tensor: Any) -> None:
         if isinstance(tensor, torch.Tensor) and tensor.numel():
-            if tensor.is_mkldnn:  # oneDNN's packing (an AMX CPU's hybrid bf16 weights): an opaque tensor, no storage
-                seen[id(tensor)] = tensor.numel() * tensor.element_size()
-                return
             seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
 
     for param in model.parameters():

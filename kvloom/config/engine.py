@@ -49,6 +49,20 @@ def knob(group: str, default: Any, text: str, flag: bool = True) -> Any:
     return field(default=default, metadata={"group": group, "help": text, "flag": flag})
 
 
+def parse_hf_overrides(value: dict[str, Any] | str | None) -> dict[str, Any] | None:
+    """vLLM's hf_overrides: a dict of config.json keys, or its JSON (the command line's)."""
+    overrides = value
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError:
+            raise ValueError(f"hf_overrides must be a JSON object such as '{{\"architectures\": "
+                             f"[\"Qwen3ForSequenceClassification\"]}}', got {value!r}") from None
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a dict of config.json keys, got {value!r}")
+    return overrides
+
+
 @dataclass
 class EngineConfig:
     """What ``LLM(...)`` and ``kvloom serve`` accept, with vLLM's names and meanings."""
@@ -89,6 +103,10 @@ class EngineConfig:
     pooling_type: str | None = knob("model", None, "how embeddings pool the prompt's hidden states: 'LAST', "
                                     "'MEAN' or 'CLS' (default: the model directory's sentence-transformers "
                                     "pooling config, else LAST, vLLM's default for decoder models)")
+    hf_overrides: dict[str, Any] | str | None = knob(
+        "model", None, "keys replacing the model's config.json ones, as vLLM's JSON; e.g. a Qwen3-Reranker as "
+        "a classifier: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
+        "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}' (see docs/serving.md, Scoring)")
     trust_remote_code: bool = knob("model", False,
                                    "accepted for vLLM compatibility; kvloom never runs model code from a checkpoint")
     revision: str | None = knob("model", None, "vLLM's hub revision: only None (kvloom loads local checkpoints)")
@@ -249,6 +267,7 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self._settle_media_knobs()
+        self._settle_hf_overrides()
         self.backend = BackendConfig.from_overrides(self.override_backend_config)
         self.structured_outputs = StructuredOutputsConfig.from_value(self.structured_outputs_config)
         if self.reasoning_parser is not None:
@@ -307,6 +326,9 @@ class EngineConfig:
         if self.allowed_local_media_path is not None and not isinstance(self.allowed_local_media_path, str):
             raise ValueError(f"allowed_local_media_path must be a directory path, "
                              f"got {self.allowed_local_media_path!r}")
+
+    def _settle_hf_overrides(self) -> None:
+        self.hf_overrides = parse_hf_overrides(self.hf_overrides)
 
     def _settle_cpu_omp_threads_bind(self) -> None:
         """The argument, else KVLOOM_CPU_OMP_THREADS_BIND, else "auto"; its syntax checked (whether its

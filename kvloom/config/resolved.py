@@ -49,7 +49,12 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     from kvloom.platform import resolve_device, resolve_dtype
 
     source = resolve_model(config.model)
-    model_config = load_model_config(source)
+    model_config = load_model_config(source, config.hf_overrides)
+    if model_config.classifier_from_token:
+        settle_classifier_tokens(model_config, resolve_model(config.tokenizer) if config.tokenizer else source)
+    if model_config.is_classifier and config.speculative is not None:
+        raise ValueError(f"speculative decoding drafts generated tokens, and {model_config.architecture} is a "
+                         f"sequence classifier (it scores, never generates): leave speculative_config unset")
     device = resolve_device(config.device)
     model_max = model_config.max_position_embeddings
     max_model_len = config.max_model_len or model_max
@@ -65,6 +70,22 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         block_size=config.block_size, max_model_len=max_model_len,
         max_num_batched_tokens=config.resolve_max_num_batched_tokens(max_model_len),
         async_scheduling=settle_async_scheduling(config, device.type))
+
+
+def settle_classifier_tokens(model_config: ModelConfig, tokenizer_source: ModelSource) -> None:
+    """A classifier made of LM-head rows (hf_overrides' classifier_from_token): its tokens' ids, each one token of
+    the tokenizer's vocabulary (vLLM's convert_tokens_to_ids)."""
+    from kvloom.loader.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_source)
+    ids = []
+    for token in model_config.classifier_from_token or []:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None or not 0 <= token_id < model_config.vocab_size:
+            raise ValueError(f"hf_overrides classifier_from_token: {token!r} is not one token of this model's "
+                             f"vocabulary; give tokens as the vocabulary spells them (e.g. 'yes', 'no')")
+        ids.append(token_id)
+    model_config.classifier_token_ids = ids
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device, attention_backend: str) -> None:

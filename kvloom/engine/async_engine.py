@@ -97,6 +97,7 @@ class AsyncLLM(EngineClient):
         self.engine = engine
         engine.log_stats = True  # the metrics and the log lines read its IterationStats
         self.tokenizer = engine.tokenizer
+        self.model_config = engine.model_config
         self.input_processor = engine.input_processor  # reads only fixed state: safe on any thread
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.config.max_num_seqs

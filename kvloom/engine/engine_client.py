@@ -27,6 +27,7 @@ from kvloom.outputs import RequestOutput
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
+    from kvloom.loader.model_config import ModelConfig
     from kvloom.loader.tokenizer import Tokenizer
     from kvloom.metrics import EngineStats
 
@@ -105,13 +106,14 @@ class MetricsRenderer(Protocol):
 class EngineClient:
     """The engine surface the server serves from (see the module docstring).
 
-    A subclass sets ``input_processor``, ``tokenizer``, ``max_model_len``, ``max_num_seqs`` and
-    ``metrics``, sets ``_dead_error`` (why the engine died; None while it serves) under its own
+    A subclass sets ``input_processor``, ``tokenizer``, ``model_config``, ``max_model_len``, ``max_num_seqs``
+    and ``metrics``, sets ``_dead_error`` (why the engine died; None while it serves) under its own
     lock, and implements ``queue_request``, ``abort``, ``get_stats``, ``has_requests`` and ``shutdown``.
     """
 
     input_processor: InputProcessor
     tokenizer: Tokenizer
+    model_config: ModelConfig  # the served model's facts (a sequence classifier scores, never generates)
     max_model_len: int
     max_num_seqs: int
     metrics: MetricsRenderer

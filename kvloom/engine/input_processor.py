@@ -56,6 +56,9 @@ class EngineRequest:
     arrival_time: float
     mm_features: tuple[Any, ...] = ()
     lora_request: LoRARequest | None = None  # None: the base model
+    # Streamed outputs also after each prefill chunk, carrying RequestOutput.prompt_progress (llama-server's
+    # return_progress); not for FINAL_ONLY outputs.
+    return_progress: bool = False
 
 
 class InputProcessor:

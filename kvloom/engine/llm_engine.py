@@ -293,7 +293,11 @@ class LLMEngine:
         self._deferred = None
         output_processor = self.output_processor
         stopped_by_string: list[str] = []
+        now = time.time()
         for index, (item, request) in enumerate(zip(scheduler_output.scheduled, requests)):
+            if item.num_computed_tokens < request.num_prompt_tokens:  # a prefill chunk: return_progress news
+                output_processor.add_prompt_progress(
+                    request, min(item.num_computed_tokens + item.num_new_tokens, request.num_prompt_tokens), now)
             rows = runner_output.prompt_logprobs.get(request.request_id)
             if rows:
                 output_processor.add_prompt_logprobs(request, item.num_computed_tokens, rows)

@@ -24,7 +24,7 @@ from kvloom.engine.detokenizer import IncrementalDetokenizer
 from kvloom.engine.input_processor import EngineRequest
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.loader.tokenizer import Tokenizer
-from kvloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvloom.outputs import CompletionOutput, Logprob, PromptProgress, RequestMetrics, RequestOutput
 from kvloom.sampling_params import RequestOutputKind
 from kvloom.stats import FinishedRequestStats, IterationStats
 from kvloom.step_io import LogprobsRow
@@ -111,6 +111,9 @@ class RequestOutputState:
         self.last_token_time: float | None = None
         self.sent_prompt_logprobs = False
         self.pooler_output: list[float] | None = None  # an embedding request's vector, once its prompt ran
+        self.return_progress = (engine_request.return_progress
+                                and self.output_kind != RequestOutputKind.FINAL_ONLY)
+        self.progress: PromptProgress | None = None  # not sent yet
 
     @property
     def finished(self) -> bool:
@@ -123,6 +126,7 @@ class OutputProcessor:
         self.request_states: dict[str, RequestOutputState] = {}
         self._completions: dict[str, CompletionState] = {}  # by child request id
         self._touched: dict[str, RequestOutputState] = {}  # the requests with new tokens since make_outputs
+        self._progressed: dict[str, RequestOutputState] = {}  # return_progress: prompts advanced since then
         self._num_new_tokens = 0
 
     def add_request(self, engine_request: EngineRequest, children: list[Request]) -> None:
@@ -144,6 +148,18 @@ class OutputProcessor:
         rows = rows[have - start:] if have >= start else []
         completion.prompt_logprobs.extend(
             self._logprob_dicts(rows, request.sampling_params.prompt_logprobs or 0))
+
+    def add_prompt_progress(self, request: Request, num_processed: int, now: float) -> None:
+        """A prefill chunk of ``request`` ran: ``num_processed`` of its prompt's tokens are in the KV cache. With
+        return_progress its next output says so (the first completion's; its siblings share its prompt)."""
+        completion = self._completions.get(request.request_id)
+        if completion is None or completion.index != 0 or not completion.parent.return_progress:
+            return
+        state = completion.parent
+        start = request.first_scheduled_time if request.first_scheduled_time is not None else now
+        state.progress = PromptProgress(total=len(state.prompt_token_ids), cache=max(request.num_cached_tokens, 0),
+                                        processed=num_processed, time_ms=int((now - start) * 1000))
+        self._progressed[state.request_id] = state
 
     def add_pooler_output(self, request: Request, vector: list[float]) -> None:
         """An embedding request's pooled vector; its RequestOutput carries it as extra["pooler_output"]."""
@@ -256,6 +272,15 @@ class OutputProcessor:
                 outputs.append(self._make_output(state, finished, now))
             if finished:
                 self._forget(state, now, stats)
+        for state in self._progressed.values():
+            if state.progress is not None and state.request_id in self.request_states:
+                # A chunk that sampled nothing: an output with no completions, carrying only the progress.
+                outputs.append(RequestOutput(
+                    request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+                    prompt_logprobs=None, outputs=[], finished=False,
+                    num_cached_tokens=state.progress.cache, prompt_progress=state.progress))
+                state.progress = None
+        self._progressed.clear()
         if stats is not None:
             stats.num_generation_tokens += self._num_new_tokens
         self._num_new_tokens = 0
@@ -299,11 +324,13 @@ class OutputProcessor:
                                  first_token_time=state.first_token_time,
                                  last_token_time=state.last_token_time,
                                  finished_time=now if finished else None)
+        progress, state.progress = state.progress, None
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, prompt_logprobs=prompt_logprobs,
                              outputs=completions, finished=finished, metrics=metrics,
                              num_cached_tokens=max(first.request.num_cached_tokens, 0),
-                             extra={} if state.pooler_output is None else {"pooler_output": state.pooler_output})
+                             extra={} if state.pooler_output is None else {"pooler_output": state.pooler_output},
+                             prompt_progress=progress)
 
     def _prompt_logprobs(self, state: RequestOutputState) -> list[dict[int, Logprob] | None] | None:
         """The prompt's logprobs, from the first completion that has them all (each computes them; one

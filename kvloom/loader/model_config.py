@@ -10,6 +10,8 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
     "Idefics3ForConditionalGeneration", "LlavaForConditionalGeneration",
 )
+# Text-only families (what a sequence classifier may be built on).
+TEXT_ARCHITECTURES = tuple(a for a in SUPPORTED_ARCHITECTURES if a.endswith("ForCausalLM"))
 # Vision-language architectures: a vision encoder before a text model of a supported family (its text_config).
 _VISION_TEXT_ARCHITECTURES = {"Idefics3ForConditionalGeneration": "LlamaForCausalLM",
                               "LlavaForConditionalGeneration": "LlamaForCausalLM"}
@@ -23,6 +25,13 @@ _MODEL_TYPES = {
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# Sequence classifiers: a text family's decoder with a ``score`` head on the last token (``<Family>ForCausalLM``
+# renamed ``<Family>ForSequenceClassification``, as transformers names them).
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+# vLLM's ways to make a classifier of a causal LM from its LM head's rows (hf_overrides ``method``):
+# from_2_way_softmax: one label, the "yes" row minus the "no" row (softmax over the two = sigmoid of the
+# difference); no_post_processing: one label per token, the rows as they are.
+CLASSIFIER_METHODS = ("from_2_way_softmax", "no_post_processing")
 # What a config.json must give; the rest has defaults.
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -75,6 +84,20 @@ class ModelConfig:
     # A vision-language model (Idefics3): the HF config's vision_config, scale_factor and image_token_id; the
     # fields above then describe its text model (text_config). None: a text-only model.
     multimodal: dict[str, Any] | None = None
+    # A sequence classifier (``*ForSequenceClassification``): its ``score`` head's labels (0: a language model).
+    # ``classifier_from_token`` (vLLM's hf_overrides): the head is made of these tokens' LM-head rows by
+    # ``classifier_method``; their ids are settled with the tokenizer (``classifier_token_ids``) before loading.
+    num_labels: int = 0
+    classifier_from_token: list[str] | None = None
+    classifier_method: str | None = None
+    classifier_token_ids: list[int] | None = None
+    # vLLM's is_original_qwen3_reranker: a Qwen3-Reranker scored through its "no" / "yes" rows, whose pairs are
+    # written into Qwen's reranker prompt by default (kvloom/scoring.py).
+    is_original_qwen3_reranker: bool = False
+
+    @property
+    def is_classifier(self) -> bool:
+        return self.num_labels > 0
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "the model config") -> ModelConfig:
@@ -84,6 +107,8 @@ class ModelConfig:
             _VISION_TEXT_ARCHITECTURES.get(_MODEL_TYPES.get(d.get("model_type", ""), ""))
         if vision_text is not None:
             return _vision_language_config(cls, d, vision_text, source)
+        if str((d.get("architectures") or [""])[0]).endswith(CLASSIFIER_SUFFIX):
+            return _classifier_config(cls, d, source)
         missing = [key for key in _REQUIRED_KEYS if key not in d]
         if missing:
             raise ValueError(f"{source} lacks the required key(s) {missing}; a Llama or Mistral config "
@@ -185,6 +210,43 @@ def _vision_language_config(cls: type[ModelConfig], d: dict[str, Any], text_arch
                          "vision_feature_select_strategy": d.get("vision_feature_select_strategy", "default"),
                          "projector_hidden_act": d.get("projector_hidden_act", "gelu"),
                          "multimodal_projector_bias": bool(d.get("multimodal_projector_bias", True))}
+    return config
+
+
+def _classifier_config(cls: type[ModelConfig], d: dict[str, Any], source: str) -> ModelConfig:
+    """A sequence classifier's config: its family's causal LM facts, its labels and (vLLM's hf_overrides) the
+    tokens its head is made of."""
+    architecture = str(d["architectures"][0])
+    causal = architecture.removesuffix(CLASSIFIER_SUFFIX) + "ForCausalLM"
+    if causal not in TEXT_ARCHITECTURES:
+        raise ValueError(f"{source}: model architecture {architecture!r} is not supported; sequence classifiers "
+                         f"run on {[a.removesuffix('ForCausalLM') + CLASSIFIER_SUFFIX for a in TEXT_ARCHITECTURES]}")
+    config = cls.from_hf_dict(dict(d, architectures=[causal]), source)
+    config.architecture = architecture
+    tokens = d.get("classifier_from_token")
+    method = d.get("method")
+    if d.get("is_original_qwen3_reranker"):
+        # vLLM's Qwen3-Reranker switch: "no" / "yes" logits softmaxed, as the model card scores.
+        method = method or "from_2_way_softmax"
+        tokens = tokens or ["no", "yes"]
+        config.is_original_qwen3_reranker = True
+    if tokens is not None:
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
+            raise ValueError(f"{source}: classifier_from_token must be a non-empty list of tokens, got {tokens!r}")
+        if method not in CLASSIFIER_METHODS:
+            raise ValueError(f"{source}: classifier_from_token needs method, one of {list(CLASSIFIER_METHODS)} "
+                             f"(or is_original_qwen3_reranker: true), got {method!r}")
+        if method == "from_2_way_softmax" and len(tokens) != 2:
+            raise ValueError(f"{source}: method from_2_way_softmax takes two tokens (the 'no' and the 'yes' one), "
+                             f"got {tokens!r}")
+        config.num_labels = 1 if method == "from_2_way_softmax" else len(tokens)
+        config.classifier_from_token, config.classifier_method = list(tokens), method
+    else:
+        labels = d.get("id2label")
+        num_labels = d.get("num_labels", len(labels) if isinstance(labels, dict) else 2)
+        if not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels < 1:
+            raise ValueError(f"{source}: num_labels must be a positive integer, got {num_labels!r}")
+        config.num_labels = num_labels
     return config
 
 

@@ -27,6 +27,29 @@ from kvloom.loader.weights import ModelSource
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
+# Fill-in-the-middle tokens, by llama.cpp's names (llama-vocab.cpp's special_fim_*_id).
+FIM_ROLES = ("pre", "suf", "mid", "pad", "rep", "sep")
+# The GGUF keys of each, in the order llama.cpp reads them (a later key overwrites an earlier): the fim_*
+# keys, then the deprecated prefix / suffix / middle ones.
+FIM_GGUF_KEYS = (("pre", "tokenizer.ggml.fim_pre_token_id"), ("suf", "tokenizer.ggml.fim_suf_token_id"),
+                 ("mid", "tokenizer.ggml.fim_mid_token_id"), ("pad", "tokenizer.ggml.fim_pad_token_id"),
+                 ("rep", "tokenizer.ggml.fim_rep_token_id"), ("sep", "tokenizer.ggml.fim_sep_token_id"),
+                 ("pre", "tokenizer.ggml.prefix_token_id"), ("suf", "tokenizer.ggml.suffix_token_id"),
+                 ("mid", "tokenizer.ggml.middle_token_id"))
+# A role no key named is found by the token's text (llama-vocab.cpp's "auto-detect special tokens by text"):
+# Qwen2.5-Coder, StarCoder / Granite, DeepSeek-Coder, CodeLlama, GLM-4.5 spellings.
+FIM_TOKEN_TEXTS: dict[str, tuple[str, ...]] = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>", "\u2581<PRE>",
+            "<|code_prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>", "\u2581<SUF>",
+            "<|code_suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>", "\u2581<MID>",
+            "<|code_middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
+
 
 class Tokenizer:
     """Encode, decode and render chat prompts; ids match transformers' AutoTokenizer for the same model."""
@@ -41,7 +64,10 @@ class Tokenizer:
         pad_token: str | None = None,
         extra_eos_token_ids: Iterable[int] = (),
         chat_template: str | None = None,
+        fim_token_ids: dict[str, int] | None = None,
     ) -> None:
+        """``fim_token_ids``: the fill-in-the-middle tokens a GGUF's keys name, by role (FIM_ROLES); a role
+        none names is looked up by its token's text (``fim_token_ids``)."""
         self.backend = backend
         named = {"bos_token": bos_token, "eos_token": eos_token, "unk_token": unk_token,
                  "pad_token": pad_token}
@@ -56,6 +82,9 @@ class Tokenizer:
         self._all_special_ids = {i for i, token in added.items() if token.special}
         self._all_special_ids |= {i for i in map(self._special_id, self.special_tokens) if i is not None}
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._named_fim_token_ids = dict(fim_token_ids or {})
+        self._fim_token_ids: dict[str, int] | None = None
+        self._plain_backend: tokenizers.Tokenizer | None = None
 
     def _special_id(self, name: str) -> int | None:
         token = self.special_tokens.get(name)
@@ -93,6 +122,40 @@ class Tokenizer:
     def all_special_ids(self) -> set[int]:
         """Ids of the named special tokens and of every added token marked special (skipped by decode)."""
         return set(self._all_special_ids)
+
+    @property
+    def add_bos_token(self) -> bool:
+        """Whether encoding with special tokens puts BOS first (llama.cpp's llama_vocab_get_add_bos)."""
+        bos = self._bos_token_id
+        return bos is not None and self.encode("a", add_special_tokens=True)[:1] == [bos] != self.encode(
+            "a", add_special_tokens=False)[:1]
+
+    @property
+    def fim_token_ids(self) -> dict[str, int]:
+        """The fill-in-the-middle tokens, role (FIM_ROLES: pre, suf, mid, pad, rep, sep) -> id, as llama.cpp finds
+        them: a GGUF's tokenizer.ggml.fim_*_token_id keys (and the deprecated prefix / suffix / middle ones), then
+        by text for each role still missing (FIM_TOKEN_TEXTS; of several, the lowest id). Roles not found are
+        absent."""
+        if self._fim_token_ids is None:
+            found = dict(self._named_fim_token_ids)
+            vocab = self.backend.get_vocab(with_added_tokens=True)
+            for role, texts in FIM_TOKEN_TEXTS.items():
+                if role not in found:
+                    ids = [vocab[text] for text in texts if text in vocab]
+                    if ids:
+                        found[role] = min(ids)
+            self._fim_token_ids = found
+        return dict(self._fim_token_ids)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """``text`` as ids with no BOS / EOS added and special tokens' spellings read as plain text (llama.cpp's
+        common_tokenize with parse_special=false: code that holds "<|fim_prefix|>" is not a FIM token)."""
+        if self._plain_backend is None:
+            # A second backend: the switch is per tokenizer, and the first one serves other threads.
+            plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain_backend = plain
+        return self._plain_backend.encode(text, add_special_tokens=False).ids
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
@@ -453,7 +516,8 @@ def _load_gguf(path: str) -> Tokenizer:
         try:
             spec = json.loads(entry.read_text(encoding="utf-8"))
             return Tokenizer(tokenizers.Tokenizer.from_str(spec["backend"]), **spec["special"],
-                             extra_eos_token_ids=spec["extra_eos_token_ids"], chat_template=spec["chat_template"])
+                             extra_eos_token_ids=spec["extra_eos_token_ids"], chat_template=spec["chat_template"],
+                             fim_token_ids=spec["fim_token_ids"])
         except Exception:  # noqa: BLE001 - a partial or foreign entry (tokenizers raises a bare Exception): rebuild
             pass
     tokenizer = _build_gguf(path)
@@ -484,7 +548,7 @@ def _store_gguf_entry(entry: Path, tokenizer: Tokenizer) -> None:
     written (read-only, full) is skipped: the next start builds the tokenizer again."""
     spec = {"backend": tokenizer.backend.to_str(), "special": tokenizer.special_tokens,
             "extra_eos_token_ids": sorted(tokenizer.eos_token_ids - {tokenizer.eos_token_id}),
-            "chat_template": tokenizer.chat_template}
+            "chat_template": tokenizer.chat_template, "fim_token_ids": tokenizer._named_fim_token_ids}
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         partial = entry.with_suffix(f".{os.getpid()}.partial")
@@ -528,7 +592,18 @@ def _build_gguf(path: str) -> Tokenizer:
     extra_eos = [meta[key] for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
                  if key in meta]
     return Tokenizer(backend, **special, extra_eos_token_ids=extra_eos,
-                     chat_template=meta.get("tokenizer.chat_template"))
+                     chat_template=meta.get("tokenizer.chat_template"), fim_token_ids=_gguf_fim_token_ids(meta, tokens))
+
+
+def _gguf_fim_token_ids(meta: dict[str, Any], tokens: list[str]) -> dict[str, int]:
+    """The FIM tokens the GGUF's keys name (FIM_GGUF_KEYS, in llama.cpp's order); an id outside the vocabulary is
+    skipped, as llama.cpp does ("bad special token")."""
+    found: dict[str, int] = {}
+    for role, key in FIM_GGUF_KEYS:
+        token_id = meta.get(key)
+        if isinstance(token_id, int) and 0 <= token_id < len(tokens):
+            found[role] = token_id
+    return found
 
 
 def _merges(meta: dict[str, Any]) -> list[tuple[str, str]] | None:

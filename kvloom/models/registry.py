@@ -24,6 +24,7 @@ from kvloom.loader import quantized_checkpoint
 from kvloom.loader.model_config import ModelConfig
 from kvloom.loader.tokenizer import load_tokenizer
 from kvloom.loader.weights import iter_weights
+from kvloom.models.classifier import SEQUENCE_CLASSIFIERS
 from kvloom.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvloom.models.idefics3 import Idefics3ForConditionalGeneration
 from kvloom.models.llama import LlamaForCausalLM, MistralForCausalLM
@@ -53,6 +54,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
+# Every text family's sequence classifier (transformers' ``...ForSequenceClassification``: a ``score`` head).
+MODEL_REGISTRY.update(SEQUENCE_CLASSIFIERS)
 
 
 def build_model(config: ModelConfig, ops: Ops) -> nn.Module:

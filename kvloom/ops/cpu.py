@@ -44,6 +44,7 @@ import platform
 import re
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -354,34 +355,60 @@ GEMM_PANEL = 48
 
 # On a CPU with AMX (Intel Xeon 4th gen on), oneDNN's bf16 products run on its tiles: on 2 cores of one, against
 # kvloom's AVX512-BF16 GEMM at SmolLM2's shapes, 0.6-0.8x as fast at 1 row, even at 3, 1.1-1.25x at 4, 1.4-2x at 8,
-# 5.6-6.3x at 64 and 5.6-12x at 512 (ad-hoc timing of PackedWeight both ways, medians of 5). So a "hybrid" weight
-# holds both packings (twice the bf16 bytes) and takes oneDNN's from AMX_MIN_ROWS rows; a step of as many tokens
-# runs the layers module by module (the layer stack calls kvloom's GEMM only; from 8 tokens that is 1.13x the
-# stack at N=8, from 4 the same again, benchmarks/compare.py).
+# 5.6-6.3x at 64 and 5.6-12x at 512 (ad-hoc timing of PackedWeight both ways, medians of 5). A "hybrid" weight
+# holds kvloom's panels and oneDNN's packing (twice the bf16 bytes) and takes oneDNN's from AMX_MIN_ROWS rows; a step
+# of as many tokens runs the layers module by module (the layer stack calls kvloom's GEMM only; from 8 tokens that is
+# 1.13x the stack at N=8, from 4 the same again, benchmarks/compare.py).
 # A weight too large for the caches streams from memory at 1 row either way (2048 x 8192: 0.94x, 4096 x 4096:
 # 1.03x), so from AMX_ONLY_ELEMENTS values it holds oneDNN's packing alone, not twice its bytes (a 7B model's
 # every projection; a 1B model's MLP).
+# The two products sum in different orders, so which one a row gets depends on how many rows share its step: the
+# hybrid is on only with KVLOOM_BATCH_INVARIANT=0 (or KVLOOM_CPU_ONEDNN=force, which runs it on any CPU).
 AMX_MIN_ROWS = 4
 AMX_ONLY_ELEMENTS = 1 << 24
+
+
+def batch_invariant() -> bool:
+    """Whether every product must keep one arithmetic at every row count (KVLOOM_BATCH_INVARIANT, default on): then
+    no product switches formula by the number of rows in a step, and a greedy request's tokens do not depend on
+    the requests beside it."""
+    return envs.get_bool("KVLOOM_BATCH_INVARIANT", default=True)
+
+
+def onednn_mode() -> str:
+    """KVLOOM_CPU_ONEDNN: "auto" (the default), "force" or "off"."""
+    raw = (envs.get("KVLOOM_CPU_ONEDNN") or "auto").lower()
+    if raw in ("0", "off", "false", "no"):
+        return "off"
+    if raw not in ("auto", "force"):
+        raise ValueError(f"KVLOOM_CPU_ONEDNN={raw!r}: expected auto, force or 0")
+    return raw
+
+
+def _onednn_linear_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def amx_bf16() -> bool:
     """Whether oneDNN's bf16 products run on AMX here (the CPU has AMX-BF16 at the ISA level in force, torch has
     oneDNN) and KVLOOM_CPU_AMX is not 0."""
-    return (cpu_capability().has("amx_bf16") and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and envs.get_bool("KVLOOM_CPU_AMX", default=True))
+    return (cpu_capability().has("amx_bf16") and _onednn_linear_available()
+            and envs.get_bool("KVLOOM_CPU_AMX", default=True))
 
 
 def linear_format(dtype: torch.dtype) -> str | None:
-    """The fastest packed GEMM this process has for ``dtype`` on the CPU, or None (F.linear): kvloom's, with
-    oneDNN's beside it on an AMX CPU ("hybrid"), or oneDNN's alone where kvloom's library is not built."""
+    """The fastest packed GEMM this process has for ``dtype`` on the CPU, or None (F.linear): kvloom's; with
+    oneDNN's beside it ("hybrid") on an AMX CPU where batch-dependent products are allowed, or anywhere under
+    KVLOOM_CPU_ONEDNN=force; or oneDNN's alone where kvloom's library is not built."""
     if dtype != torch.bfloat16:
         return None
+    mode = onednn_mode()
+    onednn = mode != "off" and _onednn_linear_available()
     if cpu_kernel_available() and hasattr(torch.ops.kvloom, "gemm_bf16"):
-        return "hybrid" if amx_bf16() else "kvloom"
+        hybrid = mode == "force" or (amx_bf16() and not batch_invariant())
+        return "hybrid" if onednn and hybrid else "kvloom"
     # oneDNN refuses bf16 weights where the CPU lacks AVX-512 BW/VL/DQ and AVX-NE-CONVERT (or the level is capped).
-    if (cpu_capability().onednn_bf16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    if onednn and (cpu_capability().onednn_bf16 or mode == "force"):
         return "onednn"
     return None
 
@@ -416,26 +443,70 @@ def packed_panel_rows(data: torch.Tensor, ids: torch.Tensor, in_features: int) -
     return data[panels, :, column].reshape(ids.shape[0], -1)[:, :in_features]
 
 
+# oneDNN's packings of PackedWeights, made inside the product and held here, off the weights' attributes: an opaque
+# tensor (no storage) that cannot be pickled, mapped or moved, so what the model holds stays plain tensors.
+_ONEDNN_PACKINGS: weakref.WeakKeyDictionary[PackedWeight, tuple[torch.Tensor, torch.Tensor | None]] = \
+    weakref.WeakKeyDictionary()
+
+
+def onednn_dtype() -> torch.dtype:
+    """The dtype oneDNN's packed product runs in here: bf16 where oneDNN has a bf16 product (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT), else fp32 (KVLOOM_CPU_ONEDNN=force on AVX2: the bf16 weight and activations widened, exact)."""
+    return torch.bfloat16 if cpu_capability().onednn_bf16 else torch.float32
+
+
 class PackedWeight:
-    """A weight (and bias) repacked once for a fast GEMM; calling it gives F.linear(x, W, b)."""
+    """A weight (and bias) repacked once for a fast GEMM; calling it gives F.linear(x, W, b).
+
+    Its state is plain tensors on every CPU: kvloom's panels (``data``, formats "kvloom" and "hybrid") or, for
+    oneDNN's product alone ("onednn"), the weight as given (``weight``; dropped once oneDNN's packing holds it, and
+    read back from that packing to pickle). oneDNN's packing is made inside the product, at the first call that
+    takes it (at construction for "onednn"), and held off the attributes (``_ONEDNN_PACKINGS``): the packed-model
+    cache, the huge-page move and pickling see only the plain tensors."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, batch_hint: int = 64) -> None:
-        self.format = fmt
-        self.out_features, self.in_features = weight.shape
-        # oneDNN's packing (fmt "onednn", or beside kvloom's in "hybrid": from AMX_MIN_ROWS rows), or None.
-        self.onednn: torch.Tensor | None = None
-        self.onednn_bias: torch.Tensor | None = None
         if fmt not in ("kvloom", "onednn", "hybrid"):
             raise ValueError(f"unknown packed weight format {fmt!r}; expected 'kvloom', 'onednn' or 'hybrid'")
-        # Whether rows() can read the weight back (kvloom's panels; oneDNN's packing is opaque).
+        self.format = fmt
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.batch_hint = batch_hint
+        # Whether rows() can read the weight back (kvloom's panels).
         self.holds_rows = fmt in ("kvloom", "hybrid")
+        self.data: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None
         if self.holds_rows:
             self.data = huge_pages.rehome(pack_gemm_weight(weight, gemm_panel()))
             self.bias = None if bias is None else bias.float()  # added to the fp32 sums before rounding
-        if fmt in ("onednn", "hybrid"):
-            self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-            self.onednn_bias = bias
+        # oneDNN's bias, in the weight's dtype (F.linear's).
+        self.onednn_bias = bias if fmt in ("onednn", "hybrid") else None
         self.onednn_min_rows = AMX_MIN_ROWS if fmt == "hybrid" else 0
+        if fmt == "onednn":
+            self.weight = weight.contiguous()
+            self._onednn_packing()
+        elif fmt == "hybrid":
+            self._onednn_packing(weight)
+
+    def _onednn_packing(self, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """oneDNN's packing of the weight and its bias (made once, from ``weight``, the plain weight, or kvloom's
+        panels)."""
+        packing = _ONEDNN_PACKINGS.get(self)
+        if packing is None:
+            if weight is None:
+                weight = self.weight if self.weight is not None else self.rows(torch.arange(self.out_features))
+            dtype = onednn_dtype()
+            bias = None if self.onednn_bias is None else self.onednn_bias.to(dtype)
+            packing = (torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), self.batch_hint), bias)
+            _ONEDNN_PACKINGS[self] = packing
+            self.weight = None  # oneDNN's packing holds it now (__getstate__ reads it back)
+        return packing
+
+    def __getstate__(self) -> dict:
+        state = dict(vars(self))
+        if self.format == "onednn" and self.weight is None:
+            state["weight"] = _ONEDNN_PACKINGS[self][0].to_dense().to(self.dtype)
+        return state
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] of the weight from kvloom's panels (a tied embedding reads its table here,
@@ -447,8 +518,10 @@ class PackedWeight:
         return None if self.format == "onednn" else (STACK_BF16, [self.data, self.bias], 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn is not None and x.numel() >= self.onednn_min_rows * self.in_features:
-            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.onednn_bias, "none", [], "")
+        if self.format != "kvloom" and x.numel() >= self.onednn_min_rows * self.in_features:
+            weight, bias = self._onednn_packing()
+            out = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, bias, "none", [], "")
+            return out.to(x.dtype)
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
@@ -588,8 +661,9 @@ W8A8_MIN_ROWS_AVX2 = 1
 
 
 def w8a8_min_rows() -> int:
-    """Rows from which PackedInt8Weight takes the W8A8 product on this CPU (with int8 activations on)."""
-    return W8A8_MIN_ROWS_AVX2 if compiled_isa() == "avx2" else W8A8_MIN_ROWS
+    """Rows from which PackedInt8Weight takes the W8A8 product on this CPU (with int8 activations on): from one row
+    where products must not depend on the batch (KVLOOM_BATCH_INVARIANT, the default) and on AVX2."""
+    return W8A8_MIN_ROWS_AVX2 if compiled_isa() == "avx2" or batch_invariant() else W8A8_MIN_ROWS
 # The widest K whose W8A8 int32 sums cannot overflow (csrc/gemm_int8.cpp's kMaxW8A8K): wider weights
 # always take the weight-only product.
 W8A8_MAX_IN_FEATURES = (2**31 - 1) // (255 * 127)

@@ -196,15 +196,20 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
         return dataclasses.replace(NATIVE_OPS, pack_linear=pack, pack_experts=pack_experts)
     # csrc/gemm_q4.cpp: its AVX2 kernel where built, else the same product on plain loops (still faster than
     # torch ops, which dequantize the whole weight every call).
-    pack_q4 = q4k.pack_code_blocks  # a GGUF's Q4_K super-blocks: csrc/gemm_q4k.cpp
+    # On an AMX-BF16 CPU the dequantizing AMX-BF16 products change arithmetic at a row count, so they are taken only
+    # where batch-dependent products are allowed (KVLOOM_BATCH_INVARIANT=0). A GGUF's Q4_K / Q6_K super-blocks take
+    # csrc/gemm_q4k.cpp (one formula at every row count).
+    tiles = not cpu.batch_invariant()
+    pack_q4 = functools.partial(q4k.pack_code_blocks, bf16_tiles=tiles)
     # csrc/gemm_int8.cpp for float32 and bfloat16 activations alike, where its AVX-512 or AVX2 kernels are built.
     pack_int8, pack_int8_blocks = int8.NativeInt8Linear, int8.NativeInt8BlocksLinear
     if cpu.int8_kernels_available():
-        pack_int8_blocks = cpu.PackedInt8BlocksWeight
-        # W8A8 for 2+ rows (1+ on AVX2) unless int8_activations is off: per-token int8 activations cost SmolLM2 +3.3%
-        # perplexity alone, +0.7% with the default smoothing (layers/smoothing.py; benchmarks/int8_quality.py).
+        pack_int8_blocks = functools.partial(cpu.PackedInt8BlocksWeight, bf16_tiles=tiles)
+        # W8A8 (from 1 row; from 2 on AVX-512 where batch-dependent products are allowed) unless int8_activations is
+        # off: per-token int8 activations cost SmolLM2 +3.3% perplexity alone, +0.7% with the default smoothing
+        # (layers/smoothing.py; benchmarks/int8_quality.py).
         rows = cpu.w8a8_min_rows() if int8_activations else sys.maxsize
-        pack_int8 = functools.partial(cpu.PackedInt8Weight, w8a8_min_rows=rows)
+        pack_int8 = functools.partial(cpu.PackedInt8Weight, w8a8_min_rows=rows, bf16_tiles=tiles)
     return Ops(name="cpu", attention=cpu.attention, rms_norm=cpu.rms_norm, add_rms_norm=cpu.add_rms_norm,
                rotary_embedding=cpu.rotary_embedding, silu_and_mul=cpu.silu_and_mul, argmax=cpu.argmax,
                pack_linear=pack, pack_linear_int8=pack_int8, pack_linear_int8_blocks=pack_int8_blocks,

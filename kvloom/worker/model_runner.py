@@ -455,7 +455,7 @@ class ModelRunner:
             start = query_start_loc[i]
             state.pooling.add(hidden[start:start + item.num_new_tokens], item.num_computed_tokens)
             if item.num_computed_tokens + item.num_new_tokens >= len(state.prompt_token_ids):
-                done.append((item.request_id, state.pooling.result()))
+                done.append((item.request_id, state.pooling.result(getattr(self.model, "classify", None))))
         return done
 
     def _prompt_logprobs(self, item: ScheduledRequest, state: RequestState, hidden: torch.Tensor, offset: int

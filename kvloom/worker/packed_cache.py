@@ -125,7 +125,8 @@ def cache_key(config: ResolvedConfig, ops: Ops) -> dict[str, Any]:
         "block_size": config.block_size, "batch_hint": min(engine.max_num_seqs, 256),
         "quantization": engine.quantization, "quantized_checkpoint_path": engine.quantized_checkpoint_path,
         "kv_cache_dtype": engine.kv_cache_dtype, "runner": engine.runner, "task": engine.task,
-        "pooling_type": engine.pooling_type, "backend": dataclasses.asdict(engine.backend),
+        "pooling_type": engine.pooling_type, "hf_overrides": engine.hf_overrides,
+        "backend": dataclasses.asdict(engine.backend),
         "cpu": {"level": capability.level, "flags": sorted(capability.cpu_flags)},
         "env": {name: value for name, value in sorted(os.environ.items())
                 if name.startswith("KVLOOM_") and name not in _UNKEYED_ENV},

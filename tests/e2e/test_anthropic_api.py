@@ -71,6 +71,11 @@ def chat_text(chat: openai.OpenAI, messages: list[dict[str, Any]], **kwargs: Any
     return chat.chat.completions.create(model="tiny", messages=messages, temperature=0, **kwargs)
 
 
+def prompt_tokens(usage: Any) -> int:
+    """The prompt's tokens in Anthropic's usage: those computed (input_tokens) and those the prefix cache served."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
 def text_of(message: Any) -> str:
     return "".join(block.text for block in message.content if block.type == "text")
 
@@ -87,7 +92,7 @@ def test_text_with_a_system_prompt_is_the_chat_completion(client: anthropic.Anth
     assert [block.type for block in message.content] == ["text"]
     assert text_of(message) == oracle.choices[0].message.content
     assert message.stop_reason == "max_tokens" and message.stop_sequence is None
-    assert message.usage.input_tokens == oracle.usage.prompt_tokens
+    assert prompt_tokens(message.usage) == oracle.usage.prompt_tokens
     assert message.usage.output_tokens == oracle.usage.completion_tokens == 12
 
 
@@ -104,7 +109,7 @@ def test_system_blocks_and_text_blocks_render_as_chat_parts(client: anthropic.An
         {"role": "user", "content": [{"type": "text", "text": "Hello."}, {"type": "text", "text": QUESTION}]},
         {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And tomorrow?"}], max_tokens=8)
     assert text_of(message) == oracle.choices[0].message.content
-    assert message.usage.input_tokens == oracle.usage.prompt_tokens
+    assert prompt_tokens(message.usage) == oracle.usage.prompt_tokens
 
 
 def test_stop_sequences_end_the_text_at_the_match(client: anthropic.Anthropic) -> None:
@@ -206,7 +211,7 @@ def test_a_tool_result_turn_is_the_chat_tool_message(client: anthropic.Anthropic
         {"role": "tool", "tool_call_id": use.id, "content": "21 C\nsunny"},
         {"role": "user", "content": "Thanks."}], max_tokens=10, tools=CHAT_TOOLS, tool_choice="none")
     assert text_of(message) == oracle.choices[0].message.content
-    assert message.usage.input_tokens == oracle.usage.prompt_tokens
+    assert prompt_tokens(message.usage) == oracle.usage.prompt_tokens
     # An error result is the tool message's text after "Error: ".
     history[2]["content"] = [{"type": "tool_result", "tool_use_id": use.id, "content": "no network", "is_error": True}]
     counted = client.messages.count_tokens(model="tiny", tools=TOOLS, messages=history)
@@ -240,7 +245,7 @@ def test_streamed_text_is_the_whole_message(client: anthropic.Anthropic) -> None
     assert len(pieces) > 1 and "".join(pieces) == text_of(whole)
     assert [(b.type, b.text) for b in final.content] == [(b.type, b.text) for b in whole.content]
     assert final.stop_reason == whole.stop_reason == "max_tokens"
-    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert prompt_tokens(final.usage) == prompt_tokens(whole.usage)
     assert final.usage.output_tokens == whole.usage.output_tokens == 20
 
 
@@ -309,7 +314,7 @@ def test_count_tokens_counts_system_tools_and_messages(client: anthropic.Anthrop
     assert plain.input_tokens == chat_text(chat, messages, max_tokens=1).usage.prompt_tokens < full.input_tokens
     created = client.messages.create(model="tiny", max_tokens=1, messages=messages, system="Answer briefly.",
                                      tools=TOOLS, tool_choice={"type": "none"})
-    assert created.usage.input_tokens == full.input_tokens
+    assert prompt_tokens(created.usage) == full.input_tokens
 
 
 # ---- auth ----------------------------------------------------------------------------------------
@@ -475,7 +480,7 @@ def test_image_blocks_are_chat_image_parts(server_factory: Any, tmp_path_factory
         oracle = chat.chat.completions.create(model="vlm", max_tokens=8, temperature=0, messages=[
             {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image_part]}])
         assert text_of(message) == oracle.choices[0].message.content
-        assert message.usage.input_tokens == oracle.usage.prompt_tokens
+        assert prompt_tokens(message.usage) == oracle.usage.prompt_tokens
         counted = client.messages.count_tokens(model="vlm", messages=[
             {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}])
         assert counted.input_tokens == oracle.usage.prompt_tokens
@@ -492,7 +497,7 @@ def test_image_blocks_are_chat_image_parts(server_factory: Any, tmp_path_factory
             {"role": "tool", "tool_call_id": "toolu_1", "content": "A photo:"},
             {"role": "user", "content": [image_part]}])
         assert text_of(message) == oracle.choices[0].message.content
-        assert message.usage.input_tokens == oracle.usage.prompt_tokens
+        assert prompt_tokens(message.usage) == oracle.usage.prompt_tokens
         garbage = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                                "data": base64.b64encode(b"garbage").decode()}}
         response = httpx.post(vlm.url + "/v1/messages", timeout=60, json={

@@ -97,8 +97,8 @@ def test_the_layer_stack_adds_the_deltas_as_the_modules_do(tiny_llama_dir: str, 
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 on kvloom's C++ ops: a step with adapter tokens stays on the C++ layer stack, which adds each
     projection's delta with the kernel the per-op path's hooks call; the two paths give the same tokens. (With
-    AMX, steps of 4+ tokens would leave the stack for oneDNN's products: kvloom's GEMM alone here.)"""
-    monkeypatch.setenv("KVLOOM_CPU_AMX", "0")
+    oneDNN's products allowed, steps of 4+ tokens would leave the stack for them: kvloom's GEMM alone here.)"""
+    monkeypatch.setenv("KVLOOM_CPU_ONEDNN", "0")
     llm = LLM(tiny_llama_dir, dtype="bfloat16", max_model_len=128, enable_lora=True, max_loras=3, max_lora_rank=8,
               enable_prefix_caching=False)
     manager = llm.llm_engine.executor.driver.lora

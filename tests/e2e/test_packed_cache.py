@@ -241,3 +241,43 @@ def test_other_families_map_back_with_the_same_outputs(family: str, tmp_path: Pa
         _no_decoding(patched)
         warm = _run(path)
     assert warm == cold
+
+
+@pytest.fixture
+def onednn_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 weights packed as an AMX CPU packs them with batch-dependent products allowed: kvloom's panels and
+    oneDNN's packing, oneDNN's product from 4 rows (on a CPU without AMX its AVX-512 kernels, or fp32 ones on AVX2)."""
+    if not cpu.cpu_kernel_available() or not torch.backends.mkldnn.is_available():
+        pytest.skip("needs the CPU kernels and torch's oneDNN")
+    monkeypatch.setenv("KVLOOM_CPU_ONEDNN", "force")
+
+
+def _packed_weights(llm: LLM) -> list[cpu.PackedWeight]:
+    return [m.packed for m in llm.llm_engine.executor.driver.model.modules()
+            if isinstance(getattr(m, "packed", None), cpu.PackedWeight)]
+
+
+def test_onednn_packed_bf16_weights_map_back_and_move_onto_huge_pages(mixed_gguf: str, cache_dir: Path,
+                                                                    onednn_forced: None,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 load of a GGUF with oneDNN's packing beside kvloom's (what crashed every bf16 start on an AMX Xeon:
+    the packed-model cache pickled oneDNN's opaque tensor): written, mapped back without decoding, moved onto huge
+    pages, with the same tokens and logprobs at every start, steps of 4+ rows taking oneDNN's product."""
+    cold_llm = LLM(mixed_gguf, max_model_len=256, quantization="none")
+    assert {p.format for p in _packed_weights(cold_llm)} == {"hybrid"}
+    cold = _generate(cold_llm)
+    del cold_llm
+    [entry] = _entries(cache_dir)
+    monkeypatch.setattr(huge_pages, "available", lambda: True)
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 4096)
+    with monkeypatch.context() as patched:
+        _no_decoding(patched)
+        llm = LLM(mixed_gguf, max_model_len=256, quantization="none")
+    runner = llm.llm_engine.executor.driver
+    rehome = runner.rehome
+    assert rehome is not None and not rehome.finished
+    assert not any(t.is_mkldnn for t in packed_cache._tensors(runner.model, every_view=True))
+    assert _generate(llm) == cold
+    rehome.finish()
+    assert _generate(llm) == cold
+    assert all(p.data.data_ptr() % huge_pages.HUGE_PAGE == 0 for p in _packed_weights(llm))

@@ -1,7 +1,7 @@
 """Idefics3 (SmolVLM) end to end on a tiny random checkpoint: greedy tokens for image + text prompts equal
 transformers' in fp32 (one and two images, batched with a text-only prompt, whole or chunked prefill, after
 preemption), the prefix cache and the encoder cache keyed by image content, chat image parts offline and
-through the server, and bad image input refused with a clear error."""
+through the server (Ollama's API's base64 images too), and bad image input refused with a clear error."""
 
 from __future__ import annotations
 
@@ -222,6 +222,18 @@ def test_server_takes_images_through_the_openai_client(model_dir: str, server_fa
             assert error["type"] == "invalid_request_error" and error["param"] == "messages", (name, error)
         # The server still answers after the refusals.
         assert client.chat.completions.create(model=server.model, messages=messages, max_tokens=2).choices
+        # Ollama's chat: the image as base64 on the user message, which kvloom puts before its text.
+        import ollama
+
+        before_text = [{"role": "user", "content": [messages[0]["content"][1], messages[0]["content"][0]]}]
+        expected = client.chat.completions.create(model=server.model, messages=before_text, max_tokens=MAX_TOKENS,
+                                                  temperature=0, extra_body={"ignore_eos": True})
+        image = png_data_url(IMAGES[0]).partition(",")[2]
+        reply = ollama.Client(host=server.url, timeout=60).chat(
+            model=server.model, stream=False, options={"temperature": 0, "num_predict": MAX_TOKENS, "ignore_eos": True},
+            messages=[{"role": "user", "content": "What is it?", "images": [image]}])
+        assert reply.message.content == expected.choices[0].message.content
+        assert reply.prompt_eval_count == expected.usage.prompt_tokens
 
 
 @pytest.mark.parametrize("strategy", ["default", "full"])

@@ -156,19 +156,24 @@ def test_stack_keeps_out_what_it_cannot_run(stack_kernel: None, tiny_llama_dir: 
 
 def test_stack_leaves_large_steps_to_onednn_where_weights_are_hybrid(stack_kernel: None, tiny_llama_dir: str,
                                                                      monkeypatch) -> None:
-    """On an AMX CPU (bf16 weights holding oneDNN's packing beside kvloom's) a step of AMX_MIN_ROWS tokens or
-    more runs module by module, where oneDNN's AMX products take it; with KVLOOM_CPU_AMX=0 the stack takes all."""
-    monkeypatch.setenv("KVLOOM_CPU_AMX", "0")
+    """bf16 weights holding oneDNN's packing beside kvloom's (an AMX CPU with KVLOOM_BATCH_INVARIANT=0; any CPU with
+    KVLOOM_CPU_ONEDNN=force): a step of AMX_MIN_ROWS tokens or more runs module by module, where oneDNN's products
+    take it. By default (batch-invariant products) the stack takes every step, on every CPU."""
     model, _, _ = _model(tiny_llama_dir)
-    assert model.layer_stack.takes(4096)
-    monkeypatch.setenv("KVLOOM_CPU_AMX", "1")
-    model, _, _ = _model(tiny_llama_dir)
-    if not cpu.amx_bf16():
-        assert cpu.linear_format(torch.bfloat16) == "kvloom" and model.layer_stack.takes(4096)
-        return
-    assert model.layers[0].mlp.down_proj.packed.format == "hybrid"
-    stack = model.layer_stack
-    assert stack.takes(cpu.AMX_MIN_ROWS - 1) and not stack.takes(cpu.AMX_MIN_ROWS)
+    assert cpu.linear_format(torch.bfloat16) == "kvloom" and model.layer_stack.takes(4096)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch")
+    for env in ({"KVLOOM_CPU_ONEDNN": "force"}, {"KVLOOM_BATCH_INVARIANT": "0"}):
+        with monkeypatch.context() as patched:
+            for name, value in env.items():
+                patched.setenv(name, value)
+            if "KVLOOM_BATCH_INVARIANT" in env and not cpu.amx_bf16():
+                assert cpu.linear_format(torch.bfloat16) == "kvloom"  # no AMX here: nothing faster to allow
+                continue
+            model, _, _ = _model(tiny_llama_dir)
+            assert model.layers[0].mlp.down_proj.packed.format == "hybrid"
+            stack = model.layer_stack
+            assert stack.takes(cpu.AMX_MIN_ROWS - 1) and not stack.takes(cpu.AMX_MIN_ROWS)
 
 
 def test_engine_tokens_equal_with_and_without_the_stack(stack_kernel: None, tiny_llama_dir: str,

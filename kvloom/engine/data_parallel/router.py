@@ -216,6 +216,7 @@ class ReplicaRouter(EngineClient):
         self.block_size = resolved.block_size
         self.max_model_len = resolved.max_model_len
         self.max_num_seqs = config.max_num_seqs
+        self.model_config = resolved.model
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else resolved.source)
         self.model_name = model_name or config.model
         self._lock = threading.Lock()  # the routing state: replicas' loads, requests, prefixes

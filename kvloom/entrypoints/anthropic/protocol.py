@@ -161,8 +161,12 @@ AnthropicStopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_u
 
 
 class AnthropicUsage(ResponseModel):
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens computed, ``cache_read_input_tokens`` those the
+    prefix cache served (their sum is the prompt; as llama-server reports them)."""
+
     input_tokens: int
     output_tokens: int
+    cache_read_input_tokens: int = 0
 
 
 class AnthropicTextContent(ResponseModel):

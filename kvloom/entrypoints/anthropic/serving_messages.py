@@ -158,21 +158,30 @@ class AnthropicServingMessages:
         stop_reason, stop_sequence = _stop_reason(choice.finish_reason, choice.stop_reason)
         return AnthropicMessage(id=_message_id(run), model=run.model, content=content, stop_reason=stop_reason,
                        stop_sequence=stop_sequence,
-                       usage=AnthropicUsage(input_tokens=response.usage.prompt_tokens,
-                                   output_tokens=response.usage.completion_tokens))
+                       usage=_usage(response.usage.prompt_tokens, response.usage.completion_tokens,
+                                    run.num_cached_tokens))
 
     async def _stream(self, run: ChatRun) -> AsyncIterator[str]:
         blocks = _BlockStream()
-        yield _event("message_start", {"type": "message_start", "message": AnthropicMessage(
-            id=_message_id(run), model=run.model, content=[],
-            usage=AnthropicUsage(input_tokens=run.num_prompt_tokens, output_tokens=0)).model_dump()})
-        yield _event("ping", {"type": "ping"})
+
+        def message_start() -> list[str]:
+            # Sent with the first engine output, as llama-server does, when the prefix cache's share is known.
+            return [_event("message_start", {"type": "message_start", "message": AnthropicMessage(
+                id=_message_id(run), model=run.model, content=[],
+                usage=_usage(run.num_prompt_tokens, 0, run.num_cached_tokens)).model_dump()}),
+                _event("ping", {"type": "ping"})]
+
+        started = False
         finish_reason: str | None = None
         matched_stop: int | str | None = None
         output_tokens = 0
         try:
             async with aclosing(self.chat.chat_chunks(run)) as chunks:
                 async for chunk in chunks:
+                    if not started and run.num_cached_tokens is not None:
+                        started = True
+                        for event in message_start():
+                            yield event
                     if chunk.usage is not None:
                         output_tokens = chunk.usage.completion_tokens
                     for event in blocks.feed(chunk):
@@ -181,8 +190,14 @@ class AnthropicServingMessages:
                         if choice.finish_reason is not None:
                             finish_reason, matched_stop = choice.finish_reason, choice.stop_reason
         except (APIError, EngineDeadError, ValueError) as e:
+            if not started:
+                for event in message_start():
+                    yield event
             yield _error_event(e)
             return
+        if not started:
+            for event in message_start():
+                yield event
         for event in blocks.close():
             yield event
         stop_reason, stop_sequence = _stop_reason(finish_reason, matched_stop)
@@ -190,6 +205,14 @@ class AnthropicServingMessages:
                                        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                        "usage": {"output_tokens": output_tokens}})
         yield _event("message_stop", {"type": "message_stop"})
+
+
+def _usage(num_prompt_tokens: int, output_tokens: int, num_cached_tokens: int | None) -> AnthropicUsage:
+    """Anthropic's usage: the prompt's computed tokens as input_tokens, the prefix cache's as cache_read_input_tokens
+    (llama-server's split)."""
+    cached = num_cached_tokens or 0
+    return AnthropicUsage(input_tokens=num_prompt_tokens - cached, output_tokens=output_tokens,
+                          cache_read_input_tokens=cached)
 
 
 class _BlockStream:

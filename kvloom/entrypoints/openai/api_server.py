@@ -2,8 +2,9 @@
 ``python -m kvloom.entrypoints.openai.api_server --model MODEL``: the app and its routes.
 
 Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``
-(``serving_responses.py``), ``/health``, ``/version``,
-``/tokenize``, ``/detokenize``, ``/metrics`` and ``/dashboard``. One uvicorn process serves them on
+(``serving_responses.py``), llama-server's ``/infill`` (``serving_infill.py``), ``/health``, ``/version``,
+``/tokenize``, ``/detokenize``, ``/metrics`` and ``/dashboard``; ``/score`` and ``/rerank`` (with their ``/v1``
+aliases, ``serving_score.py``). One uvicorn process serves them on
 one asyncio loop; the engine steps in its own thread (AsyncLLM), or with ``--data-parallel-size N``
 N engines run as replicas behind a router (``kvloom/engine/data_parallel/``) that offers the same
 surface. Each endpoint family's logic is its ``serving_*.py`` module; request bodies are parsed and
@@ -11,7 +12,8 @@ documented by ``request_body.py``; ``--api-key`` is ``auth.py``; the dashboard i
 serving over HTTP with a bounded drain on SIGTERM is ``launcher.py``.
 
 Every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``, but those of Anthropic's
-Messages API (``/v1/messages``, ``kvloom/entrypoints/anthropic/``), which have its own.
+Messages API (``/v1/messages``, ``kvloom/entrypoints/anthropic/``) and of Ollama's API (``/api/...``,
+``kvloom/entrypoints/ollama/``), which have their own.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ from kvloom.config import config_from_args
 from kvloom.engine.async_engine import AsyncLLM
 from kvloom.engine.engine_client import EngineClient, EngineDeadError
 from kvloom.entrypoints.anthropic.api_router import anthropic_routes
+from kvloom.entrypoints.ollama.api_router import ollama_routes
 from kvloom.entrypoints.openai.args import DEFAULT_MAX_REQUEST_BODY_BYTES, add_server_args
 from kvloom.entrypoints.openai.auth import require_api_key
+from kvloom.entrypoints.openai.cors import add_cors
 from kvloom.entrypoints.openai.dashboard import dashboard_routes
 from kvloom.entrypoints.openai.launcher import bind_socket, serve_http
 from kvloom.entrypoints.openai.protocol import (
@@ -42,6 +46,7 @@ from kvloom.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingRequest,
+    InfillRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -59,8 +64,10 @@ from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvloom.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, embedding_pooler_config, runner_of
 from kvloom.entrypoints.openai.serving_engine import APIError, error_response, max_chars_per_token_of
+from kvloom.entrypoints.openai.serving_infill import OpenAIServingInfill
 from kvloom.entrypoints.openai.serving_lora import LoRAModules, lora_routes, parse_lora_modules
 from kvloom.entrypoints.openai.serving_responses import responses_routes
+from kvloom.entrypoints.openai.serving_score import OpenAIServingScore, score_routes
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvloom.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from kvloom.sampling_params import MAX_LOGPROBS
@@ -103,17 +110,22 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     tokenization = OpenAIServingTokenization(engine, names, chat_template, **limits)
     embedding = OpenAIServingEmbedding(engine, names, chat_template, **limits,
                                        pooler=embedding_pooler_config(args), runner=runner_of(args))
-    completion.runner = chat.runner = runner_of(args)
+    infill = OpenAIServingInfill(engine, names, chat_template, **limits)
+    completion.runner = chat.runner = infill.runner = runner_of(args)
+    scoring = OpenAIServingScore(engine, names, chat_template, **limits, runner=runner_of(args))
+    completion.generation_refusal = chat.generation_refusal = infill.generation_refusal = \
+        scoring.generation_refusal
     lora_modules = LoRAModules(engine, names, bool(getattr(args, "enable_lora", False)))
     for name, path, base_model_name in parse_lora_modules(getattr(args, "lora_modules", None)):
         lora_modules.add(name, path, base_model_name)
-    completion.lora_modules = chat.lora_modules = tokenization.lora_modules = lora_modules
+    completion.lora_modules = chat.lora_modules = tokenization.lora_modules = infill.lora_modules = lora_modules
 
     app = FastAPI(title="kvloom", version=__version__, docs_url=None, redoc_url=None, responses=ERRORS)
     app.state.engine = engine
     app.state.max_request_body_bytes = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
     if api_key:
         require_api_key(app, api_key, getattr(args, "metrics_require_key", False))
+    add_cors(app, args)  # outermost: preflights are answered before the key is asked for
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
@@ -166,9 +178,15 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         return await embedding.create_embedding(request, raw_request)
 
     app.include_router(v1)
+
+    @app.post("/infill", openapi_extra=json_body(InfillRequest), responses=BODY_ERRORS)
+    async def create_infill(raw_request: Request) -> Response:
+        return await infill.create_infill(await parse_body(raw_request, InfillRequest), raw_request)
     app.include_router(anthropic_routes(chat))
     app.include_router(responses_routes(chat))
     app.include_router(lora_routes(lora_modules))
+    app.include_router(score_routes(scoring))
+    app.include_router(ollama_routes(chat, embedding, root or names[0], getattr(args, "device", None) or "auto"))
 
     @app.get("/health")
     async def health() -> Response:

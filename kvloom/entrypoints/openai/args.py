@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvloom.config import add_engine_args
+from kvloom.entrypoints.openai.cors import add_cors_args
 from kvloom.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from kvloom.sampling_params import MAX_LOGPROBS
 
@@ -54,6 +55,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="do not log a line per finished request")
     parser.add_argument("--uvicorn-access-log", action="store_true",
                         help="also log uvicorn's line per HTTP request")
+    add_cors_args(parser)
 
 
 def _positive_int(value: str) -> int:

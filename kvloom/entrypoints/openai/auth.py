@@ -1,6 +1,7 @@
 """``--api-key`` (or ``KVLOOM_API_KEY``): every route but ``/health`` (and ``/metrics``, unless
 ``--metrics-require-key``) needs ``Authorization: Bearer <key>``; the Messages API's routes take the key as
-Anthropic's clients send it, ``x-api-key: <key>``, too, and answer a missing one in Anthropic's error shape."""
+Anthropic's clients send it, ``x-api-key: <key>``, too, and answer a missing one in Anthropic's error shape; Ollama's
+routes (``/api/...``) answer it in Ollama's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvloom.entrypoints.anthropic import protocol as anthropic
 from kvloom.entrypoints.anthropic.api_router import is_messages_path
+from kvloom.entrypoints.ollama import protocol as ollama
+from kvloom.entrypoints.ollama.api_router import is_ollama_path
 from kvloom.entrypoints.openai.serving_engine import error_response
 
 
@@ -41,6 +44,8 @@ class APIKeyMiddleware:
                 return
             response = anthropic.error_response("Invalid or missing API key; send it as 'x-api-key: <key>' or "
                                                 "'Authorization: Bearer <key>'", 401)
+        elif is_ollama_path(scope["path"]):
+            response = ollama.error_response("unauthorized: send the API key as 'Authorization: Bearer <key>'", 401)
         else:
             response = error_response("Invalid or missing API key; send it as 'Authorization: Bearer <key>'",
                                       401, code="invalid_api_key")

@@ -58,10 +58,40 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool = False
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (whole blocks)
+
+
 class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class Timings(ResponseModel):
+    """llama-server's ``timings``: the prompt's tokens computed (those the prefix cache did not hold) and the
+    tokens generated, each with its time. ``cache_n``: prompt tokens served from the prefix cache."""
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+
+
+class PromptProgress(ResponseModel):
+    """llama-server's ``prompt_progress`` (``return_progress``): the prompt's tokens, those the prefix cache held,
+    those in the KV cache so far (the cached ones included), and the milliseconds since its prefill began."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
 
 
 class SamplingFields(RequestModel):
@@ -98,6 +128,10 @@ class SamplingFields(RequestModel):
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[StrictStr] | None = None
     prompt_logprobs: int | None = Field(None, ge=0)
+    # llama-server's extras: timings on every streamed chunk (the last one has them anyway), and
+    # prompt_progress events while a long prompt is prefilled (stream only).
+    timings_per_token: bool = False
+    return_progress: bool = False
 
 
 class CompletionRequest(SamplingFields):
@@ -129,6 +163,19 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's extras.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class InfillRequest(SamplingFields):
+    """llama-server's ``POST /infill`` body: the code before and after the gap, other files as context, and the text
+    already typed after the prefix; llama.cpp's names for the length and the repetition penalty."""
+
+    input_prefix: StrictStr | list[StrictStr | StrictInt]
+    input_suffix: StrictStr | list[StrictStr | StrictInt]
+    input_extra: list[dict[str, Any]] | None = None
+    prompt: StrictStr = ""
+    n_predict: int | None = None  # llama.cpp's max_tokens (-1: no limit but the context)
+    max_tokens: int | None = None
+    repeat_penalty: float | None = None
 
 
 # ---- completions ----------------------------------------------------------------------------
@@ -168,6 +215,7 @@ class CompletionResponse(ResponseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    timings: Timings | None = None  # llama-server's
 
 
 class CompletionStreamResponse(ResponseModel):
@@ -177,6 +225,8 @@ class CompletionStreamResponse(ResponseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+    timings: Timings | None = None
+    prompt_progress: PromptProgress | None = None
 
 
 # ---- chat -----------------------------------------------------------------------------------
@@ -252,6 +302,7 @@ class ChatCompletionResponse(ResponseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobsField | None = None  # vLLM's extra, when the request asked
+    timings: Timings | None = None  # llama-server's
 
 
 class ChatCompletionResponseStreamChoice(ResponseModel):
@@ -269,6 +320,8 @@ class ChatCompletionStreamResponse(ResponseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    timings: Timings | None = None
+    prompt_progress: PromptProgress | None = None
 
 
 # ---- embeddings -----------------------------------------------------------------------------
@@ -348,3 +401,65 @@ class DetokenizeRequest(RequestModel):
 
 class DetokenizeResponse(ResponseModel):
     prompt: str
+
+
+# ---- scoring (/score, /v1/score) and reranking (/rerank, /v1/rerank): serving_score.py ----------------------
+
+class ScoreRequest(RequestModel):
+    """vLLM's /score body: text_1 scored against text_2 (one text and a list, or two lists of one length)."""
+
+    model: str | None = None
+    text_1: StrictStr | list[StrictStr]
+    text_2: StrictStr | list[StrictStr]
+    use_activation: bool | None = None  # False: the raw logit instead of its sigmoid
+    user: str | None = None
+
+
+class ScoreData(ResponseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(ResponseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: UsageInfo
+
+
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    text: StrictStr
+
+
+class RerankRequest(RequestModel):
+    """The rerank body of Jina, Cohere and vLLM: a query, documents (strings or {"text": ...}), top_n (0 or
+    unset: every document), return_documents."""
+
+    model: str | None = None
+    query: StrictStr
+    documents: list[StrictStr | RerankDocument]
+    top_n: StrictInt | None = None
+    return_documents: bool = True
+    use_activation: bool | None = None
+
+
+class RerankResult(ResponseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(ResponseModel):
+    total_tokens: int
+
+
+class RerankResponse(ResponseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

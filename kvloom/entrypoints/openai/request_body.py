@@ -19,6 +19,13 @@ from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
 
 from kvloom.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from kvloom.entrypoints.ollama.protocol import (
+    OllamaChatRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaShowRequest,
+)
 from kvloom.entrypoints.openai.args import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kvloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -26,7 +33,10 @@ from kvloom.entrypoints.openai.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     ErrorResponse,
+    InfillRequest,
     RequestModel,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from kvloom.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -37,10 +47,11 @@ logger = logging.getLogger("kvloom")
 RequestT = TypeVar("RequestT", bound=RequestModel)
 
 
-async def _read_body(raw_request: Request) -> bytes:
-    """The body, refused before it is read when it is not JSON (415) or too large (413)."""
+async def _read_body(raw_request: Request, any_content_type: bool = False) -> bytes:
+    """The body, refused before it is read when it is not JSON (415, unless ``any_content_type``) or too large
+    (413)."""
     content_type = raw_request.headers.get("content-type", "")
-    if content_type.partition(";")[0].strip().lower() != "application/json":
+    if not any_content_type and content_type.partition(";")[0].strip().lower() != "application/json":
         raise APIError(f"the request body must be JSON sent with 'Content-Type: application/json', "
                        f"got {content_type or 'no Content-Type'!r}", 415, code="unsupported_media_type")
     limit = getattr(raw_request.app.state, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
@@ -59,9 +70,10 @@ async def _read_body(raw_request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def parse_body(raw_request: Request, model: type[RequestT]) -> RequestT:
-    """The JSON body as a request model; a 400 naming the field for anything malformed."""
-    body = await _read_body(raw_request)
+async def parse_body(raw_request: Request, model: type[RequestT], any_content_type: bool = False) -> RequestT:
+    """The JSON body as a request model; a 400 naming the field for anything malformed. ``any_content_type``: read
+    it as JSON whatever its Content-Type (Ollama's API does)."""
+    body = await _read_body(raw_request, any_content_type)
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as e:
@@ -129,7 +141,9 @@ def describe_validation_error(errors: list[Any]) -> tuple[str, int, str | None]:
 REQUEST_MODELS: tuple[type[RequestModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                                                   DetokenizeRequest, EmbeddingRequest,
                                                   AnthropicMessagesRequest, AnthropicCountTokensRequest,
-                                                  ResponsesRequest)
+                                                  ResponsesRequest, InfillRequest, ScoreRequest, RerankRequest,
+                                                  OllamaChatRequest, OllamaGenerateRequest, OllamaEmbedRequest,
+                                                  OllamaEmbeddingsRequest, OllamaShowRequest)
 _SCHEMA_REF = "#/components/schemas/{model}"
 
 

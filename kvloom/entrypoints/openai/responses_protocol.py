@@ -79,9 +79,7 @@ OutputItem = OutputMessage | FunctionToolCall | ReasoningItem
 # ---- the response -----------------------------------------------------------------------------
 
 class InputTokensDetails(ResponseModel):
-    # Prompt-cache hits are not reported through the chat seam yet: kvloom answers 0, as a server without a
-    # prompt cache does.
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # input tokens served from the prefix cache (whole blocks)
     cache_write_tokens: int = 0
 
 

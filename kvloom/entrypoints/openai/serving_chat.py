@@ -1,6 +1,9 @@
 """/v1/chat/completions: a conversation rendered by the chat template -> n assistant replies,
 whole or streamed (a role chunk first, then content and tool-call deltas). Tools and tool_choice are
-handled by ``tool_calls.py``; response_format / structured_outputs by the shared base."""
+handled by ``tool_calls.py``; response_format / structured_outputs by the shared base. Usage counts the prompt
+tokens the prefix cache served (``prompt_tokens_details.cached_tokens``); llama-server's ``timings`` come with the
+response (the last chunk of a stream, every chunk with ``timings_per_token``), and a stream with
+``return_progress`` gets ``prompt_progress`` chunks while a long prompt is prefilled."""
 
 from __future__ import annotations
 
@@ -40,8 +43,10 @@ from kvloom.entrypoints.openai.serving_engine import (
     error_event,
     event_stream,
     last_output,
+    progress_of,
     run_until_disconnected,
     sse_event,
+    timings_of,
     usage_info,
 )
 from kvloom.entrypoints.openai.tool_calls import (
@@ -71,6 +76,10 @@ class ChatRun:
     generator: AsyncIterator[RequestOutput]
     tool_choice: str  # "none", "auto", "required" or "function:NAME" (resolve_tool_choice)
     reasoning_phase: Phase | None = None  # with --reasoning-parser: where the reply starts (reasoning/parsers.py)
+    # Set as the engine's outputs arrive: the prompt tokens the prefix cache served, and the last output with
+    # metrics (what timings are computed from). None until the first output.
+    num_cached_tokens: int | None = None
+    latest: RequestOutput | None = None
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -124,7 +133,8 @@ class OpenAIServingChat(OpenAIServing):
                                       structured_outputs=constraint)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         engine_request = self.engine_request(request_id, prompt, params, "messages",
-                                             param if max_tokens is not None else None, model=request.model)
+                                             param if max_tokens is not None else None, model=request.model,
+                                             return_progress=request.stream and request.return_progress)
         reasoning_phase = None
         if self.reasoning_parser is not None:
             thinking = (request.chat_template_kwargs or {}).get("enable_thinking", True)
@@ -148,6 +158,7 @@ class OpenAIServingChat(OpenAIServing):
     async def chat_response(self, run: ChatRun) -> ChatCompletionResponse:
         """A started chat run, whole."""
         output = await last_output(run.generator)
+        run.num_cached_tokens, run.latest = output.num_cached_tokens, output
         return self._response(run.request, run.request_id, run.created, run.model, output, run.tool_choice,
                               run.reasoning_phase)
 
@@ -221,8 +232,10 @@ class OpenAIServingChat(OpenAIServing):
                 stop_reason=completion.stop_reason))
         num_generated = sum(len(c.token_ids) for c in output.outputs)
         return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                      usage=usage_info(len(output.prompt_token_ids), num_generated),
-                                      prompt_logprobs=self.prompt_logprobs_field(output))
+                                      usage=usage_info(len(output.prompt_token_ids), num_generated,
+                                                       output.num_cached_tokens),
+                                      prompt_logprobs=self.prompt_logprobs_field(output),
+                                      timings=timings_of([output], num_generated))
 
     async def chat_chunks(self, run: ChatRun) -> AsyncIterator[ChatCompletionStreamResponse]:
         """A started chat run as Chat Completions stream chunks: a role chunk per choice, then content and
@@ -248,9 +261,19 @@ class OpenAIServingChat(OpenAIServing):
                 finish_reason=None))
         num_generated = 0
         saw_output = False
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
         async with aclosing(run.generator) as outputs:
             async for output in outputs:
                 saw_output = True
+                run.num_cached_tokens = output.num_cached_tokens
+                if output.metrics is not None:
+                    run.latest = output
+                chunks = []
+                progress = progress_of(output) if request.return_progress else None
+                if progress is not None:  # llama-server's progress chunk: an assistant delta with no content
+                    chunks.append(ChatCompletionStreamResponse(
+                        id=run.request_id, created=run.created, model=run.model, prompt_progress=progress,
+                        choices=[ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(role="assistant"))]))
                 for completion in output.outputs:
                     state = states[completion.index]
                     if state.finished:
@@ -258,11 +281,21 @@ class OpenAIServingChat(OpenAIServing):
                     num_generated += len(completion.token_ids)
                     choice = self._delta_choice(request, completion, state, reasoning[completion.index])
                     if choice is not None:
-                        yield chunk(choice)
-        if request.stream_options is not None and request.stream_options.include_usage and saw_output:
+                        chunks.append(chunk(choice))
+                last = output.finished and not include_usage  # llama-server: timings on the last chunk
+                if request.timings_per_token or last:
+                    if last and not chunks:
+                        chunks.append(ChatCompletionStreamResponse(id=run.request_id, created=run.created,
+                                                                   model=run.model, choices=[]))
+                    if chunks:
+                        chunks[-1].timings = timings_of([run.latest], num_generated)
+                for item in chunks:
+                    yield item
+        if include_usage and saw_output:
             yield ChatCompletionStreamResponse(
                 id=run.request_id, created=run.created, model=run.model, choices=[],
-                usage=usage_info(run.num_prompt_tokens, num_generated))
+                usage=usage_info(run.num_prompt_tokens, num_generated, run.num_cached_tokens or 0),
+                timings=timings_of([run.latest], num_generated))
 
     async def _stream(self, run: ChatRun) -> AsyncIterator[str]:
         try:

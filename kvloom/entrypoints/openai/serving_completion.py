@@ -1,7 +1,12 @@
 """/v1/completions: one or several prompts (text or token ids) -> n completions each, whole or
 streamed; ``echo`` prepends the prompt (with its logprobs when asked). ``echo`` with ``max_tokens=0`` returns
 only the prompt and its logprobs (what lm-evaluation-harness sends for log-likelihoods): as vLLM, one token
-is generated and dropped. vLLM's ``prompt_logprobs`` come back on each choice."""
+is generated and dropped. vLLM's ``prompt_logprobs`` come back on each choice. A ``suffix`` makes each prompt the
+prefix of a fill-in-the-middle prompt (prefix-suffix-middle, built as llama-server builds ``/infill``'s: fim.py);
+a model without FIM tokens refuses it. ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens the
+prefix cache served; llama-server's ``timings`` come with the response (the last chunk of a stream, every chunk
+with ``timings_per_token``), and a stream with ``return_progress`` gets ``prompt_progress`` chunks as a long prompt
+is prefilled."""
 
 from __future__ import annotations
 
@@ -33,8 +38,10 @@ from kvloom.entrypoints.openai.serving_engine import (
     event_stream,
     last_output,
     merge_async_iterators,
+    progress_of,
     run_until_disconnected,
     sse_event,
+    timings_of,
     usage_info,
 )
 from kvloom.outputs import CompletionOutput, Logprob, RequestOutput
@@ -44,8 +51,9 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
         self.check_engine()
-        if request.suffix:
-            raise APIError("suffix is not supported", param="suffix")
+        if request.suffix and request.echo:
+            raise APIError("echo cannot be combined with suffix (a fill-in-the-middle prompt is not the text sent)",
+                           param="echo")
         if request.best_of is not None and request.best_of != request.n:
             raise APIError(f"best_of must equal n ({request.n}) when given; kvloom does not rank "
                            f"extra completions", param="best_of")
@@ -70,7 +78,8 @@ class OpenAIServingCompletion(OpenAIServing):
             params = self.sampling_params(request, max_tokens, logprobs, prompt_logprobs,
                                           structured_outputs=constraint)
             requests.append(self.engine_request(f"{request_id}-{i}", prompt, params, "prompt", max_tokens_param,
-                                                model=request.model))
+                                                model=request.model,
+                                                return_progress=request.stream and request.return_progress))
         echo_texts = None
         if request.echo:
             echo_texts = [p.text if p.text is not None
@@ -101,6 +110,11 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(prompt)
         if not items:
             raise APIError("prompt must not be empty", param="prompt")
+        if request.suffix:
+            fim = self.fim_tokens("suffix")
+            # llama.cpp also ends generation at the FIM padding / repository / file-separator tokens.
+            request.stop_token_ids = [*(request.stop_token_ids or []), *fim.end_of_generation_ids]
+            return [await self.infill_prompt(fim, item, request.suffix, [], []) for item in items]
         return [await self.tokenize_prompt(item, request.add_special_tokens, "prompt") for item in items]
 
     def _logprobs(self, token_ids: list[int], entries: Sequence[dict[int, Logprob] | None],
@@ -154,8 +168,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 if not _echo_only(request):
                     num_generated += len(completion.token_ids)
         num_prompt = sum(len(p.token_ids) for p in prompts)
+        num_cached = sum(output.num_cached_tokens for output in outputs)
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=usage_info(num_prompt, num_generated))
+                                  usage=usage_info(num_prompt, num_generated, num_cached),
+                                  timings=timings_of(outputs, num_generated))
 
     async def _stream(self, request: CompletionRequest, request_id: str, created: int, model: str,
                       prompts: list[TokenizedPrompt], echo_texts: list[str] | None,
@@ -164,12 +180,26 @@ class OpenAIServingCompletion(OpenAIServing):
         states = [ChoiceState() for _ in range(len(prompts) * n)]
         # A delta stream carries the prompt's logprobs once; every choice of the prompt echoes them.
         prompt_logprobs: list[Any] = [None] * len(prompts)
+        latest: list[RequestOutput | None] = [None] * len(prompts)  # each prompt's last output with metrics
         num_generated = 0
+        num_unfinished = len(prompts)
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+
+        def chunk(choices: list[CompletionResponseChoice], **fields: Any) -> CompletionStreamResponse:
+            return CompletionStreamResponse(id=request_id, created=created, model=model, choices=choices, **fields)
+
         try:
             async with aclosing(merge_async_iterators(generators)) as merged:
                 async for prompt_index, output in merged:
+                    if output.metrics is not None:
+                        latest[prompt_index] = output
                     if output.prompt_logprobs is not None:
                         prompt_logprobs[prompt_index] = output.prompt_logprobs
+                    chunks = []
+                    progress = progress_of(output) if request.return_progress else None
+                    if progress is not None:
+                        chunks.append(chunk([CompletionResponseChoice(index=prompt_index * n, text="")],
+                                            prompt_progress=progress))
                     for completion in output.outputs:
                         index = prompt_index * n + completion.index
                         state = states[index]
@@ -181,12 +211,21 @@ class OpenAIServingCompletion(OpenAIServing):
                                                     echo_texts[prompt_index] if echo_texts else None,
                                                     prompt_logprobs[prompt_index], completion, state, index)
                         if choice is not None:
-                            yield sse_event(CompletionStreamResponse(id=request_id, created=created, model=model,
-                                                                choices=[choice]))
-            if request.stream_options is not None and request.stream_options.include_usage:
+                            chunks.append(chunk([choice]))
+                    num_unfinished -= output.finished
+                    last = num_unfinished == 0 and not include_usage  # llama-server: timings on the last chunk
+                    if request.timings_per_token or last:
+                        if last and not chunks:
+                            chunks.append(chunk([]))
+                        if chunks:
+                            chunks[-1].timings = timings_of(latest, num_generated)
+                    for event in chunks:
+                        yield sse_event(event)
+            if include_usage:
                 num_prompt = sum(len(p.token_ids) for p in prompts)
-                yield sse_event(CompletionStreamResponse(id=request_id, created=created, model=model,
-                                                    choices=[], usage=usage_info(num_prompt, num_generated)))
+                num_cached = sum(o.num_cached_tokens for o in latest if o is not None)
+                yield sse_event(chunk([], usage=usage_info(num_prompt, num_generated, num_cached),
+                                      timings=timings_of(latest, num_generated)))
         except (APIError, EngineDeadError, ValueError) as e:
             yield error_event(e)
         yield "data: [DONE]\n\n"

@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import json
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -31,7 +31,23 @@ from pydantic import BaseModel
 from kvloom.engine.engine_client import EngineClient, EngineDeadError
 from kvloom.engine.input_processor import EngineRequest, TokenizedPrompt
 from kvloom.engine.request import ContextLengthError
-from kvloom.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestModel, SamplingFields, UsageInfo
+from kvloom.entrypoints.openai.fim import (
+    LLAMA_SERVER_N_BATCH,
+    LLAMA_SERVER_N_PREDICT,
+    FimTokens,
+    InfillUnsupportedError,
+    format_prompt_infill,
+)
+from kvloom.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    PromptProgress,
+    PromptTokensDetails,
+    RequestModel,
+    SamplingFields,
+    Timings,
+    UsageInfo,
+)
 from kvloom.outputs import Logprob, RequestOutput
 from kvloom.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -199,6 +215,8 @@ class OpenAIServing:
 
     # The engine's runner (--runner): 'pooling' serves embeddings only, so generation requests are refused.
     runner = "auto"
+    # Set by the app: why the served model does not generate (a sequence classifier: serving_score.py), or None.
+    generation_refusal: Callable[[], str | None] | None = None
 
     def __init__(self, engine: EngineClient, served_model_names: list[str], chat_template: str | None = None,
                  *, max_logprobs: int = MAX_LOGPROBS, max_chars_per_token: int | None = None) -> None:
@@ -286,6 +304,9 @@ class OpenAIServing:
         if self.runner == "pooling":
             raise APIError("this server runs with --runner pooling (embeddings only): use /v1/embeddings, or serve "
                            "with --runner auto to generate too", param="model")
+        refusal = None if self.generation_refusal is None else self.generation_refusal()
+        if refusal is not None:
+            raise APIError(refusal, param="model")
         self.check_refused_fields(request)
         top_k = request.top_k
         if top_k is not None and top_k >= self.vocab_size:
@@ -403,16 +424,44 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(str(e), param=prompt_name) from None
 
+    def fim_tokens(self, param: str) -> FimTokens:
+        """The model's fill-in-the-middle tokens; a 400 naming ``param`` when it has none (fim.py)."""
+        try:
+            return FimTokens.of(self.tokenizer)
+        except InfillUnsupportedError as e:
+            raise APIError(str(e), param=param, code="infill_not_supported") from None
+
+    async def infill_prompt(self, fim: FimTokens, input_prefix: str | list[str | int],
+                            input_suffix: str | list[str | int], input_extra: list[dict[str, Any]],
+                            prompt_tokens: Sequence[int]) -> TokenizedPrompt:
+        """The FIM prompt llama-server builds (fim.format_prompt_infill, with its default batch and n_predict and
+        this server's context length); long inputs are tokenized in a worker thread."""
+        pieces = [input_prefix, input_suffix, *(chunk.get("text", "") for chunk in input_extra)]
+        num_chars = sum(len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
+                        for p in pieces)
+        self.check_prompt_chars(num_chars, "input_prefix")
+
+        def build() -> list[int]:
+            return format_prompt_infill(self.tokenizer, fim, input_prefix, input_suffix, input_extra,
+                                        LLAMA_SERVER_N_BATCH, LLAMA_SERVER_N_PREDICT, self.max_model_len, False,
+                                        prompt_tokens)
+
+        token_ids = await asyncio.to_thread(build) if num_chars > INLINE_TOKENIZE_CHARS else build()
+        return TokenizedPrompt(None, tuple(token_ids))
+
     def engine_request(self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams,
-                       prompt_name: str, max_tokens_param: str | None, model: str | None = None) -> EngineRequest:
+                       prompt_name: str, max_tokens_param: str | None, model: str | None = None,
+                       return_progress: bool = False) -> EngineRequest:
         """The request for the engine, validated once; a 400 naming the parameter at fault.
 
         ``max_tokens_param``: the field the client set max_tokens with (None: it set none). ``model``: the
-        request's model field, which may name a LoRA adapter."""
+        request's model field, which may name a LoRA adapter. ``return_progress``: outputs after each prefill
+        chunk too (llama-server's return_progress; a stream's)."""
         lora_request = None if self.lora_modules is None else self.lora_modules.lora_request(model)
         try:
-            return self.engine.input_processor.process(request_id, prompt, params, max_tokens_must_fit=True,
-                                                       lora_request=lora_request)
+            request = self.engine.input_processor.process(request_id, prompt, params, max_tokens_must_fit=True,
+                                                          lora_request=lora_request)
+            return dataclasses.replace(request, return_progress=True) if return_progress else request
         except ContextLengthError as e:
             raise APIError(e.message(prompt_name), param=max_tokens_param or prompt_name,
                            code="context_length_exceeded") from None
@@ -475,9 +524,42 @@ def _text_length(content: Any) -> int:
     return 0
 
 
-def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
+    """OpenAI's usage; ``cached_tokens``: the prompt tokens the prefix cache served (prompt_tokens_details)."""
+    details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+
+
+def timings_of(outputs: Sequence[RequestOutput | None], num_generated: int) -> Timings:
+    """llama-server's timings of a response from its prompts' latest outputs: the prompt tokens the prefix cache held
+    and those computed, from first scheduling to the first token (the longest prompt's), and the tokens generated
+    from the first token to the last. A rate over no time or no tokens is 0."""
+    seen = [o for o in outputs if o is not None]
+    cache_n = sum(o.num_cached_tokens for o in seen)
+    prompt_n = sum(len(o.prompt_token_ids) for o in seen) - cache_n
+    metrics = [o.metrics for o in seen if o.metrics is not None]
+    prompt_s = max((m.first_token_time - m.first_scheduled_time for m in metrics
+                    if m.first_token_time is not None and m.first_scheduled_time is not None), default=0.0)
+    firsts = [m.first_token_time for m in metrics if m.first_token_time is not None]
+    lasts = [m.last_token_time for m in metrics if m.last_token_time is not None]
+    predicted_s = max(lasts) - min(firsts) if firsts and lasts else 0.0
+    prompt_ms, predicted_ms = max(prompt_s, 0.0) * 1e3, max(predicted_s, 0.0) * 1e3
+    return Timings(cache_n=cache_n, prompt_n=prompt_n, prompt_ms=prompt_ms,
+                   prompt_per_token_ms=prompt_ms / prompt_n if prompt_n else 0.0,
+                   prompt_per_second=1e3 * prompt_n / prompt_ms if prompt_ms else 0.0,
+                   predicted_n=num_generated, predicted_ms=predicted_ms,
+                   predicted_per_token_ms=predicted_ms / num_generated if num_generated else 0.0,
+                   predicted_per_second=1e3 * num_generated / predicted_ms if predicted_ms else 0.0)
+
+
+def progress_of(output: RequestOutput) -> PromptProgress | None:
+    """The output's prompt_progress as llama-server sends it (None: it carries none)."""
+    progress = output.prompt_progress
+    if progress is None:
+        return None
+    return PromptProgress(total=progress.total, cache=progress.cache, processed=progress.processed,
+                          time_ms=progress.time_ms)
 
 
 def error_event(error: BaseException) -> str:

@@ -55,6 +55,7 @@ from kvloom.entrypoints.openai.request_body import BODY_ERRORS, describe_validat
 from kvloom.entrypoints.openai.responses_protocol import (
     FunctionToolCall,
     IncompleteDetails,
+    InputTokensDetails,
     OutputItem,
     OutputMessage,
     OutputText,
@@ -176,7 +177,7 @@ class OpenAIServingResponses:
                                       choice.finish_reason,
                                       self._usage(chat_response.usage.prompt_tokens,
                                                   chat_response.usage.completion_tokens,
-                                                  choice.message.reasoning_content))
+                                                  choice.message.reasoning_content, run.num_cached_tokens))
             self._keep(request, api_key, response, items)
             return JSONResponse(response.model_dump())
 
@@ -247,12 +248,14 @@ class OpenAIServingResponses:
             tools=request.tools or [], top_p=request.top_p, usage=response_usage, user=request.user,
             metadata=request.metadata or {})
 
-    def _usage(self, input_tokens: int, output_tokens: int, reasoning: str | None) -> ResponseUsage:
+    def _usage(self, input_tokens: int, output_tokens: int, reasoning: str | None,
+               cached_tokens: int | None) -> ResponseUsage:
         """Usage, the reasoning's tokens counted as the tokenizer encodes its text (the chat seam gives the text,
-        not where its tokens end)."""
+        not where its tokens end); ``cached_tokens``: the input tokens the prefix cache served."""
         reasoning_tokens = len(self.chat.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
         return ResponseUsage(input_tokens=input_tokens, output_tokens=output_tokens,
                              total_tokens=input_tokens + output_tokens,
+                             input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens or 0),
                              output_tokens_details=OutputTokensDetails(
                                  reasoning_tokens=min(reasoning_tokens, output_tokens)))
 
@@ -274,7 +277,7 @@ class OpenAIServingResponses:
                 async for chunk in chunks:
                     if chunk.usage is not None:
                         response_usage = self._usage(chunk.usage.prompt_tokens, chunk.usage.completion_tokens,
-                                                     events.reasoning_text())
+                                                     events.reasoning_text(), run.num_cached_tokens)
                     for event in events.feed(chunk):
                         yield event
                     for choice in chunk.choices:

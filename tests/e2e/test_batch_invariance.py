@@ -1,0 +1,57 @@
+"""One answer whatever the load: a greedy request's tokens do not depend on how many other requests share its
+steps, nor on how its prompt is split into prefill chunks, for the default model's default (4-bit), bf16 and int8
+loads. `make test` runs this file at every ISA level the CPU has (KVLOOM_CPU_ISA)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvloom import LLM, SamplingParams
+
+MAX_TOKENS = 20
+TEXTS = [
+    "The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):", "Once upon a time, in a land",
+    "List three prime numbers:", "The quick brown fox", "Explain why the sky is blue in one sentence.",
+    "import numpy as np\n", "My favourite food is", "Translate 'good morning' into Spanish:",
+    "The year 1969 is remembered for", "Q: What is 12 times 12?\nA:", "Dear Sir or Madam,",
+    "In machine learning, a transformer is", "The recipe calls for two cups of", "Roses are red, violets are",
+]
+LOADS = {
+    "default": {},  # the GGUF's 4-bit weights kept 4-bit
+    "bf16": {"quantization": "none"},
+    "int8": {"quantization": "int8"},
+}
+
+
+def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("load", sorted(LOADS))
+def test_sixteen_requests_together_equal_each_alone(smollm2_gguf_path: str, load: str) -> None:
+    # No prefix cache, so each request computes its whole prompt itself in both runs; a 48-token step budget so that
+    # together the prompts are split across steps beside other requests' decodes (chunked prefill).
+    llm = LLM(model=smollm2_gguf_path, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=48,
+              enable_prefix_caching=False, **LOADS[load])
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.encode(text) for text in TEXTS]
+    together = greedy(llm, prompts)
+    alone = [greedy(llm, [prompt])[0] for prompt in prompts]
+    differing = [i for i in range(len(prompts)) if together[i] != alone[i]]
+    assert not differing, (f"{load}: {len(differing)} of {len(prompts)} requests answer differently in a batch of 16 "
+                           f"than alone: {[(TEXTS[i], together[i], alone[i]) for i in differing[:2]]}")
+
+
+def test_a_prompt_split_into_chunks_answers_as_in_one_step(smollm2_gguf_path: str) -> None:
+    # The same prompts prefilled in one step each, then in chunks of 8 tokens (with the prefix cache on, a second
+    # request's cached blocks split its prefill again).
+    whole = LLM(model=smollm2_gguf_path, max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
+    prompts = [whole.get_tokenizer().encode(text * 3) for text in TEXTS[:4]]
+    expected = [greedy(whole, [prompt])[0] for prompt in prompts]
+    del whole
+    chunked = LLM(model=smollm2_gguf_path, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=8,
+                  enable_chunked_prefill=True)
+    assert greedy(chunked, prompts) == expected
+    assert greedy(chunked, prompts) == expected  # now from the prefix cache's blocks, the rest computed
