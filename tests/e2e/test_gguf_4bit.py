@@ -676,3 +676,50 @@ def test_q4_k_rows_beside_a_q6_k_v_keep_their_own_bits(q4_k_m_gguf: str, monkeyp
     expected = _logprobs_and_greedy(new, prompts)
     monkeypatch.setenv("KVLOOM_CPU_LAYER_STACK", "0")
     assert _logprobs_and_greedy(LLM(model=q4_k_m_gguf, dtype="float32", max_model_len=128), prompts) == expected
+
+
+@pytest.fixture(scope="module")
+def smollm2_q4_k_down(smollm2_gguf_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The default model with its down projections (the only ones whose 1,536 inputs fit super-blocks of 256; the
+    rest are 576 wide) re-quantized from its Q4_1 values to Q4_K, the rest of the file as it is."""
+    import gguf as gguf_package
+    from gguf.quants import dequantize
+
+    reader = gguf_package.GGUFReader(smollm2_gguf_path)
+    path = str(tmp_path_factory.mktemp("smollm2_q4_k") / "smollm2-q4_k-down.gguf")
+    writer = gguf_package.GGUFWriter(path, str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub_type = field.types[-1] if kind == gguf_package.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
+    for tensor in reader.tensors:
+        if tensor.name.endswith("ffn_down.weight"):
+            values = dequantize(tensor.data, tensor.tensor_type)
+            writer.add_tensor(tensor.name, tiny_models.quantize_q4_k(values),
+                              raw_dtype=gguf_package.GGMLQuantizationType.Q4_K)
+        else:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_smollm2_with_q4_k_downs_answers_as_with_code_blocks(smollm2_q4_k_down: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real model's Q4_K down projections on the file's super-blocks: the same prompt logprobs and greedy tokens,
+    exactly, as the code blocks give."""
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels could not be built here")
+    monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
+    prompts = mixed_prompts(2000, count=3, seed=8)
+    new = LLM(model=smollm2_q4_k_down, max_model_len=256)
+    assert _packed_kinds(new)["layers.0.mlp.down_proj"] == "PackedKQuantWeight"
+    expected = _logprobs_and_greedy(new, prompts)
+    del new
+    old = LLM(model=smollm2_q4_k_down, max_model_len=256, override_backend_config={"gguf_super_blocks": False})
+    assert _packed_kinds(old)["layers.0.mlp.down_proj"] == "PackedQ4Weight"
+    assert _logprobs_and_greedy(old, prompts) == expected
