@@ -165,11 +165,41 @@ def build_tiny_checkpoint(
 
 
 def quantize_tensor(w: Any, ggml_type: int) -> Any:
-    """gguf.quants.quantize, and Q6_K (which it lacks) by quantize_q6_k."""
+    """gguf.quants.quantize, and Q6_K and Q4_K (which it lacks) by quantize_q6_k and quantize_q4_k."""
     import gguf
 
+    if ggml_type == int(gguf.GGMLQuantizationType.Q4_K):
+        return quantize_q4_k(w)
     return quantize_q6_k(w) if ggml_type == int(gguf.GGMLQuantizationType.Q6_K) else gguf.quants.quantize(w,
                                                                                                          ggml_type)
+
+
+def quantize_q4_k(w: Any) -> Any:
+    """A float32 [rows, K] (K a multiple of 256) as GGUF Q4_K bytes [rows, K / 256 * 144], laid out as ggml's
+    dequantize_row_q4_K reads them: per super-block of 256 an fp16 d and dmin, per block of 32 a 6-bit scale and min
+    (the block's range / 15 and -min(block, 0), in units of d = the largest scale / 63 and dmin = the largest min /
+    63, packed as get_scale_min_k4 unpacks them) and codes round((x + dmin mn) / (d sc)) in 0..15, block 2 j's in the
+    low nibbles of bytes 32 j .. 32 j + 31 and block 2 j + 1's in their high ones. Not llama.cpp's search for the
+    best scales: a valid file's bytes for tests."""
+    import numpy as np
+
+    rows, k = w.shape
+    x = w.astype(np.float32).reshape(-1, 8, 32)  # [S, block, 32]
+    lo = np.minimum(x.min(axis=2), 0)
+    step, offset = (x.max(axis=2) - lo) / 15, -lo  # [S, 8]
+    d = (step.max(axis=1) / 63).astype(np.float16)
+    dmin = (offset.max(axis=1) / 63).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32), dmin.astype(np.float32)
+    sc = np.clip(np.round(step / np.where(d32 > 0, d32, 1)[:, None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(offset / np.where(dmin32 > 0, dmin32, 1)[:, None]), 0, 63).astype(np.uint8)
+    scale = d32[:, None] * sc.astype(np.float32)
+    q = np.round((x + (dmin32[:, None] * mn.astype(np.float32))[..., None]) / np.where(scale > 0, scale, 1)[..., None])
+    codes = np.clip(q, 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)  # [S, j, half, l]
+    qs = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(-1, 128)
+    packed = np.concatenate((sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)), axis=1)  # [S, 12]
+    out = np.concatenate((d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8), packed, qs), axis=1)
+    return out.reshape(rows, k // 256 * 144)
 
 
 def quantize_q6_k(w: Any) -> Any:

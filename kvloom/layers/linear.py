@@ -16,6 +16,12 @@ A GGUF's 4- and 5-bit weights (``quantization="gguf"``) arrive as ``Q4Blocks`` a
 shards beside them, or Q8_0 int8 blocks beside Q4_1 / Q4_K ones) is dequantized whole to float at packing: one
 product per layer; where the others are int8 blocks and the code blocks are exactly int8 codes with a scale per 32
 (Q4_0, Q5_0: a 576-wide model's Q4_K_M has Q5_0 q and k beside a Q8_0 v), all go to the int8 blocks instead.
+
+A GGUF's Q4_K and Q6_K weights may arrive as the file's super-blocks (``Q4KBlocks``, ``Q6KBlocks``, on a CPU) and
+stay so in ``super_blocks`` when every shard of the layer came so, Q4_K shards first (a Q4_K_M file's q and k beside
+its Q6_K v: a whole number of panels of 8 rows), for ``pack_linear_q4`` to take as they are (``KQuantRows``,
+ops/q4k.py); beside shards of any other kind, or in another order, they are decoded into ``q4`` and go the way
+above.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvloom.ops import int8
-from kvloom.ops.q4 import Q4Blocks, q4_linear_reference
+from kvloom.ops.q4 import PANEL, Q4Blocks, q4_linear_reference
+from kvloom.ops.q4k import SUPER_BLOCK_TYPES, KQuantRows, Q4KBlocks, Q6KBlocks, joined_blocks
 from kvloom.ops.table import Ops
 
 
@@ -49,6 +56,8 @@ class Linear(nn.Module):
         # the shards (indices into output_sizes) that arrived so.
         self.q4: Q4Blocks | None = None
         self.q4_shards: set[int] = set()
+        # The file's Q4_K / Q6_K super-blocks by shard, while every weight shard came so.
+        self.super_blocks: dict[int, Q4KBlocks | Q6KBlocks] = {}
         # The shards whose weight is held in float (read as float and not read again as int8, as smoothing's second
         # pass does): where int8 shards stay beside them (a GGUF's Q8_0 v_proj beside float q and k), the layer
         # ends in float, every shard exact.
@@ -64,12 +73,20 @@ class Linear(nn.Module):
         return self.weight_scale is not None and self.weight_scale.dim() == 2
 
     def load_shard(self, name: str, shard: int,
-                   tensor: torch.Tensor | int8.Int8Rows | int8.Int8Blocks | Q4Blocks) -> None:
+                   tensor: torch.Tensor | int8.Int8Rows | int8.Int8Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks
+                   ) -> None:
         """Copy one HF tensor into row block ``shard`` of the fused weight (or bias); int8 rows or blocks (a
         weight quantized as it was read, or a GGUF Q8_0 kept) go to the int8 storage, which the first of
         them creates, and 4-bit blocks to the 4-bit storage."""
         start = sum(self.output_sizes[:shard])
         size = self.output_sizes[shard]
+        if isinstance(tensor, SUPER_BLOCK_TYPES):
+            if self.q4 is None and self.qweight is None and not self.float_shards:
+                self._load_super_block_shard(name, shard, size, tensor)
+                return
+            tensor = tensor.to_blocks()  # beside shards of another kind: decoded
+        elif name == "weight" and self.super_blocks:
+            self.super_blocks_to_q4()
         if isinstance(tensor, Q4Blocks):
             self._load_q4_shard(name, shard, start, size, tensor)
             return
@@ -124,6 +141,36 @@ class Linear(nn.Module):
         for target, part in zip(self.q4, tensor):
             target[start:start + size].copy_(part)
         self.q4_shards.add(shard)
+
+    def _load_super_block_shard(self, name: str, shard: int, size: int, tensor: Q4KBlocks | Q6KBlocks) -> None:
+        if name != "weight":
+            raise ValueError(f"k-quant super-blocks can only fill a weight, not a {name}")
+        if tuple(tensor.shape) != (size, self.in_features):
+            raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected {(size, self.in_features)}")
+        self.super_blocks[shard] = tensor
+
+    def super_blocks_to_q4(self) -> None:
+        """The shards held as the file's super-blocks decoded into the code-block storage ``q4`` (exact)."""
+        held, self.super_blocks = self.super_blocks, {}
+        for shard, tensor in sorted(held.items()):
+            start, size = sum(self.output_sizes[:shard]), self.output_sizes[shard]
+            self._load_q4_shard("weight", shard, start, size, tensor.to_blocks())
+
+    def _k_quant_rows(self) -> KQuantRows | None:
+        """Every shard's super-blocks as the k-quant product takes them (Q4_K shards, then Q6_K ones: the Q4_K rows a
+        whole number of panels where Q6_K rows follow), or None where they are not so."""
+        if len(self.super_blocks) < len(self.output_sizes):
+            return None
+        shards = [self.super_blocks[i] for i in range(len(self.output_sizes))]
+        q4_k = [t for t in shards if isinstance(t, Q4KBlocks)]
+        q6_k = shards[len(q4_k):]
+        if not all(isinstance(t, Q6KBlocks) for t in q6_k):
+            return None  # Q4_K after Q6_K
+        q4_k_rows = sum(t.shape[0] for t in q4_k)
+        if q4_k and q6_k and q4_k_rows % PANEL:
+            return None
+        return KQuantRows(Q4KBlocks(torch.cat([t.data for t in q4_k])) if q4_k else None,
+                          Q6KBlocks(torch.cat([t.data for t in q6_k])) if q6_k else None)
 
     def _int8_to_float(self) -> None:
         """A layer whose shards came as int8 and as float: the int8 ones dequantized into the float weight beside
@@ -196,6 +243,14 @@ class Linear(nn.Module):
         if self.packed is not None:
             return
         bias = None if self.bias is None else self.bias.data
+        if self.super_blocks:
+            rows = self._k_quant_rows()
+            if rows is not None:
+                self.packed = ops.pack_linear_q4(rows, bias)
+                self.super_blocks = {}
+                self.weight.data = self.weight.data.new_empty(0, self.in_features)
+                return
+            self.super_blocks_to_q4()  # the code-block way below says what becomes of the layer
         if self.q4 is not None and len(self.q4_shards) < len(self.output_sizes):
             if not self._q4_to_int8_blocks():
                 self._q4_to_float()
@@ -220,6 +275,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(x)
+        if self.super_blocks:
+            weight = joined_blocks([t.to_blocks() for _, t in sorted(self.super_blocks.items())])
+            return q4_linear_reference(x, weight, self.bias)
         if self.q4 is not None:
             return q4_linear_reference(x, self.q4, self.bias)
         if self.qweight is not None:

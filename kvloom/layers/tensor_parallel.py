@@ -40,6 +40,7 @@ from kvloom.layers.moe import FusedMoE
 from kvloom.loader.model_config import ModelConfig
 from kvloom.ops.int8 import BLOCK
 from kvloom.ops.q4 import Q4Blocks
+from kvloom.ops.q4k import SUPER
 
 # A torch.distributed process group, or a c10d backend object such as dist.ProcessGroupGloo(...)
 # (anything dist.all_reduce accepts as its group).
@@ -177,6 +178,8 @@ def _shard_columns_out(linear: Linear, rank: int, world_size: int) -> None:
         linear.weight = keep(linear.weight.data)
     if linear.q4 is not None:  # 4-bit rows too, with their scales and offsets
         linear.q4 = Q4Blocks(*(keep(t).data for t in linear.q4))
+    for shard, tensor in linear.super_blocks.items():  # a shard's super-block rows: its own slice
+        linear.super_blocks[shard] = tensor.take(torch.arange(rank * sizes[shard], (rank + 1) * sizes[shard]))
     if linear.bias is not None:
         linear.bias = keep(linear.bias.data)
     linear.output_sizes = sizes
@@ -188,6 +191,11 @@ def _shard_rows_in(linear: Linear, rank: int, world_size: int, group: ProcessGro
     The bias is added once: rank 0 keeps it, the others drop it.
     """
     size = linear.in_features // world_size
+    if linear.super_blocks:  # whole super-blocks a rank, else the code blocks below
+        if size % SUPER:
+            linear.super_blocks_to_q4()
+        else:
+            linear.super_blocks = {shard: t.columns(rank * size, size) for shard, t in linear.super_blocks.items()}
     if linear.quantized and linear.blocks:  # a rank keeps the scales of its own blocks
         if size % BLOCK:
             raise ValueError(_cuts_blocks("layer's inputs", linear.in_features, world_size))

@@ -29,6 +29,7 @@ import torch
 
 from kvloom.ops.int8 import BLOCK, Int8Blocks
 from kvloom.ops.q4 import Q4Blocks
+from kvloom.ops.q4k import Q4KBlocks, Q6KBlocks, decode_k_quant
 
 logger = logging.getLogger("kvloom")
 
@@ -418,28 +419,9 @@ def q4_blocks(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> Q4Bl
     return _k_quant_blocks(raw, ggml_type, tuple(shape))
 
 
-_Q6_K_BYTES = 210  # ql (128 bytes of low nibbles) | qh (64 bytes of 2-bit highs) | 16 int8 scales | d (f16)
-
-
 def _q6_k_blocks(raw: torch.Tensor, shape: tuple[int, int]) -> Q4Blocks:
-    """Q6_K: super-blocks of 256, two halves of 128; in half n, element 32 q + l (quarter q, l < 32) takes the low
-    (q < 2) or high (q >= 2) nibble of ql[64 n + 32 (q % 2) + l] and bits 2 q, 2 q + 1 of qh[32 n + l] as its 5th and
-    6th bits; x = d * scale[e // 16] * (code - 32) for element e (ggml's dequantize_row_q6_K). Kept as codes 0..63
-    with d * scale and -32 d * scale per 16 elements (exact in fp32)."""
-    n, k = shape
-    if k % 256:
-        raise ValueError(f"a Q6_K weight needs in_features a multiple of 256, got {k}")
-    blocks = raw.view(-1, _Q6_K_BYTES)
-    if blocks.shape[0] != n * k // 256:
-        raise ValueError(f"{raw.numel()} bytes do not hold a Q6_K weight of shape {shape}")
-    ql = blocks[:, :128].reshape(-1, 2, 2, 32)  # [S, half, q % 2, l]
-    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)  # [S, half, 1, l]
-    low = torch.cat((ql & 0x0F, ql >> 4), dim=2)  # [S, half, quarter, l]
-    shifts = torch.arange(0, 8, 2, dtype=torch.uint8).view(1, 1, 4, 1)
-    codes = low | (((qh >> shifts) & 3) << 4)
-    scale = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [S, 16]
-    d = _half(blocks, 208) * scale  # [S, 16]
-    return Q4Blocks(codes.reshape(n, k).contiguous(), d.reshape(n, k // 16), (-32 * d).reshape(n, k // 16))
+    """Q6_K: codes 0..63 with d * scale and -32 d * scale per 16 elements (exact in fp32; q4k.decode_q6_k)."""
+    return Q6KBlocks.from_gguf(raw, shape).to_blocks()
 
 
 def _q5_1_codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -463,9 +445,7 @@ _K_QUANT_BYTES = {GGML_Q4_K: 144, GGML_Q5_K: 176}
 
 def _k_quant_blocks(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Q4Blocks:
     """Q4_K / Q5_K: super-blocks of 256 = d (f16) | dmin (f16) | 12 bytes of 6-bit (scale, min) pairs for 8
-    sub-blocks of 32 | (Q5_K: 32 bytes qh) | 128 bytes of nibbles; sub-block s takes the low (s even) or high (s
-    odd) nibbles of bytes 32 (s // 2) .. +32 (and, Q5_K, bit s of qh[0..32) as its fifth bit), and
-    x = q * (d * scale_s) - dmin * min_s (ggml's dequantize_row_q4_K / _q5_K)."""
+    sub-blocks of 32 | (Q5_K: 32 bytes qh) | 128 bytes of nibbles (q4k.decode_k_quant)."""
     n, k = shape
     name = "Q4_K" if ggml_type == GGML_Q4_K else "Q5_K"
     if k % 256:
@@ -473,20 +453,8 @@ def _k_quant_blocks(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -
     blocks = raw.view(-1, _K_QUANT_BYTES[ggml_type])
     if blocks.shape[0] != n * k // 256:
         raise ValueError(f"{raw.numel()} bytes do not hold a {name} weight of shape {shape}")
-    d, dmin = _half(blocks, 0), _half(blocks, 2)  # [S, 1]
-    packed = blocks[:, 4:16].to(torch.int32)  # [S, 12]
-    low, high = packed[:, 0:4], packed[:, 4:8]  # get_scale_min_k4: j < 4 reads q[j], q[j + 4]
-    top = packed[:, 8:12]
-    scale = torch.cat((low & 63, (top & 0x0F) | ((low >> 6) << 4)), dim=1)  # [S, 8]
-    minimum = torch.cat((high & 63, (top >> 4) | ((high >> 6) << 4)), dim=1)
-    qs = blocks[:, -128:].reshape(-1, 4, 32)  # [S, chunk, 32]: chunk j holds sub-blocks 2j (low) and 2j+1 (high)
-    codes = torch.stack((qs & 0x0F, qs >> 4), dim=2)  # [S, 4, 2, 32]: sub-block s = 2 j + h
-    if ggml_type == GGML_Q5_K:
-        qh = blocks[:, 16:48]  # [S, 32]: bit s of byte l is sub-block s's fifth bit of element l
-        fifth = (qh.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1  # [S, 8, 32]
-        codes = codes | (fifth.view(-1, 4, 2, 32) << 4)
-    return Q4Blocks(codes.reshape(n, k).contiguous(), (d * scale.float()).reshape(n, k // BLOCK),
-                    (-(dmin * minimum.float())).reshape(n, k // BLOCK))
+    codes, d, m = decode_k_quant(blocks, fifth_bits=ggml_type == GGML_Q5_K)
+    return Q4Blocks(codes.reshape(n, k).contiguous(), d.reshape(n, k // BLOCK), m.reshape(n, k // BLOCK))
 
 
 def _dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -543,15 +511,17 @@ def reverse_rotary_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor
 
 
 def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: bool = False,
-                      keep_q4: bool = False, keep_q5: bool = False, keep_q6: bool = False
-                      ) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks]]:
+                      keep_q4: bool = False, keep_q5: bool = False, keep_q6: bool = False,
+                      keep_super_blocks: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks]]:
     """Every weight of a GGUF (ARCHITECTURES) as (HF name, float32 tensor in HF layout); with ``keep_q8_0`` a 2-D
     Q8_0 (or Q5_0) weight comes as ``Int8Blocks`` instead, its codes and scales as stored, and with ``keep_q4`` a
     2-D Q4_0 / Q4_1 / Q4_K weight (with ``keep_q5`` too a Q5_1 / Q5_K one, with ``keep_q6`` a Q6_K one) as
     ``Q4Blocks`` (q/k rows reordered
     like the floats: a row keeps its blocks). Family transforms undone here: Llama's q/k row permutation, Gemma's 1 + w
     norms; an expert stack [E, rows, cols] comes as E tensors, one per expert (code blocks with ``keep_q4``, else
-    float: Q8_0 experts are not kept as blocks)."""
+    float: Q8_0 experts are not kept as blocks); with ``keep_q4`` and ``keep_super_blocks`` a 2-D Q4_K weight (with
+    ``keep_q6`` too a Q6_K one) comes as the file's bytes, ``Q4KBlocks`` (``Q6KBlocks``), not decoded."""
     gguf = read_gguf(path)
     arch = str(gguf.metadata.get("general.architecture"))
     permuted = arch in PERMUTED_ROTARY
@@ -574,11 +544,14 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
             raise ValueError(f"{path}: GGUF tensor {info.name!r} has no counterpart in kvloom's {arch} model")
         raw = read_tensor_bytes(path, info)
         with _single_thread():
-            kept: Int8Blocks | Q4Blocks | None = None
+            kept: Int8Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks | None = None
             if info.ggml_type == GGML_Q5_0 and GGML_Q5_0 in code_types and name.endswith("_proj.weight"):
                 kept = q4_blocks(raw, info.ggml_type, info.shape)  # the 5-bit code-block product, not int8's
             elif info.ggml_type in int8_types and len(info.shape) == 2:
                 kept = (q8_0_blocks if info.ggml_type == GGML_Q8_0 else q5_0_blocks)(raw, info.shape)
+            elif keep_super_blocks and info.ggml_type in (GGML_Q4_K, GGML_Q6_K) and info.ggml_type in code_types \
+                    and len(info.shape) == 2:
+                kept = (Q4KBlocks if info.ggml_type == GGML_Q4_K else Q6KBlocks).from_gguf(raw, info.shape)
             elif info.ggml_type in code_types and len(info.shape) == 2:
                 kept = q4_blocks(raw, info.ggml_type, info.shape)
             if kept is not None:

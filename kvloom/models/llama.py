@@ -25,6 +25,7 @@ from kvloom.ops.int8 import Int8Blocks, Int8Rows
 from kvloom.ops.layer_stack import LayerShape, LayerWeights
 from kvloom.ops.metadata import AttentionMetadata, with_sliding_window
 from kvloom.ops.q4 import Q4Blocks
+from kvloom.ops.q4k import SUPER_BLOCK_TYPES
 from kvloom.ops.table import AttentionFn, Ops
 
 # A norm over one head's D values of [N, D] rows: RMSNorm (Qwen3), or Gemma's (1 + w) RMSNorm.
@@ -169,7 +170,7 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
             module.load_shard(kind, shard, tensor)
             loaded.add(f"{target_name}#{shard}")
             continue
-        if isinstance(tensor, (Int8Rows, Int8Blocks, Q4Blocks)) and name in params:  # int8 / 4-bit as read
+        if isinstance(tensor, (Int8Rows, Int8Blocks, Q4Blocks, *SUPER_BLOCK_TYPES)) and name in params:  # as read
             model.get_submodule(name.rpartition(".")[0]).load_shard("weight", 0, tensor)
             loaded.add(name)
             continue

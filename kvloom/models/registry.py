@@ -105,9 +105,13 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
     if engine.quantization in ("gguf", "gptq", "awq"):
         # Q8_0 projections, embedding and head as int8 blocks, unless the backend turns their products off.
         keep_q8_0 = engine.backend.int8_activations and engine.backend.int8_gguf_blocks
+        # Q4_K / Q6_K weights as the file's super-blocks for the CPU's k-quant product (ops/q4k.py); a GPU's Triton
+        # product takes the decoded code blocks.
+        super_blocks = engine.backend.gguf_super_blocks and config.device.type == "cpu"
         model.load_weights(kept_as_stored(iter_weights(config.source, keep_q8_0=keep_q8_0, keep_q4=True,
                                                              keep_q5=engine.backend.gguf_5bit_blocks,
-                                                             keep_q6=engine.backend.gguf_6bit_blocks)))
+                                                             keep_q6=engine.backend.gguf_6bit_blocks,
+                                                             keep_super_blocks=super_blocks)))
         finish_gguf(model, engine.backend.requantize_lm_head)
         return
     architecture = config.model.architecture

@@ -67,7 +67,7 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 # 4-bit GEMMs, the LoRA delta (lora.cpp) and the thread pool that all of them run their loops on.
 SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name
                      for name in ("fused_ops.cpp", "gemm.cpp", "gemm_int8.cpp", "gemm_q4.cpp", "parallel.cpp",
-                                  "decoder.cpp", "lora.cpp", "dense_attention.cpp")))
+                                  "decoder.cpp", "lora.cpp", "dense_attention.cpp", "gemm_q4k.cpp")))
 # Included by them: the ISA flags (all), the thread pool's loops, the int8/4-bit GEMMs' AVX2 columns and AMX tiles.
 HEADERS = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("cpu_capability.h", "kernels.h", "parallel.h", "avx2_columns.h", "lora.h", "amx.h",
@@ -214,7 +214,8 @@ def _register_fake() -> None:
     returns nothing."""
     for op in ("kvloom::paged_attention", "kvloom::paged_attention_softcap", "kvloom::dense_attention",
                "kvloom::gemm_w8a8",
-               "kvloom::gemm_int8_weight_only", "kvloom::gemm_w8a8_blocks", "kvloom::gemm_q4"):
+               "kvloom::gemm_int8_weight_only", "kvloom::gemm_w8a8_blocks", "kvloom::gemm_q4",
+               "kvloom::gemm_kquant"):
         try:
             torch.library.register_fake(op)(lambda *args: None)
         except RuntimeError:  # already registered (a second variant in one process cannot happen)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.ops import ATTENTION_BACKENDS, int8, native, q4, reference
+from kvloom.ops import ATTENTION_BACKENDS, int8, native, q4, q4k, reference
 from kvloom.ops.layer_stack import LayerShape, LayerWeights
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.reference import allocate_kv_caches
@@ -197,9 +197,10 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
     # csrc/gemm_q4.cpp: its AVX2 kernel where built, else the same product on plain loops (still faster than
     # torch ops, which dequantize the whole weight every call).
     # On an AMX-BF16 CPU the dequantizing AMX-BF16 products change arithmetic at a row count, so they are taken only
-    # where batch-dependent products are allowed (KVLOOM_BATCH_INVARIANT=0).
+    # where batch-dependent products are allowed (KVLOOM_BATCH_INVARIANT=0). A GGUF's Q4_K / Q6_K super-blocks take
+    # csrc/gemm_q4k.cpp (one formula at every row count).
     tiles = not cpu.batch_invariant()
-    pack_q4 = functools.partial(q4.PackedQ4Weight, bf16_tiles=tiles)
+    pack_q4 = functools.partial(q4k.pack_code_blocks, bf16_tiles=tiles)
     # csrc/gemm_int8.cpp for float32 and bfloat16 activations alike, where its AVX-512 or AVX2 kernels are built.
     pack_int8, pack_int8_blocks = int8.NativeInt8Linear, int8.NativeInt8BlocksLinear
     if cpu.int8_kernels_available():

@@ -153,9 +153,11 @@ def test_q6_k_projections_stay_in_blocks_beside_4bit_ones(tmp_path) -> None:
     assert llm.llm_engine.config.quantization == "gguf"
     projections = _projections(llm)
     if cpu.cpu_kernel_available():
-        assert {type(m.packed).__name__ for m in projections} == {"PackedQ4Weight"}
-        six = [m for m in projections if m.packed.high is not None and m.packed.high.shape[2] == 2]
-        assert len(six) == 4  # q|k|v and down of both layers
+        # down (Q6_K alone) on the file's super-blocks (ops/q4k.py), q|k|v (Q4_1 beside Q6_K) as code blocks
+        assert {type(m.packed).__name__ for m in projections} == {"PackedQ4Weight", "PackedKQuantWeight"}
+        six = [m for m in projections if getattr(m.packed, "high", None) is not None and m.packed.high.shape[2] == 2]
+        assert len(six) == 2  # q|k|v of both layers
+        assert sum(getattr(m.packed, "q6_k", torch.empty(0)).numel() > 0 for m in projections) == 2  # down
     reference = LLM(model=path, dtype="float32", max_model_len=128,
                     override_backend_config={"attention_backend": "reference"})
     floats_llm = LLM(model=path, dtype="float32", max_model_len=128, quantization="none")
@@ -571,3 +573,153 @@ def test_the_default_models_perplexity_equals_llama_cpps(smollm2_gguf_path: str)
     ours = perplexity(llm, ids, 512, score_from=257, whole_windows=True)
     print(f"perplexity of the Q4_1 GGUF, -c 512: kvloom {ours:.4f}, llama.cpp {theirs:.4f}")
     assert ours == pytest.approx(theirs, rel=0.01)
+
+
+def _k_quant_gguf(factory: pytest.TempPathFactory, name: str, v_type: int) -> str:
+    """A tiny Llama (width 256) shaped as llama.cpp's Q4_K_M: Q4_K projections, a Q6_K down, v of ``v_type``, an
+    untied Q4_K embedding and Q6_K head."""
+    root = factory.mktemp(name)
+    checkpoint = tiny_models.build_tiny_checkpoint(str(root / "hf"), arch="llama", hidden_size=256,
+                                                   intermediate_size=256, tie_word_embeddings=False)
+    return tiny_models.write_tiny_gguf(str(root / f"{name}.gguf"), checkpoint,
+                                       types={"attn": gguf.GGML_Q4_K, "attn_o": gguf.GGML_Q4_K, "ffn": gguf.GGML_Q4_K,
+                                              "ffn_down": gguf.GGML_Q6_K, "attn_v": v_type,
+                                              "embed": gguf.GGML_Q4_K, "output": gguf.GGML_Q6_K})
+
+
+@pytest.fixture(scope="module")
+def q4_k_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Every layer of one k-quant: Q4_K q|k|v, o and gate|up, a Q6_K down."""
+    return _k_quant_gguf(tmp_path_factory, "q4_k", gguf.GGML_Q4_K)
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """As Q4_K_M's layers with more bits: Q4_K q and k beside a Q6_K v."""
+    return _k_quant_gguf(tmp_path_factory, "q4_k_m", gguf.GGML_Q6_K)
+
+
+def test_k_quant_weights_arrive_as_the_files_super_blocks(q4_k_m_gguf: str) -> None:
+    """keep_super_blocks: a Q4_K or Q6_K projection comes as the file's bytes (q and k rows in HF's order), decoding
+    to the values of the code blocks read without it; the tables as code blocks."""
+    from kvloom.ops.q4k import SUPER_BLOCK_TYPES
+
+    source = resolve_model(q4_k_m_gguf)
+    blocks = dict(iter_weights(source, keep_q4=True, keep_q6=True))
+    raw = dict(iter_weights(source, keep_q4=True, keep_q6=True, keep_super_blocks=True))
+    kinds = {name: type(t).__name__ for name, t in raw.items() if name.endswith(".weight")}
+    assert kinds["model.layers.0.self_attn.q_proj.weight"] == "Q4KBlocks"
+    assert kinds["model.layers.0.self_attn.v_proj.weight"] == "Q6KBlocks"
+    for name, tensor in raw.items():
+        if isinstance(tensor, SUPER_BLOCK_TYPES):
+            assert all(torch.equal(a, b) for a, b in zip(tensor.to_blocks(), blocks[name])), name
+
+
+def _packed_kinds(llm: LLM) -> dict[str, str]:
+    model = llm.llm_engine.executor.driver.model
+    return {name: type(m.packed).__name__ for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def _logprobs_and_greedy(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[float]], list[list[int]]]:
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    logprobs = [[next(iter(lp.values())).logprob for lp in out.prompt_logprobs[1:]] for out in outputs]
+    return logprobs, kvloom_greedy(llm, prompts, 6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_super_blocks_give_the_code_block_products_results_exactly(q4_k_gguf: str, dtype: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every projection on the file's super-blocks (the default); its prompt logprobs and greedy tokens equal those
+    of the load with gguf_super_blocks false (code blocks) exactly, through the layer stack and module by module."""
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels could not be built here")
+    monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
+    prompts = mixed_prompts(300, count=4, seed=5)
+    new = LLM(model=q4_k_gguf, dtype=dtype, max_model_len=128)
+    assert set(_packed_kinds(new).values()) == {"PackedKQuantWeight"}
+    if cpu.layer_stack_available():
+        assert new.llm_engine.executor.driver.model.layer_stack is not None
+    expected = _logprobs_and_greedy(new, prompts)
+    old = LLM(model=q4_k_gguf, dtype=dtype, max_model_len=128, override_backend_config={"gguf_super_blocks": False})
+    assert set(_packed_kinds(old).values()) == {"PackedQ4Weight"}
+    assert _logprobs_and_greedy(old, prompts) == expected
+    monkeypatch.setenv("KVLOOM_CPU_LAYER_STACK", "0")
+    assert _logprobs_and_greedy(LLM(model=q4_k_gguf, dtype=dtype, max_model_len=128), prompts) == expected
+
+
+def test_q4_k_rows_beside_a_q6_k_v_keep_their_own_bits(q4_k_m_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """q|k|v of Q4_K q and k and a Q6_K v: one product on the file's super-blocks (4.5 and 6.56 bits a weight where
+    the code blocks held all three at 7.125), q and k rows summed per 32 inputs where the code blocks summed them per
+    16 (the fp32 rounding differs): close to the code blocks' results, the stack equal to the modules'."""
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels could not be built here")
+    monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
+    prompts = mixed_prompts(300, count=4, seed=6)
+    new = LLM(model=q4_k_m_gguf, dtype="float32", max_model_len=128)
+    model = new.llm_engine.executor.driver.model
+    qkv = model.layers[0].self_attn.qkv_proj.packed
+    assert type(qkv).__name__ == "PackedKQuantWeight" and qkv.q4_k.numel() and qkv.q6_k.numel()
+    old = LLM(model=q4_k_m_gguf, dtype="float32", max_model_len=128,
+              override_backend_config={"gguf_super_blocks": False})
+    old_qkv = old.llm_engine.executor.driver.model.layers[0].self_attn.qkv_proj.packed
+    new_bytes = qkv.q4_k.numel() + qkv.q6_k.numel()
+    old_bytes = sum(t.numel() * t.element_size() for t in (old_qkv.data, old_qkv.high, old_qkv.scales))
+    assert new_bytes < 0.75 * old_bytes
+    # A last-bit difference can move an activation's int8 code at a rounding tie, which this random 4-bit model
+    # amplifies (as test_q6_k_projections_stay_in_blocks_beside_4bit_ones finds between the C++ and torch products);
+    # both stand as far from the dequantized floats.
+    floats = LLM(model=q4_k_m_gguf, dtype="float32", max_model_len=128, quantization="none")
+    assert worst_prompt_logprob_gap(new, old, prompts) < 0.08
+    to_floats = [worst_prompt_logprob_gap(llm, floats, prompts) for llm in (new, old)]
+    assert max(to_floats) < 0.2 and abs(to_floats[0] - to_floats[1]) < 0.02, to_floats
+    expected = _logprobs_and_greedy(new, prompts)
+    monkeypatch.setenv("KVLOOM_CPU_LAYER_STACK", "0")
+    assert _logprobs_and_greedy(LLM(model=q4_k_m_gguf, dtype="float32", max_model_len=128), prompts) == expected
+
+
+@pytest.fixture(scope="module")
+def smollm2_q4_k_down(smollm2_gguf_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The default model with its down projections (the only ones whose 1,536 inputs fit super-blocks of 256; the
+    rest are 576 wide) re-quantized from its Q4_1 values to Q4_K, the rest of the file as it is."""
+    import gguf as gguf_package
+    from gguf.quants import dequantize
+
+    reader = gguf_package.GGUFReader(smollm2_gguf_path)
+    path = str(tmp_path_factory.mktemp("smollm2_q4_k") / "smollm2-q4_k-down.gguf")
+    writer = gguf_package.GGUFWriter(path, str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub_type = field.types[-1] if kind == gguf_package.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
+    for tensor in reader.tensors:
+        if tensor.name.endswith("ffn_down.weight"):
+            values = dequantize(tensor.data, tensor.tensor_type)
+            writer.add_tensor(tensor.name, tiny_models.quantize_q4_k(values),
+                              raw_dtype=gguf_package.GGMLQuantizationType.Q4_K)
+        else:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_smollm2_with_q4_k_downs_answers_as_with_code_blocks(smollm2_q4_k_down: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real model's Q4_K down projections on the file's super-blocks: the same prompt logprobs and greedy tokens,
+    exactly, as the code blocks give."""
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels could not be built here")
+    monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
+    prompts = mixed_prompts(2000, count=3, seed=8)
+    new = LLM(model=smollm2_q4_k_down, max_model_len=256)
+    assert _packed_kinds(new)["layers.0.mlp.down_proj"] == "PackedKQuantWeight"
+    expected = _logprobs_and_greedy(new, prompts)
+    del new
+    old = LLM(model=smollm2_q4_k_down, max_model_len=256, override_backend_config={"gguf_super_blocks": False})
+    assert _packed_kinds(old)["layers.0.mlp.down_proj"] == "PackedQ4Weight"
+    assert _logprobs_and_greedy(old, prompts) == expected

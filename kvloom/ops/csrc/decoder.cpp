@@ -6,8 +6,8 @@
 //
 // Per layer (kvloom/ops/cpu.py LlamaLayerStack says when a model qualifies and builds the plan), each
 // projection the product its Linear would call: kvloom's bf16 GEMM, an int8 one (W8A8 from a number
-// of rows on, else weight-only; or W8A8 on Q8_0 blocks), the 4-bit one (a GGUF's Q4 blocks) or the code-block
-// one (a GGUF's Q5_1 / Q5_K blocks: W8A8 on centred codes plus their offsets' term):
+// of rows on, else weight-only; or W8A8 on Q8_0 blocks), the code-block one (a GGUF's Q4 / Q5 / Q6_K blocks) or
+// the k-quants' one on the file's super-blocks (Q4_K and Q6_K rows, gemm_q4k.cpp):
 //
 //     layer 0:  residual = hidden; hidden = rms_norm(hidden) (without an input norm, EAGLE-1's first
 //               layer: hidden as it is)
@@ -53,9 +53,10 @@ namespace k = kvloom::kernels;
 
 // One projection: which product, and its tensors as the Python objects hold them (cpu.py stack_args).
 struct Projection {
-  enum Kind : int64_t { kBf16 = 0, kInt8Rows = 1, kInt8Blocks = 2, kQ4 = 3 };
+  enum Kind : int64_t { kBf16 = 0, kInt8Rows = 1, kInt8Blocks = 2, kQ4 = 3, kKQuant = 4 };
   int64_t kind = kBf16;
   at::Tensor packed, compensation, scale;
+  at::Tensor q6_k;  // kKQuant: the Q6_K rows' panels after packed's Q4_K ones (either may be empty)
   c10::optional<at::Tensor> bias, high;  // high: a 5-bit code-block weight's fifth bits (kQ4)
   int64_t w8a8_min_rows = 0;  // int8 rows: W8A8 from this many rows on, weight-only below
   int64_t out_features = 0;
@@ -77,6 +78,7 @@ struct Projection {
         KVLOOM_PROFILED("kvloom::gemm_w8a8_blocks", k::gemm_w8a8_blocks(y, x, packed, scale, bias, false));
         break;
       case kQ4: KVLOOM_PROFILED("kvloom::gemm_q4", k::gemm_q4(y, x, packed, scale, bias, false, high)); break;
+      case kKQuant: KVLOOM_PROFILED("kvloom::gemm_kquant", k::gemm_kquant(y, x, packed, q6_k, bias, false)); break;
       default: TORCH_CHECK(false, "LlamaLayerStack: unknown projection kind ", kind);
     }
     return y;
@@ -109,7 +111,8 @@ struct LlamaLayerStack : torch::CustomClassHolder {
 
   // norms: 2 per layer (input, post-attention); projections: kSlots per projection, kProjections per layer
   // (bf16: packed, bias; int8 rows: packed, compensation, scale, bias; int8 blocks: packed, scales, bias; code
-  // blocks: packed, scales, bias, the fifth bits of 5-bit codes; the rest None); kinds, min_rows: one per projection; dims: num_heads, num_kv_heads, head_dim,
+  // blocks: packed, scales, bias, the fifth bits of 5-bit codes; k-quant super-blocks: Q4_K panels, Q6_K panels, bias;
+  // the rest None); kinds, min_rows: one per projection; dims: num_heads, num_kv_heads, head_dim,
   // intermediate_size, hidden_size.
   LlamaLayerStack(std::vector<at::Tensor> norms, c10::List<c10::optional<at::Tensor>> projections,
                   std::vector<int64_t> kinds, std::vector<int64_t> min_rows, at::Tensor cos_table,
@@ -146,6 +149,11 @@ struct LlamaLayerStack : torch::CustomClassHolder {
         p.packed = *slot(0);
         switch (p.kind) {
           case Projection::kBf16: p.bias = slot(1); break;
+          case Projection::kKQuant:
+            TORCH_CHECK(slot(1).has_value(), "LlamaLayerStack: a k-quant projection needs its Q6_K panels (empty "
+                        "where it has no Q6_K rows)");
+            p.q6_k = *slot(1), p.bias = slot(2);
+            break;
           case Projection::kInt8Rows:
             TORCH_CHECK(slot(1).has_value() && slot(2).has_value(), "LlamaLayerStack: an int8 projection needs "
                         "its compensation and scale");

@@ -34,5 +34,8 @@ void quantize_blocks_s8(const at::Tensor& x, int8_t* q, float* scales, int32_t* 
 // gemm_q4.cpp
 void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> bias,
              bool portable, c10::optional<at::Tensor> high = c10::nullopt, bool bf16_tiles = true);
+// gemm_q4k.cpp
+void gemm_kquant(at::Tensor y, at::Tensor x, at::Tensor q4_k, at::Tensor q6_k, c10::optional<at::Tensor> bias,
+                 bool portable);
 
 }  // namespace kvloom::kernels
