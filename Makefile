@@ -23,8 +23,8 @@ setup: $(BIN)/.installed
 # The tests whose fast paths depend on the CPU's ISA level (ops against their references, greedy against
 # transformers); `make test` runs them again under each level below the CPU's own (KVLOOM_CPU_ISA).
 ISA_TESTS := tests/unit/test_ops.py tests/unit/test_cpu_attention.py tests/unit/test_vision_ops.py tests/unit/test_gemm.py \
-	tests/unit/test_int8_ops.py tests/unit/test_q4_ops.py tests/unit/test_layer_stack.py tests/unit/test_cpu_capability.py \
-	tests/e2e/test_correctness.py
+	tests/unit/test_int8_ops.py tests/unit/test_q4_ops.py tests/unit/test_q4k_ops.py tests/unit/test_layer_stack.py \
+	tests/unit/test_cpu_capability.py tests/unit/test_onednn_packing.py tests/e2e/test_correctness.py
 
 test: setup
 	# The CPU kernels are compiled once, up front, for this CPU's level (not inside a test's time limit).
@@ -38,6 +38,7 @@ test-isa-levels: setup
 	  echo "== the ISA-dependent tests at KVLOOM_CPU_ISA=$$level"; \
 	  KVLOOM_CPU_ISA=$$level $(BIN)/python -c "from kvloom.ops import cpu; cpu.load_cpu_kernel()" || exit 1; \
 	  KVLOOM_CPU_ISA=$$level $(BIN)/pytest -q $(ISA_TESTS) || exit 1; \
+	  KVLOOM_CPU_ISA=$$level $(BIN)/pytest -q tests/e2e/test_batch_invariance.py -k default || exit 1; \
 	done
 
 lint: setup

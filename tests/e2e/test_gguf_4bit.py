@@ -457,12 +457,17 @@ def test_requantize_lm_head_holds_the_table_as_code_blocks(tied_gguf: str, bits:
     ids = torch.tensor([5, 0, model.config.vocab_size - 1, 5])
     assert torch.equal(embedding(ids), expected.dequantize()[ids])
     assert (embedding(ids) - table[ids]).abs().max() <= 0.6 * expected.d[ids].max()
-    # The head's product against the torch one (NativeQ4Linear on the same blocks), and the file's own values.
+    # The head's product against the torch one (NativeQ4Linear on the same blocks) on the same hidden states (two
+    # whole engines differ in their attention's fp32 noise, which the products' int8 activation codes can amplify
+    # past any small bound: on an AVX2 EPYC a code flip moved a prompt logprob by 0.067), and the file's own values.
     reference = LLM(model=tied_gguf, dtype="float32", max_model_len=128,
                     override_backend_config={**backend, "attention_backend": "reference"})
-    assert isinstance(reference.llm_engine.executor.driver.model.lm_head.packed, NativeQ4Linear)
+    reference_head = reference.llm_engine.executor.driver.model.lm_head.packed
+    assert isinstance(reference_head, NativeQ4Linear)
+    hidden = torch.randn(40, head.packed.in_features, generator=torch.Generator().manual_seed(bits))
+    for rows in (1, 3, 17, 40):
+        torch.testing.assert_close(head.packed(hidden[:rows]), reference_head(hidden[:rows]), rtol=1e-5, atol=1e-4)
     prompts = mixed_prompts(400, count=4, seed=4)
-    assert worst_prompt_logprob_gap(llm, reference, prompts) < 2e-2
     kept = LLM(model=tied_gguf, dtype="float32", max_model_len=128)
     # This tiny model's random table is far more sensitive than a trained one's: 1.12 / 0.73 (4 / 5 bits) at
     # worst over the prompts' tokens; SmolLM2's perplexity moves by 4.7% / 1.3% (docs/quantization.md).
