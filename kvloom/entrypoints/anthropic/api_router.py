@@ -7,9 +7,7 @@ app's handlers, which write OpenAI's shape, never see an error of these routes.
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -22,9 +20,10 @@ from kvloom.entrypoints.anthropic.protocol import (
     AnthropicMessagesRequest,
     error_response,
 )
-from kvloom.entrypoints.anthropic.serving_messages import AnthropicServingMessages, error_status
+from kvloom.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from kvloom.entrypoints.openai.request_body import json_body, parse_body
 from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvloom.entrypoints.openai.serving_engine import answered_in_shape
 
 logger = logging.getLogger("kvloom")
 
@@ -45,20 +44,8 @@ def is_messages_path(path: str) -> bool:
     return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
 
 
-def in_anthropic_shape(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """``handler`` with every error it raises answered as ``{"type": "error", "error": {...}}``."""
-
-    @functools.wraps(handler)
-    async def answer(raw_request: Request) -> Response:
-        try:
-            return await handler(raw_request)
-        except Exception as e:  # noqa: BLE001 - every error is answered in the API's shape
-            message, status = error_status(e)
-            if status == 500:
-                logger.exception("internal error while serving a Messages API request")
-            return error_response(message, status)
-
-    return answer
+# Every error a route raises answered in the API's shape.
+in_anthropic_shape = answered_in_shape(error_response, "a Messages API")
 
 
 def anthropic_routes(chat: OpenAIServingChat) -> APIRouter:

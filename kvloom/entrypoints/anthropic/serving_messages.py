@@ -62,6 +62,7 @@ from kvloom.entrypoints.openai.serving_engine import (
     EXTRA_SAMPLING_FIELDS,
     APIError,
     chat_content,
+    error_status,
     event_stream,
     run_until_disconnected,
 )
@@ -366,18 +367,6 @@ def _tool_use_id(call_id: str) -> str:
 
 def _event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def error_status(error: BaseException) -> tuple[str, int]:
-    """The message and HTTP status an error is answered with: a refused request's own, 503 for a dead engine,
-    400 for a ValueError, 500 for anything else (no request should cause one)."""
-    if isinstance(error, APIError):
-        return error.message, error.status_code
-    if isinstance(error, EngineDeadError):
-        return str(error), 503
-    if isinstance(error, ValueError):
-        return str(error), 400
-    return f"internal error: {error!r}", 500
 
 
 def _error_event(error: BaseException) -> str:

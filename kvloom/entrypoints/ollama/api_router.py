@@ -10,9 +10,7 @@ method. Bodies are read whatever their Content-Type, as Ollama reads them (``cur
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -27,10 +25,10 @@ from kvloom.entrypoints.ollama.protocol import (
     OllamaShowRequest,
     error_response,
 )
-from kvloom.entrypoints.ollama.serving_chat import OllamaServingChat, error_status, listed_name
+from kvloom.entrypoints.ollama.serving_chat import OllamaServingChat, listed_name
 from kvloom.entrypoints.ollama.serving_models import OllamaServingModels, unloaded_tags
 from kvloom.entrypoints.openai.request_body import json_body, parse_body
-from kvloom.entrypoints.openai.serving_engine import APIError
+from kvloom.entrypoints.openai.serving_engine import APIError, answered_in_shape
 
 if TYPE_CHECKING:
     from kvloom.entrypoints.openai.served_models import ServedModels
@@ -58,20 +56,8 @@ def is_ollama_path(path: str) -> bool:
     return path == API_PATH or path.startswith(API_PATH + "/")
 
 
-def in_ollama_shape(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """``handler`` with every error it raises answered as ``{"error": "..."}``."""
-
-    @functools.wraps(handler)
-    async def answer(raw_request: Request) -> Response:
-        try:
-            return await handler(raw_request)
-        except Exception as e:  # noqa: BLE001 - every error is answered in the API's shape
-            message, status = error_status(e)
-            if status == 500:
-                logger.exception("internal error while serving an Ollama API request")
-            return error_response(message, status)
-
-    return answer
+# Every error a route raises answered in the API's shape.
+in_ollama_shape = answered_in_shape(error_response, "an Ollama API")
 
 
 def pool_name(model: str | None) -> str | None:

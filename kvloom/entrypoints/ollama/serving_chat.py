@@ -74,6 +74,7 @@ from kvloom.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
     chat_content,
+    error_status,
     run_until_disconnected,
 )
 from kvloom.outputs import RequestMetrics, RequestOutput
@@ -622,16 +623,4 @@ def supports_insert(serving: OpenAIServing) -> bool:
 
 
 # ---- errors -----------------------------------------------------------------------------------
-
-
-def error_status(error: BaseException) -> tuple[str, int]:
-    """The message and HTTP status an error is answered with: a refused request's own, 503 for a dead engine,
-    400 for a ValueError, 500 for anything else (no request should cause one)."""
-    if isinstance(error, APIError):
-        return error.message, error.status_code
-    if isinstance(error, EngineDeadError):
-        return str(error), 503
-    if isinstance(error, ValueError):
-        return str(error), 400
-    return f"internal error: {error!r}", 500
 

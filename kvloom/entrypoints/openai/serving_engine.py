@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
+import logging
 import re
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -50,6 +52,8 @@ from kvloom.entrypoints.openai.protocol import (
 )
 from kvloom.outputs import Logprob, RequestOutput
 from kvloom.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger("kvloom")
 
 # vLLM request fields kvloom does not implement: a request that sets one (to anything but null / false) is
 # refused with a 400 naming it, rather than served as if it had not asked (docs/serving.md).
@@ -126,6 +130,40 @@ def error_response(message: str, status_code: int = 400, param: str | None = Non
                    type: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status_code)
+
+
+def error_status(error: BaseException) -> tuple[str, int]:
+    """The message and HTTP status an error is answered with, in every API's shape: a refused request's own, 503 for
+    a dead engine, 400 for a ValueError, 500 for anything else (no request should cause one)."""
+    if isinstance(error, APIError):
+        return error.message, error.status_code
+    if isinstance(error, EngineDeadError):
+        return str(error), 503
+    if isinstance(error, ValueError):
+        return str(error), 400
+    return f"internal error: {error!r}", 500
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def answered_in_shape(error_response: Callable[[str, int], Response], api: str) -> Callable[[Handler], Handler]:
+    """A decorator for another dialect's routes (Anthropic's Messages API, Ollama's): every error the handler raises
+    answered by ``error_response(message, status)`` in that API's shape; 500s logged, naming ``api``."""
+    def decorate(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def answer(raw_request: Request) -> Response:
+            try:
+                return await handler(raw_request)
+            except Exception as e:  # noqa: BLE001 - every error is answered in the API's shape
+                message, status = error_status(e)
+                if status == 500:
+                    logger.exception("internal error while serving %s request", api)
+                return error_response(message, status)
+
+        return answer
+
+    return decorate
 
 
 def sse_event(payload: BaseModel | dict) -> str:
