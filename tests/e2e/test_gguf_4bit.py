@@ -24,6 +24,8 @@ from kvloom.ops.q4 import NativeQ4Linear, PackedQ4Weight, Q4Blocks
 from kvloom.ops.table import REFERENCE_OPS
 
 GGML_Q4_0, GGML_Q4_1, GGML_F16, GGML_Q8_0, GGML_Q5_1 = 2, 3, 1, 8, 7
+# The k-quant product on the file's super-blocks, asked for (the default turns it on where measured: AVX2, portable).
+SUPER_BLOCKS = {"gguf_super_blocks": True}
 
 
 def _tiny_gguf(factory: pytest.TempPathFactory, name: str, tied: bool, down: int) -> str:
@@ -635,13 +637,13 @@ def _logprobs_and_greedy(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_super_blocks_give_the_code_block_products_results_exactly(q4_k_gguf: str, dtype: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every projection on the file's super-blocks (the default); its prompt logprobs and greedy tokens equal those
+    """Every projection on the file's super-blocks; its prompt logprobs and greedy tokens equal those
     of the load with gguf_super_blocks false (code blocks) exactly, through the layer stack and module by module."""
     if not cpu.cpu_kernel_available():
         pytest.skip("the CPU kernels could not be built here")
     monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
     prompts = mixed_prompts(300, count=4, seed=5)
-    new = LLM(model=q4_k_gguf, dtype=dtype, max_model_len=128)
+    new = LLM(model=q4_k_gguf, dtype=dtype, max_model_len=128, override_backend_config=SUPER_BLOCKS)
     assert set(_packed_kinds(new).values()) == {"PackedKQuantWeight"}
     if cpu.layer_stack_available():
         assert new.llm_engine.executor.driver.model.layer_stack is not None
@@ -650,7 +652,18 @@ def test_super_blocks_give_the_code_block_products_results_exactly(q4_k_gguf: st
     assert set(_packed_kinds(old).values()) == {"PackedQ4Weight"}
     assert _logprobs_and_greedy(old, prompts) == expected
     monkeypatch.setenv("KVLOOM_CPU_LAYER_STACK", "0")
-    assert _logprobs_and_greedy(LLM(model=q4_k_gguf, dtype=dtype, max_model_len=128), prompts) == expected
+    again = LLM(model=q4_k_gguf, dtype=dtype, max_model_len=128, override_backend_config=SUPER_BLOCKS)
+    assert _logprobs_and_greedy(again, prompts) == expected
+
+
+def test_super_blocks_are_the_default_where_measured(q4_k_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gguf_super_blocks None (the default): the k-quant product where kvloom's kernels are built for AVX2 or the
+    portable level; the code blocks on AVX-512 until the k-quant product is measured there."""
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels could not be built here")
+    monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
+    kinds = set(_packed_kinds(LLM(model=q4_k_gguf, dtype="float32", max_model_len=128)).values())
+    assert kinds == ({"PackedQ4Weight"} if cpu.compiled_isa().startswith("avx512") else {"PackedKQuantWeight"})
 
 
 def test_q4_k_rows_beside_a_q6_k_v_keep_their_own_bits(q4_k_m_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -661,7 +674,7 @@ def test_q4_k_rows_beside_a_q6_k_v_keep_their_own_bits(q4_k_m_gguf: str, monkeyp
         pytest.skip("the CPU kernels could not be built here")
     monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
     prompts = mixed_prompts(300, count=4, seed=6)
-    new = LLM(model=q4_k_m_gguf, dtype="float32", max_model_len=128)
+    new = LLM(model=q4_k_m_gguf, dtype="float32", max_model_len=128, override_backend_config=SUPER_BLOCKS)
     model = new.llm_engine.executor.driver.model
     qkv = model.layers[0].self_attn.qkv_proj.packed
     assert type(qkv).__name__ == "PackedKQuantWeight" and qkv.q4_k.numel() and qkv.q6_k.numel()
@@ -680,7 +693,8 @@ def test_q4_k_rows_beside_a_q6_k_v_keep_their_own_bits(q4_k_m_gguf: str, monkeyp
     assert max(to_floats) < 0.2 and abs(to_floats[0] - to_floats[1]) < 0.02, to_floats
     expected = _logprobs_and_greedy(new, prompts)
     monkeypatch.setenv("KVLOOM_CPU_LAYER_STACK", "0")
-    assert _logprobs_and_greedy(LLM(model=q4_k_m_gguf, dtype="float32", max_model_len=128), prompts) == expected
+    assert _logprobs_and_greedy(LLM(model=q4_k_m_gguf, dtype="float32", max_model_len=128,
+                                    override_backend_config=SUPER_BLOCKS), prompts) == expected
 
 
 @pytest.fixture(scope="module")
@@ -721,7 +735,7 @@ def test_smollm2_with_q4_k_downs_answers_as_with_code_blocks(smollm2_q4_k_down: 
         pytest.skip("the CPU kernels could not be built here")
     monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
     prompts = mixed_prompts(2000, count=3, seed=8)
-    new = LLM(model=smollm2_q4_k_down, max_model_len=256)
+    new = LLM(model=smollm2_q4_k_down, max_model_len=256, override_backend_config=SUPER_BLOCKS)
     assert _packed_kinds(new)["layers.0.mlp.down_proj"] == "PackedKQuantWeight"
     expected = _logprobs_and_greedy(new, prompts)
     del new
