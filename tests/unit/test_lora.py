@@ -292,9 +292,12 @@ def test_lora_modules_flag_takes_both_forms() -> None:
 
 
 def test_runtime_updating_routes_answer_404_unless_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
+    from kvloom.entrypoints.openai.served_models import ServedModels
     from kvloom.entrypoints.openai.serving_engine import APIError
     from kvloom.entrypoints.openai.serving_lora import LoRAModules, lora_routes
 
@@ -306,7 +309,9 @@ def test_runtime_updating_routes_answer_404_unless_allowed(monkeypatch: pytest.M
 
     app = FastAPI()
     app.exception_handler(APIError)(lambda _, error: error.response())
-    app.include_router(lora_routes(LoRAModules(Engine(), ["base"], enabled=True)))
+    lora_modules = LoRAModules(Engine(), ["base"], enabled=True)
+    pool = ServedModels.single(Engine(), ["base"], lambda engine, model: SimpleNamespace(lora_modules=lora_modules))
+    app.include_router(lora_routes(pool))  # the routes reach each model's adapters through the server's pool
     client = TestClient(app)
     body = {"lora_name": "a", "lora_path": "/nowhere"}
     monkeypatch.delenv("KVLOOM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
