@@ -132,7 +132,7 @@ def test_infill_answers_as_llama_server(server: Any, client: openai.OpenAI, fim_
     progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
     total, cache = events[-1]["tokens_evaluated"], progress[0]["cache"]
     assert total > cache + STEP_TOKENS
-    assert [p["processed"] for p in progress] == [*range(cache + STEP_TOKENS, total, STEP_TOKENS), total]
+    assert_chunk_boundaries([p["processed"] for p in progress], cache, total)
 
 
 def test_infill_bad_bodies_are_400s(server: Any) -> None:
@@ -199,6 +199,15 @@ def test_cached_tokens_in_responses_and_messages(server: Any) -> None:
 
 # ---- progress during a long prefill -----------------------------------------------------------------
 
+def assert_chunk_boundaries(processed: list[int], cache: int, total: int) -> None:
+    """Progress after prefill chunks of STEP_TOKENS from the cached tokens on, ending at the whole prompt. Outputs that
+    pile up while the stream's reader is busy are merged (engine_client.py), the newest progress kept: so a chunk's
+    event may be folded into a later one, never reordered or invented."""
+    boundaries = [*range(cache + STEP_TOKENS, total, STEP_TOKENS), total]
+    assert processed and processed[-1] == total and processed == sorted(set(processed)), processed
+    assert set(processed) <= set(boundaries), (processed, boundaries)
+
+
 def test_prompt_progress_after_each_prefill_chunk(client: openai.OpenAI) -> None:
     prompt = unique_text(20)
     chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, stream=True,
@@ -206,7 +215,7 @@ def test_prompt_progress_after_each_prefill_chunk(client: openai.OpenAI) -> None
     progress = [c.model_extra["prompt_progress"] for c in chunks if "prompt_progress" in c.model_extra]
     total = progress[0]["total"]
     assert total > 3 * STEP_TOKENS and all(p["total"] == total and p["cache"] == 0 for p in progress)
-    assert [p["processed"] for p in progress] == [*range(STEP_TOKENS, total, STEP_TOKENS), total]
+    assert_chunk_boundaries([p["processed"] for p in progress], 0, total)
     times = [p["time_ms"] for p in progress]
     assert times == sorted(times)
     text_chunks = [c for c in chunks if c.choices and c.choices[0].text]
@@ -217,14 +226,14 @@ def test_prompt_progress_after_each_prefill_chunk(client: openai.OpenAI) -> None
         model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=2, temperature=0, stream=True,
         extra_body={"return_progress": True}))
     progress = [c.model_extra["prompt_progress"] for c in chunks if "prompt_progress" in c.model_extra]
-    assert len(progress) >= 3 and progress[-1]["processed"] == progress[-1]["total"]
+    assert_chunk_boundaries([p["processed"] for p in progress], progress[0]["cache"], progress[-1]["total"])
     assert all(c.choices[0].delta.role == "assistant" for c in chunks if "prompt_progress" in c.model_extra)
     repeat = list(client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=2, temperature=0, stream=True,
         extra_body={"return_progress": True}))
     again = [c.model_extra["prompt_progress"] for c in repeat if "prompt_progress" in c.model_extra]
-    assert again[0]["cache"] == block_hit(again[0]["total"]) and again[-1]["processed"] == again[0]["total"]
-    assert len(again) < len(progress)
+    assert again[0]["cache"] == block_hit(again[0]["total"]) > 0
+    assert_chunk_boundaries([p["processed"] for p in again], again[0]["cache"], again[0]["total"])
 
     plain = list(client.completions.create(model="tiny", prompt=unique_text(20), max_tokens=2, stream=True))
     assert all("prompt_progress" not in c.model_extra for c in plain)
