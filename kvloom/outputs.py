@@ -100,6 +100,15 @@ class RequestOutput:
                 self.outputs.append(next_completion)
 
 
+def pooler_output(output: RequestOutput, what: str) -> list[float]:
+    """The pooled row a finished pooling request's RequestOutput carries (extra["pooler_output"]); ``what`` names it
+    in the error where it has none."""
+    row = output.extra.get("pooler_output")
+    if row is None:
+        raise ValueError(f"request {output.request_id} finished without {what}")
+    return list(row)
+
+
 @dataclass
 class EmbeddingOutput:
     """One prompt's embedding (vLLM's name): a list of floats, hidden_size long (or ``dimensions``)."""
@@ -124,10 +133,8 @@ class EmbeddingRequestOutput:
     @staticmethod
     def from_request_output(output: RequestOutput) -> EmbeddingRequestOutput:
         """The embedding a finished RequestOutput of an embedding request carries (extra["pooler_output"])."""
-        vector = output.extra.get("pooler_output")
-        if vector is None:
-            raise ValueError(f"request {output.request_id} finished without an embedding")
-        return EmbeddingRequestOutput(output.request_id, EmbeddingOutput(list(vector)),
+        vector = pooler_output(output, "an embedding")
+        return EmbeddingRequestOutput(output.request_id, EmbeddingOutput(vector),
                                       list(output.prompt_token_ids), output.num_cached_tokens, output.finished)
 
 
@@ -155,10 +162,8 @@ class ClassificationRequestOutput:
     @staticmethod
     def from_request_output(output: RequestOutput) -> ClassificationRequestOutput:
         """The label scores a finished RequestOutput of a classification request carries (extra["pooler_output"])."""
-        scores = output.extra.get("pooler_output")
-        if scores is None:
-            raise ValueError(f"request {output.request_id} finished without label scores")
-        return ClassificationRequestOutput(output.request_id, ClassificationOutput(list(scores)),
+        scores = pooler_output(output, "label scores")
+        return ClassificationRequestOutput(output.request_id, ClassificationOutput(scores),
                                            list(output.prompt_token_ids), output.num_cached_tokens, output.finished)
 
 

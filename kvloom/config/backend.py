@@ -138,10 +138,12 @@ class BackendConfig:
             raise ValueError(f"override_backend_config: compiled_artifacts must be a folder path, "
                              f"got {self.compiled_artifacts!r}")
         for name in ("quantized", "quantize_lm_head", "int8_activations", "int8_gguf_blocks",
-                     "gguf_5bit_blocks", "gguf_6bit_blocks", "gguf_super_blocks"):
-            if not isinstance(getattr(self, name), bool) and not (name == "gguf_super_blocks"
-                                                                  and self.gguf_super_blocks is None):
+                     "gguf_5bit_blocks", "gguf_6bit_blocks"):
+            if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"override_backend_config: {name} must be true or false, got {getattr(self, name)!r}")
+        if self.gguf_super_blocks is not None and not isinstance(self.gguf_super_blocks, bool):
+            raise ValueError(f"override_backend_config: gguf_super_blocks must be true, false or None (where "
+                             f"measured), got {self.gguf_super_blocks!r}")
         bits = self.requantize_lm_head
         if bits is not None and (isinstance(bits, bool) or bits not in (4, 5)):
             raise ValueError(f"override_backend_config: requantize_lm_head must be 4 or 5 (bits of the LM head's "

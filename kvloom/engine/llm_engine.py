@@ -293,11 +293,13 @@ class LLMEngine:
         self._deferred = None
         output_processor = self.output_processor
         stopped_by_string: list[str] = []
-        now = time.time()
+        progress_requests = output_processor.progress_requests
         for index, (item, request) in enumerate(zip(scheduler_output.scheduled, requests)):
-            if item.num_computed_tokens < request.num_prompt_tokens:  # a prefill chunk: return_progress news
+            if progress_requests and request.request_id in progress_requests \
+                    and item.num_computed_tokens < request.num_prompt_tokens:  # a prefill chunk: return_progress news
                 output_processor.add_prompt_progress(
-                    request, min(item.num_computed_tokens + item.num_new_tokens, request.num_prompt_tokens), now)
+                    request, min(item.num_computed_tokens + item.num_new_tokens, request.num_prompt_tokens),
+                    time.time())
             rows = runner_output.prompt_logprobs.get(request.request_id)
             if rows:
                 output_processor.add_prompt_logprobs(request, item.num_computed_tokens, rows)

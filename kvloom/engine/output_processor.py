@@ -127,6 +127,8 @@ class OutputProcessor:
         self._completions: dict[str, CompletionState] = {}  # by child request id
         self._touched: dict[str, RequestOutputState] = {}  # the requests with new tokens since make_outputs
         self._progressed: dict[str, RequestOutputState] = {}  # return_progress: prompts advanced since then
+        # The first completions of return_progress requests, by request id: the only ones add_prompt_progress serves.
+        self.progress_requests: set[str] = set()
         self._num_new_tokens = 0
 
     def add_request(self, engine_request: EngineRequest, children: list[Request]) -> None:
@@ -134,6 +136,8 @@ class OutputProcessor:
         self.request_states[state.request_id] = state
         for completion in state.completions:
             self._completions[completion.request.request_id] = completion
+        if state.return_progress:
+            self.progress_requests.add(state.completions[0].request.request_id)
 
     # ---- per request, per step -------------------------------------------------------------
     def add_prompt_logprobs(self, request: Request, num_computed_tokens: int, rows: list[LogprobsRow]) -> None:
@@ -371,6 +375,7 @@ class OutputProcessor:
         del self.request_states[state.request_id]
         for completion in state.completions:
             self._completions.pop(completion.request.request_id, None)
+        self.progress_requests.discard(state.completions[0].request.request_id)
         if stats is None:
             return
         first = state.completions[0].request

@@ -27,6 +27,7 @@ from kvloom.layers.linear import Linear
 from kvloom.ops.int8 import Int8Blocks, Int8Rows, quantize_per_channel
 from kvloom.ops.native import ExpertProducts, PackedInt8Experts
 from kvloom.ops.q4 import Q4Blocks
+from kvloom.ops.q4k import joined_blocks
 from kvloom.ops.reference import fused_experts_int8_reference, fused_experts_reference
 from kvloom.ops.table import Ops
 
@@ -175,10 +176,8 @@ class FusedMoE(nn.Module):
 
         def product(name: str, e: int) -> Callable[[torch.Tensor], torch.Tensor]:
             kept = [self.q4.get((name, e, b)) for b in parts[name]]
-            if all(k is not None for k in kept):
-                if len({k.group for k in kept}) > 1:  # Q6_K rows (scales per 16) beside blocks of 32
-                    kept = [k.in_groups_of_16() for k in kept]
-                return ops.pack_linear_q4(Q4Blocks(*(torch.cat(t) for t in zip(*kept))), None)
+            if all(k is not None for k in kept):  # Q6_K rows (scales per 16) may stand beside blocks of 32
+                return ops.pack_linear_q4(joined_blocks(kept), None)
             weight = getattr(self, name).data[e].clone()
             return ops.pack_linear(weight, None) if ops.pack_linear is not None else lambda x: F.linear(x, weight)
 

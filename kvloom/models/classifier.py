@@ -120,8 +120,10 @@ def _with_head_from_tokens(weights: Iterable[tuple[str, torch.Tensor]], config: 
     rows: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
         if name in _HEAD_NAMES:
-            table = tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()  # int8 / 4-bit as read
-            rows[name] = table[token_ids].float()  # [n, H]
+            # int8 / 4-bit as read: only the classifier's rows decoded (each field of those holds a row per token)
+            picked = tensor[token_ids] if isinstance(tensor, torch.Tensor) else \
+                type(tensor)(*(field[token_ids] for field in tensor)).dequantize()
+            rows[name] = picked.float()  # [n, H]
             if name == "lm_head.weight":
                 continue
         yield name, tensor

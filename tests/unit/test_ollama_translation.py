@@ -14,7 +14,7 @@ import pytest
 from kvloom.entrypoints.ollama.protocol import KEEP_ALIVE_FOREVER, OllamaMessage, parse_keep_alive
 from kvloom.entrypoints.ollama.serving_chat import _chat_messages, fim_tokens, listed_name
 from kvloom.entrypoints.ollama.serving_models import parameter_size
-from kvloom.entrypoints.openai.serving_engine import APIError
+from kvloom.entrypoints.openai.serving_engine import APIError, OpenAIServing
 
 
 @pytest.mark.parametrize(("value", "seconds"), [
@@ -84,6 +84,8 @@ class _Tokenizer:
 
 
 class _Serving:
+    fim_tokens = OpenAIServing.fim_tokens  # the serving's own lookup, over this fake's tokenizer
+
     def __init__(self, tokenizer: _Tokenizer) -> None:
         self.tokenizer = tokenizer
 

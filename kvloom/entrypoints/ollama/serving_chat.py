@@ -65,7 +65,7 @@ from kvloom.entrypoints.ollama.protocol import (
     parse_keep_alive,
     rfc3339,
 )
-from kvloom.entrypoints.openai.fim import FimTokens, InfillUnsupportedError
+from kvloom.entrypoints.openai.fim import FimTokens
 from kvloom.entrypoints.openai.protocol import ChatCompletionLogProbs, ChatCompletionRequest, CompletionRequest
 from kvloom.entrypoints.openai.request_body import describe_validation_error
 from kvloom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
@@ -605,21 +605,13 @@ def _image_parts(images: list[str], where: str) -> list[dict[str, Any]]:
 
 
 def fim_tokens(serving: OpenAIServing, model: str) -> FimTokens:
-    """The model's fill-in-the-middle tokens (fim.py: a GGUF's keys, else the known spellings, as llama.cpp finds
-    them); a 400 in Ollama's words for a model without them."""
+    """The model's fill-in-the-middle tokens (``OpenAIServing.fim_tokens``: fim.py, as llama.cpp finds them); its 400
+    in Ollama's words for a model without them."""
     try:
-        return FimTokens.of(serving.tokenizer)
-    except InfillUnsupportedError as e:
+        return serving.fim_tokens("suffix")
+    except APIError as e:
         raise APIError(f"\"{model}\" does not support insert: suffix needs a code model trained for fill-in-the-"
-                       f"middle ({e})") from None
-
-
-def supports_insert(serving: OpenAIServing) -> bool:
-    try:
-        FimTokens.of(serving.tokenizer)
-    except InfillUnsupportedError:
-        return False
-    return True
+                       f"middle ({e.message})") from None
 
 
 # ---- errors -----------------------------------------------------------------------------------

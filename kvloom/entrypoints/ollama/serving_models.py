@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import os
 import struct
+import time
 from collections import Counter
 from typing import Any
 
@@ -43,8 +45,8 @@ from kvloom.entrypoints.ollama.serving_chat import (
     keep_alive_seconds,
     listed_name,
     served_name,
-    supports_insert,
 )
+from kvloom.entrypoints.openai.fim import FimTokens
 from kvloom.entrypoints.openai.protocol import EmbeddingRequest
 from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvloom.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
@@ -145,10 +147,16 @@ def parameter_size(count: int) -> str:
     return str(count)
 
 
+@functools.lru_cache(maxsize=64)
+def _unloaded_facts(model: str) -> ModelFacts:
+    """A model's facts read once per server, as a loaded model's are (the context length is not among the tags)."""
+    return read_model_facts(model, 0)
+
+
 async def unloaded_tags(model: str, names: list[str]) -> list[dict[str, Any]]:
     """/api/tags's entries of a served model whose engine is not loaded (several models behind one server): its
     names, with the facts read from its files' headers."""
-    facts = await asyncio.to_thread(read_model_facts, model, 0)  # the context length is not among the tags
+    facts = await asyncio.to_thread(_unloaded_facts, model)
     return [OllamaListedModel(name=listed_name(name), model=listed_name(name), modified_at=rfc3339(facts.modified_at),
                               size=facts.size, digest=facts.digest, details=model_details(facts)).model_dump()
             for name in names]
@@ -170,7 +178,7 @@ class OllamaServingModels:
         self.embedding = embedding
         self.model = model
         self.device = device
-        self.started = Timing().received
+        self.started = time.time()
         self._facts: ModelFacts | None = None
 
     async def facts(self) -> ModelFacts:
@@ -181,9 +189,6 @@ class OllamaServingModels:
 
                 self.device = str(resolve_device("auto"))
         return self._facts
-
-    def _details(self, facts: ModelFacts, parent: str = "") -> OllamaModelDetails:
-        return model_details(facts, parent)
 
     def _parents(self) -> dict[str, str]:
         """Each name this server answers to -> its base model's listed name ("" for a base model)."""
@@ -199,7 +204,7 @@ class OllamaServingModels:
         capabilities = [] if runner == "pooling" else ["completion"]
         if runner != "pooling" and chat.enable_auto_tools and chat.tool_parser is not None:
             capabilities.append("tools")
-        if runner != "pooling" and supports_insert(chat):
+        if runner != "pooling" and FimTokens.supported(chat.tokenizer):
             capabilities.append("insert")
         if chat.engine.input_processor.multimodal is not None:
             capabilities.append("vision")
@@ -214,7 +219,7 @@ class OllamaServingModels:
         facts = await self.facts()
         models = [OllamaListedModel(name=listed_name(name), model=listed_name(name),
                                     modified_at=rfc3339(facts.modified_at), size=facts.size, digest=facts.digest,
-                                    details=self._details(facts, parent)).model_dump()
+                                    details=model_details(facts, parent)).model_dump()
                   for name, parent in self._parents().items()]
         return {"models": models}
 
@@ -222,7 +227,7 @@ class OllamaServingModels:
         facts = await self.facts()
         size_vram = facts.size if self.device.startswith("cuda") else 0
         models = [OllamaRunningModel(name=listed_name(name), model=listed_name(name), size=facts.size,
-                                     digest=facts.digest, details=self._details(facts, parent),
+                                     digest=facts.digest, details=model_details(facts, parent),
                                      expires_at=rfc3339(self.started + FOREVER_SECONDS), size_vram=size_vram,
                                      context_length=self.chat.max_model_len).model_dump()
                   for name, parent in self._parents().items()]
@@ -240,7 +245,7 @@ class OllamaServingModels:
         modelfile = (f"# Modelfile of the model kvloom serves as {listed_name(name)}\nFROM {self.model}\n"
                      f"PARAMETER {parameters}\n")
         return OllamaShowResponse(modelfile=modelfile, parameters=parameters, template=template,
-                                  details=self._details(facts, self._parents()[name]), model_info=facts.model_info,
+                                  details=model_details(facts, self._parents()[name]), model_info=facts.model_info,
                                   capabilities=self.capabilities(), modified_at=rfc3339(facts.modified_at)
                                   ).model_dump()
 

@@ -62,6 +62,11 @@ class FimTokens:
                                          f"Qwen2.5-Coder, StarCoder or CodeLlama)")
         return cls(found["pre"], found["suf"], found["mid"], found.get("pad"), found.get("rep"), found.get("sep"))
 
+    @staticmethod
+    def supported(tokenizer: Tokenizer) -> bool:
+        """Whether the tokenizer has the prefix, suffix and middle tokens a FIM prompt needs."""
+        return all(role in tokenizer.fim_token_ids for role in ("pre", "suf", "mid"))
+
     @property
     def end_of_generation_ids(self) -> list[int]:
         """The FIM tokens llama.cpp ends generation at (it adds pad, rep and sep to its end-of-generation set)."""

@@ -12,7 +12,6 @@ delta (``stop`` false) and a last one with ``stop`` true and the timings, with n
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -33,6 +32,7 @@ from kvloom.entrypoints.openai.serving_engine import (
     last_output,
     progress_of,
     run_until_disconnected,
+    sse_event,
     timings_of,
 )
 from kvloom.outputs import CompletionOutput, RequestOutput
@@ -106,7 +106,7 @@ class OpenAIServingInfill(OpenAIServing):
                         latest = output
                     progress = progress_of(output) if request.return_progress else None
                     if progress is not None:
-                        yield _event(self._partial(prompt, "", [], num_generated, None, progress.model_dump()))
+                        yield sse_event(self._partial(prompt, "", [], num_generated, None, progress.model_dump()))
                     if not output.outputs:
                         continue
                     completion = output.outputs[0]
@@ -115,10 +115,10 @@ class OpenAIServingInfill(OpenAIServing):
                     if completion.text or completion.token_ids:
                         timings = timings_of([latest], num_generated).model_dump() if request.timings_per_token \
                             else None
-                        yield _event(self._partial(prompt, completion.text, list(completion.token_ids),
+                        yield sse_event(self._partial(prompt, completion.text, list(completion.token_ids),
                                                    num_generated, timings, None))
                     if output.finished:
-                        yield _event(self._final(prompt, model, latest or output, "", [], num_generated,
+                        yield sse_event(self._final(prompt, model, latest or output, "", [], num_generated,
                                                  has_new_line))
         except (APIError, EngineDeadError, ValueError) as e:
             yield error_event(e)
@@ -147,6 +147,4 @@ def _stop_type(completion: CompletionOutput | None) -> tuple[str, str]:
     return "eos", ""
 
 
-def _event(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
