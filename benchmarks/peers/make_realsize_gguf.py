@@ -166,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
             write_hf_checkpoint(args.shape, hf)
             print(f"HF checkpoint {hf} in {time.time() - t0:.0f} s", flush=True)
         partial = source.with_suffix(".partial")
+        try:  # the converter imports sentencepiece before it looks for a tokenizer.model (SmolLM2's has none)
+            import sentencepiece  # noqa: F401
+        except ImportError:
+            run([sys.executable, "-m", "pip", "install", "-q", "sentencepiece"])
         run([sys.executable, "-c", CONVERT, PRE_TOKENIZERS.get(SHAPES[args.shape]["model_type"], ""),
              str(LLAMACPP / "src" / "convert_hf_to_gguf.py"), str(hf), "--outtype", source_fmt,
              "--outfile", str(partial)], PYTHONPATH=str(LLAMACPP / "src" / "gguf-py"))

@@ -118,6 +118,22 @@ def gguf_traffic(path: str | os.PathLike[str]) -> dict[str, Any]:
             "arch": arch, "vocab": vocab}
 
 
+def weights_read_per_token(model: Any) -> int:
+    """Bytes of weights kvloom's products read per decode token, from the loaded model: every tensor it holds, each
+    storage once, less an embedding's table of its own (one row a token; a tied embedding reads the head's)."""
+    from kvloom.layers.embedding import VocabEmbedding
+    from kvloom.worker.packed_cache import held_tensors
+
+    embeddings = tuple(m for m in model.modules() if isinstance(m, VocabEmbedding))
+    rest = held_tensors(model, skip=embeddings)
+    ptrs = {t.untyped_storage().data_ptr() for t in rest}
+    total = sum(t.untyped_storage().nbytes() for t in rest)
+    for embedding in embeddings:
+        own = [t for t in held_tensors(embedding) if t.untyped_storage().data_ptr() not in ptrs]
+        total += sum(t.untyped_storage().nbytes() for t in own) // max(embedding.num_embeddings, 1)
+    return total
+
+
 def bound_tok_s(traffic: dict[str, Any], bandwidth_gb_s: float, context: float) -> float:
     """Tokens/s of one sequence if each token only read its bytes at ``bandwidth_gb_s``."""
     per_token = traffic["weight_bytes_per_token"] + traffic["kv_bytes_per_position"] * context
@@ -204,6 +220,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ready_s = time.time() - t0
     ready_from_start_s = time.time() - start
     rss_after_load = resident_mib()
+    driver = getattr(engine.llm.llm_engine.executor, "driver", None)  # one process: the model is here
+    kvloom_bytes = weights_read_per_token(driver.model) if getattr(driver, "model", None) is not None else None
     traffic = gguf_traffic(path)  # after the start: gguf's reader takes seconds over a large vocabulary
 
     results = []
@@ -244,6 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(path),
         "engine_kwargs": kwargs,
         "traffic": traffic,
+        "kvloom_weight_bytes_per_token": kvloom_bytes,
         "ready_s": ready_s,
         "ready_from_process_start_s": ready_from_start_s,
         "rss_before_load_mib": rss_before,
@@ -289,6 +308,10 @@ def report(result: dict[str, Any]) -> None:
           f"read bandwidth {bw['best_gb_s']:.1f} GB/s on {bw['threads']} thread(s); "
           f"bytes per decode token {t['weight_bytes_per_token'] / 1e9:.3f} GB + KV "
           f"{t['kv_bytes_per_position'] / 1e3:.0f} kB per position; load average {result['machine']['loadavg']}")
+    ours = result.get("kvloom_weight_bytes_per_token")
+    if ours:
+        print(f"weights kvloom's products read per decode token: {ours / 1e9:.3f} GB, "
+              f"{ours / t['weight_bytes_per_token']:.3f}x the file's")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,7 @@ def check_table_shape(name: str, tensor: Int8Rows | Int8Blocks | Q4Blocks, expec
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
+        self.num_embeddings = vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.qweight: torch.Tensor | None = None  # int8 [vocab, hidden] after quantize
         self.weight_scale: torch.Tensor | None = None  # fp32 [vocab], or [vocab, hidden / 32] for Q8_0 blocks

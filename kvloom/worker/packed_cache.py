@@ -177,14 +177,14 @@ class PackedModelCache:
         logger.info("packed model cache: mapped %s (%.1f GB) in %.2f s", model_path, manifest["bytes"] / 1e9,
                     time.perf_counter() - start)
         # Served from the file's pages at once; moved onto huge pages over the first steps (the runner steps it).
-        self.rehome = huge_pages.StepwiseRehome.start(_tensors(model, every_view=True))
+        self.rehome = huge_pages.StepwiseRehome.start(held_tensors(model, every_view=True))
         return model
 
     def save(self, model: torch.nn.Module) -> None:
         """Write the entry once (a temporary folder renamed into place), then drop this file's oldest entries."""
         if (self.directory / MANIFEST).is_file():
             return
-        size = sum(t.untyped_storage().nbytes() for t in _tensors(model))
+        size = sum(t.untyped_storage().nbytes() for t in held_tensors(model))
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(self.root).free
@@ -262,14 +262,14 @@ def _remove_abandoned_staging(root: Path) -> None:
             continue
 
 
-def _tensors(model: torch.nn.Module, every_view: bool = False) -> list[torch.Tensor]:
+def held_tensors(model: torch.nn.Module, every_view: bool = False, skip: tuple[Any, ...] = ()) -> list[torch.Tensor]:
     """The tensors pickling the model would store: its parameters, buffers and the packed products' attributes,
     each storage once (an estimate of the entry's size); with ``every_view``, every tensor object instead (those
-    sharing a storage too)."""
+    sharing a storage too). Objects in ``skip`` (modules, say) are not walked into."""
     seen: dict[int, torch.Tensor] = {}
     views: list[torch.Tensor] = []
     stack: list[Any] = [model]
-    visited: set[int] = set()
+    visited: set[int] = {id(obj) for obj in skip}
     while stack:
         obj = stack.pop()
         if id(obj) in visited:

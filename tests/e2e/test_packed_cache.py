@@ -276,7 +276,7 @@ def test_onednn_packed_bf16_weights_map_back_and_move_onto_huge_pages(mixed_gguf
     runner = llm.llm_engine.executor.driver
     rehome = runner.rehome
     assert rehome is not None and not rehome.finished
-    assert not any(t.is_mkldnn for t in packed_cache._tensors(runner.model, every_view=True))
+    assert not any(t.is_mkldnn for t in packed_cache.held_tensors(runner.model, every_view=True))
     assert _generate(llm) == cold
     rehome.finish()
     assert _generate(llm) == cold

@@ -52,7 +52,7 @@ def test_packed_weight_holds_plain_tensors_and_round_trips(fmt: str, tmp_path) -
     packed = cpu.PackedWeight(weight, bias, fmt)
     held = [v for v in vars(packed).values() if isinstance(v, torch.Tensor)]
     assert held and not any(t.is_mkldnn for t in held)
-    assert not any(t.is_mkldnn for t in packed_cache._tensors(packed, every_view=True))
+    assert not any(t.is_mkldnn for t in packed_cache.held_tensors(packed, every_view=True))
     x1, x8 = torch.randn(1, 160).bfloat16(), torch.randn(8, 160).bfloat16()
     expected8 = F.linear(x8.float(), weight.float(), bias.float())
     torch.testing.assert_close(packed(x8).float(), expected8, atol=2e-2, rtol=2e-2)  # oneDNN's product (4+ rows)
@@ -75,7 +75,7 @@ def test_a_mapped_hybrid_weight_moves_onto_huge_pages(tmp_path, monkeypatch: pyt
     expected = mapped(x)
     monkeypatch.setattr(huge_pages, "available", lambda: True)
     monkeypatch.setattr(huge_pages, "MIN_BYTES", 4096)
-    rehome = huge_pages.StepwiseRehome.start(packed_cache._tensors(mapped, every_view=True))
+    rehome = huge_pages.StepwiseRehome.start(packed_cache.held_tensors(mapped, every_view=True))
     assert rehome is not None
     rehome.finish()
     assert mapped.data.data_ptr() % huge_pages.HUGE_PAGE == 0
