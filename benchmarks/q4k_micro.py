@@ -64,10 +64,10 @@ def random_weight(n: int, k: int, v_rows: int, rng: np.random.Generator, mix: st
     ``v_rows`` rows and down in Q6_K), Q4_K elsewhere."""
     more_bits = mix == "q4_k_m" and layer % 2 == 0
     if more_bits and part == 3:
-        return KQuantRows(None, random_bytes(n, k, rng, six=True))
+        return KQuantRows.of(None, random_bytes(n, k, rng, six=True))
     if more_bits and part == 0:
-        return KQuantRows(random_bytes(n - v_rows, k, rng, six=False), random_bytes(v_rows, k, rng, six=True))
-    return KQuantRows(random_bytes(n, k, rng, six=False), None)
+        return KQuantRows.of(random_bytes(n - v_rows, k, rng, six=False), random_bytes(v_rows, k, rng, six=True))
+    return KQuantRows.of(random_bytes(n, k, rng, six=False), None)
 
 
 def nbytes(product: object) -> int:

@@ -5,10 +5,11 @@ per token (a lookup dequantizes the rows it reads) and the LM head multiplies by
 so a tied model keeps one int8 copy. A GGUF's Q8_0 table, kept as stored on a CPU (``quantization="gguf"``, and the
 Q8_0 default ``"int8"``), holds a scale per token and block of 32 instead (``weight_scale`` [vocab, hidden / 32]); the
 head then multiplies by the blocks with activations quantized per block, as llama.cpp does. A table in code blocks
-(a Q4_K_M file's Q6_K, a Q4_K or Q5_K one: ``Q4Blocks``) is kept as such too (``blocks``), and the head takes the
-code-block product (kvloom/ops/q4.py), as llama.cpp's does: at one sequence the head streams its table once a token,
-so the file's 6.56 bits a weight instead of bf16's 16 (the table of Llama-3.2-1B's Q4_K_M is 22% of its decode
-time in bf16). With ``requantize_lm_head`` (4 or 5) the table becomes 4- or 5-bit code blocks at load.
+(a Q4_K or Q5_K one: ``Q4Blocks``; a Q4_K or Q6_K one as the file's super-blocks, ``Q4KBlocks`` / ``Q6KBlocks``, where
+the CPU's k-quant product takes them) is kept as such too (``blocks``), and the head takes the code-block product
+(kvloom/ops/q4.py) or the k-quant one (kvloom/ops/q4k.py), as llama.cpp's does: at one sequence the head streams its
+table once a token, so the file's 6.56 bits a weight (a Q4_K_M file's Q6_K table) instead of bf16's 16, or the 10 of
+its decoded code blocks (the table of Llama-3.2-1B's Q4_K_M is 22% of its decode time in bf16). With ``requantize_lm_head`` (4 or 5) the table becomes 4- or 5-bit code blocks at load.
 
 Once the head is packed for its product (``process_weights_after_loading``), a tied embedding reads its rows from
 the head's packed weight (``share_tied_table``: the packed products' ``rows``) and the row-major table is dropped:
@@ -26,9 +27,11 @@ from torch import nn
 from kvloom.ops import int8, q4
 from kvloom.ops.int8 import Int8Blocks, Int8Rows
 from kvloom.ops.q4 import Q4Blocks
+from kvloom.ops.q4k import SUPER_BLOCK_TYPES, Q4KBlocks, Q6KBlocks
 from kvloom.ops.table import Ops
 
-Table = torch.Tensor | Int8Rows | Int8Blocks | Q4Blocks
+Table = torch.Tensor | Int8Rows | Int8Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks
+CodeTable = Q4Blocks | Q4KBlocks | Q6KBlocks  # a table as code blocks, or as the file's k-quant super-blocks
 
 
 def dequantize_rows(rows: Table, dtype: torch.dtype) -> torch.Tensor:
@@ -37,7 +40,7 @@ def dequantize_rows(rows: Table, dtype: torch.dtype) -> torch.Tensor:
     ``dtype``."""
     if isinstance(rows, torch.Tensor):
         return rows.to(dtype)
-    if isinstance(rows, Q4Blocks):
+    if isinstance(rows, (Q4Blocks, *SUPER_BLOCK_TYPES)):
         return rows.dequantize().to(dtype)
     codes, scale = rows.qweight.to(dtype), rows.scale.to(dtype)
     if scale.dim() == 1:
@@ -50,7 +53,7 @@ def int8_rows(qweight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> 
     return (Int8Rows if scale.dim() == 1 else Int8Blocks)(qweight[ids], scale[ids])
 
 
-def check_table_shape(name: str, tensor: Int8Rows | Int8Blocks | Q4Blocks, expected: tuple[int, ...]) -> None:
+def check_table_shape(name: str, tensor: Int8Rows | Int8Blocks | CodeTable, expected: tuple[int, ...]) -> None:
     """ValueError unless a table read in blocks has the [vocab, hidden] shape the model was built with."""
     if tuple(tensor.shape) != expected:
         raise ValueError(f"{name} weight has shape {tuple(tensor.shape)} in the checkpoint, expected {expected}")
@@ -63,7 +66,7 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.qweight: torch.Tensor | None = None  # int8 [vocab, hidden] after quantize
         self.weight_scale: torch.Tensor | None = None  # fp32 [vocab], or [vocab, hidden / 32] for Q8_0 blocks
-        self.blocks: Q4Blocks | None = None  # a GGUF's code-block table, as read (until a tied head takes it)
+        self.blocks: CodeTable | None = None  # a GGUF's code-block table, as read (until a tied head takes it)
         self.packed_table: object | None = None  # an untied code-block table packed, whose rows this reads
         # The tied head's packed weight, whose ``rows`` this reads instead of a table of its own (share_tied_table).
         self.table: Callable[[torch.Tensor], Table] | None = None
@@ -85,12 +88,13 @@ class VocabEmbedding(nn.Module):
         self.qweight, self.weight_scale = qweight.to(device), scale.float().to(device)
         self.weight.data = self.weight.data.new_empty(0, expected[1])
 
-    def load_shard(self, name: str, shard: int, tensor: Int8Rows | Int8Blocks | Q4Blocks) -> None:
-        """int8 rows, Q8_0 blocks or code blocks read from a checkpoint (the only things the loader hands this way)."""
-        if isinstance(tensor, Q4Blocks):
+    def load_shard(self, name: str, shard: int, tensor: Int8Rows | Int8Blocks | CodeTable) -> None:
+        """int8 rows, Q8_0 blocks, code blocks or k-quant super-blocks read from a checkpoint (the only things the
+        loader hands this way)."""
+        if isinstance(tensor, (Q4Blocks, *SUPER_BLOCK_TYPES)):
             check_table_shape("embedding", tensor, tuple(self.weight.shape))
             device = self.weight.device
-            self.blocks = Q4Blocks(*(t.to(device) for t in tensor))
+            self.blocks = type(tensor)(*(t.to(device) for t in tensor))
             self.dtype = self.weight.dtype
             self.read_from(self.blocks.take)
             self.weight.data = self.weight.data.new_empty(0, tensor.shape[1])
@@ -146,7 +150,7 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.qweight: torch.Tensor | None = None
         self.weight_scale: torch.Tensor | None = None
-        self.blocks: Q4Blocks | None = None  # the table as code blocks (requantize_lm_head), until packed
+        self.blocks: CodeTable | None = None  # the table as code blocks or super-blocks, until packed
         self.packed: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def quantize(self, tied_to: VocabEmbedding | None = None) -> None:
@@ -159,13 +163,13 @@ class LMHead(nn.Module):
             self.qweight, self.weight_scale = int8.quantize_per_channel(self.weight.data)
             self.weight.data = self.weight.data.new_empty(0, self.weight.shape[1])
 
-    def load_shard(self, name: str, shard: int, tensor: Int8Rows | Int8Blocks | Q4Blocks) -> None:
-        """int8 rows, Q8_0 blocks or code blocks of an untied head read from a checkpoint."""
+    def load_shard(self, name: str, shard: int, tensor: Int8Rows | Int8Blocks | CodeTable) -> None:
+        """int8 rows, Q8_0 blocks, code blocks or k-quant super-blocks of an untied head read from a checkpoint."""
         expected = tuple(self.weight.shape)
         check_table_shape("lm_head", tensor, expected)
         device = self.weight.device
-        if isinstance(tensor, Q4Blocks):
-            self.blocks = Q4Blocks(*(t.to(device) for t in tensor))
+        if isinstance(tensor, (Q4Blocks, *SUPER_BLOCK_TYPES)):
+            self.blocks = type(tensor)(*(t.to(device) for t in tensor))
         else:
             self.qweight, self.weight_scale = tensor.qweight.to(device), tensor.scale.float().to(device)
         self.weight.data = self.weight.data.new_empty(0, expected[1])
@@ -195,8 +199,8 @@ class LMHead(nn.Module):
         a least-squares fit of d and m, llama.cpp's k-quant search, had 10% less squared error on SmolLM2's table
         and a worse perplexity, 12.14 against 12.11 at 5 bits, 12.77 against 12.51 at 4); a tied embedding takes
         the same blocks. Changes the model's values: docs/quantization.md has the perplexity it costs."""
-        table = self.blocks.codes if self.blocks is not None else self.weight if self.qweight is None else self.qweight
-        rows = torch.arange(table.shape[0], device=table.device)
+        table = self.weight if self.qweight is None else self.qweight
+        rows = torch.arange(table.shape[0] if self.blocks is None else self.blocks.shape[0], device=table.device)
         pieces = [Q4Blocks.quantize(self.float_rows(ids), bits) for ids in rows.split(4096)]  # a few MB at a time
         self.blocks = Q4Blocks(*(torch.cat(parts) for parts in zip(*pieces)))
         self.qweight = self.weight_scale = None

@@ -169,8 +169,7 @@ class Linear(nn.Module):
         q4_k_rows = sum(t.shape[0] for t in q4_k)
         if q4_k and q6_k and q4_k_rows % PANEL:
             return None
-        return KQuantRows(Q4KBlocks(torch.cat([t.data for t in q4_k])) if q4_k else None,
-                          Q6KBlocks(torch.cat([t.data for t in q6_k])) if q6_k else None)
+        return KQuantRows.of(q4_k, q6_k)  # the shards as parts: packed in one pass, never joined first
 
     def _int8_to_float(self) -> None:
         """A layer whose shards came as int8 and as float: the int8 ones dequantized into the float weight beside

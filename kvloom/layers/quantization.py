@@ -62,15 +62,15 @@ def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks]], l
 
 def kept_as_stored(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks]]
                    ) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks]]:
-    """``quantization="gguf"``: the projections', the embedding's and the head's code blocks and Q8_0 blocks as the
-    file stores them (a Q4_K_M file's Q6_K table: the head takes the code-block product, a lookup reads rows of the
-    same blocks)."""
+    """``quantization="gguf"``: the projections', the embedding's and the head's code blocks, k-quant super-blocks and
+    Q8_0 blocks as the file stores them (a Q4_K_M file's Q6_K table: the head takes the k-quant product, a lookup
+    reads rows of the same super-blocks)."""
     for name, tensor in weights:
-        if isinstance(tensor, SUPER_BLOCK_TYPES):  # the file's super-blocks: a projection's product takes them as such
-            if name.endswith(LINEAR_WEIGHTS) and ".experts." not in name:
+        if isinstance(tensor, SUPER_BLOCK_TYPES):  # the file's super-blocks: a projection's and a table's product
+            if name.endswith(LINEAR_WEIGHTS + HEAD_WEIGHTS) and ".experts." not in name:  # take them as such
                 yield name, tensor
                 continue
-            tensor = tensor.to_blocks()  # a table (or anything else) as the code blocks of 32 it always was
+            tensor = tensor.to_blocks()  # anything else as the code blocks of 32 it always was
         keep = LINEAR_WEIGHTS + HEAD_WEIGHTS
         if ".experts." in name:  # a mixture's experts keep 4-bit blocks (layers/moe.py), not int8 ones
             keep = LINEAR_WEIGHTS + EXPERT_WEIGHTS if isinstance(tensor, Q4Blocks) else ()

@@ -79,6 +79,15 @@ def zeros_many(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.
             for start, nbytes, shape in zip(starts, sizes, shapes, strict=True)]
 
 
+def empty(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] for a packed weight to be written into once: on huge pages where available() and it is
+    MIN_BYTES or more (a mapping zero-filled as first written: packing into it costs no copy after), else an
+    ordinary uninitialised tensor."""
+    if nbytes >= MIN_BYTES and available():
+        return mapped_zeros(nbytes, True)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 def rehome(tensor: torch.Tensor) -> torch.Tensor:
     """A packed weight moved onto huge pages (a copy: same shape, dtype, values), where available() and it is a
     CPU tensor of MIN_BYTES or more; else the tensor itself."""

@@ -32,7 +32,8 @@ weight fused with other types, and every table (embedding, head) keep ``PackedQ4
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -184,20 +185,33 @@ def joined_blocks(parts: list[Q4Blocks]) -> Q4Blocks:
 
 
 class KQuantRows(NamedTuple):
-    """A projection's rows as the file's super-blocks: its Q4_K rows, then its Q6_K rows (either may be None; with
-    both, a whole number of panels of 8 Q4_K rows: a Q4_K_M file's q and k beside its Q6_K v)."""
+    """A projection's rows as the file's super-blocks: its Q4_K parts, then its Q6_K parts, each a row block in order
+    (the shards of a fused projection, packed in one pass without being joined first); either may be empty; with
+    both, the Q4_K rows fill whole panels of 8 (a Q4_K_M file's q and k beside its Q6_K v)."""
 
-    q4_k: Q4KBlocks | None
-    q6_k: Q6KBlocks | None
+    q4_k: tuple[Q4KBlocks, ...]
+    q6_k: tuple[Q6KBlocks, ...]
+
+    @classmethod
+    def of(cls, q4_k: Q4KBlocks | Sequence[Q4KBlocks] | None = None,
+           q6_k: Q6KBlocks | Sequence[Q6KBlocks] | None = None) -> KQuantRows:
+        """From one weight of each type, a sequence of parts, or None (no rows of that type)."""
+        def parts(value: Any) -> tuple:
+            return () if value is None else (value,) if isinstance(value, SUPER_BLOCK_TYPES) else tuple(value)
+        return cls(parts(q4_k), parts(q6_k))
 
     @property
     def shape(self) -> torch.Size:
-        parts = [p for p in self if p is not None]
+        parts = [*self.q4_k, *self.q6_k]
         return torch.Size((sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+    @property
+    def q4_k_rows(self) -> int:
+        return sum(p.shape[0] for p in self.q4_k)
 
     def to_blocks(self) -> Q4Blocks:
         """The code blocks of every row (exact; per 16 inputs where Q6_K rows are)."""
-        return joined_blocks([p.to_blocks() for p in self if p is not None])
+        return joined_blocks([p.to_blocks() for p in (*self.q4_k, *self.q6_k)])
 
 
 def q4k_linear_reference(x: torch.Tensor, weight: Q4KBlocks | Q6KBlocks | KQuantRows,
@@ -248,6 +262,19 @@ def packed_q6k_rows(data: torch.Tensor, ids: torch.Tensor, in_features: int) -> 
     return Q6KBlocks(file_bytes.reshape(t, -1).contiguous())
 
 
+def _packed_panels(parts: tuple[Q4KBlocks, ...] | tuple[Q6KBlocks, ...], in_features: int, panel_super_bytes: int,
+                   six_bits: bool) -> torch.Tensor:
+    """The parts' rows in turn as csrc/gemm_q4k.cpp's panels uint8 [panels, K / 256, panel bytes], packed straight from
+    the file's (mapped) bytes into their final memory: huge pages where the weight is large enough (no copy after)."""
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8)
+    rows = sum(p.shape[0] for p in parts)
+    shape = (-(-rows // PANEL), in_features // SUPER, panel_super_bytes)
+    out = huge_pages.empty(shape[0] * shape[1] * shape[2]).view(shape)
+    torch.ops.kvloom.pack_kquant_parts(out, [p.data for p in parts], in_features, six_bits)
+    return out
+
+
 class PackedKQuantWeight:
     """A k-quant weight packed once for csrc/gemm_q4k.cpp, straight from the file's bytes (Q4_K rows, then Q6_K
     rows): x [..., K] (float32 or bfloat16) -> [..., N] in x's dtype, q4_linear_reference's product (bit for bit
@@ -257,22 +284,19 @@ class PackedKQuantWeight:
     def __init__(self, weight: KQuantRows | Q4KBlocks | Q6KBlocks, bias: torch.Tensor | None,
                  portable: bool = False) -> None:
         if isinstance(weight, Q4KBlocks):
-            weight = KQuantRows(weight, None)
+            weight = KQuantRows.of(q4_k=weight)
         elif isinstance(weight, Q6KBlocks):
-            weight = KQuantRows(None, weight)
+            weight = KQuantRows.of(q6_k=weight)
         self.out_features, self.in_features = weight.shape
-        self.q4_k_rows = 0 if weight.q4_k is None else weight.q4_k.shape[0]
-        if weight.q4_k is not None and weight.q6_k is not None and self.q4_k_rows % PANEL:
+        self.q4_k_rows = weight.q4_k_rows
+        if weight.q4_k and weight.q6_k and self.q4_k_rows % PANEL:
             raise ValueError(f"PackedKQuantWeight: Q4_K rows before Q6_K ones must fill whole panels of {PANEL}, got "
                              f"{self.q4_k_rows}")
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"PackedKQuantWeight: bias must have shape ({self.out_features},), got "
                              f"{tuple(bias.shape)}")
-        empty = torch.empty(0, dtype=torch.uint8)
-        self.q4_k = empty if weight.q4_k is None else huge_pages.rehome(torch.ops.kvloom.pack_q4k(
-            weight.q4_k.data.contiguous(), self.q4_k_rows, self.in_features))
-        self.q6_k = empty if weight.q6_k is None else huge_pages.rehome(torch.ops.kvloom.pack_q6k(
-            weight.q6_k.data.contiguous(), weight.q6_k.shape[0], self.in_features))
+        self.q4_k = _packed_panels(weight.q4_k, self.in_features, PANEL_SUPER_BYTES, six_bits=False)
+        self.q6_k = _packed_panels(weight.q6_k, self.in_features, Q6_K_PANEL_SUPER_BYTES, six_bits=True)
         self.bias = None if bias is None else bias.float().contiguous()
         self.portable = portable
         self._product = torch.ops.kvloom.gemm_kquant.default

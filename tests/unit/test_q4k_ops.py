@@ -80,7 +80,7 @@ def random_weight(kind: str, n: int, k: int, seed: int) -> Q4KBlocks | Q6KBlocks
     if kind.startswith("q6_k"):
         return random_q6_k(n, k, seed, llama_cpp=kind.endswith("_llama"))
     head = 8 * max(1, n // 16)  # n = 8: Q4_K rows alone
-    return KQuantRows(random_q4_k(head, k, seed), random_q6_k(n - head, k, seed + 1) if n > head else None)
+    return KQuantRows.of(random_q4_k(head, k, seed), random_q6_k(n - head, k, seed + 1) if n > head else None)
 
 
 def test_q6_k_super_blocks_decode_as_the_gguf_package_dequantizes() -> None:
@@ -126,7 +126,7 @@ def test_packed_bytes_are_the_files_and_read_back_as_its_rows(kernels: None) -> 
     assert packed.q6_k.shape == (3, 3, Q6_K_PANEL_SUPER_BYTES) and packed.q4_k.numel() == 0
     assert torch.equal(q6k_rows(packed, ids), six.data[ids])
     assert all(torch.equal(a, b) for a, b in zip(packed.rows(ids), six.take(ids).to_blocks()))
-    mixed = KQuantRows(random_q4_k(16, k, seed=4), six)
+    mixed = KQuantRows.of(random_q4_k(16, k, seed=4), six)
     packed = PackedKQuantWeight(mixed, None)
     ids = torch.tensor([0, 15, 16, 36, 3, 20])
     assert all(torch.equal(a, b) for a, b in zip(packed.rows(ids), mixed.to_blocks().take(ids)))
@@ -152,7 +152,7 @@ def test_pack_rejects_what_is_no_q4_k_weight(kernels: None) -> None:
     with pytest.raises(RuntimeError, match="contiguous uint8 bytes of a Q6_K"):
         torch.ops.kvloom.pack_q6k(torch.zeros(100, dtype=torch.uint8), 1, 256)
     with pytest.raises(ValueError, match="whole panels of 8"):
-        PackedKQuantWeight(KQuantRows(random_q4_k(12, 256, seed=1), random_q6_k(4, 256, seed=1)), None)
+        PackedKQuantWeight(KQuantRows.of(random_q4_k(12, 256, seed=1), random_q6_k(4, 256, seed=1)), None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
@@ -170,9 +170,10 @@ def test_k_quant_product_equals_the_code_block_product_bit_for_bit(kernels: None
         fast = PackedKQuantWeight(weight, bias)(x)
         assert fast.dtype == dtype and fast.shape == (m, n)
         assert torch.equal(PackedKQuantWeight(weight, bias, portable=True)(x), fast)
-        if kind == "mixed" and weight.q6_k is not None:
-            head = weight.q4_k.shape[0]
-            for part, columns in ((weight.q4_k, slice(0, head)), (weight.q6_k, slice(head, n))):
+        if kind == "mixed" and weight.q6_k:
+            (four,), (six,) = weight.q4_k, weight.q6_k
+            head = four.shape[0]
+            for part, columns in ((four, slice(0, head)), (six, slice(head, n))):
                 part_bias = None if bias is None else bias[columns].contiguous()
                 assert torch.equal(PackedQ4Weight(part.to_blocks(), part_bias, bf16_tiles=False)(x), fast[:, columns])
         else:
@@ -187,7 +188,7 @@ def test_k_quant_product_equals_the_code_block_product_bit_for_bit(kernels: None
 
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels: None) -> None:
     """One formula at every row count: each row of a 13-row product equals that row's product alone."""
-    weight = KQuantRows(random_q4_k(32, 512, seed=5), random_q6_k(13, 512, seed=5))
+    weight = KQuantRows.of(random_q4_k(32, 512, seed=5), random_q6_k(13, 512, seed=5))
     packed = PackedKQuantWeight(weight, torch.randn(45))
     x = torch.randn(13, 512, generator=torch.Generator().manual_seed(5))
     together = packed(x)
@@ -208,7 +209,7 @@ def test_activations_are_checked(kernels: None) -> None:
 def test_the_cpu_table_packs_q4_k_super_blocks_and_other_code_blocks_apart(kernels: None) -> None:
     weight = random_q4_k(16, 256, seed=7)
     assert isinstance(pack_code_blocks(weight, None), PackedKQuantWeight)
-    assert isinstance(pack_code_blocks(KQuantRows(None, random_q6_k(8, 256, seed=7)), None), PackedKQuantWeight)
+    assert isinstance(pack_code_blocks(KQuantRows.of(None, random_q6_k(8, 256, seed=7)), None), PackedKQuantWeight)
     assert isinstance(pack_code_blocks(weight.to_blocks(), None), PackedQ4Weight)
     assert isinstance(NativeQ4Linear(weight, None).weight, Q4Blocks)
 
@@ -238,7 +239,7 @@ def test_a_layer_keeps_super_block_shards_and_decodes_them_beside_other_kinds() 
         layer.load_shard("weight", shard, tensor)
     assert layer.q4 is None and set(layer.super_blocks) == {0, 1, 2}
     x = torch.randn(3, 256)
-    whole = KQuantRows(Q4KBlocks(torch.cat((q.data, k.data))), v)
+    whole = KQuantRows.of(Q4KBlocks(torch.cat((q.data, k.data))), v)
     assert torch.equal(layer(x), q4k_linear_reference(x, whole))
     layer.process_weights_after_loading(REFERENCE_OPS)
     assert not layer.super_blocks and layer.weight.numel() == 0

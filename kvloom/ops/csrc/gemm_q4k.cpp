@@ -98,105 +98,130 @@ inline void scale_min(const uint8_t* p, int64_t stride, int j, int& sc, int& mn)
 
 // ---- packing ---------------------------------------------------------------------------------------------------
 
-// Panel super-block `out` (kSuperBytes) from the file's super-blocks of rows n0 .. n0 + count (`stride` bytes apart;
-// the rest of the panel zero: d = dmin = 0 and codes 0, so those columns are 0).
-void pack_super(const uint8_t* file, int64_t stride, int64_t count, uint8_t* out) {
+// Panel super-block `out` (kSuperBytes) from the file's super-blocks at rows[c] + offset, c < count (the rest of the
+// panel zero: d = dmin = 0 and codes 0, so those columns are 0).
+void pack_super(const uint8_t* const* rows, int64_t offset, int64_t count, uint8_t* out) {
   std::memset(out, 0, kSuperBytes);
   for (int64_t c = 0; c < count; ++c) {
-    const uint8_t* f = file + c * stride;
+    const uint8_t* f = rows[c] + offset;
     std::memcpy(out + 2 * c, f, 2);                   // d
     std::memcpy(out + 2 * (kPanel + c), f + 2, 2);    // dmin
     for (int64_t j = 0; j < kScaleBytes; ++j) out[4 * kPanel + j * kPanel + c] = f[4 + j];
     // The file's codes: element 32 b + l of the super-block is the low (b even) or high (b odd) nibble of byte
-    // 32 (b / 2) + l.
+    // 32 (b / 2) + l; the panel's byte (c, i) of pair j holds codes 8 j + i and 8 j + 4 + i of a block.
     const uint8_t* qs = f + 4 + kScaleBytes;
     for (int64_t b = 0; b < kBlocksPerSuper; ++b) {
       const uint8_t* chunk = qs + 32 * (b / 2);
       const int shift = 4 * static_cast<int>(b % 2);
-      uint8_t* block = out + kHeadBytes + b * kBlockBytes;
-      for (int64_t j = 0; j < 4; ++j)
-        for (int64_t i = 0; i < 4; ++i) {
-          const int lo = (chunk[8 * j + i] >> shift) & 0x0F, hi = (chunk[8 * j + 4 + i] >> shift) & 0x0F;
-          block[32 * j + 4 * c + i] = static_cast<uint8_t>(lo | (hi << 4));
-        }
+      uint8_t* block = out + kHeadBytes + b * kBlockBytes + 4 * c;
+      for (int64_t j = 0; j < 4; ++j) {
+        uint32_t lo, hi;  // 4 bytes each: codes 8 j + i and 8 j + 4 + i in their `shift` nibbles
+        std::memcpy(&lo, chunk + 8 * j, 4);
+        std::memcpy(&hi, chunk + 8 * j + 4, 4);
+        const uint32_t word = ((lo >> shift) & 0x0F0F0F0Fu) | (((hi >> shift) & 0x0F0F0F0Fu) << 4);
+        std::memcpy(block + 32 * j, &word, 4);
+      }
     }
   }
 }
 
-// The file's Q4_K bytes of a [rows, in_features] weight (uint8, rows after rows, as GGUF stores them) -> the panels
-// uint8 [ceil(rows / 8), in_features / 256, kSuperBytes].
-at::Tensor pack_q4k(at::Tensor raw, int64_t rows, int64_t in_features) {
-  TORCH_CHECK(rows > 0 && in_features > 0 && in_features % kSuper == 0,
-              "pack_q4k: a Q4_K weight needs rows > 0 and in_features a positive multiple of ", kSuper, ", got [",
-              rows, ", ", in_features, "]");
-  const int64_t supers = in_features / kSuper, panels = (rows + kPanel - 1) / kPanel;
-  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == rows * supers * kFileBytes,
-              "pack_q4k: raw must be the contiguous uint8 bytes of a Q4_K [", rows, ", ", in_features, "] weight (",
-              rows * supers * kFileBytes, " bytes), got ", raw.numel(), " ", raw.scalar_type(), " values");
-  at::Tensor out = at::empty({panels, supers, kSuperBytes}, raw.options());
-  const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t row_bytes = supers * kFileBytes;
-  parallel_for(0, panels * supers, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t p = i / supers, s = i % supers;
-      pack_super(src + p * kPanel * row_bytes + s * kFileBytes, row_bytes, std::min(kPanel, rows - p * kPanel),
-                 dst + i * kSuperBytes);
-    }
-  });
-  return out;
-}
-
-// Q6_K: panel super-block `out` (kQ6SuperBytes) from the file's super-blocks of rows n0 .. n0 + count.
-void pack_super_q6(const uint8_t* file, int64_t stride, int64_t count, uint8_t* out) {
+// Q6_K: panel super-block `out` (kQ6SuperBytes) from the file's super-blocks at rows[c] + offset, c < count.
+void pack_super_q6(const uint8_t* const* rows, int64_t offset, int64_t count, uint8_t* out) {
   std::memset(out, 0, kQ6SuperBytes);
   for (int64_t c = 0; c < count; ++c) {
-    const uint8_t* f = file + c * stride;
+    const uint8_t* f = rows[c] + offset;
     const uint8_t *ql = f, *qh = f + 128, *scales = f + 192;
     std::memcpy(out + 2 * c, f + 208, 2);  // d
     for (int64_t g = 0; g < 16; ++g) out[2 * kPanel + g * kPanel + c] = scales[g];
     // The file's code of element e = 128 n + 32 q + l: low 4 bits in ql[64 n + 32 (q % 2) + l] (low nibble for q < 2,
-    // high for q >= 2), top 2 bits at bit 2 q of qh[32 n + l] (ggml's dequantize_row_q6_K).
-    auto code = [&](int64_t e) {
-      const int64_t n = e / 128, q = (e % 128) / 32, l = e % 32;
-      const int low = (ql[64 * n + 32 * (q % 2) + l] >> (4 * (q / 2))) & 0x0F, top = (qh[32 * n + l] >> (2 * q)) & 3;
-      return low | (top << 4);
-    };
+    // high for q >= 2), top 2 bits at bit 2 q of qh[32 n + l] (ggml's dequantize_row_q6_K). Block b holds elements
+    // 32 b + l (n = b / 4, q = b % 4); its byte (c, i) of pair j the low bits of codes 8 j + i and 8 j + 4 + i, and
+    // byte (c, i) of half j / 2 their top bits at bit 2 (2 (j % 2) + h): four codes a 32-bit word at a time.
     for (int64_t b = 0; b < kBlocksPerSuper; ++b) {
-      uint8_t* block = out + kQ6HeadBytes + b * kQ6BlockBytes;
-      for (int64_t j = 0; j < 4; ++j)
-        for (int64_t h = 0; h < 2; ++h)
-          for (int64_t i = 0; i < 4; ++i) {
-            const int value = code(32 * b + 8 * j + 4 * h + i);
-            block[32 * j + 4 * c + i] |= static_cast<uint8_t>((value & 0x0F) << (4 * h));
-            block[kBlockBytes + 32 * (j / 2) + 4 * c + i] |= static_cast<uint8_t>((value >> 4) << (2 * (2 * (j % 2) + h)));
-          }
+      const uint8_t* low = ql + 64 * (b / 4) + 32 * (b % 2);
+      const uint8_t* top = qh + 32 * (b / 4);
+      const int low_shift = 4 * static_cast<int>((b % 4) / 2), top_shift = 2 * static_cast<int>(b % 4);
+      uint8_t* block = out + kQ6HeadBytes + b * kQ6BlockBytes + 4 * c;
+      for (int64_t j = 0; j < 4; ++j) {
+        uint32_t lo, hi, top_lo, top_hi, tops;
+        std::memcpy(&lo, low + 8 * j, 4);
+        std::memcpy(&hi, low + 8 * j + 4, 4);
+        std::memcpy(&top_lo, top + 8 * j, 4);
+        std::memcpy(&top_hi, top + 8 * j + 4, 4);
+        const uint32_t nibbles = ((lo >> low_shift) & 0x0F0F0F0Fu) | (((hi >> low_shift) & 0x0F0F0F0Fu) << 4);
+        std::memcpy(block + 32 * j, &nibbles, 4);
+        const int at = 4 * static_cast<int>(j % 2);
+        uint8_t* half = block + kBlockBytes + 32 * (j / 2);
+        std::memcpy(&tops, half, 4);
+        tops |= (((top_lo >> top_shift) & 0x03030303u) << at) | (((top_hi >> top_shift) & 0x03030303u) << (at + 2));
+        std::memcpy(half, &tops, 4);
+      }
     }
   }
 }
 
-// The file's Q6_K bytes of a [rows, in_features] weight -> the panels uint8 [ceil(rows / 8), in_features / 256,
-// kQ6SuperBytes].
-at::Tensor pack_q6k(at::Tensor raw, int64_t rows, int64_t in_features) {
-  TORCH_CHECK(rows > 0 && in_features > 0 && in_features % kSuper == 0,
-              "pack_q6k: a Q6_K weight needs rows > 0 and in_features a positive multiple of ", kSuper, ", got [",
-              rows, ", ", in_features, "]");
-  const int64_t supers = in_features / kSuper, panels = (rows + kPanel - 1) / kPanel;
-  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == rows * supers * kQ6FileBytes,
-              "pack_q6k: raw must be the contiguous uint8 bytes of a Q6_K [", rows, ", ", in_features, "] weight (",
-              rows * supers * kQ6FileBytes, " bytes), got ", raw.numel(), " ", raw.scalar_type(), " values");
-  at::Tensor out = at::empty({panels, supers, kQ6SuperBytes}, raw.options());
-  const uint8_t* src = raw.data_ptr<uint8_t>();
+// The panels of a k-quant weight whose rows are the rows of `parts` in turn (each uint8 [n_i, in_features / 256 *
+// file bytes], a row's bytes contiguous, rows any stride apart: the file's mapped tensors, shards of a fused
+// projection) written into `out` (uint8, contiguous, ceil(sum n_i / 8) x in_features / 256 panel super-blocks): one
+// pass over the file's bytes, no copy in between, parallel over panel super-blocks.
+void pack_kquant_parts(at::Tensor out, at::TensorList parts, int64_t in_features, bool six_bits) {
+  const char* name = six_bits ? "pack_q6k" : "pack_q4k";
+  const int64_t file_bytes = six_bits ? kQ6FileBytes : kFileBytes, super_bytes = six_bits ? kQ6SuperBytes : kSuperBytes;
+  TORCH_CHECK(in_features > 0 && in_features % kSuper == 0, name, ": in_features must be a positive multiple of ",
+              kSuper, ", got ", in_features);
+  const int64_t supers = in_features / kSuper, row_bytes = supers * file_bytes;
+  std::vector<const uint8_t*> rows;
+  for (const at::Tensor& part : parts) {
+    TORCH_CHECK(part.scalar_type() == at::kByte && part.dim() == 2 && part.size(1) == row_bytes &&
+                    (part.size(0) <= 1 || part.stride(1) == 1) && part.device().is_cpu(),
+                name, ": each part must be the uint8 bytes [rows, ", row_bytes, "] of a [rows, ", in_features,
+                "] weight, each row's bytes contiguous; got ", part.sizes(), " ", part.scalar_type());
+    const uint8_t* base = part.data_ptr<uint8_t>();
+    for (int64_t r = 0; r < part.size(0); ++r) rows.push_back(base + r * part.stride(0));
+  }
+  const int64_t count = static_cast<int64_t>(rows.size()), panels = (count + kPanel - 1) / kPanel;
+  TORCH_CHECK(count > 0, name, ": a weight needs rows > 0");
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.numel() == panels * supers * super_bytes,
+              name, ": out must be contiguous uint8 of ", panels * supers * super_bytes, " bytes, got ", out.numel());
+  rows.resize(panels * kPanel, nullptr);
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t row_bytes = supers * kQ6FileBytes;
+  const uint8_t* const* table = rows.data();
   parallel_for(0, panels * supers, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t p = i / supers, s = i % supers;
-      pack_super_q6(src + p * kPanel * row_bytes + s * kQ6FileBytes, row_bytes, std::min(kPanel, rows - p * kPanel),
-                    dst + i * kQ6SuperBytes);
+      const int64_t p = i / supers, s = i % supers, n = std::min(kPanel, count - p * kPanel);
+      if (six_bits) {
+        pack_super_q6(table + p * kPanel, s * file_bytes, n, dst + i * super_bytes);
+      } else {
+        pack_super(table + p * kPanel, s * file_bytes, n, dst + i * super_bytes);
+      }
     }
   });
+}
+
+// The file's bytes of a [rows, in_features] weight (uint8, rows after rows, as GGUF stores them) -> its panels
+// uint8 [ceil(rows / 8), in_features / 256, kSuperBytes (Q6_K: kQ6SuperBytes)].
+at::Tensor pack_kquant(at::Tensor raw, int64_t rows, int64_t in_features, bool six_bits) {
+  const char* name = six_bits ? "pack_q6k" : "pack_q4k";
+  const int64_t file_bytes = six_bits ? kQ6FileBytes : kFileBytes, super_bytes = six_bits ? kQ6SuperBytes : kSuperBytes;
+  TORCH_CHECK(rows > 0 && in_features > 0 && in_features % kSuper == 0, name, ": a ", six_bits ? "Q6_K" : "Q4_K",
+              " weight needs rows > 0 and in_features a positive multiple of ", kSuper, ", got [", rows, ", ",
+              in_features, "]");
+  const int64_t supers = in_features / kSuper;
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == rows * supers * file_bytes,
+              name, ": raw must be the contiguous uint8 bytes of a ", six_bits ? "Q6_K" : "Q4_K", " [", rows, ", ",
+              in_features, "] weight (", rows * supers * file_bytes, " bytes), got ", raw.numel(), " ",
+              raw.scalar_type(), " values");
+  at::Tensor out = at::empty({(rows + kPanel - 1) / kPanel, supers, super_bytes}, raw.options());
+  pack_kquant_parts(out, {raw.view({rows, supers * file_bytes})}, in_features, six_bits);
   return out;
+}
+
+at::Tensor pack_q4k(at::Tensor raw, int64_t rows, int64_t in_features) {
+  return pack_kquant(raw, rows, in_features, false);
+}
+
+at::Tensor pack_q6k(at::Tensor raw, int64_t rows, int64_t in_features) {
+  return pack_kquant(raw, rows, in_features, true);
 }
 
 // ---- the product -----------------------------------------------------------------------------------------------
@@ -567,11 +592,13 @@ void gemm_kquant(at::Tensor y, at::Tensor x, at::Tensor q4_k, at::Tensor q6_k, c
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("pack_q4k(Tensor raw, int rows, int in_features) -> Tensor");
   m.def("pack_q6k(Tensor raw, int rows, int in_features) -> Tensor");
+  m.def("pack_kquant_parts(Tensor(a!) out, Tensor[] parts, int in_features, bool six_bits) -> ()");
   m.def("gemm_kquant(Tensor(a!) y, Tensor x, Tensor q4_k, Tensor q6_k, Tensor? bias, bool portable=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
   m.impl("pack_q4k", &pack_q4k);
   m.impl("pack_q6k", &pack_q6k);
+  m.impl("pack_kquant_parts", &pack_kquant_parts);
   m.impl("gemm_kquant", &gemm_kquant);
 }
