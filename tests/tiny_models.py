@@ -434,6 +434,40 @@ def requantize_gguf(source: str, target: str, ggml_type: int = 8) -> str:
     return target
 
 
+def relabel_gguf(source: str, target: str, *, token_texts: dict[int, str] | None = None,
+                 uint32_keys: dict[str, int] | None = None) -> str:
+    """``source`` with its tensors copied byte for byte and its tokenizer relabelled: ``token_texts`` renames
+    tokens (id -> new spelling), ``uint32_keys`` adds or replaces uint32 metadata (e.g.
+    ``tokenizer.ggml.fim_pre_token_id``). A real model with fill-in-the-middle tokens both kvloom and llama.cpp
+    load, made from one without (SmolLM2's control tokens renamed or named by key)."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(target, str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF.") \
+                or field.name in (uint32_keys or {}):
+            continue
+        kind = field.types[0]
+        sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        if field.name == gguf.Keys.Tokenizer.LIST and token_texts:
+            value = [token_texts.get(index, text) for index, text in enumerate(value)]
+        writer.add_key_value(field.name, value, kind, sub_type=sub_type)
+    for key, value in (uint32_keys or {}).items():
+        writer.add_uint32(key, value)
+    for tensor in reader.tensors:
+        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes,
+                               tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in reader.tensors:
+        writer.write_tensor_data(tensor.data)
+    writer.close()
+    return target
+
+
 def build_tiny_eagle(path: str, target_dir: str, method: str = "eagle", *, seed: int = 0,
                      draft_vocab_size: int | None = None, own_embedding: bool = False,
                      aux_layer_ids: list[int] | None = None, fc_bias: bool = False) -> str:
