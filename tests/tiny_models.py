@@ -5,6 +5,7 @@
     build_tiny_checkpoint(path, arch="mistral", sliding_window=32)
     build_tiny_checkpoint(path, max_shard_size="100KB")  # sharded, with model.safetensors.index.json
     write_tiny_gguf(path, checkpoint_dir)                # the same weights as a quantized llama GGUF
+    relabel_gguf(source, target, token_texts=..., uint32_keys=...)  # a GGUF's tokens renamed / named by key
 
 The tokenizer is a byte-level BPE trained deterministically on TRAINING_TEXT, with SmolLM2's special
 tokens and ChatML template, so transformers' AutoTokenizer loads it too (it is the tests' oracle).
