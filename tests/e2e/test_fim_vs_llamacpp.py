@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import socket
 import struct
 import subprocess
@@ -165,6 +166,7 @@ def llama_server(gguf_path: str) -> Iterator[LlamaServer]:
             process.kill()
             process.wait()
         log.close()
+        shutil.rmtree(slots_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
