@@ -5,6 +5,7 @@
     build_tiny_checkpoint(path, arch="mistral", sliding_window=32)
     build_tiny_checkpoint(path, max_shard_size="100KB")  # sharded, with model.safetensors.index.json
     write_tiny_gguf(path, checkpoint_dir)                # the same weights as a quantized llama GGUF
+    relabel_gguf(source, target, token_texts=..., uint32_keys=...)  # a GGUF's tokens renamed / named by key
 
 The tokenizer is a byte-level BPE trained deterministically on TRAINING_TEXT, with SmolLM2's special
 tokens and ChatML template, so transformers' AutoTokenizer loads it too (it is the tests' oracle).
@@ -430,6 +431,40 @@ def requantize_gguf(source: str, target: str, ggml_type: int = 8) -> str:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+def relabel_gguf(source: str, target: str, *, token_texts: dict[int, str] | None = None,
+                 uint32_keys: dict[str, int] | None = None) -> str:
+    """``source`` with its tensors copied byte for byte and its tokenizer relabelled: ``token_texts`` renames
+    tokens (id -> new spelling), ``uint32_keys`` adds or replaces uint32 metadata (e.g.
+    ``tokenizer.ggml.fim_pre_token_id``). A real model with fill-in-the-middle tokens both kvloom and llama.cpp
+    load, made from one without (SmolLM2's control tokens renamed or named by key)."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(target, str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF.") \
+                or field.name in (uint32_keys or {}):
+            continue
+        kind = field.types[0]
+        sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        if field.name == gguf.Keys.Tokenizer.LIST and token_texts:
+            value = [token_texts.get(index, text) for index, text in enumerate(value)]
+        writer.add_key_value(field.name, value, kind, sub_type=sub_type)
+    for key, value in (uint32_keys or {}).items():
+        writer.add_uint32(key, value)
+    for tensor in reader.tensors:
+        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes,
+                               tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in reader.tensors:
+        writer.write_tensor_data(tensor.data)
     writer.close()
     return target
 

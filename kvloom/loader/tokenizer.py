@@ -37,15 +37,16 @@ FIM_GGUF_KEYS = (("pre", "tokenizer.ggml.fim_pre_token_id"), ("suf", "tokenizer.
                  ("pre", "tokenizer.ggml.prefix_token_id"), ("suf", "tokenizer.ggml.suffix_token_id"),
                  ("mid", "tokenizer.ggml.middle_token_id"))
 # A role no key named is found by the token's text (llama-vocab.cpp's "auto-detect special tokens by text"):
-# Qwen2.5-Coder, StarCoder / Granite, DeepSeek-Coder, CodeLlama, GLM-4.5 spellings.
+# Qwen2.5-Coder, StarCoder / Granite, DeepSeek-Coder, CodeLlama, GLM-4.5, Falcon-H1-Tiny-Coder and Kimi-K2
+# spellings.
 FIM_TOKEN_TEXTS: dict[str, tuple[str, ...]] = {
     "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>", "\u2581<PRE>",
-            "<|code_prefix|>"),
+            "<|code_prefix|>", "<|prefix|>"),
     "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>", "\u2581<SUF>",
-            "<|code_suffix|>"),
+            "<|code_suffix|>", "<|suffix|>"),
     "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>", "\u2581<MID>",
-            "<|code_middle|>"),
-    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
+            "<|code_middle|>", "<|middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "sep": ("<|file_sep|>",),
 }

@@ -302,7 +302,9 @@ def _with_tokens(tokens: list[str]) -> Tokenizer:
     (["<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"],
      {"pre": "<\uff5cfim\u2581begin\uff5c>", "suf": "<\uff5cfim\u2581hole\uff5c>",
       "mid": "<\uff5cfim\u2581end\uff5c>"}),
-], ids=["qwen2.5-coder", "starcoder", "codellama", "deepseek-coder"])
+    (["<|prefix|>", "<|suffix|>", "<|middle|>", "[PAD]"],
+     {"pre": "<|prefix|>", "suf": "<|suffix|>", "mid": "<|middle|>", "pad": "[PAD]"}),
+], ids=["qwen2.5-coder", "starcoder", "codellama", "deepseek-coder", "falcon-h1-tiny-coder-kimi-k2-pad"])
 def test_known_fim_token_sets_are_found_by_text(tokens: list[str], expected: dict[str, str]) -> None:
     """Without GGUF keys (an HF tokenizer), each role is found by llama-vocab.cpp's spellings; StarCoder's
     <file_sep> is not one of them, so it has no file separator (as in llama.cpp)."""
