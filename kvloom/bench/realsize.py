@@ -120,12 +120,16 @@ def gguf_traffic(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def weights_read_per_token(model: Any) -> int:
     """Bytes of weights kvloom's products read per decode token, from the loaded model: every tensor it holds, each
-    storage once, less an embedding's table of its own (one row a token; a tied embedding reads the head's)."""
+    storage once, less an embedding's table of its own (one row a token; a tied embedding reads the head's) and the
+    rotary cos / sin tables (a row a position)."""
     from kvloom.layers.embedding import VocabEmbedding
+    from kvloom.layers.rotary import RotaryEmbedding
     from kvloom.worker.packed_cache import held_tensors
 
     embeddings = tuple(m for m in model.modules() if isinstance(m, VocabEmbedding))
-    rest = held_tensors(model, skip=embeddings)
+    positional = {t.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, RotaryEmbedding)
+                  for t in held_tensors(m)}
+    rest = [t for t in held_tensors(model, skip=embeddings) if t.untyped_storage().data_ptr() not in positional]
     ptrs = {t.untyped_storage().data_ptr() for t in rest}
     total = sum(t.untyped_storage().nbytes() for t in rest)
     for embedding in embeddings:

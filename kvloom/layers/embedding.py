@@ -215,8 +215,12 @@ class LMHead(nn.Module):
         return dequantize_rows(self.rows(ids), torch.float32)
 
     def rows(self, ids: torch.Tensor) -> Table:
-        """Rows ``ids`` [T] of the table as held before packing."""
-        return self.blocks.take(ids) if self.blocks is not None else int8_rows(self.qweight, self.weight_scale, ids)
+        """Rows ``ids`` [T] of the table as held (before packing; after it, the packed product's where it holds them)."""
+        if self.blocks is not None:
+            return self.blocks.take(ids)
+        if self.qweight is None and self.packed is not None:
+            return self.packed.rows(ids)
+        return int8_rows(self.qweight, self.weight_scale, ids)
 
     def process_weights_after_loading(self, ops: Ops) -> None:
         """As Linear's, but the plain (or int8) weight stays: it may be the embedding's too."""
@@ -224,6 +228,8 @@ class LMHead(nn.Module):
             return
         if self.blocks is not None:
             self.packed = ops.pack_linear_q4(self.blocks, None)
+            if getattr(self.packed, "holds_rows", hasattr(self.packed, "rows")):
+                self.blocks = None  # the packed product holds the table (and hands back rows): not kept twice
         elif self.qweight is not None:
             pack = ops.pack_linear_int8_blocks if self.weight_scale.dim() == 2 else ops.pack_linear_int8
             self.packed = pack(self.qweight, self.weight_scale, None)

@@ -279,6 +279,13 @@ def _tensor_nbytes(path: str, name: str, shape: tuple[int, ...], ggml_type: int)
     return numel // block_size * type_size
 
 
+def map_file(path: str) -> mmap.mmap:
+    """The whole file mapped copy-on-write (writable for torch.frombuffer, never written): tensors viewing it read
+    the page cache in place, and keep the mapping alive while they live."""
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+
 def read_tensor_bytes(path: str, info: GGUFTensorInfo) -> torch.Tensor:
     """The raw bytes of one tensor as a uint8 tensor (a fresh, writable buffer)."""
     data = bytearray(info.nbytes)
@@ -528,6 +535,7 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
     code_types = code_block_types(keep_q5, keep_q6) if keep_q4 else ()
     int8_types = INT8_BLOCK_TYPES if keep_q8_0 else ()
     widened: Counter[int] = Counter()  # block-quantized weights dequantized to float although blocks were asked for
+    mapping: mmap.mmap | None = None  # the file mapped, for the super-blocks read in place
     for info in gguf.tensors.values():
         # Kept: a 2-D tensor of an int8-block or code-block type asked for, an expert stack of a code-block type.
         kept_type = code_types if len(info.shape) == 3 else int8_types + code_types if len(info.shape) == 2 else ()
@@ -542,15 +550,21 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
                 yield from zip(experts, _expert_slices(path, info, code_types))
                 continue
             raise ValueError(f"{path}: GGUF tensor {info.name!r} has no counterpart in kvloom's {arch} model")
-        raw = read_tensor_bytes(path, info)
+        super_blocks = keep_super_blocks and info.ggml_type in (GGML_Q4_K, GGML_Q6_K) and \
+            info.ggml_type in code_types and len(info.shape) == 2
+        if super_blocks:  # packed from the file's pages as they are: no copy, no zeroed buffer first
+            if mapping is None:
+                mapping = map_file(path)
+            raw = torch.frombuffer(mapping, dtype=torch.uint8, offset=info.offset, count=info.nbytes)
+        else:
+            raw = read_tensor_bytes(path, info)
         with _single_thread():
             kept: Int8Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks | None = None
             if info.ggml_type == GGML_Q5_0 and GGML_Q5_0 in code_types and name.endswith("_proj.weight"):
                 kept = q4_blocks(raw, info.ggml_type, info.shape)  # the 5-bit code-block product, not int8's
             elif info.ggml_type in int8_types and len(info.shape) == 2:
                 kept = (q8_0_blocks if info.ggml_type == GGML_Q8_0 else q5_0_blocks)(raw, info.shape)
-            elif keep_super_blocks and info.ggml_type in (GGML_Q4_K, GGML_Q6_K) and info.ggml_type in code_types \
-                    and len(info.shape) == 2:
+            elif super_blocks:
                 kept = (Q4KBlocks if info.ggml_type == GGML_Q4_K else Q6KBlocks).from_gguf(raw, info.shape)
             elif info.ggml_type in code_types and len(info.shape) == 2:
                 kept = q4_blocks(raw, info.ggml_type, info.shape)

@@ -666,6 +666,26 @@ def test_super_blocks_are_the_default_where_measured(q4_k_gguf: str, monkeypatch
     assert kinds == ({"PackedQ4Weight"} if cpu.compiled_isa().startswith("avx512") else {"PackedKQuantWeight"})
 
 
+def test_a_decode_token_reads_the_files_bytes(q4_k_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the file's super-blocks, projections and tables alike (an untied Q4_K embedding, a Q6_K head), the weights a
+    decode token reads (``kvloom bench realsize``'s count, from the loaded model) are the file's bytes, to within the
+    panels' padding, and no table is held twice (an untied head's blocks are dropped once packed); decoded into code
+    blocks (gguf_super_blocks false) they are more."""
+    from kvloom.bench.realsize import gguf_traffic, weights_read_per_token
+
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels could not be built here")
+    monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
+    file_bytes = gguf_traffic(q4_k_gguf)["weight_bytes_per_token"]
+    read = {}
+    for super_blocks in (True, False):
+        llm = LLM(model=q4_k_gguf, dtype="float32", max_model_len=128,
+                  override_backend_config={"gguf_super_blocks": super_blocks})
+        read[super_blocks] = weights_read_per_token(llm.llm_engine.executor.driver.model)
+    assert file_bytes <= read[True] <= 1.02 * file_bytes, (read, file_bytes)
+    assert read[False] > read[True], (read, file_bytes)
+
+
 def test_q4_k_rows_beside_a_q6_k_v_keep_their_own_bits(q4_k_m_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """q|k|v of Q4_K q and k and a Q6_K v: one product on the file's super-blocks (4.5 and 6.56 bits a weight where
     the code blocks held all three at 7.125), q and k rows summed per 32 inputs where the code blocks summed them per

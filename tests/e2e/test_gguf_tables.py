@@ -24,6 +24,7 @@ from kvloom.loader.weights import iter_weights, resolve_model
 from kvloom.ops import cpu
 from kvloom.ops.int8 import Int8Blocks, quantize_per_block
 from kvloom.ops.q4 import PackedQ4Weight, Q4Blocks
+from kvloom.ops.q4k import PackedKQuantWeight
 
 GGML_F32, GGML_Q4_1, GGML_Q8_0, GGML_Q6_K = 0, 3, 8, 14
 TABLE = "model.embed_tokens.weight"
@@ -66,19 +67,27 @@ def kernels() -> None:
         pytest.skip("the CPU kernels are not built here")
 
 
-def test_a_tied_q6_k_table_is_kept_once_in_its_code_blocks(kernels: None, tmp_path) -> None:
-    """A Q4_K_M-like file (Q4_1 projections here, a tied Q6_K table): the head packs the table's 6-bit code blocks,
-    the embedding reads its rows back there (no float copy, none row-major), the lookup gives exactly the file's
-    values and the tokens are the F32 twin's."""
+@pytest.mark.parametrize("super_blocks", [True, False])
+def test_a_tied_q6_k_table_is_kept_once_in_its_code_blocks(kernels: None, tmp_path, super_blocks: bool) -> None:
+    """A Q4_K_M-like file (Q4_1 projections here, a tied Q6_K table): the head packs the table as the file's Q6_K
+    super-blocks for the k-quant product (``gguf_super_blocks``: exactly the file's bytes, 6.5625 bits a weight), or
+    without it as 6-bit code blocks; the embedding reads its rows back there (no float copy, none row-major), the
+    lookup gives exactly the file's values and the tokens are the F32 twin's."""
     blocks, floats = _twin_files(str(tmp_path), {"embed": GGML_Q6_K, "attn": GGML_Q4_1, "attn_o": GGML_Q4_1,
                                                  "ffn": GGML_Q4_1, "ffn_down": GGML_Q4_1}, tied=True)
-    llm = LLM(model=blocks, dtype="float32", max_model_len=128)
+    llm = LLM(model=blocks, dtype="float32", max_model_len=128,
+              override_backend_config={"gguf_super_blocks": super_blocks})
     model = llm.llm_engine.executor.driver.model
     embedding, head = model.embed_tokens, model.lm_head
-    assert isinstance(head.packed, PackedQ4Weight) and head.packed.high is not None  # 6-bit codes
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    if super_blocks:
+        assert isinstance(head.packed, PackedKQuantWeight) and head.packed.q4_k.numel() == 0
+        assert head.packed.q6_k.numel() == -(-vocab // 8) * 8 * hidden // 256 * 210  # the file's bytes, padded
+    else:
+        assert isinstance(head.packed, PackedQ4Weight) and head.packed.high is not None  # 6-bit codes
     assert head.blocks is None and embedding.blocks is None and embedding.weight.numel() == 0
     assert embedding.table == head.packed.rows
-    ids = torch.tensor([[5, 0], [model.config.vocab_size - 1, 5]])
+    ids = torch.tensor([[5, 0], [vocab - 1, 5]])
     assert torch.equal(embedding(ids), _file_table(blocks)[ids])
     twin = LLM(model=floats, dtype="float32", max_model_len=128)
     assert twin.llm_engine.executor.driver.model.lm_head.blocks is None
@@ -102,17 +111,17 @@ def test_a_q8_0_files_tied_table_stays_in_blocks_with_fp16_scales(kernels: None,
 
 
 def test_an_untied_q6_k_head_and_its_embedding_stay_in_blocks(kernels: None, tmp_path) -> None:
-    """An 8B Q4_K_M's layout: an untied Q6_K head (the code-block product) beside a Q4_1 table packed the same way
-    (4 bits a weight, not a byte) and looked up there; both give exactly the file's values."""
+    """An 8B Q4_K_M's layout: an untied Q6_K head (the k-quant product on the file's super-blocks) beside a Q4_1 table
+    packed as code blocks (4 bits a weight, not a byte) and looked up there; both give exactly the file's values."""
     checkpoint = tiny_models.build_tiny_checkpoint(str(tmp_path / "hf"), arch="llama", hidden_size=256,
                                                    intermediate_size=256, tie_word_embeddings=False)
     path = tiny_models.write_tiny_gguf(str(tmp_path / "untied.gguf"), checkpoint,
                                        types={"embed": GGML_Q4_1, "output": GGML_Q6_K, "attn": GGML_Q4_1,
                                               "attn_o": GGML_Q4_1, "ffn": GGML_Q4_1, "ffn_down": GGML_Q4_1})
-    llm = LLM(model=path, dtype="float32", max_model_len=128)
+    llm = LLM(model=path, dtype="float32", max_model_len=128, override_backend_config={"gguf_super_blocks": True})
     model = llm.llm_engine.executor.driver.model
     embedding, head = model.embed_tokens, model.lm_head
-    assert isinstance(head.packed, PackedQ4Weight) and isinstance(embedding.packed_table, PackedQ4Weight)
+    assert isinstance(head.packed, PackedKQuantWeight) and isinstance(embedding.packed_table, PackedQ4Weight)
     assert embedding.blocks is None and embedding.table == embedding.packed_table.rows
     assert embedding.weight.numel() == 0 and head.weight.numel() == 0
     ids = torch.tensor([2, model.config.vocab_size - 1])
