@@ -9,7 +9,8 @@ head then multiplies by the blocks with activations quantized per block, as llam
 the CPU's k-quant product takes them) is kept as such too (``blocks``), and the head takes the code-block product
 (kvloom/ops/q4.py) or the k-quant one (kvloom/ops/q4k.py), as llama.cpp's does: at one sequence the head streams its
 table once a token, so the file's 6.56 bits a weight (a Q4_K_M file's Q6_K table) instead of bf16's 16, or the 10 of
-its decoded code blocks (the table of Llama-3.2-1B's Q4_K_M is 22% of its decode time in bf16). With ``requantize_lm_head`` (4 or 5) the table becomes 4- or 5-bit code blocks at load.
+its decoded code blocks (the table of Llama-3.2-1B's Q4_K_M is 22% of its decode time in bf16). With
+``requantize_lm_head`` (4 or 5) the table becomes 4- or 5-bit code blocks at load.
 
 Once the head is packed for its product (``process_weights_after_loading``), a tied embedding reads its rows from
 the head's packed weight (``share_tied_table``: the packed products' ``rows``) and the row-major table is dropped:
@@ -215,7 +216,7 @@ class LMHead(nn.Module):
         return dequantize_rows(self.rows(ids), torch.float32)
 
     def rows(self, ids: torch.Tensor) -> Table:
-        """Rows ``ids`` [T] of the table as held (before packing; after it, the packed product's where it holds them)."""
+        """Rows ``ids`` [T] of the table as held (before packing; after, the packed product's where it holds them)."""
         if self.blocks is not None:
             return self.blocks.take(ids)
         if self.qweight is None and self.packed is not None:
