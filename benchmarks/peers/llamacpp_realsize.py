@@ -14,8 +14,9 @@ each running every engine once (the order rotates between rounds) while holding 
 ``flock /tmp/kvloom-bench.lock`` (one round at a time), so no other timed benchmark on the box runs beside it.
 The peers (``--peers``, default both), 2 threads each:
 - llama.cpp (``LLAMACPP_TOOLS_ONLY=1 bash benchmarks/peers/setup_llamacpp.sh``) with its defaults;
-- ik_llama.cpp (``bash benchmarks/peers/setup_ikllamacpp.sh``) with its best CPU flags, ``-rtr 1`` (its
-  row-interleaved repack at load, which also turns mmap off) and ``-fa 1`` (its flash attention);
+- ik_llama.cpp (``bash benchmarks/peers/setup_ikllamacpp.sh``) with its best CPU flags, ``-rtr`` (its
+  row-interleaved repack at load, which also turns mmap off) and ``-fa on`` (its flash attention; llama-bench's
+  spelling ``-rtr 1 -fa 1``);
 each as ``llama-bench -m FILE -t 2 -r 1 -p 0 -n 128`` (tgN), ``-p N -n 0`` (ppN); ``llama-batched-bench -m FILE
 -t 2 -npp 64 -ntg 128 -npl N`` (bN, its S_TG), or with ``--batched-peer server`` ``llama-server -m FILE -t 2 -np N``
 (N slots, continuous batching) given N concurrent 64-token prompts of 128 tokens each (bN: the tokens generated
@@ -45,7 +46,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +72,14 @@ THREADS = 2
 @dataclass(frozen=True)
 class Peer:
     """A llama.cpp-family engine: its tools' folder, the setup command that builds them, and the flags it runs
-    with (on every tool: llama-bench, llama-batched-bench, llama-server)."""
+    with: ``flags`` for llama-batched-bench and llama-server, ``bench_flags`` for llama-bench (which spells them
+    as lists of values)."""
 
     name: str
     bin: Path
     setup: str
     flags: tuple[str, ...] = ()
+    bench_flags: tuple[str, ...] = ()
 
     def tool(self, name: str) -> str:
         path = self.bin / name
@@ -89,7 +92,7 @@ PEERS = {
     "llama.cpp": Peer("llama.cpp", ROOT / ".peers" / "llamacpp" / "bin",
                       "LLAMACPP_TOOLS_ONLY=1 bash benchmarks/peers/setup_llamacpp.sh"),
     "ik_llama.cpp": Peer("ik_llama.cpp", ROOT / ".peers" / "ikllamacpp" / "bin",
-                         "bash benchmarks/peers/setup_ikllamacpp.sh", ("-rtr", "1", "-fa", "1")),
+                         "bash benchmarks/peers/setup_ikllamacpp.sh", ("-rtr", "-fa", "on"), ("-rtr", "1", "-fa", "1")),
 }
 
 
@@ -108,7 +111,7 @@ def llama_bench(peer: Peer, path: Path, kind: str, n: int) -> float:
     """llama-bench's tok/s for one ppN or tgN run."""
     p, g = (n, 0) if kind == "pp" else (0, n)
     argv = [peer.tool("llama-bench"), "-m", str(path), "-t", str(THREADS), "-r", "1", "-p", str(p), "-n", str(g),
-            "-o", "json", *peer.flags]
+            "-o", "json", *peer.bench_flags]
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     rows = json.loads(out)
     return float(rows[0]["avg_ts"])
@@ -275,8 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not names:
         raise SystemExit(f"--peers: unknown {unknown or names}; choose from {', '.join(PEERS)}")
     bins = {"llama.cpp": args.llamacpp_bin, "ik_llama.cpp": args.ikllamacpp_bin}
-    peers = [PEERS[name] if bins[name] is None else Peer(name, Path(bins[name]), PEERS[name].setup,
-                                                        PEERS[name].flags) for name in names]
+    peers = [PEERS[name] if bins[name] is None else replace(PEERS[name], bin=Path(bins[name])) for name in names]
     for peer in peers:
         peer.tool("llama-bench")  # a missing build is named before anything runs
     tests = parse_tests(args.tests)
@@ -332,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{traffic['kv_bytes_per_position'] / 1e3:.0f} kB KV per position; head {traffic['head_type']} "
           f"{traffic['head_bytes'] / 1e9:.3f} GB ({'tied' if traffic['tied'] else 'untied'})")
     common.write_json(args.json, {"benchmark": "realsize-vs-peers", "model": str(path), "traffic": traffic,
-                                  "peers": {p.name: {"bin": str(p.bin), "flags": list(p.flags)} for p in peers},
+                                  "peers": {p.name: {"bin": str(p.bin), "flags": list(p.flags),
+                                                     "bench_flags": list(p.bench_flags)} for p in peers},
                                   "bandwidth_gb_s": bandwidth, "rounds": runs, "table": table,
                                   "machine": machine})
     return 0
