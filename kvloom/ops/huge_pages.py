@@ -11,14 +11,23 @@ so a buffer is mapped, advised and aligned here before anything is written to it
 The memory is the same bytes either way; a huge page becomes resident whole at its first touch, which is
 what the lazily zeroed KV cache (ops/reference.py ``allocate_kv_caches``: all layers in one mapping) then
 makes resident per 2 MiB instead of per 4 KiB.
+
+Faulting huge pages in is not free: on a 2-core VM (AMD EPYC) a packing pass into fresh huge pages ran at 0.4-0.55
+GB/s where the same pass into 4 KiB pages ran at ~1.8 GB/s. A start can therefore pack into ordinary memory
+(``deferred()``: ``rehome`` and ``empty`` hand back ordinary tensors while it is in force) and move the packed weights
+onto huge pages over the first steps (``StepwiseRehome``, which the model runner steps between steps): the model is
+ready sooner and the move's cost is spread over the first steps instead of the start.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import mmap
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -30,6 +39,19 @@ PAGE = 4096
 # Below this a buffer keeps torch's allocation: it cannot hold a whole huge page.
 MIN_BYTES = HUGE_PAGE
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# While set (deferred()), packed weights stay in ordinary memory: their move onto huge pages comes later.
+_DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvloom_huge_pages_deferred", default=False)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Within: ``rehome`` and ``empty`` keep packed weights in ordinary memory (a start that moves them onto huge
+    pages afterwards, step by step: ``StepwiseRehome.start(tensors, min_bytes=MIN_BYTES)``)."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
 
 
 @functools.cache
@@ -83,7 +105,7 @@ def empty(nbytes: int) -> torch.Tensor:
     """uint8 [nbytes] for a packed weight to be written into once: on huge pages where available() and it is
     MIN_BYTES or more (a mapping zero-filled as first written: packing into it costs no copy after), else an
     ordinary uninitialised tensor."""
-    if nbytes >= MIN_BYTES and available():
+    if nbytes >= MIN_BYTES and available() and not _DEFERRED.get():
         return mapped_zeros(nbytes, True)
     return torch.empty(nbytes, dtype=torch.uint8)
 
@@ -92,7 +114,7 @@ def rehome(tensor: torch.Tensor) -> torch.Tensor:
     """A packed weight moved onto huge pages (a copy: same shape, dtype, values), where available() and it is a
     CPU tensor of MIN_BYTES or more; else the tensor itself."""
     nbytes = tensor.numel() * tensor.element_size()
-    if tensor.device.type != "cpu" or nbytes < MIN_BYTES or not available():
+    if tensor.device.type != "cpu" or nbytes < MIN_BYTES or not available() or _DEFERRED.get():
         return tensor
     return _copied(tensor.contiguous().view(-1).view(torch.uint8)).view(tensor.dtype).view(tensor.shape)
 
@@ -118,21 +140,23 @@ class StepwiseRehome:
 
     STEP_BYTES = 256 << 20
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], min_bytes: int = 1) -> None:
         groups: dict[int, list[torch.Tensor]] = {}
         for tensor in tensors:
-            if tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() > 0:
+            if tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() >= min_bytes:
                 groups.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
         # Largest first: those are the weights a step streams.
         self._groups = sorted(groups.values(), key=lambda g: -g[0].untyped_storage().nbytes())
         self._next = 0
 
     @classmethod
-    def start(cls, tensors: list[torch.Tensor]) -> StepwiseRehome | None:
-        """The move of these tensors' storages where available() and there is something to move; else None."""
+    def start(cls, tensors: list[torch.Tensor], min_bytes: int = 1) -> StepwiseRehome | None:
+        """The move of these tensors' storages (those of ``min_bytes`` or more: MIN_BYTES for weights packed under
+        deferred(); every one for a mapped model, whose file mapping is released once all have moved) where
+        available() and there is something to move; else None."""
         if not available():
             return None
-        rehome = cls(tensors)
+        rehome = cls(tensors, min_bytes)
         return rehome if rehome._groups else None
 
     @property

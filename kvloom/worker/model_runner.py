@@ -24,6 +24,7 @@ from kvloom.lora.model_manager import LoRAModelManager
 from kvloom.lora.peft import model_shape
 from kvloom.lora.request import LoRARequest
 from kvloom.models.registry import build_model, load_model_weights, process_weights_after_loading
+from kvloom.ops import huge_pages
 from kvloom.ops.huge_pages import StepwiseRehome
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.table import Ops, select_ops
@@ -50,7 +51,7 @@ from kvloom.worker.kv_cache import (
     num_kv_blocks,
     profile_cuda_budget,
 )
-from kvloom.worker.packed_cache import PackedModelCache
+from kvloom.worker.packed_cache import PackedModelCache, held_tensors
 from kvloom.worker.speculator import Speculator, build_model_proposer
 
 __all__ = ["ModelInputs", "ModelRunner", "RequestState"]  # ModelInputs: the executors send it to other ranks
@@ -100,6 +101,14 @@ class ModelRunner:
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
+    def _defers_huge_pages(self, world_size: int) -> bool:
+        """Whether a start packs into ordinary memory and moves the weights onto huge pages step by step: one CPU
+        process without LoRA or speculative decoding (which wrap or share the model after loading), as the packed
+        model cache's mapped starts."""
+        engine = self.config.engine
+        return (world_size == 1 and self.device.type == "cpu" and huge_pages.available() and not engine.enable_lora
+                and engine.speculative is None)
+
     def load_model(self, rank: int = 0, world_size: int = 1, group: ProcessGroupLike | None = None) -> None:
         """Build the model with the platform's ops, load it, keep rank's shard, then prepare the weights."""
         start = time.perf_counter()
@@ -123,10 +132,15 @@ class ModelRunner:
             if world_size > 1:
                 shard_model_for_tensor_parallel(model, rank, world_size, group)
                 self.model_config = sharded_model_config(self.model_config, world_size)
-            process_weights_after_loading(model, self.ops)
+            # One CPU process: packed into ordinary memory, onto huge pages over the first steps (ops/huge_pages.py)
+            defer = self._defers_huge_pages(world_size)
+            with huge_pages.deferred() if defer else contextlib.nullcontext():
+                process_weights_after_loading(model, self.ops)
             release_freed_heap()
             if packed is not None:
                 packed.save(model)
+            if defer:
+                self.rehome = StepwiseRehome.start(held_tensors(model, every_view=True), min_bytes=huge_pages.MIN_BYTES)
         self.sampler = Sampler(self.generator, argmax=self.ops.argmax)
         self.model = model.eval()
         if hasattr(model, "embed_images"):
