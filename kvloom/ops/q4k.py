@@ -15,7 +15,8 @@ code-block path takes. ``KQuantRows`` is a projection's rows: Q4_K rows, then Q6
 beside its Q6_K v), either part possibly absent.
 
 ``PackedKQuantWeight`` is their product on the CPU (csrc/gemm_q4k.cpp): the file's bytes rearranged once in C++
-(``pack_q4k``, ``pack_q6k``: no decoding, parallel over panels) into panels of 8 rows, per panel and super-block the
+(``pack_kquant_parts``: no decoding, a word of codes at a time, parallel over panels, from the file's mapped pages
+and a fused projection's shards straight into one buffer) into panels of 8 rows, per panel and super-block the
 rows' fp16 d (and dmin), their scale bytes as stored (Q4_K's 12 bytes of 6-bit values are not widened to 8 bits: that
 would cost 0.125 bits a weight, and their decoding is a few vector operations per super-block of 8 rows) and their
 codes in csrc/gemm_q4.cpp's nibble order (Q6_K's top 2 bits beside them): exactly the file's bytes (rows past N, to a
@@ -26,8 +27,9 @@ weight all Q4_K or all Q6_K the results are bit-identical to that product (AVX2 
 count, one formula whatever the batch: the dequantizing AMX-BF16 product PackedQ4Weight switches to from 16 bf16 rows
 is not taken here); for Q4_K rows beside Q6_K ones each row gets what PackedQ4Weight gives its own type alone (where
 PackedQ4Weight, holding the layer in one form, summed the Q4_K rows per 16 inputs: the same value up to fp32
-rounding). ``q4k_linear_reference`` is the plain-torch oracle. Q4_0 / Q4_1 / Q5 / GPTQ / AWQ weights, a k-quant
-weight fused with other types, and every table (embedding, head) keep ``PackedQ4Weight``.
+rounding). ``q4k_linear_reference`` is the plain-torch oracle. A table (embedding, head) in Q4_K or Q6_K takes it too:
+the head multiplies, the lookup reads rows back (``rows``). Q4_0 / Q4_1 / Q5 / GPTQ / AWQ weights and a k-quant
+weight fused with other types keep ``PackedQ4Weight``.
 """
 
 from __future__ import annotations
