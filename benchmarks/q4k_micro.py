@@ -104,7 +104,7 @@ def main() -> int:
         for layer in range(layers):
             for part, (k, n) in enumerate(shapes):
                 weight = random_weight(n, k, v_rows, rng, args.mix, layer, part)
-                file_bytes += sum(p.data.numel() for p in weight if p is not None)
+                file_bytes += sum(p.data.numel() for p in (*weight.q4_k, *weight.q6_k))
                 start = time.perf_counter()
                 old.append((k, PackedQ4Weight(weight.to_blocks(), None)))  # the layer in one form, as before
                 packing["old"] += time.perf_counter() - start
