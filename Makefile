@@ -39,6 +39,7 @@ test-isa-levels: setup
 	  KVLOOM_CPU_ISA=$$level $(BIN)/python -c "from kvloom.ops import cpu; cpu.load_cpu_kernel()" || exit 1; \
 	  KVLOOM_CPU_ISA=$$level $(BIN)/pytest -q $(ISA_TESTS) || exit 1; \
 	  KVLOOM_CPU_ISA=$$level $(BIN)/pytest -q tests/e2e/test_batch_invariance.py -k default || exit 1; \
+	  KVLOOM_CPU_ISA=$$level $(BIN)/pytest -q tests/e2e/test_gguf_4bit.py -k "super_blocks or files_bytes" || exit 1; \
 	done
 
 lint: setup

@@ -59,6 +59,9 @@ class EngineRequest:
     # Streamed outputs also after each prefill chunk, carrying RequestOutput.prompt_progress (llama-server's
     # return_progress); not for FINAL_ONLY outputs.
     return_progress: bool = False
+    # The chat template's enable_thinking: false, a reasoning parser's gate puts the reply in its content from the
+    # first token (the grammar of a structured output applies at once), whatever the prompt's tags say.
+    enable_thinking: bool = True
 
 
 class InputProcessor:

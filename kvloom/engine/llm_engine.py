@@ -171,8 +171,8 @@ class LLMEngine:
             if loading is not None and (not loading.done() or loading.exception() is not None):
                 waits.append(loading)  # an adapter already in memory is no wait
             if params.structured_outputs is not None:
-                child.structured_output = state = self.structured_output.start(params.structured_outputs,
-                                                                                child.prompt_token_ids)
+                child.structured_output = state = self.structured_output.start(
+                    params.structured_outputs, child.prompt_token_ids, enable_thinking=request.enable_thinking)
                 waits.append(Polled(functools.partial(self.structured_output.ready, state), state.future))
             if fork and index > 0:
                 waits.append(Polled(functools.partial(_prompt_computed, children[0])))

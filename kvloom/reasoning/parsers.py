@@ -89,9 +89,11 @@ class ReasoningParser:
                 return Phase.CONTENT
         return Phase.REASONING if self.implicit_start else Phase.BEFORE
 
-    def gate(self, prompt_token_ids: Sequence[int] | None = None) -> ReasoningGate:
-        """The token-level phase of a request with this prompt, for its grammar."""
-        return ReasoningGate(self.start_token_id, self.end_token_id, self.start_phase(prompt_token_ids))
+    def gate(self, prompt_token_ids: Sequence[int] | None = None, enable_thinking: bool = True) -> ReasoningGate:
+        """The token-level phase of a request with this prompt (and the template's ``enable_thinking``), for its
+        grammar."""
+        return ReasoningGate(self.start_token_id, self.end_token_id,
+                             self.start_phase(prompt_token_ids, enable_thinking))
 
     # ---- text ----------------------------------------------------------------------------------------------
     def extract(self, text: str, phase: Phase) -> tuple[str | None, str | None]:

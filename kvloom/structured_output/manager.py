@@ -204,10 +204,11 @@ class StructuredOutputManager:
         return params
 
     # ---- per request -------------------------------------------------------------------------------
-    def start(self, params: StructuredOutputsParams,
-              prompt_token_ids: Sequence[int] | None = None) -> StructuredOutputRequest:
-        """A request's grammar state; with a reasoning parser, its reasoning's phase from its prompt."""
-        gate = None if self.reasoning_parser is None else self.reasoning_parser.gate(prompt_token_ids)
+    def start(self, params: StructuredOutputsParams, prompt_token_ids: Sequence[int] | None = None,
+              enable_thinking: bool = True) -> StructuredOutputRequest:
+        """A request's grammar state; with a reasoning parser, its reasoning's phase from its prompt and the chat
+        template's ``enable_thinking`` (false: no reasoning, the grammar applies from the first token)."""
+        gate = None if self.reasoning_parser is None else self.reasoning_parser.gate(prompt_token_ids, enable_thinking)
         return StructuredOutputRequest(params, self.compile_async(params), time.monotonic() + self.compile_timeout,
                                        reasoning=gate)
 

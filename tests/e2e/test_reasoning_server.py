@@ -20,10 +20,11 @@ END_BIAS = {str(tiny_models.TOKENIZER_VOCAB_SIZE + 1): 6.0}
 SEEDS = range(4)
 QUESTION = "Why is the sky blue?"
 # Qwen3's way: the generation prompt opens <think> (Qwen3.5 / thinking-2507 templates), or, with
-# enable_thinking false, holds an empty closed block. DeepSeek-R1's: nothing opened, the reasoning is implicit.
+# enable_thinking false, holds an empty closed block (unless `bare` is given: a template that writes none).
+# DeepSeek-R1's: nothing opened, the reasoning is implicit.
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n"
-            "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+            "{% if enable_thinking is defined and not enable_thinking and bare is not defined %}<think>\n\n</think>\n\n"
             "{% elif opens_think %}<think>\n{% endif %}{% endif %}")
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
                                          "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -142,6 +143,22 @@ def test_json_schema_constrains_only_the_content_after_the_reasoning(client: ope
         assert streamed(client, server, seed, response_format=response_format, max_tokens=128) == (
             reasoning, reply.message.content)
     assert ended, "no seed ended its reasoning: the grammar was never tried"
+
+
+def test_thinking_off_constrains_the_content_at_once_whatever_the_template(client: openai.OpenAI,
+                                                                          server: Any) -> None:
+    """enable_thinking false with a template that writes no closed think block into the prompt (DeepSeek-R1's reply
+    reasons implicitly): the reply is all content, and the JSON schema constrains it from its first token (the
+    grammar's reasoning gate used to wait for a ``</think>`` that this reply never writes)."""
+    if server.parser != "deepseek_r1":
+        pytest.skip("Qwen3's template opens <think> in the prompt itself")
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    off = {"chat_template_kwargs": {"enable_thinking": False, "bare": True}}
+    for seed in SEEDS:
+        reply = chat(client, server, seed, response_format=response_format, max_tokens=64, extra_body=off).choices[0]
+        assert reply.message.reasoning_content is None
+        jsonschema.validate(json.loads(reply.message.content), SCHEMA)
+        assert reply.finish_reason == "stop"
 
 
 def test_a_forced_tool_call_is_read_from_the_content_after_the_reasoning(client: openai.OpenAI,

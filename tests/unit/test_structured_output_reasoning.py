@@ -43,12 +43,13 @@ def allowed(manager: StructuredOutputManager, matcher: object) -> set[int]:
     return set(torch.nonzero(unpack_bitmask(bitmask, manager.vocab_size)[0]).flatten().tolist())
 
 
-def matchers(tokenizer: Tokenizer, parser: str, prompt: list[int]) -> tuple[StructuredOutputManager, object, object]:
+def matchers(tokenizer: Tokenizer, parser: str, prompt: list[int], enable_thinking: bool = True
+             ) -> tuple[StructuredOutputManager, object, object]:
     """A gated matcher for ``prompt`` and a plain one of the same grammar (the oracle)."""
     params = StructuredOutputsParams(json=SCHEMA)
     manager = StructuredOutputManager(tokenizer, len(PIECES) + 4, [EOS], reasoning_parser=parser)
     plain = StructuredOutputManager(tokenizer, len(PIECES) + 4, [EOS])
-    gated_state, plain_state = manager.start(params, prompt), plain.start(params)
+    gated_state, plain_state = manager.start(params, prompt, enable_thinking=enable_thinking), plain.start(params)
     manager.compile(params)
     assert manager.ready(gated_state) and plain.ready(plain_state)
     return manager, gated_state.matcher, plain_state.matcher
@@ -104,6 +105,19 @@ def test_a_prompt_that_closes_the_reasoning_is_constrained_at_once(tokenizer: To
     for parser in ("qwen3", "deepseek_r1"):
         manager, gated, plain = matchers(tokenizer, parser, prompt)
         assert gated.reasoning_ended and allowed(manager, gated) == allowed(manager, plain)
+
+
+def test_thinking_turned_off_constrains_at_once_whatever_the_prompt(tokenizer: Tokenizer) -> None:
+    """``enable_thinking: false`` in the chat template's kwargs, with a template that writes no closed think block
+    (DeepSeek-R1's reply opens its reasoning implicitly): the reply is content, so the grammar applies from the first
+    token, as the server's parser reads it (it was held back, waiting for a ``</think>`` that never comes)."""
+    prompt = ids(tokenizer, "yes")
+    manager, gated, plain = matchers(tokenizer, "deepseek_r1", prompt)
+    assert not gated.reasoning_ended and allowed(manager, gated) == set(range(manager.vocab_size))
+    manager, gated, plain = matchers(tokenizer, "deepseek_r1", prompt, enable_thinking=False)
+    assert gated.reasoning_ended and allowed(manager, gated) == allowed(manager, plain)
+    assert gated.accept_tokens(ids(tokenizer, '{"')) and plain.accept_tokens(ids(tokenizer, '{"'))
+    assert allowed(manager, gated) == allowed(manager, plain)
 
 
 def test_a_tokenizer_without_think_tags_is_refused() -> None:

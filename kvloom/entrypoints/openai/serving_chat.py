@@ -7,6 +7,7 @@ response (the last chunk of a stream, every chunk with ``timings_per_token``), a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -136,9 +137,11 @@ class OpenAIServingChat(OpenAIServing):
                                              param if max_tokens is not None else None, model=request.model,
                                              return_progress=request.stream and request.return_progress)
         reasoning_phase = None
+        thinking = (request.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        if not thinking:  # the grammar's reasoning gate (structured_output/reasoning.py) opens at once too
+            engine_request = dataclasses.replace(engine_request, enable_thinking=False)
         if self.reasoning_parser is not None:
-            thinking = (request.chat_template_kwargs or {}).get("enable_thinking", True)
-            reasoning_phase = self.reasoning_parser.start_phase(prompt.token_ids, thinking is not False)
+            reasoning_phase = self.reasoning_parser.start_phase(prompt.token_ids, thinking)
         return ChatRun(request=request, request_id=request_id, created=int(time.time()),
                        model=request.model or self.model_name, num_prompt_tokens=len(prompt.token_ids),
                        generator=self.engine.generate(engine_request), tool_choice=tool_choice,
