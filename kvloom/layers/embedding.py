@@ -108,10 +108,12 @@ class VocabEmbedding(nn.Module):
         self.qweight = self.weight_scale = None
 
     def process_weights_after_loading(self, ops: Ops) -> None:
-        """A table of its own in code blocks (an untied embedding: an 8B Q4_K_M's Q4_K table) packed as the code-block
-        product packs it, where its rows are read back (4 or 6 bits a weight beside its scales; the unpacked codes take
-        a byte each): the product itself is never called. A tied embedding's blocks are the head's by now."""
-        if self.blocks is None:
+        """A table of its own in code blocks (an untied embedding) packed as the code-block product packs it, where its
+        rows are read back (4 or 6 bits a weight beside its scales; the unpacked codes take a byte each): the product
+        itself is never called. A table of the file's k-quant super-blocks (an 8B Q4_K_M's Q4_K table) is not packed
+        at all: a lookup decodes its rows from the file's bytes as read (mapped: only the rows looked up become
+        resident). A tied embedding's blocks are the head's by now."""
+        if self.blocks is None or isinstance(self.blocks, SUPER_BLOCK_TYPES):
             return
         packed = ops.pack_linear_q4(self.blocks, None)
         if getattr(packed, "holds_rows", hasattr(packed, "rows")):

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 import torch
 
 from kvloom.config import ResolvedConfig
+from kvloom.layers.embedding import VocabEmbedding
 from kvloom.layers.tensor_parallel import ProcessGroupLike, shard_model_for_tensor_parallel, sharded_model_config
 from kvloom.lora.model_manager import LoRAModelManager
 from kvloom.lora.peft import model_shape
@@ -139,8 +140,10 @@ class ModelRunner:
             release_freed_heap()
             if packed is not None:
                 packed.save(model)
-            if defer:
-                self.rehome = StepwiseRehome.start(held_tensors(model, every_view=True), min_bytes=huge_pages.MIN_BYTES)
+            if defer:  # the products' weights; a table only looked up (rows a step) stays where it is
+                lookups = tuple(m for m in model.modules() if isinstance(m, VocabEmbedding))
+                self.rehome = StepwiseRehome.start(held_tensors(model, every_view=True, skip=lookups),
+                                                   min_bytes=huge_pages.MIN_BYTES)
         self.sampler = Sampler(self.generator, argmax=self.ops.argmax)
         self.model = model.eval()
         if hasattr(model, "embed_images"):

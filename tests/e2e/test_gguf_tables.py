@@ -26,7 +26,7 @@ from kvloom.ops.int8 import Int8Blocks, quantize_per_block
 from kvloom.ops.q4 import PackedQ4Weight, Q4Blocks
 from kvloom.ops.q4k import PackedKQuantWeight
 
-GGML_F32, GGML_Q4_1, GGML_Q8_0, GGML_Q6_K = 0, 3, 8, 14
+GGML_F32, GGML_Q4_1, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K = 0, 3, 8, 12, 14
 TABLE = "model.embed_tokens.weight"
 
 
@@ -131,6 +131,26 @@ def test_an_untied_q6_k_head_and_its_embedding_stay_in_blocks(kernels: None, tmp
     floats = LLM(model=path, dtype="float32", max_model_len=128, quantization="none")
     prompts = mixed_prompts(400, count=4, seed=7)
     assert worst_prompt_logprob_gap(llm, floats, prompts) < 0.25  # 4-bit projections dominate (as in test_gguf_4bit)
+
+
+def test_an_untied_k_quant_table_is_looked_up_in_the_files_bytes(kernels: None, tmp_path) -> None:
+    """An 8B Q4_K_M's untied Q4_K table on the file's super-blocks is not packed: a lookup decodes its rows from the
+    file's bytes as read (only the rows looked up are touched), exactly the file's values; the tokens are those of
+    the twin whose table is those values in F32."""
+    from kvloom.ops.q4k import Q4KBlocks
+
+    types = {"embed": GGML_Q4_K, "output": GGML_Q6_K, "attn": GGML_Q4_K, "attn_o": GGML_Q4_K, "ffn": GGML_Q4_K,
+             "ffn_down": GGML_Q6_K}
+    blocks, floats = _twin_files(str(tmp_path), types, tied=False)
+    llm = LLM(model=blocks, dtype="float32", max_model_len=128, override_backend_config={"gguf_super_blocks": True})
+    model = llm.llm_engine.executor.driver.model
+    embedding = model.embed_tokens
+    assert isinstance(embedding.blocks, Q4KBlocks) and embedding.packed_table is None
+    assert embedding.blocks.data.numel() == model.config.vocab_size * model.config.hidden_size // 256 * 144
+    ids = torch.tensor([[7, 0], [model.config.vocab_size - 1, 7]])
+    assert torch.equal(embedding(ids), _file_table(blocks)[ids])
+    twin = LLM(model=floats, dtype="float32", max_model_len=128, override_backend_config={"gguf_super_blocks": True})
+    _tokens_agree(llm, twin, seed=8)
 
 
 def _tied_tables(device: str, table: Q4Blocks | Int8Blocks) -> torch.nn.Module:
