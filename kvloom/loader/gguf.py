@@ -279,11 +279,14 @@ def _tensor_nbytes(path: str, name: str, shape: tuple[int, ...], ggml_type: int)
     return numel // block_size * type_size
 
 
-def map_file(path: str) -> mmap.mmap:
-    """The whole file mapped copy-on-write (writable for torch.frombuffer, never written): tensors viewing it read
-    the page cache in place, and keep the mapping alive while they live."""
+def mapped_tensor_bytes(path: str, info: GGUFTensorInfo) -> torch.Tensor:
+    """One tensor's bytes as a view of the file's pages (a mapping of its own range, copy-on-write: writable for
+    torch.frombuffer, never written). Packing reads the page cache in place; the mapping lives as long as the view
+    (dropped once packed, so the file's pages do not stay mapped, nor counted as this process's)."""
+    start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
     with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        mapping = mmap.mmap(f.fileno(), info.offset + info.nbytes - start, access=mmap.ACCESS_COPY, offset=start)
+    return torch.frombuffer(mapping, dtype=torch.uint8, offset=info.offset - start, count=info.nbytes)
 
 
 def read_tensor_bytes(path: str, info: GGUFTensorInfo) -> torch.Tensor:
@@ -535,7 +538,6 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
     code_types = code_block_types(keep_q5, keep_q6) if keep_q4 else ()
     int8_types = INT8_BLOCK_TYPES if keep_q8_0 else ()
     widened: Counter[int] = Counter()  # block-quantized weights dequantized to float although blocks were asked for
-    mapping: mmap.mmap | None = None  # the file mapped, for the super-blocks read in place
     for info in gguf.tensors.values():
         # Kept: a 2-D tensor of an int8-block or code-block type asked for, an expert stack of a code-block type.
         kept_type = code_types if len(info.shape) == 3 else int8_types + code_types if len(info.shape) == 2 else ()
@@ -553,9 +555,7 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
         super_blocks = keep_super_blocks and info.ggml_type in (GGML_Q4_K, GGML_Q6_K) and \
             info.ggml_type in code_types and len(info.shape) == 2
         if super_blocks:  # packed from the file's pages as they are: no copy, no zeroed buffer first
-            if mapping is None:
-                mapping = map_file(path)
-            raw = torch.frombuffer(mapping, dtype=torch.uint8, offset=info.offset, count=info.nbytes)
+            raw = mapped_tensor_bytes(path, info)
         else:
             raw = read_tensor_bytes(path, info)
         with _single_thread():
