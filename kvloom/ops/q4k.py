@@ -202,6 +202,13 @@ class KQuantRows(NamedTuple):
             return () if value is None else (value,) if isinstance(value, SUPER_BLOCK_TYPES) else tuple(value)
         return cls(parts(q4_k), parts(q6_k))
 
+    @classmethod
+    def one(cls, weight: KQuantRows | Q4KBlocks | Q6KBlocks) -> KQuantRows:
+        """A weight of one type as its rows, or the rows as they are."""
+        if isinstance(weight, Q4KBlocks):
+            return cls.of(q4_k=weight)
+        return cls.of(q6_k=weight) if isinstance(weight, Q6KBlocks) else weight
+
     @property
     def shape(self) -> torch.Size:
         parts = [*self.q4_k, *self.q6_k]
@@ -267,7 +274,8 @@ def packed_q6k_rows(data: torch.Tensor, ids: torch.Tensor, in_features: int) -> 
 def _packed_panels(parts: tuple[Q4KBlocks, ...] | tuple[Q6KBlocks, ...], in_features: int, panel_super_bytes: int,
                    six_bits: bool) -> torch.Tensor:
     """The parts' rows in turn as csrc/gemm_q4k.cpp's panels uint8 [panels, K / 256, panel bytes], packed straight from
-    the file's (mapped) bytes into their final memory: huge pages where the weight is large enough (no copy after)."""
+    the file's (mapped) bytes into their final memory (``huge_pages.empty``: huge pages where the weight is large
+    enough, or ordinary memory under ``huge_pages.deferred`` for a move onto them over the first steps)."""
     if not parts:
         return torch.empty(0, dtype=torch.uint8)
     rows = sum(p.shape[0] for p in parts)
@@ -285,10 +293,7 @@ class PackedKQuantWeight:
 
     def __init__(self, weight: KQuantRows | Q4KBlocks | Q6KBlocks, bias: torch.Tensor | None,
                  portable: bool = False) -> None:
-        if isinstance(weight, Q4KBlocks):
-            weight = KQuantRows.of(q4_k=weight)
-        elif isinstance(weight, Q6KBlocks):
-            weight = KQuantRows.of(q6_k=weight)
+        weight = KQuantRows.one(weight)
         self.out_features, self.in_features = weight.shape
         self.q4_k_rows = weight.q4_k_rows
         if weight.q4_k and weight.q6_k and self.q4_k_rows % PANEL:

@@ -164,9 +164,19 @@ void pack_super_q6(const uint8_t* const* rows, int64_t offset, int64_t count, ui
 // file bytes], a row's bytes contiguous, rows any stride apart: the file's mapped tensors, shards of a fused
 // projection) written into `out` (uint8, contiguous, ceil(sum n_i / 8) x in_features / 256 panel super-blocks): one
 // pass over the file's bytes, no copy in between, parallel over panel super-blocks.
+// The bytes of one type: a row's super-block in the file and a panel's, and the op's name for its messages.
+struct KQuantFormat {
+  const char* name;
+  const char* type;
+  int64_t file_bytes, super_bytes;
+};
+KQuantFormat format_of(bool six_bits) {
+  return six_bits ? KQuantFormat{"pack_q6k", "Q6_K", kQ6FileBytes, kQ6SuperBytes}
+                  : KQuantFormat{"pack_q4k", "Q4_K", kFileBytes, kSuperBytes};
+}
+
 void pack_kquant_parts(at::Tensor out, at::TensorList parts, int64_t in_features, bool six_bits) {
-  const char* name = six_bits ? "pack_q6k" : "pack_q4k";
-  const int64_t file_bytes = six_bits ? kQ6FileBytes : kFileBytes, super_bytes = six_bits ? kQ6SuperBytes : kSuperBytes;
+  const auto [name, type, file_bytes, super_bytes] = format_of(six_bits);
   TORCH_CHECK(in_features > 0 && in_features % kSuper == 0, name, ": in_features must be a positive multiple of ",
               kSuper, ", got ", in_features);
   const int64_t supers = in_features / kSuper, row_bytes = supers * file_bytes;
@@ -201,14 +211,13 @@ void pack_kquant_parts(at::Tensor out, at::TensorList parts, int64_t in_features
 // The file's bytes of a [rows, in_features] weight (uint8, rows after rows, as GGUF stores them) -> its panels
 // uint8 [ceil(rows / 8), in_features / 256, kSuperBytes (Q6_K: kQ6SuperBytes)].
 at::Tensor pack_kquant(at::Tensor raw, int64_t rows, int64_t in_features, bool six_bits) {
-  const char* name = six_bits ? "pack_q6k" : "pack_q4k";
-  const int64_t file_bytes = six_bits ? kQ6FileBytes : kFileBytes, super_bytes = six_bits ? kQ6SuperBytes : kSuperBytes;
-  TORCH_CHECK(rows > 0 && in_features > 0 && in_features % kSuper == 0, name, ": a ", six_bits ? "Q6_K" : "Q4_K",
+  const auto [name, type, file_bytes, super_bytes] = format_of(six_bits);
+  TORCH_CHECK(rows > 0 && in_features > 0 && in_features % kSuper == 0, name, ": a ", type,
               " weight needs rows > 0 and in_features a positive multiple of ", kSuper, ", got [", rows, ", ",
               in_features, "]");
   const int64_t supers = in_features / kSuper;
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == rows * supers * file_bytes,
-              name, ": raw must be the contiguous uint8 bytes of a ", six_bits ? "Q6_K" : "Q4_K", " [", rows, ", ",
+              name, ": raw must be the contiguous uint8 bytes of a ", type, " [", rows, ", ",
               in_features, "] weight (", rows * supers * file_bytes, " bytes), got ", raw.numel(), " ",
               raw.scalar_type(), " values");
   at::Tensor out = at::empty({(rows + kPanel - 1) / kPanel, supers, super_bytes}, raw.options());
