@@ -108,10 +108,10 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
         # Q4_K / Q6_K weights as the file's super-blocks for the CPU's k-quant product (ops/q4k.py); a GPU's Triton
         # product takes the decoded code blocks.
         super_blocks = engine.backend.gguf_super_blocks
-        if super_blocks is None:  # where measured: kernels built for AVX2 or the portable level, not AVX-512 yet
+        if super_blocks is None:
             from kvloom.ops import cpu
 
-            super_blocks = not (cpu.compiled_isa() or "").startswith("avx512")
+            super_blocks = cpu.super_blocks_by_default()
         super_blocks = super_blocks and config.device.type == "cpu"
         model.load_weights(kept_as_stored(iter_weights(config.source, keep_q8_0=keep_q8_0, keep_q4=True,
                                                              keep_q5=engine.backend.gguf_5bit_blocks,

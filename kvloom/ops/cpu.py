@@ -56,7 +56,7 @@ from kvloom import envs
 from kvloom.cpu_capability import cpu_capability
 from kvloom.ops import huge_pages
 from kvloom.ops.int8 import Int8Blocks, Int8Rows, check_blocks_shape, compact_block_scales
-from kvloom.ops.layer_stack import LayerShape, LayerWeights
+from kvloom.ops.layer_stack import LayerShape, LayerWeights, StackArgs
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.reference import write_kv_cache
 
@@ -207,6 +207,13 @@ def compiled_isa() -> str | None:
     """What the loaded library was compiled for ("avx512 (avx512_bf16, avx512_vnni)", "avx2", "generic"), or None
     where none loaded."""
     return torch.ops.kvloom.compiled_isa() if cpu_kernel_available() else None
+
+
+def super_blocks_by_default() -> bool:
+    """Whether a GGUF's Q4_K / Q6_K weights keep the file's super-blocks (ops/q4k.py) when the backend does not say:
+    where that product was measured ahead of the code blocks, kernels built for AVX2 or the portable level; not yet on
+    AVX-512, where the code blocks take VNNI and AMX-INT8 tiles."""
+    return not (compiled_isa() or "").startswith("avx512")
 
 
 def _register_fake() -> None:
@@ -513,9 +520,9 @@ class PackedWeight:
         layers/embedding.py; only where ``holds_rows``)."""
         return packed_panel_rows(self.data, ids, self.in_features)
 
-    def stack_args(self) -> tuple[int, list[torch.Tensor | None], int] | None:
-        """(kind, tensors, W8A8 rows) for csrc/decoder.cpp's plan; None: oneDNN's product, which it cannot call."""
-        return None if self.format == "onednn" else (STACK_BF16, [self.data, self.bias], 0)
+    def stack_args(self) -> StackArgs | None:
+        """How csrc/decoder.cpp's plan calls this product; None: oneDNN's product, which it cannot call."""
+        return None if self.format == "onednn" else StackArgs(STACK_BF16, [self.data, self.bias])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.format != "kvloom" and x.numel() >= self.onednn_min_rows * self.in_features:
@@ -541,22 +548,24 @@ class LlamaLayerStack:
     ~300 trips through Python and the dispatcher a step of SmolLM2-135M makes. ``llama_layer_stack`` says
     which models qualify."""
 
-    def __init__(self, layers: list[LayerWeights], products: list[list[tuple[int, list[torch.Tensor | None], int]]],
+    def __init__(self, layers: list[LayerWeights], products: list[list[StackArgs]],
                  shape: LayerShape, hidden_size: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """products: per layer, the stack_args() of its qkv, o, gate_up and down products."""
         norms: list[torch.Tensor] = []
         projections: list[torch.Tensor | None] = []
         kinds: list[int] = []
         min_rows: list[int] = []
+        tiles: list[int] = []
         for layer, layer_products in zip(layers, products):
             norms += [layer.input_norm, layer.post_norm]
-            for kind, tensors, rows in layer_products:
-                kinds.append(kind)
-                min_rows.append(rows)
-                projections += tensors + [None] * (4 - len(tensors))
+            for args in layer_products:
+                kinds.append(args.kind)
+                min_rows.append(args.w8a8_min_rows)
+                tiles.append(int(args.bf16_tiles))
+                projections += args.tensors + [None] * (4 - len(args.tensors))
         dims = [shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size, hidden_size]
         # What the plan is built from: kept to build it again where the stack is unpickled (loader/packed_cache.py).
-        self._plan_args = (norms, projections, kinds, min_rows, cos, sin, dims, shape.eps, shape.scale)
+        self._plan_args = (norms, projections, kinds, min_rows, tiles, cos, sin, dims, shape.eps, shape.scale)
         self._plan = torch.classes.kvloom.LlamaLayerStack(*self._plan_args)
         # LoRA (kvloom/lora/model_manager.py): each token's compute slot [T] int64 for the next calls, or None.
         self.lora_token_slots: torch.Tensor | None = None
@@ -737,8 +746,9 @@ class PackedInt8Weight(_PackedInt8Linear):
         self._w8a8 = torch.ops.kvloom.gemm_w8a8.default  # the overloads themselves: 1 us less a call
         self._weight_only = torch.ops.kvloom.gemm_int8_weight_only.default
 
-    def stack_args(self) -> tuple[int, list[torch.Tensor | None], int]:
-        return STACK_INT8_ROWS, [self.data, self.compensation, self.scale, self.bias], self.w8a8_min_rows
+    def stack_args(self) -> StackArgs:
+        return StackArgs(STACK_INT8_ROWS, [self.data, self.compensation, self.scale, self.bias], self.w8a8_min_rows,
+                         self.bf16_tiles)
 
     def rows(self, ids: torch.Tensor) -> Int8Rows:
         """Rows ``ids`` [T] of the weight as packed (a tied embedding reads its table here, layers/embedding.py)."""
@@ -784,8 +794,8 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
         self.bf16_tiles = bf16_tiles
         self._product = torch.ops.kvloom.gemm_w8a8_blocks.default
 
-    def stack_args(self) -> tuple[int, list[torch.Tensor | None], int]:
-        return STACK_INT8_BLOCKS, [self.data, self.scale, self.bias], 0
+    def stack_args(self) -> StackArgs:
+        return StackArgs(STACK_INT8_BLOCKS, [self.data, self.scale, self.bias], bf16_tiles=self.bf16_tiles)
 
     def rows(self, ids: torch.Tensor) -> Int8Blocks:
         """Rows ``ids`` [T] of the weight as packed (a tied embedding reads its table here, layers/embedding.py)."""

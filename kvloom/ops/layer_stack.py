@@ -5,6 +5,7 @@ both (ops/table.py names the op; ops/cpu.py implements it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -30,3 +31,15 @@ class LayerShape:
     intermediate_size: int
     eps: float
     scale: float
+
+
+class StackArgs(NamedTuple):
+    """How a layer stack calls one prepared product (its ``stack_args()``): the kind (csrc/decoder.cpp's
+    Projection::Kind), its tensors in the plan's slot order, from how many rows an int8-rows weight takes W8A8, and
+    whether bf16 activations may take the dequantizing AMX-BF16 tiles (the weight's own ``bf16_tiles``: the stack
+    then multiplies exactly as the module would)."""
+
+    kind: int
+    tensors: list[torch.Tensor | None]
+    w8a8_min_rows: int = 0
+    bf16_tiles: bool = False

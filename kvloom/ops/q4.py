@@ -42,6 +42,7 @@ import torch
 
 from kvloom.ops import huge_pages
 from kvloom.ops.int8 import dequantized_product_reference, quantize_per_block
+from kvloom.ops.layer_stack import StackArgs
 
 BLOCK = 32
 SUB_BLOCK = 16  # Q6_K's scale granularity: two groups per block of 32
@@ -401,9 +402,9 @@ class PackedQ4Weight:
         self.bf16_tiles = bf16_tiles
         self._product = torch.ops.kvloom.gemm_q4.default
 
-    def stack_args(self) -> tuple[int, list[torch.Tensor | None], int]:
-        """(kind, tensors, W8A8 rows) for csrc/decoder.cpp's plan (cpu.py llama_layer_stack)."""
-        return STACK_Q4, [self.data, self.scales, self.bias, self.high], 0
+    def stack_args(self) -> StackArgs:
+        """How csrc/decoder.cpp's plan calls this product (cpu.py llama_layer_stack)."""
+        return StackArgs(STACK_Q4, [self.data, self.scales, self.bias, self.high], bf16_tiles=self.bf16_tiles)
 
     def rows(self, ids: torch.Tensor) -> Q4Blocks:
         """Rows ``ids`` [T] of the weight as packed (a tied embedding reads its table here, layers/embedding.py);

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvloom.ops import huge_pages
+from kvloom.ops.layer_stack import StackArgs
 from kvloom.ops.q4 import BLOCK, PANEL, SUB_BLOCK, PackedQ4Weight, Q4Blocks, q4_linear_reference
 
 SUPER = 256  # inputs per super-block
@@ -308,9 +309,9 @@ class PackedKQuantWeight:
         self.portable = portable
         self._product = torch.ops.kvloom.gemm_kquant.default
 
-    def stack_args(self) -> tuple[int, list[torch.Tensor | None], int]:
-        """(kind, tensors, W8A8 rows) for csrc/decoder.cpp's plan (cpu.py llama_layer_stack)."""
-        return STACK_K_QUANT, [self.q4_k, self.q6_k, self.bias], 0
+    def stack_args(self) -> StackArgs:
+        """How csrc/decoder.cpp's plan calls this product (cpu.py llama_layer_stack): one formula at every row count."""
+        return StackArgs(STACK_K_QUANT, [self.q4_k, self.q6_k, self.bias])
 
     def rows(self, ids: torch.Tensor) -> Q4Blocks:
         """Rows ``ids`` [T] of the weight, decoded (per 16 inputs where the weight has Q6_K rows)."""

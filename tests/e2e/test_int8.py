@@ -499,13 +499,24 @@ def test_q8_0_blocks_greedy_equals_transformers_on_the_dequantized_weights_and_b
         if name.endswith(PROJECTIONS) or name == "lm_head":
             module.register_forward_pre_hook(blocked_input)
     prompts = mixed_prompts(400, count=8)
-    expected = []
+    actual = kvloom_greedy(blocks_llm(path, "reference"), prompts, 16)
+    identical = 0
     with torch.no_grad():
-        for prompt in prompts:
+        for prompt, got in zip(prompts, actual):
             out = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
-                                 pad_token_id=0, eos_token_id=None)
-            expected.append(out[0, len(prompt):].tolist())
-    assert kvloom_greedy(blocks_llm(path, "reference"), prompts, 16) == expected
+                                 pad_token_id=0, eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+            want = out.sequences[0, len(prompt):].tolist()
+            if want == got:
+                identical += 1
+                continue
+            # Activations rounded to int8 make the model a step function: torch's fp32 products in another order
+            # (oneDNN's AMX-era kernels order sums by shape) may move one across a rounding boundary, and a near
+            # tie of a random model then flips. Allowed only from a step where transformers' two best are that close.
+            step = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
+            logprobs = torch.log_softmax(out.scores[step][0].float(), dim=-1)
+            best, second = logprobs.topk(2).values.tolist()
+            assert best - second < 0.1 and logprobs[got[step]] >= second, (step, best - second, want, got)
+    assert identical >= len(prompts) - 1
 
 
 def test_q8_0_blocks_skip_smoothing_and_say_so(q8_0_tiny, caplog) -> None:

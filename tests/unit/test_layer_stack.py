@@ -130,6 +130,25 @@ def test_stack_equals_the_layers_module_by_module_with_int8_weights(stack_kernel
         assert torch.equal(stacked, plain), (query_lens, context_lens)
 
 
+@pytest.mark.parametrize("int8", ["rows", "blocks", "q5"])
+@pytest.mark.parametrize("invariant", ["1", "0"])
+def test_the_stack_multiplies_with_each_weights_own_bf16_tiles(stack_kernel: None, tiny_llama_dir: str, int8: str,
+                                                               invariant: str, monkeypatch) -> None:
+    """The plan calls each product with the weight's own bf16_tiles, which the op table sets from
+    KVLOOM_BATCH_INVARIANT: on an AMX-BF16 CPU the stack took the batch-dependent tiles while the module path did not,
+    so a prompt's tokens changed with the others in its step. The plumbing is checked on every CPU; the products'
+    equality at every row count runs where the tiles exist (test_stack_equals_the_layers_module_by_module_...)."""
+    if not cpu.int8_kernels_available():
+        pytest.skip("the int8 GEMMs need the CPU kernels built for AVX2 or AVX-512")
+    monkeypatch.setenv("KVLOOM_BATCH_INVARIANT", invariant)
+    model, _, _ = _model(tiny_llama_dir, int8=int8)
+    packed = [p.packed for layer in model.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert {p.bf16_tiles for p in packed} == {invariant == "0"}
+    tiles = model.layer_stack._plan_args[4]
+    assert tiles == [int(p.bf16_tiles) for p in packed]
+
+
 def test_stack_keeps_out_what_it_cannot_run(stack_kernel: None, tiny_llama_dir: str, monkeypatch) -> None:
     model, _, _ = _model(tiny_llama_dir)
     assert model.layer_stack is not None

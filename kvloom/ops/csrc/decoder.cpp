@@ -59,6 +59,9 @@ struct Projection {
   at::Tensor q6_k;  // kKQuant: the Q6_K rows' panels after packed's Q4_K ones (either may be empty)
   c10::optional<at::Tensor> bias, high;  // high: a 5-bit code-block weight's fifth bits (kQ4)
   int64_t w8a8_min_rows = 0;  // int8 rows: W8A8 from this many rows on, weight-only below
+  // Whether bf16 activations may take the dequantizing AMX-BF16 tiles (a product whose arithmetic changes with the
+  // row count): the Python weight's own bf16_tiles, so that the stack and the module path agree.
+  bool bf16_tiles = false;
   int64_t out_features = 0;
 
   // y [M, out] = x [M, in] W^T (+ b), in x's dtype.
@@ -68,16 +71,16 @@ struct Projection {
       case kBf16: KVLOOM_PROFILED("kvloom::gemm_bf16", k::gemm_bf16(y, x, packed, bias)); break;
       case kInt8Rows:
         if (x.size(0) >= w8a8_min_rows) {
-          KVLOOM_PROFILED("kvloom::gemm_w8a8", k::gemm_w8a8(y, x, packed, compensation, scale, bias, false));
+          KVLOOM_PROFILED("kvloom::gemm_w8a8", k::gemm_w8a8(y, x, packed, compensation, scale, bias, false, bf16_tiles));
         } else {
           KVLOOM_PROFILED("kvloom::gemm_int8_weight_only",
-                          k::gemm_int8_weight_only(y, x, packed, scale, bias, false));
+                          k::gemm_int8_weight_only(y, x, packed, scale, bias, false, bf16_tiles));
         }
         break;
       case kInt8Blocks:
-        KVLOOM_PROFILED("kvloom::gemm_w8a8_blocks", k::gemm_w8a8_blocks(y, x, packed, scale, bias, false));
+        KVLOOM_PROFILED("kvloom::gemm_w8a8_blocks", k::gemm_w8a8_blocks(y, x, packed, scale, bias, false, bf16_tiles));
         break;
-      case kQ4: KVLOOM_PROFILED("kvloom::gemm_q4", k::gemm_q4(y, x, packed, scale, bias, false, high)); break;
+      case kQ4: KVLOOM_PROFILED("kvloom::gemm_q4", k::gemm_q4(y, x, packed, scale, bias, false, high, bf16_tiles)); break;
       case kKQuant: KVLOOM_PROFILED("kvloom::gemm_kquant", k::gemm_kquant(y, x, packed, q6_k, bias, false)); break;
       default: TORCH_CHECK(false, "LlamaLayerStack: unknown projection kind ", kind);
     }
@@ -112,10 +115,11 @@ struct LlamaLayerStack : torch::CustomClassHolder {
   // norms: 2 per layer (input, post-attention); projections: kSlots per projection, kProjections per layer
   // (bf16: packed, bias; int8 rows: packed, compensation, scale, bias; int8 blocks: packed, scales, bias; code
   // blocks: packed, scales, bias, the fifth bits of 5-bit codes; k-quant super-blocks: Q4_K panels, Q6_K panels, bias;
-  // the rest None); kinds, min_rows: one per projection; dims: num_heads, num_kv_heads, head_dim,
+  // the rest None); kinds, min_rows, tiles (bf16_tiles, 0 or 1): one per projection; dims: num_heads, num_kv_heads, head_dim,
   // intermediate_size, hidden_size.
   LlamaLayerStack(std::vector<at::Tensor> norms, c10::List<c10::optional<at::Tensor>> projections,
-                  std::vector<int64_t> kinds, std::vector<int64_t> min_rows, at::Tensor cos_table,
+                  std::vector<int64_t> kinds, std::vector<int64_t> min_rows, std::vector<int64_t> tiles,
+                  at::Tensor cos_table,
                   at::Tensor sin_table, std::vector<int64_t> dims, double rms_eps, double attention_scale)
       : cos(std::move(cos_table)), sin(std::move(sin_table)), eps(rms_eps), scale(attention_scale) {
     TORCH_CHECK(dims.size() == 5, "LlamaLayerStack: dims must be (num_heads, num_kv_heads, head_dim, "
@@ -126,6 +130,7 @@ struct LlamaLayerStack : torch::CustomClassHolder {
     TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * count &&
                     static_cast<int64_t>(kinds.size()) == kProjections * count &&
                     static_cast<int64_t>(min_rows.size()) == kProjections * count &&
+                    static_cast<int64_t>(tiles.size()) == kProjections * count &&
                     static_cast<int64_t>(projections.size()) == kSlots * kProjections * count,
                 "LlamaLayerStack: expected 2 norms, ", kProjections, " projection kinds and ",
                 kSlots * kProjections, " projection tensors per layer");
@@ -144,6 +149,7 @@ struct LlamaLayerStack : torch::CustomClassHolder {
         Projection& p = *slots[j];
         p.kind = kinds[index];
         p.w8a8_min_rows = min_rows[index];
+        p.bf16_tiles = tiles[index] != 0;
         p.out_features = out_features[j];
         TORCH_CHECK(slot(0).has_value(), "LlamaLayerStack: a projection has no packed weight");
         p.packed = *slot(0);
@@ -283,7 +289,8 @@ struct LlamaLayerStack : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.class_<LlamaLayerStack>("LlamaLayerStack")
       .def(torch::init<std::vector<at::Tensor>, c10::List<c10::optional<at::Tensor>>, std::vector<int64_t>,
-                       std::vector<int64_t>, at::Tensor, at::Tensor, std::vector<int64_t>, double, double>())
+                       std::vector<int64_t>, std::vector<int64_t>, at::Tensor, at::Tensor, std::vector<int64_t>, double,
+                       double>())
       .def("forward", &LlamaLayerStack::forward)
       .def("set_lora", &LlamaLayerStack::set_lora)
       .def("forward_lora", &LlamaLayerStack::forward_lora);
