@@ -57,6 +57,22 @@ def test_gemm_matches_f_linear(gemm_kernel: None, rows: int, k: int, n: int) -> 
     _assert_rounding_close(out, x, weight, None)
 
 
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (95, 50), (1536, 7), (64, 3072)])
+def test_gemm_gives_each_row_what_it_gives_the_row_alone(gemm_kernel: None, k: int, n: int) -> None:
+    """One formula per row whatever the batch: on an AMX-BF16 CPU every row count takes the tiles (K a multiple of
+    32), which round otherwise than the dot-product kernel, so a weight must never mix the two."""
+    torch.manual_seed(k + n)
+    x = torch.randn(45, k, dtype=torch.bfloat16)
+    packed = pack_gemm_weight(torch.randn(n, k, dtype=torch.bfloat16), gemm_panel())
+    bias = torch.randn(n)
+    together = torch.empty(45, n, dtype=torch.bfloat16)
+    torch.ops.kvloom.gemm_bf16(together, x, packed, bias)
+    for rows in (range(i, i + 1) for i in range(45)):
+        alone = torch.empty(1, n, dtype=torch.bfloat16)
+        torch.ops.kvloom.gemm_bf16(alone, x[rows], packed, bias)
+        assert torch.equal(alone, together[rows]), rows
+
+
 def test_gemm_reads_strided_rows_and_ignores_what_follows_an_odd_k(gemm_kernel: None) -> None:
     torch.manual_seed(1)
     wide = torch.randn(10, 40, dtype=torch.bfloat16)

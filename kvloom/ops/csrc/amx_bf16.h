@@ -12,6 +12,15 @@
 // dequantized once and multiplied by every 32 (then 16) rows of the pass, two groups of 16 columns at a time (2 x 2
 // C tiles: four chains of products side by side, and as many tile loads as products), while the next units' weight
 // bytes are fetched toward L2. The last M % 16 rows go through a zero-padded copy (a tile reads 16 rows).
+//
+// A bf16 weight takes the same loop with nothing to dequantize (panel_product): gemm.cpp's panels hold a block's 16 k
+// pairs of 16 columns as 16 rows of 64 bytes, the panel's width apart, which tileloadd reads in place. On 2 cores of
+// an AMX Xeon, SmolLM2's 30 layers of projections streaming from memory take 11.2 / 11.2 / 16.1 / 35.1 ms at 1 / 8 /
+// 64 / 256 rows, where the AVX512-BF16 dot-product kernel takes 11.6 / 18.8 / 73.9 / 268 ms: a bf16 weight takes the
+// tiles at every row count (one formula whatever the batch; tdpbf16ps and vdpbf16ps round differently, so the two
+// are never mixed for a weight). The dequantizing products stay behind the int8 ones below 16 rows (4-bit at 1 row:
+// 10.5 ms against 2.6 for VNNI; the dequantization is the cost), so they are taken only where batch-dependent products
+// are allowed.
 #pragma once
 
 #include <cstdint>
@@ -97,11 +106,19 @@ inline void configure_bf16() {
   _tile_loadconfig(&config);
 }
 
-// Rows [0, 16 G) of x (G = 1 or 2 groups of 16) times V = 1 or 2 groups of 16 columns (tiles: the unit's, at the
-// first group; a block's groups `stride` words apart) into y. scale, bias, count: per group, its 16 columns' scales
-// (or null: 1), bias (or null) and how many of them are real; y = sums * scale + bias in fp32 (one FMA).
+// Where a product's B tiles lie: block b's tile of column group v at tiles + b * stride + v * group words, its 16 rows
+// (k pairs) ldb bytes apart. A dequantizing product's buffer: stride S groups' tiles, group kTileWords, ldb 64; a
+// bf16 weight's panels read in place (panel_product): a block's 16 pairs of the panel's words, ldb the panel's width.
+struct TileLayout {
+  int64_t stride, group, ldb;
+};
+
+// Rows [0, 16 G) of x (G = 1 or 2 groups of 16) times V = 1 or 2 groups of 16 columns (tiles: the first group's
+// first block, laid out as `at` says) into y. scale, bias, count: per group, its 16 columns' scales (or null: 1),
+// bias (or null) and how many of them are real; y = sums * scale + bias in fp32 (one FMA). Each row's sums are those
+// of its own x and W alone, in one order over k whatever G and `rows` are: the product does not depend on the batch.
 template <int G, int V>
-void tile_rows(const c10::BFloat16* x, int64_t ldx, const uint16_t* tiles, int64_t stride, int64_t blocks,
+void tile_rows(const c10::BFloat16* x, int64_t ldx, const uint16_t* tiles, TileLayout at, int64_t blocks,
                const float* const* scale, const float* const* bias, const int64_t* count, c10::BFloat16* y,
                int64_t ldy, int64_t rows) {
   _tile_zero(0);
@@ -110,14 +127,14 @@ void tile_rows(const c10::BFloat16* x, int64_t ldx, const uint16_t* tiles, int64
   if constexpr (G == 2 && V == 2) _tile_zero(3);
   const int64_t bytes = ldx * static_cast<int64_t>(sizeof(c10::BFloat16));
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint16_t* tile = tiles + b * stride;
+    const uint16_t* tile = tiles + b * at.stride;
     // Each load as late as it can be, so it overlaps the products before it; x's rows are read once per unit
     // (stream loads: they need not stay in L1, the B tiles should).
     _tile_stream_loadd(4, x + b * 32, bytes);
-    _tile_loadd(6, tile, 64);
+    _tile_loadd(6, tile, at.ldb);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (V == 2) {
-      _tile_loadd(7, tile + kTileWords, 64);
+      _tile_loadd(7, tile + at.group, at.ldb);
       _tile_dpbf16ps(2, 4, 7);
     }
     if constexpr (G == 2) {
@@ -147,6 +164,59 @@ void tile_rows(const c10::BFloat16* x, int64_t ldx, const uint16_t* tiles, int64
   }
 }
 
+// Rows [m0, m1) of x times one unit of `columns` columns (groups of 16, its tiles laid out as `at` says) into y
+// ([M, N], the unit's first column n0): 32 rows at a time where whole, then 16; the rows from `whole` on (M's last,
+// short of 16) are read from `tail`, their copy padded with zero rows (K apart).
+inline void unit_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* tail, int64_t K, int64_t M,
+                      int64_t whole, int64_t m0, int64_t m1, const uint16_t* tiles, TileLayout at, int64_t blocks,
+                      int64_t n0, int64_t columns, const float* scale, const float* bias, c10::BFloat16* y,
+                      int64_t N) {
+  const int64_t groups = (columns + 15) / 16, full = std::min(m1, whole);
+  const float* ss[kMaxUnitGroups] = {};
+  const float* bs[kMaxUnitGroups] = {};
+  int64_t count[kMaxUnitGroups] = {};
+  for (int64_t v = 0; v < groups; ++v) {
+    ss[v] = scale ? scale + n0 + 16 * v : nullptr;
+    bs[v] = bias ? bias + n0 + 16 * v : nullptr;
+    count[v] = std::min<int64_t>(16, columns - 16 * v);
+  }
+  for (int64_t v = 0; v < groups; v += 2) {
+    const uint16_t* t = tiles + v * at.group;
+    c10::BFloat16* yv = y + n0 + 16 * v;
+    const bool two = v + 1 < groups;
+    int64_t m = m0;
+    for (; m + 32 <= full; m += 32) {
+      if (two) {
+        tile_rows<2, 2>(x + m * ldx, ldx, t, at, blocks, ss + v, bs + v, count + v, yv + m * N, N, 32);
+      } else {
+        tile_rows<2, 1>(x + m * ldx, ldx, t, at, blocks, ss + v, bs + v, count + v, yv + m * N, N, 32);
+      }
+    }
+    for (; m < m1; m += 16) {
+      const bool last = m >= whole;  // the tail's zero-padded copy
+      const c10::BFloat16* xm = last ? tail : x + m * ldx;
+      const int64_t ld = last ? K : ldx, rows = last ? M - m : 16;
+      if (two) {
+        tile_rows<1, 2>(xm, ld, t, at, blocks, ss + v, bs + v, count + v, yv + m * N, N, rows);
+      } else {
+        tile_rows<1, 1>(xm, ld, t, at, blocks, ss + v, bs + v, count + v, yv + m * N, N, rows);
+      }
+    }
+  }
+}
+
+// x's last M % 16 rows copied into 16 zero-padded rows (K apart), as unit_rows reads them; empty where none.
+inline std::vector<c10::BFloat16> tail_rows(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K) {
+  const int64_t whole = M - M % 16;
+  std::vector<c10::BFloat16> tail(whole < M ? 16 * K : 0, c10::BFloat16(0.0f));
+  for (int64_t r = whole; r < M; ++r)
+    std::memcpy(tail.data() + (r - whole) * K, x + r * ldx, K * sizeof(c10::BFloat16));
+  return tail;
+}
+
+// Rows of x per pass over a thread's units: x's chunk (~kChunkBytes) stays in L2 while the weight streams.
+inline int64_t row_chunk(int64_t K) { return std::max<int64_t>(32, kChunkBytes / (K * 2) / 32 * 32); }
+
 // y = (x W^T) * scale (+ bias), scale and bias per column (or null), W given a unit of `unit_columns` columns (a
 // multiple of 16, at most 16 kMaxUnitGroups) at a time: dequantize(unit, tiles) writes the unit's B tiles,
 // [blocks][S groups of 16][kTileWords] (columns past N zero), and returns S (at least the unit's real columns / 16,
@@ -157,56 +227,49 @@ void dequantized_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, 
                          int64_t unit_columns, const float* scale, const float* bias, const Dequantize& dequantize,
                          const Prefetch& prefetch) {
   const int64_t blocks = K / 32, units = (N + unit_columns - 1) / unit_columns;
-  const int64_t whole = M - M % 16;
-  const int64_t chunk = std::max<int64_t>(32, kChunkBytes / (K * 2) / 32 * 32);
-  std::vector<c10::BFloat16> tail(whole < M ? 16 * K : 0, c10::BFloat16(0.0f));
-  for (int64_t r = whole; r < M; ++r)
-    std::memcpy(tail.data() + (r - whole) * K, x + r * ldx, K * sizeof(c10::BFloat16));
+  const int64_t whole = M - M % 16, chunk = row_chunk(K);
+  const std::vector<c10::BFloat16> tail = tail_rows(x, ldx, M, K);
   kvloom::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     configure_bf16();
     std::vector<uint16_t> buffer(blocks * (unit_columns / 16) * kTileWords + 32);  // 64-byte aligned tiles
     uint16_t* tiles = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) &
                                                   ~uintptr_t{63});
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-      const int64_t m1 = std::min(M, m0 + chunk), full = std::min(m1, whole);
+      const int64_t m1 = std::min(M, m0 + chunk);
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t n0 = unit * unit_columns, columns = std::min(unit_columns, N - n0);
-        const int64_t groups = (columns + 15) / 16;
-        const int64_t stride = dequantize(unit, tiles) * kTileWords;
+        const TileLayout at{dequantize(unit, tiles) * kTileWords, kTileWords, 64};
         // The units after this one toward L2 while these tiles multiply (the first of a thread's: two ahead).
         for (int64_t ahead = (unit == begin && m0 == 0) ? 1 : kAheadUnits; ahead <= kAheadUnits; ++ahead)
           if (unit + ahead < end) prefetch(unit + ahead);
-        const float* ss[kMaxUnitGroups] = {};
-        const float* bs[kMaxUnitGroups] = {};
-        int64_t count[kMaxUnitGroups] = {};
-        for (int64_t v = 0; v < groups; ++v) {
-          ss[v] = scale ? scale + n0 + 16 * v : nullptr;
-          bs[v] = bias ? bias + n0 + 16 * v : nullptr;
-          count[v] = std::min<int64_t>(16, columns - 16 * v);
-        }
-        for (int64_t v = 0; v < groups; v += 2) {
-          const uint16_t* t = tiles + v * kTileWords;
-          c10::BFloat16* yv = y + n0 + 16 * v;
-          const bool two = v + 1 < groups;
-          int64_t m = m0;
-          for (; m + 32 <= full; m += 32) {
-            if (two) {
-              tile_rows<2, 2>(x + m * ldx, ldx, t, stride, blocks, ss + v, bs + v, count + v, yv + m * N, N, 32);
-            } else {
-              tile_rows<2, 1>(x + m * ldx, ldx, t, stride, blocks, ss + v, bs + v, count + v, yv + m * N, N, 32);
-            }
-          }
-          for (; m < m1; m += 16) {
-            const bool last = m >= whole;  // the tail's zero-padded copy
-            const c10::BFloat16* xm = last ? tail.data() : x + m * ldx;
-            const int64_t ld = last ? K : ldx, rows = last ? M - m : 16;
-            if (two) {
-              tile_rows<1, 2>(xm, ld, t, stride, blocks, ss + v, bs + v, count + v, yv + m * N, N, rows);
-            } else {
-              tile_rows<1, 1>(xm, ld, t, stride, blocks, ss + v, bs + v, count + v, yv + m * N, N, rows);
-            }
-          }
-        }
+        unit_rows(x, ldx, tail.data(), K, M, whole, m0, m1, tiles, at, blocks, n0, columns, scale, bias, y, N);
+      }
+    }
+    _tile_release();
+  });
+}
+
+// y = x W^T (+ bias) for a bf16 weight in gemm.cpp's panels of `panel` columns (a multiple of 16, at most 16
+// kMaxUnitGroups: packed[panel][K / 2][panel][2]), its B tiles read in place (a block's 16 k pairs of 16 columns are
+// 16 rows of 64 bytes, the panel's width apart): the AMX-BF16 tiles at every row count, one formula per row whatever
+// the batch (K a multiple of 32). The next panels are fetched toward L2 as the dequantizing products' units are.
+inline void panel_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
+                          const c10::BFloat16* packed, int64_t panel, const float* bias) {
+  const int64_t blocks = K / 32, panels = (N + panel - 1) / panel, panel_words = K * panel;
+  const int64_t whole = M - M % 16, chunk = row_chunk(K);
+  const std::vector<c10::BFloat16> tail = tail_rows(x, ldx, M, K);
+  const auto* words = reinterpret_cast<const uint16_t*>(packed);
+  const TileLayout at{32 * panel, 32, 4 * panel};
+  kvloom::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    configure_bf16();
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      const int64_t m1 = std::min(M, m0 + chunk);
+      for (int64_t p = begin; p < end; ++p) {
+        for (int64_t ahead = (p == begin && m0 == 0) ? 1 : kAheadUnits; ahead <= kAheadUnits; ++ahead)
+          if (p + ahead < end) prefetch_l2(words + (p + ahead) * panel_words, panel_words * 2);
+        const int64_t n0 = p * panel;
+        unit_rows(x, ldx, tail.data(), K, M, whole, m0, m1, words + p * panel_words, at, blocks, n0,
+                  std::min(panel, N - n0), nullptr, bias, y, N);
       }
     }
     _tile_release();

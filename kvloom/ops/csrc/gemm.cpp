@@ -18,6 +18,7 @@
 //
 // Without either the op is not registered and callers keep oneDNN / F.linear.
 
+#include "amx_bf16.h"
 #include "cpu_capability.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -210,6 +211,14 @@ void gemm_bf16(at::Tensor y, at::Tensor x, at::Tensor packed, c10::optional<at::
   const auto* ws = packed.data_ptr<c10::BFloat16>();
   auto* ys = y.data_ptr<c10::BFloat16>();
   const int64_t ldx = x.stride(0), panel_size = pairs * kPanel * 2;
+#if defined(KVLOOM_BF16_DOT) && defined(KVLOOM_AMX_BF16)
+  // With AMX-BF16 (KVLOOM_CPU_AMX not 0) every row count takes the tiles, the panels read in place: one formula per
+  // row whatever the batch (the dot-product kernel below sums in another order, so the two never mix for a weight).
+  if (K % 32 == 0 && kvloom::amx::bf16_tiles_from(1) > 0) {
+    kvloom::amx::panel_product(ys, xs, ldx, M, K, N, ws, kPanel, bs);
+    return;
+  }
+#endif
 #if !defined(KVLOOM_BF16_DOT)
   std::vector<float> widened(std::min(M, kRowChunk) * 2 * pairs);
 #endif
