@@ -87,6 +87,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--pairs", type=int, default=20, help="alternated passes per set")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the activations'")
     parser.add_argument("--mix", choices=("q4_k", "q4_k_m"), default="q4_k",
                         help="all Q4_K, or Q4_K_M's Q6_K v and down in every other layer")
     args = parser.parse_args()
@@ -106,7 +107,9 @@ def main() -> int:
                 weight = random_weight(n, k, v_rows, rng, args.mix, layer, part)
                 file_bytes += sum(p.data.numel() for p in (*weight.q4_k, *weight.q6_k))
                 start = time.perf_counter()
-                old.append((k, PackedQ4Weight(weight.to_blocks(), None)))  # the layer in one form, as before
+                # the layer in one form, as before; bf16 activations on the int8 products as the engine's op table
+                # gives them by default (no batch-dependent AMX-BF16 tiles)
+                old.append((k, PackedQ4Weight(weight.to_blocks(), None, bf16_tiles=False)))
                 packing["old"] += time.perf_counter() - start
                 start = time.perf_counter()
                 new.append((k, PackedKQuantWeight(weight, None)))
@@ -115,7 +118,7 @@ def main() -> int:
         print(f"{name}: packed from the file's bytes in {packing['old']:.2f} s (decoded, then code blocks) and "
               f"{packing['new']:.2f} s (super-blocks)")
         for rows in args.rows:
-            inputs = {k: torch.randn(rows, k) for k in {k for k, _ in shapes}}
+            inputs = {k: torch.randn(rows, k, dtype=getattr(torch, args.dtype)) for k in {k for k, _ in shapes}}
             for products in (old, new):  # warm-up
                 run(products, inputs)
             times: dict[str, list[float]] = {"old": [], "new": []}

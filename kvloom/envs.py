@@ -21,14 +21,14 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "for a descheduled thread (for a box shared with other busy processes); default 0: torch's OpenMP threads",
     "KVLOOM_CPU_LAYER_STACK": "0: a Llama model's decoder layers run one torch op at a time on the CPU; default 1: "
     "all of them in one native call (csrc/decoder.cpp; the same kernels, no Python between them)",
-    "KVLOOM_CPU_AMX": "0: no AMX tiles (4-bit and Q8_0 products on VNNI, bf16 ones on kvloom's own GEMM); default 1: "
-    "on a CPU with AMX, 4-bit weights take AMX-INT8 tiles for 16 rows at a time (the same exact sums as VNNI); with "
+    "KVLOOM_CPU_AMX": "0: no AMX tiles (4-bit and Q8_0 products on VNNI, bf16 ones on the AVX512-BF16 dot products); "
+    "default 1: on a CPU with AMX, bf16 weights take AMX-BF16 tiles at every row count (their panels read in place) "
+    "and 4-bit weights AMX-INT8 tiles for 16 rows at a time (the same exact sums as VNNI); with "
     "KVLOOM_BATCH_INVARIANT=0 also the batch-dependent AMX products that variable names",
     "KVLOOM_BATCH_INVARIANT": "0: allow the faster products whose arithmetic changes with a step's row count, so that "
     "a greedy request's tokens can depend on how many others share its step: on a CPU with AMX, bf16 weights hold "
     "oneDNN's packing too (a weight of 16M+ values oneDNN's alone) and take its AMX product from 4 rows (steps of 4 "
-    "tokens or more then run the layers module by module; 5-12x kvloom's GEMM at 64-512 rows), and with bf16 "
-    "activations 4-bit weights are dequantized into AMX-BF16 tiles from 16 rows (Q8_0 blocks from 48, int8 rows from "
+    "tokens or more then run the layers module by module), and with bf16 activations 4-bit weights are dequantized into AMX-BF16 tiles from 16 rows (Q8_0 blocks from 48, int8 rows from "
     "128); on AVX-512, int8 rows take the weight-only product at one row. Default 1: every product keeps one "
     "arithmetic at every row count (tests/e2e/test_batch_invariance.py)",
     "KVLOOM_CPU_ONEDNN": "force: bf16 weights hold oneDNN's packing beside kvloom's on any CPU (where oneDNN has no "
