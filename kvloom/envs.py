@@ -26,15 +26,14 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "and 4-bit weights AMX-INT8 tiles for 16 rows at a time (the same exact sums as VNNI); with "
     "KVLOOM_BATCH_INVARIANT=0 also the batch-dependent AMX products that variable names",
     "KVLOOM_BATCH_INVARIANT": "0: allow the faster products whose arithmetic changes with a step's row count, so that "
-    "a greedy request's tokens can depend on how many others share its step: on a CPU with AMX, bf16 weights hold "
-    "oneDNN's packing too (a weight of 16M+ values oneDNN's alone) and take its AMX product from 4 rows (steps of 4 "
-    "tokens or more then run the layers module by module), and with bf16 activations 4-bit weights are dequantized into AMX-BF16 tiles from 16 rows (Q8_0 blocks from 48, int8 rows from "
+    "a greedy request's tokens can depend on how many others share its step: on a CPU with AMX-BF16, with bf16 "
+    "activations 4-bit weights are dequantized into AMX-BF16 tiles from 16 rows (Q8_0 blocks from 48, int8 rows from "
     "128); on AVX-512, int8 rows take the weight-only product at one row. Default 1: every product keeps one "
     "arithmetic at every row count (tests/e2e/test_batch_invariance.py)",
     "KVLOOM_CPU_ONEDNN": "force: bf16 weights hold oneDNN's packing beside kvloom's on any CPU (where oneDNN has no "
-    "bf16 product, as on AVX2, the packing is of the weight widened to fp32) and take its product from 4 rows, as an "
-    "AMX CPU does with KVLOOM_BATCH_INVARIANT=0: that path's packing, pickling, mapping and huge-page move then run "
-    "on every CPU (the tests use it); 0: never oneDNN's packed product; default auto",
+    "bf16 product, as on AVX2, the packing is of the weight widened to fp32) and take its product from 4 rows (a "
+    "batch-dependent product, slower than kvloom's AMX tiles on an AMX CPU): that path's packing, pickling, mapping "
+    "and huge-page move run on every CPU (the tests use it); 0: never oneDNN's packed product; default auto",
     "KVLOOM_CPU_ISA": "avx512, avx2 or generic: run as on a CPU with at most that instruction set (kvloom's kernels "
     "are built for it, torch's ATen and oneDNN capped to it); default: what the CPU has (kvloom env shows it)",
     "KVLOOM_LOGGING_LEVEL": "log level of the kvloom logger (default INFO)",

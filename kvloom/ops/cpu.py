@@ -369,8 +369,10 @@ GEMM_PANEL = 48
 # A weight too large for the caches streams from memory at 1 row either way (2048 x 8192: 0.94x, 4096 x 4096:
 # 1.03x), so from AMX_ONLY_ELEMENTS values it holds oneDNN's packing alone, not twice its bytes (a 7B model's
 # every projection; a 1B model's MLP).
-# The two products sum in different orders, so which one a row gets depends on how many rows share its step: the
-# hybrid is on only with KVLOOM_BATCH_INVARIANT=0 (or KVLOOM_CPU_ONEDNN=force, which runs it on any CPU).
+# The two products sum in different orders, so which one a row gets depends on how many rows share its step. Since
+# kvloom's own GEMM takes AMX-BF16 tiles at every row count (csrc/amx_bf16.h panel_product), it is ahead of the hybrid
+# there too (SmolLM2 in bf16 on a 2-core AMX Xeon: 945.7 vs 862.9 tok/s at N=64, 365.3 vs 284.6 at N=8), so the hybrid
+# runs only under KVLOOM_CPU_ONEDNN=force, on any CPU: the path of oneDNN's opaque packing kept tested.
 AMX_MIN_ROWS = 4
 AMX_ONLY_ELEMENTS = 1 << 24
 
@@ -404,16 +406,15 @@ def amx_bf16() -> bool:
 
 
 def linear_format(dtype: torch.dtype) -> str | None:
-    """The fastest packed GEMM this process has for ``dtype`` on the CPU, or None (F.linear): kvloom's; with
-    oneDNN's beside it ("hybrid") on an AMX CPU where batch-dependent products are allowed, or anywhere under
-    KVLOOM_CPU_ONEDNN=force; or oneDNN's alone where kvloom's library is not built."""
+    """The fastest packed GEMM this process has for ``dtype`` on the CPU, or None (F.linear): kvloom's (on AMX
+    tiles where the CPU has them); with oneDNN's beside it ("hybrid") under KVLOOM_CPU_ONEDNN=force; or oneDNN's
+    alone where kvloom's library is not built."""
     if dtype != torch.bfloat16:
         return None
     mode = onednn_mode()
     onednn = mode != "off" and _onednn_linear_available()
     if cpu_kernel_available() and hasattr(torch.ops.kvloom, "gemm_bf16"):
-        hybrid = mode == "force" or (amx_bf16() and not batch_invariant())
-        return "hybrid" if onednn and hybrid else "kvloom"
+        return "hybrid" if onednn and mode == "force" else "kvloom"
     # oneDNN refuses bf16 weights where the CPU lacks AVX-512 BW/VL/DQ and AVX-NE-CONVERT (or the level is capped).
     if onednn and (cpu_capability().onednn_bf16 or mode == "force"):
         return "onednn"

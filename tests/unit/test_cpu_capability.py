@@ -78,7 +78,8 @@ def test_kvloom_env_reports_the_level_and_the_kernels_built_for_it() -> None:
     assert report["cpu"]["isa_level"] == level and report["cpu"]["isa_detected"] == cpu_capability().detected
     assert report["torch_cpu"]["level_mismatch"] is None
     assert report["kernels"]["built"] and report["kernels"]["compiled_isa"].split()[0] == level
-    # kvloom's GEMM, AMX or not: oneDNN's packing beside it ("hybrid") only with KVLOOM_BATCH_INVARIANT=0.
+    # kvloom's GEMM (on AMX tiles where the CPU has them): oneDNN's packing beside it ("hybrid") only with
+    # KVLOOM_CPU_ONEDNN=force.
     expected_linear = "kvloom" if level in ("avx2", "avx512") else "F.linear (torch)"
     assert report["ops"]["bfloat16"]["linear"] in (expected_linear, "onednn")
     assert report["dtype_auto_on_cpu"] == ("bfloat16" if level in ("avx2", "avx512") else "float32")

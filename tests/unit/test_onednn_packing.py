@@ -1,6 +1,6 @@
-"""oneDNN's packed bf16 product inside ``PackedWeight`` (kvloom/ops/cpu.py): the path an AMX CPU takes with
-KVLOOM_BATCH_INVARIANT=0, run on any CPU by KVLOOM_CPU_ONEDNN=force (oneDNN's AVX-512 kernels, or fp32 ones where
-oneDNN has no bf16 product, as on AVX2). The packing is made inside the product and never held as an attribute:
+"""oneDNN's packed bf16 product inside ``PackedWeight`` (kvloom/ops/cpu.py), taken under KVLOOM_CPU_ONEDNN=force on
+any CPU (oneDNN's AVX-512 kernels, AMX ones on an AMX CPU, or fp32 ones where oneDNN has no bf16 product, as on
+AVX2). The packing is made inside the product and never held as an attribute:
 the weight pickles, maps and moves as plain tensors."""
 
 from __future__ import annotations
