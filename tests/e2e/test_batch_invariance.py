@@ -61,3 +61,23 @@ def test_a_prompt_split_into_chunks_answers_as_in_one_step(smollm2_gguf_path: st
                   enable_chunked_prefill=True)
     assert greedy(chunked, prompts) == expected
     assert greedy(chunked, prompts) == expected  # now from the prefix cache's blocks, the rest computed
+
+
+@pytest.mark.skipif(CAPPED, reason="the default level's run covers the engine; the capped loop checks the products")
+@pytest.mark.parametrize("speculation", ["ngram", "draft"])
+def test_speculative_decoding_of_the_default_load_equals_plain_greedy(smollm2_gguf_path: str,
+                                                                      speculation: str) -> None:
+    """A verification step multiplies more rows than a decode step: with every product one formula at every row
+    count, n-gram and draft-model speculation on the default (4-bit) load give plain greedy decoding's tokens, four
+    prompts decoded together (on an AMX Xeon each changed 1 of 4 while the layer stack took batch-dependent tiles)."""
+    texts = [TEXTS[i] for i in (0, 2, 7, 13)]
+    plain = LLM(model=smollm2_gguf_path, max_model_len=256, enable_prefix_caching=False)
+    tokenizer = plain.get_tokenizer()
+    prompts = [tokenizer.encode(text) for text in texts]
+    spec = ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}}
+            if speculation == "ngram" else
+            {"speculative_model": smollm2_gguf_path, "num_speculative_tokens": 3})
+    speculative = LLM(model=smollm2_gguf_path, max_model_len=256, enable_prefix_caching=False, **spec)
+    assert greedy(speculative, prompts) == greedy(plain, prompts)
+    stats = speculative.llm_engine.scheduler.stats()
+    assert stats.num_draft_tokens > 0, stats
