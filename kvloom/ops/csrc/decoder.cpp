@@ -71,16 +71,20 @@ struct Projection {
       case kBf16: KVLOOM_PROFILED("kvloom::gemm_bf16", k::gemm_bf16(y, x, packed, bias)); break;
       case kInt8Rows:
         if (x.size(0) >= w8a8_min_rows) {
-          KVLOOM_PROFILED("kvloom::gemm_w8a8", k::gemm_w8a8(y, x, packed, compensation, scale, bias, false, bf16_tiles));
+          KVLOOM_PROFILED("kvloom::gemm_w8a8",
+                          k::gemm_w8a8(y, x, packed, compensation, scale, bias, false, bf16_tiles));
         } else {
           KVLOOM_PROFILED("kvloom::gemm_int8_weight_only",
                           k::gemm_int8_weight_only(y, x, packed, scale, bias, false, bf16_tiles));
         }
         break;
       case kInt8Blocks:
-        KVLOOM_PROFILED("kvloom::gemm_w8a8_blocks", k::gemm_w8a8_blocks(y, x, packed, scale, bias, false, bf16_tiles));
+        KVLOOM_PROFILED("kvloom::gemm_w8a8_blocks",
+                        k::gemm_w8a8_blocks(y, x, packed, scale, bias, false, bf16_tiles));
         break;
-      case kQ4: KVLOOM_PROFILED("kvloom::gemm_q4", k::gemm_q4(y, x, packed, scale, bias, false, high, bf16_tiles)); break;
+      case kQ4:
+        KVLOOM_PROFILED("kvloom::gemm_q4", k::gemm_q4(y, x, packed, scale, bias, false, high, bf16_tiles));
+        break;
       case kKQuant: KVLOOM_PROFILED("kvloom::gemm_kquant", k::gemm_kquant(y, x, packed, q6_k, bias, false)); break;
       default: TORCH_CHECK(false, "LlamaLayerStack: unknown projection kind ", kind);
     }
@@ -115,12 +119,12 @@ struct LlamaLayerStack : torch::CustomClassHolder {
   // norms: 2 per layer (input, post-attention); projections: kSlots per projection, kProjections per layer
   // (bf16: packed, bias; int8 rows: packed, compensation, scale, bias; int8 blocks: packed, scales, bias; code
   // blocks: packed, scales, bias, the fifth bits of 5-bit codes; k-quant super-blocks: Q4_K panels, Q6_K panels, bias;
-  // the rest None); kinds, min_rows, tiles (bf16_tiles, 0 or 1): one per projection; dims: num_heads, num_kv_heads, head_dim,
-  // intermediate_size, hidden_size.
+  // the rest None); kinds, min_rows, tiles (bf16_tiles, 0 or 1): one per projection; dims: num_heads, num_kv_heads,
+  // head_dim, intermediate_size, hidden_size.
   LlamaLayerStack(std::vector<at::Tensor> norms, c10::List<c10::optional<at::Tensor>> projections,
                   std::vector<int64_t> kinds, std::vector<int64_t> min_rows, std::vector<int64_t> tiles,
-                  at::Tensor cos_table,
-                  at::Tensor sin_table, std::vector<int64_t> dims, double rms_eps, double attention_scale)
+                  at::Tensor cos_table, at::Tensor sin_table, std::vector<int64_t> dims, double rms_eps,
+                  double attention_scale)
       : cos(std::move(cos_table)), sin(std::move(sin_table)), eps(rms_eps), scale(attention_scale) {
     TORCH_CHECK(dims.size() == 5, "LlamaLayerStack: dims must be (num_heads, num_kv_heads, head_dim, "
                 "intermediate_size, hidden_size)");
