@@ -16,6 +16,10 @@
 //   is the top half of an fp32: both exact), and 8-wide FMAs add x (converted to fp32 once per call)
 //   times them. Half the weight bytes of an fp32 GEMM, the same fp32 arithmetic.
 //
+// - AMX-BF16 (an AVX512-BF16 build on a CPU with AMX tiles, KVLOOM_CPU_AMX not 0): every row count instead reads the
+//   panels in place as B tiles (amx_bf16.h panel_product; K a multiple of 32). tdpbf16ps rounds otherwise than
+//   vdpbf16ps, so a weight takes one of the two for every batch, never both.
+//
 // Without either the op is not registered and callers keep oneDNN / F.linear.
 
 #include "amx_bf16.h"
