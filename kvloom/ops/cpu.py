@@ -398,13 +398,6 @@ def _onednn_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def amx_bf16() -> bool:
-    """Whether oneDNN's bf16 products run on AMX here (the CPU has AMX-BF16 at the ISA level in force, torch has
-    oneDNN) and KVLOOM_CPU_AMX is not 0."""
-    return (cpu_capability().has("amx_bf16") and _onednn_linear_available()
-            and envs.get_bool("KVLOOM_CPU_AMX", default=True))
-
-
 def linear_format(dtype: torch.dtype) -> str | None:
     """The fastest packed GEMM this process has for ``dtype`` on the CPU, or None (F.linear): kvloom's (on AMX
     tiles where the CPU has them); with oneDNN's beside it ("hybrid") under KVLOOM_CPU_ONEDNN=force; or oneDNN's

@@ -54,6 +54,7 @@ inline bool takes_bf16_tiles(bool portable, bool bf16_tiles, int64_t rows, int64
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "parallel.h"
@@ -217,28 +218,27 @@ inline std::vector<c10::BFloat16> tail_rows(const c10::BFloat16* x, int64_t ldx,
 // Rows of x per pass over a thread's units: x's chunk (~kChunkBytes) stays in L2 while the weight streams.
 inline int64_t row_chunk(int64_t K) { return std::max<int64_t>(32, kChunkBytes / (K * 2) / 32 * 32); }
 
-// y = (x W^T) * scale (+ bias), scale and bias per column (or null), W given a unit of `unit_columns` columns (a
-// multiple of 16, at most 16 kMaxUnitGroups) at a time: dequantize(unit, tiles) writes the unit's B tiles,
-// [blocks][S groups of 16][kTileWords] (columns past N zero), and returns S (at least the unit's real columns / 16,
-// rounded up); prefetch(unit) fetches its weight bytes toward L2. x: rows ldx apart; y: [M, N] contiguous; K a
-// multiple of 32.
-template <typename Dequantize, typename Prefetch>
-void dequantized_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
-                         int64_t unit_columns, const float* scale, const float* bias, const Dequantize& dequantize,
-                         const Prefetch& prefetch) {
+// y = (x W^T) * scale (+ bias), scale and bias per column (or null), W a unit of `unit_columns` columns (a multiple of
+// 16, at most 16 kMaxUnitGroups) at a time: tiles_of(unit, buffer) gives the unit's B tiles and their TileLayout
+// (written into `buffer`, buffer_words bf16 words 64-byte aligned, or found in place); prefetch(unit) fetches its
+// weight bytes toward L2. x: rows ldx apart; y: [M, N] contiguous; K a multiple of 32.
+template <typename TilesOf, typename Prefetch>
+void tiled_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
+                   int64_t unit_columns, const float* scale, const float* bias, int64_t buffer_words,
+                   const TilesOf& tiles_of, const Prefetch& prefetch) {
   const int64_t blocks = K / 32, units = (N + unit_columns - 1) / unit_columns;
   const int64_t whole = M - M % 16, chunk = row_chunk(K);
   const std::vector<c10::BFloat16> tail = tail_rows(x, ldx, M, K);
   kvloom::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     configure_bf16();
-    std::vector<uint16_t> buffer(blocks * (unit_columns / 16) * kTileWords + 32);  // 64-byte aligned tiles
-    uint16_t* tiles = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) &
-                                                  ~uintptr_t{63});
+    std::vector<uint16_t> storage(buffer_words > 0 ? buffer_words + 32 : 0);
+    uint16_t* buffer = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) &
+                                                   ~uintptr_t{63});
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
       const int64_t m1 = std::min(M, m0 + chunk);
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t n0 = unit * unit_columns, columns = std::min(unit_columns, N - n0);
-        const TileLayout at{dequantize(unit, tiles) * kTileWords, kTileWords, 64};
+        const auto [tiles, at] = tiles_of(unit, buffer);
         // The units after this one toward L2 while these tiles multiply (the first of a thread's: two ahead).
         for (int64_t ahead = (unit == begin && m0 == 0) ? 1 : kAheadUnits; ahead <= kAheadUnits; ++ahead)
           if (unit + ahead < end) prefetch(unit + ahead);
@@ -249,31 +249,32 @@ void dequantized_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, 
   });
 }
 
+// The dequantizing products: dequantize(unit, tiles) writes the unit's B tiles, [blocks][S groups of 16][kTileWords]
+// (columns past N zero), and returns S (at least the unit's real columns / 16, rounded up).
+template <typename Dequantize, typename Prefetch>
+void dequantized_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
+                         int64_t unit_columns, const float* scale, const float* bias, const Dequantize& dequantize,
+                         const Prefetch& prefetch) {
+  auto tiles_of = [&](int64_t unit, uint16_t* buffer) {
+    return std::pair<const uint16_t*, TileLayout>{buffer, {dequantize(unit, buffer) * kTileWords, kTileWords, 64}};
+  };
+  tiled_product(y, x, ldx, M, K, N, unit_columns, scale, bias, K / 32 * (unit_columns / 16) * kTileWords, tiles_of,
+                prefetch);
+}
+
 // y = x W^T (+ bias) for a bf16 weight in gemm.cpp's panels of `panel` columns (a multiple of 16, at most 16
 // kMaxUnitGroups: packed[panel][K / 2][panel][2]), its B tiles read in place (a block's 16 k pairs of 16 columns are
 // 16 rows of 64 bytes, the panel's width apart): the AMX-BF16 tiles at every row count, one formula per row whatever
 // the batch (K a multiple of 32). The next panels are fetched toward L2 as the dequantizing products' units are.
 inline void panel_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
                           const c10::BFloat16* packed, int64_t panel, const float* bias) {
-  const int64_t blocks = K / 32, panels = (N + panel - 1) / panel, panel_words = K * panel;
-  const int64_t whole = M - M % 16, chunk = row_chunk(K);
-  const std::vector<c10::BFloat16> tail = tail_rows(x, ldx, M, K);
+  const int64_t panel_words = K * panel;
   const auto* words = reinterpret_cast<const uint16_t*>(packed);
-  const TileLayout at{32 * panel, 32, 4 * panel};
-  kvloom::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    configure_bf16();
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-      const int64_t m1 = std::min(M, m0 + chunk);
-      for (int64_t p = begin; p < end; ++p) {
-        for (int64_t ahead = (p == begin && m0 == 0) ? 1 : kAheadUnits; ahead <= kAheadUnits; ++ahead)
-          if (p + ahead < end) prefetch_l2(words + (p + ahead) * panel_words, panel_words * 2);
-        const int64_t n0 = p * panel;
-        unit_rows(x, ldx, tail.data(), K, M, whole, m0, m1, words + p * panel_words, at, blocks, n0,
-                  std::min(panel, N - n0), nullptr, bias, y, N);
-      }
-    }
-    _tile_release();
-  });
+  auto tiles_of = [&](int64_t unit, uint16_t*) {
+    return std::pair<const uint16_t*, TileLayout>{words + unit * panel_words, {32 * panel, 32, 4 * panel}};
+  };
+  auto prefetch = [&](int64_t unit) { prefetch_l2(words + unit * panel_words, panel_words * 2); };
+  tiled_product(y, x, ldx, M, K, N, panel, nullptr, bias, 0, tiles_of, prefetch);
 }
 
 }  // namespace kvloom::amx

@@ -218,7 +218,7 @@ void gemm_bf16(at::Tensor y, at::Tensor x, at::Tensor packed, c10::optional<at::
 #if defined(KVLOOM_BF16_DOT) && defined(KVLOOM_AMX_BF16)
   // With AMX-BF16 (KVLOOM_CPU_AMX not 0) every row count takes the tiles, the panels read in place: one formula per
   // row whatever the batch (the dot-product kernel below sums in another order, so the two never mix for a weight).
-  if (K % 32 == 0 && kvloom::amx::bf16_tiles_from(1) > 0) {
+  if (K % 32 == 0 && kvloom::amx::ready()) {
     kvloom::amx::panel_product(ys, xs, ldx, M, K, N, ws, kPanel, bs);
     return;
   }
