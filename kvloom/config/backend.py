@@ -71,9 +71,8 @@ class BackendConfig:
     # With quantization="gguf" on a CPU: a GGUF's Q4_K and Q6_K projections kept in the file's own super-blocks (4.5
     # and 6.5625 bits a weight) for the k-quant product (ops/q4k.py; the same results bit for bit as the code-block
     # product it replaces, which held 4.625 and 6.625, but for a layer of both: q and k beside a Q6_K v, which that
-    # held at 7.125). False decodes them into code blocks (ops/q4.py), for comparison. None (the default): on where
-    # kvloom's CPU kernels are built for AVX2 or the portable level, where it was measured; off on AVX-512 until it
-    # is measured there (its prefill takes the AVX2 kernel, where the code blocks have VNNI and AMX-INT8 products).
+    # held at 7.125). False decodes them into code blocks (ops/q4.py), for comparison. None (the default) is on at
+    # every ISA level (on AVX-512 with VNNI kernels of its own, and AMX-INT8 tiles from 16 rows: csrc/gemm_q4k.cpp).
     gguf_super_blocks: bool | None = None
     # With a checkpoint kept in its blocks (quantization "gguf", "gptq", "awq"): the LM head's table (and a tied
     # embedding's, SmolLM2's Q8_0 one) re-quantized at load to 4- or 5-bit code blocks, a scale and an offset per

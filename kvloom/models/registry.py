@@ -107,12 +107,7 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
         keep_q8_0 = engine.backend.int8_activations and engine.backend.int8_gguf_blocks
         # Q4_K / Q6_K weights as the file's super-blocks for the CPU's k-quant product (ops/q4k.py); a GPU's Triton
         # product takes the decoded code blocks.
-        super_blocks = engine.backend.gguf_super_blocks
-        if super_blocks is None:
-            from kvloom.ops import cpu
-
-            super_blocks = cpu.super_blocks_by_default()
-        super_blocks = super_blocks and config.device.type == "cpu"
+        super_blocks = engine.backend.gguf_super_blocks is not False and config.device.type == "cpu"
         model.load_weights(kept_as_stored(iter_weights(config.source, keep_q8_0=keep_q8_0, keep_q4=True,
                                                              keep_q5=engine.backend.gguf_5bit_blocks,
                                                              keep_q6=engine.backend.gguf_6bit_blocks,

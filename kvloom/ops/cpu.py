@@ -209,13 +209,6 @@ def compiled_isa() -> str | None:
     return torch.ops.kvloom.compiled_isa() if cpu_kernel_available() else None
 
 
-def super_blocks_by_default() -> bool:
-    """Whether a GGUF's Q4_K / Q6_K weights keep the file's super-blocks (ops/q4k.py) when the backend does not say:
-    where that product was measured ahead of the code blocks, kernels built for AVX2 or the portable level; not yet on
-    AVX-512, where the code blocks take VNNI and AMX-INT8 tiles."""
-    return not (compiled_isa() or "").startswith("avx512")
-
-
 def _register_fake() -> None:
     """Shapes-only versions of the ops for torch.compile's tracing: each writes its output argument and
     returns nothing."""

@@ -21,7 +21,8 @@ registers); Q6_K's groups of 16 are two per block, each with its own sums and sc
 quantized per 32). On CUDA the Triton kernel reads 5- and 6-bit codes one per byte, groups of 16 with their scales.
 
 A GGUF's Q4_K and Q6_K projections and tables take, on a CPU, the product on the file's own super-blocks instead
-(kvloom/ops/q4k.py: the same results bit for bit, at the file's 4.5 and 6.56 bits a weight instead of 4.625 and
+(kvloom/ops/q4k.py, whose AMX-INT8 and AMX-BF16 tiles run this file's on panels unpacked as reached: the same
+results bit for bit, at the file's 4.5 and 6.56 bits a weight instead of 4.625 and
 6.625; a Q4_K_M file's q and k beside its Q6_K v at 4.5 and 6.56 where this packing held all three at 7.125); a
 k-quant weight fused with other types, on a GPU, or with ``gguf_super_blocks`` off is decoded into
 ``Q4Blocks`` here.

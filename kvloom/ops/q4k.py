@@ -23,9 +23,10 @@ codes in csrc/gemm_q4.cpp's nibble order (Q6_K's top 2 bits beside them): exactl
 whole panel, are zero padding). Its product is ``q4_linear_reference``'s, llama.cpp's per block of 32 (activations
 quantized per block of 32 by ``quantize_per_block``, exact int32 sums per block, or per 16 for Q6_K, then fp32),
 with the same fp32 operations in the same order as ``q4.PackedQ4Weight`` on ``to_blocks()`` of the same weight: for a
-weight all Q4_K or all Q6_K the results are bit-identical to that product (AVX2 and plain loops alike, at every row
-count, one formula whatever the batch: the dequantizing AMX-BF16 product PackedQ4Weight switches to from 16 bf16 rows
-is not taken here); for Q4_K rows beside Q6_K ones each row gets what PackedQ4Weight gives its own type alone (where
+weight all Q4_K or all Q6_K the results are bit-identical to that product (AVX2, VNNI, AMX-INT8 tiles and plain loops
+alike, at every row count, one formula whatever the batch; with ``bf16_tiles``, where batch-dependent products are
+allowed, bf16 rows from 16 on take PackedQ4Weight's dequantizing AMX-BF16 product, on panels unpacked as reached:
+csrc/q4_panels.h); for Q4_K rows beside Q6_K ones each row gets what PackedQ4Weight gives its own type alone (where
 PackedQ4Weight, holding the layer in one form, summed the Q4_K rows per 16 inputs: the same value up to fp32
 rounding). ``q4k_linear_reference`` is the plain-torch oracle. A table (embedding, head) in Q4_K or Q6_K takes it too:
 the head multiplies, the lookup reads rows back (``rows``). Q4_0 / Q4_1 / Q5 / GPTQ / AWQ weights and a k-quant
@@ -293,7 +294,7 @@ class PackedKQuantWeight:
     computes it for its own type alone)."""
 
     def __init__(self, weight: KQuantRows | Q4KBlocks | Q6KBlocks, bias: torch.Tensor | None,
-                 portable: bool = False) -> None:
+                 portable: bool = False, bf16_tiles: bool = False) -> None:
         weight = KQuantRows.one(weight)
         self.out_features, self.in_features = weight.shape
         self.q4_k_rows = weight.q4_k_rows
@@ -307,11 +308,12 @@ class PackedKQuantWeight:
         self.q6_k = _packed_panels(weight.q6_k, self.in_features, Q6_K_PANEL_SUPER_BYTES, six_bits=True)
         self.bias = None if bias is None else bias.float().contiguous()
         self.portable = portable
+        self.bf16_tiles = bf16_tiles
         self._product = torch.ops.kvloom.gemm_kquant.default
 
     def stack_args(self) -> StackArgs:
-        """How csrc/decoder.cpp's plan calls this product (cpu.py llama_layer_stack): one formula at every row count."""
-        return StackArgs(STACK_K_QUANT, [self.q4_k, self.q6_k, self.bias])
+        """How csrc/decoder.cpp's plan calls this product (cpu.py llama_layer_stack)."""
+        return StackArgs(STACK_K_QUANT, [self.q4_k, self.q6_k, self.bias], bf16_tiles=self.bf16_tiles)
 
     def rows(self, ids: torch.Tensor) -> Q4Blocks:
         """Rows ``ids`` [T] of the weight, decoded (per 16 inputs where the weight has Q6_K rows)."""
@@ -335,15 +337,15 @@ class PackedKQuantWeight:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype)
-        self._product(out, rows, self.q4_k, self.q6_k, self.bias, self.portable)
+        self._product(out, rows, self.q4_k, self.q6_k, self.bias, self.portable, -1, self.bf16_tiles)
         return out.view(*x.shape[:-1], self.out_features)
 
 
 def pack_code_blocks(weight: Q4Blocks | KQuantRows, bias: torch.Tensor | None, bf16_tiles: bool = True
                      ) -> PackedQ4Weight | PackedKQuantWeight:
-    """The CPU op table's code-block product: the file's k-quant super-blocks take PackedKQuantWeight (one formula at
-    every row count), every other code block PackedQ4Weight (``bf16_tiles``: its dequantizing AMX-BF16 product from
-    16 bf16 rows, on a CPU with those tiles)."""
+    """The CPU op table's code-block product: the file's k-quant super-blocks take PackedKQuantWeight, every other code
+    block PackedQ4Weight (``bf16_tiles``, either: the dequantizing AMX-BF16 product from 16 bf16 rows, on a CPU with
+    those tiles; else one formula at every row count)."""
     if isinstance(weight, (KQuantRows, *SUPER_BLOCK_TYPES)):
-        return PackedKQuantWeight(weight, bias)
+        return PackedKQuantWeight(weight, bias, bf16_tiles=bf16_tiles)
     return PackedQ4Weight(weight, bias, bf16_tiles=bf16_tiles)

@@ -155,14 +155,13 @@ def test_q6_k_projections_stay_in_blocks_beside_4bit_ones(tmp_path) -> None:
     assert llm.llm_engine.config.quantization == "gguf"
     projections = _projections(llm)
     if cpu.cpu_kernel_available():
-        # down (Q6_K alone) on the file's super-blocks (ops/q4k.py) where they are the default, q|k|v (Q4_1 beside
-        # Q6_K) as code blocks
-        kinds = {"PackedQ4Weight", "PackedKQuantWeight"} if cpu.super_blocks_by_default() else {"PackedQ4Weight"}
-        assert {type(m.packed).__name__ for m in projections} == kinds
+        # down (Q6_K alone) on the file's super-blocks (ops/q4k.py, the default), q|k|v (Q4_1 beside Q6_K) as code
+        # blocks
+        assert {type(m.packed).__name__ for m in projections} == {"PackedQ4Weight", "PackedKQuantWeight"}
         six = [m for m in projections if getattr(m.packed, "high", None) is not None and m.packed.high.shape[2] == 2]
         supers = sum(getattr(m.packed, "q6_k", torch.empty(0)).numel() > 0 for m in projections)
-        # q|k|v of both layers, and down where it is not on super-blocks
-        assert (len(six), supers) == ((2, 2) if cpu.super_blocks_by_default() else (4, 0))
+        # q|k|v of both layers as code blocks, down of both on super-blocks
+        assert (len(six), supers) == (2, 2)
     reference = LLM(model=path, dtype="float32", max_model_len=128,
                     override_backend_config={"attention_backend": "reference"})
     floats_llm = LLM(model=path, dtype="float32", max_model_len=128, quantization="none")
@@ -659,14 +658,14 @@ def test_super_blocks_give_the_code_block_products_results_exactly(q4_k_gguf: st
     assert _logprobs_and_greedy(again, prompts) == expected
 
 
-def test_super_blocks_are_the_default_where_measured(q4_k_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """gguf_super_blocks None (the default): the k-quant product where kvloom's kernels are built for AVX2 or the
-    portable level; the code blocks on AVX-512 until the k-quant product is measured there."""
+def test_super_blocks_are_the_default_at_every_isa_level(q4_k_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gguf_super_blocks None (the default): the k-quant product on the file's super-blocks, whatever the level the
+    kernels are built for (AVX-512 included: VNNI kernels of its own, AMX-INT8 tiles from 16 rows)."""
     if not cpu.cpu_kernel_available():
         pytest.skip("the CPU kernels could not be built here")
     monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
     kinds = set(_packed_kinds(LLM(model=q4_k_gguf, dtype="float32", max_model_len=128)).values())
-    assert kinds == ({"PackedQ4Weight"} if cpu.compiled_isa().startswith("avx512") else {"PackedKQuantWeight"})
+    assert kinds == {"PackedKQuantWeight"}
 
 
 def test_a_decode_token_reads_the_files_bytes(q4_k_gguf: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -186,6 +186,43 @@ def test_k_quant_product_equals_the_code_block_product_bit_for_bit(kernels: None
         assert_within(NativeQ4Linear(weight, bias)(x), expected, ulps=1, slack=q4_slack(x, blocks, bias) * 64)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
+@pytest.mark.parametrize("kind", ["q4_k_llama", "q6_k", "mixed"])
+def test_the_panels_unpacked_for_the_code_block_kernels_give_the_same_product(kernels: None, kind: str,
+                                                                              dtype: torch.dtype) -> None:
+    """From a few rows a call unpacks each panel into the code-block layout and takes those kernels (VNNI's, and from
+    16 rows AMX-INT8 tiles where the CPU has them): the same integers and fp32 steps, so the same bits as the k-quant
+    kernels, at row counts below, at and past each kernel's rows, forced both ways on every CPU."""
+    k, n = 512, 45
+    weight = random_weight(kind, n, k, seed=11)
+    packed = PackedKQuantWeight(weight, torch.randn(n))
+    for m in (1, 3, 8, 16, 21, 40):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        outs = []
+        for unpacked_from in (0, 1, -1):
+            y = torch.empty(m, n, dtype=dtype)
+            torch.ops.kvloom.gemm_kquant(y, x, packed.q4_k, packed.q6_k, packed.bias, False, unpacked_from)
+            outs.append(y)
+        assert torch.equal(outs[1], outs[0]), (kind, m)
+        assert torch.equal(outs[2], outs[0]), (kind, m)
+
+
+@pytest.mark.parametrize("kind", ["q4_k_llama", "q6_k_llama"])
+def test_with_bf16_tiles_the_unpacked_panels_take_the_code_blocks_dequantizing_product(kernels: None,
+                                                                                        kind: str) -> None:
+    """Where batch-dependent products are allowed (``bf16_tiles``): bf16 rows take what PackedQ4Weight's dequantizing
+    AMX-BF16 product gives the decoded blocks, bit for bit, at every row count (on a CPU without those tiles both
+    keep the int8 product)."""
+    k, n = 512, 40
+    weight = random_weight(kind, n, k, seed=12)
+    bias = torch.randn(n)
+    tiled = PackedKQuantWeight(weight, bias, bf16_tiles=True)
+    code_blocks = PackedQ4Weight(weight.to_blocks(), bias, bf16_tiles=True)
+    for m in (1, 15, 16, 37):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        assert torch.equal(tiled(x), code_blocks(x)), m
+
+
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels: None) -> None:
     """One formula at every row count: each row of a 13-row product equals that row's product alone."""
     weight = KQuantRows.of(random_q4_k(32, 512, seed=5), random_q6_k(13, 512, seed=5))

@@ -166,12 +166,12 @@ void tile_rows(const c10::BFloat16* x, int64_t ldx, const uint16_t* tiles, TileL
 }
 
 // Rows [m0, m1) of x times one unit of `columns` columns (groups of 16, its tiles laid out as `at` says) into y
-// ([M, N], the unit's first column n0): 32 rows at a time where whole, then 16; the rows from `whole` on (M's last,
-// short of 16) are read from `tail`, their copy padded with zero rows (K apart).
+// (rows ldy apart, the unit's first column n0): 32 rows at a time where whole, then 16; the rows from `whole` on
+// (M's last, short of 16) are read from `tail`, their copy padded with zero rows (K apart).
 inline void unit_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* tail, int64_t K, int64_t M,
                       int64_t whole, int64_t m0, int64_t m1, const uint16_t* tiles, TileLayout at, int64_t blocks,
                       int64_t n0, int64_t columns, const float* scale, const float* bias, c10::BFloat16* y,
-                      int64_t N) {
+                      int64_t ldy) {
   const int64_t groups = (columns + 15) / 16, full = std::min(m1, whole);
   const float* ss[kMaxUnitGroups] = {};
   const float* bs[kMaxUnitGroups] = {};
@@ -188,9 +188,9 @@ inline void unit_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* 
     int64_t m = m0;
     for (; m + 32 <= full; m += 32) {
       if (two) {
-        tile_rows<2, 2>(x + m * ldx, ldx, t, at, blocks, ss + v, bs + v, count + v, yv + m * N, N, 32);
+        tile_rows<2, 2>(x + m * ldx, ldx, t, at, blocks, ss + v, bs + v, count + v, yv + m * ldy, ldy, 32);
       } else {
-        tile_rows<2, 1>(x + m * ldx, ldx, t, at, blocks, ss + v, bs + v, count + v, yv + m * N, N, 32);
+        tile_rows<2, 1>(x + m * ldx, ldx, t, at, blocks, ss + v, bs + v, count + v, yv + m * ldy, ldy, 32);
       }
     }
     for (; m < m1; m += 16) {
@@ -198,9 +198,9 @@ inline void unit_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* 
       const c10::BFloat16* xm = last ? tail : x + m * ldx;
       const int64_t ld = last ? K : ldx, rows = last ? M - m : 16;
       if (two) {
-        tile_rows<1, 2>(xm, ld, t, at, blocks, ss + v, bs + v, count + v, yv + m * N, N, rows);
+        tile_rows<1, 2>(xm, ld, t, at, blocks, ss + v, bs + v, count + v, yv + m * ldy, ldy, rows);
       } else {
-        tile_rows<1, 1>(xm, ld, t, at, blocks, ss + v, bs + v, count + v, yv + m * N, N, rows);
+        tile_rows<1, 1>(xm, ld, t, at, blocks, ss + v, bs + v, count + v, yv + m * ldy, ldy, rows);
       }
     }
   }
@@ -221,10 +221,10 @@ inline int64_t row_chunk(int64_t K) { return std::max<int64_t>(32, kChunkBytes /
 // y = (x W^T) * scale (+ bias), scale and bias per column (or null), W a unit of `unit_columns` columns (a multiple of
 // 16, at most 16 kMaxUnitGroups) at a time: tiles_of(unit, buffer) gives the unit's B tiles and their TileLayout
 // (written into `buffer`, buffer_words bf16 words 64-byte aligned, or found in place); prefetch(unit) fetches its
-// weight bytes toward L2. x: rows ldx apart; y: [M, N] contiguous; K a multiple of 32.
+// weight bytes toward L2. x: rows ldx apart; y: [M, N], rows ldy apart; K a multiple of 32.
 template <typename TilesOf, typename Prefetch>
-void tiled_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
-                   int64_t unit_columns, const float* scale, const float* bias, int64_t buffer_words,
+void tiled_product(c10::BFloat16* y, int64_t ldy, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K,
+                   int64_t N, int64_t unit_columns, const float* scale, const float* bias, int64_t buffer_words,
                    const TilesOf& tiles_of, const Prefetch& prefetch) {
   const int64_t blocks = K / 32, units = (N + unit_columns - 1) / unit_columns;
   const int64_t whole = M - M % 16, chunk = row_chunk(K);
@@ -242,7 +242,7 @@ void tiled_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_
         // The units after this one toward L2 while these tiles multiply (the first of a thread's: two ahead).
         for (int64_t ahead = (unit == begin && m0 == 0) ? 1 : kAheadUnits; ahead <= kAheadUnits; ++ahead)
           if (unit + ahead < end) prefetch(unit + ahead);
-        unit_rows(x, ldx, tail.data(), K, M, whole, m0, m1, tiles, at, blocks, n0, columns, scale, bias, y, N);
+        unit_rows(x, ldx, tail.data(), K, M, whole, m0, m1, tiles, at, blocks, n0, columns, scale, bias, y, ldy);
       }
     }
     _tile_release();
@@ -252,14 +252,14 @@ void tiled_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_
 // The dequantizing products: dequantize(unit, tiles) writes the unit's B tiles, [blocks][S groups of 16][kTileWords]
 // (columns past N zero), and returns S (at least the unit's real columns / 16, rounded up).
 template <typename Dequantize, typename Prefetch>
-void dequantized_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
-                         int64_t unit_columns, const float* scale, const float* bias, const Dequantize& dequantize,
-                         const Prefetch& prefetch) {
+void dequantized_product(c10::BFloat16* y, int64_t ldy, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K,
+                         int64_t N, int64_t unit_columns, const float* scale, const float* bias,
+                         const Dequantize& dequantize, const Prefetch& prefetch) {
   auto tiles_of = [&](int64_t unit, uint16_t* buffer) {
     return std::pair<const uint16_t*, TileLayout>{buffer, {dequantize(unit, buffer) * kTileWords, kTileWords, 64}};
   };
-  tiled_product(y, x, ldx, M, K, N, unit_columns, scale, bias, K / 32 * (unit_columns / 16) * kTileWords, tiles_of,
-                prefetch);
+  tiled_product(y, ldy, x, ldx, M, K, N, unit_columns, scale, bias, K / 32 * (unit_columns / 16) * kTileWords,
+                tiles_of, prefetch);
 }
 
 // y = x W^T (+ bias) for a bf16 weight in gemm.cpp's panels of `panel` columns (a multiple of 16, at most 16
@@ -274,7 +274,7 @@ inline void panel_product(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx,
     return std::pair<const uint16_t*, TileLayout>{words + unit * panel_words, {32 * panel, 32, 4 * panel}};
   };
   auto prefetch = [&](int64_t unit) { prefetch_l2(words + unit * panel_words, panel_words * 2); };
-  tiled_product(y, x, ldx, M, K, N, panel, nullptr, bias, 0, tiles_of, prefetch);
+  tiled_product(y, N, x, ldx, M, K, N, panel, nullptr, bias, 0, tiles_of, prefetch);
 }
 
 }  // namespace kvloom::amx

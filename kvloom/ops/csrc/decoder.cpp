@@ -85,7 +85,9 @@ struct Projection {
       case kQ4:
         KVLOOM_PROFILED("kvloom::gemm_q4", k::gemm_q4(y, x, packed, scale, bias, false, high, bf16_tiles));
         break;
-      case kKQuant: KVLOOM_PROFILED("kvloom::gemm_kquant", k::gemm_kquant(y, x, packed, q6_k, bias, false)); break;
+      case kKQuant:
+        KVLOOM_PROFILED("kvloom::gemm_kquant", k::gemm_kquant(y, x, packed, q6_k, bias, false, -1, bf16_tiles));
+        break;
       default: TORCH_CHECK(false, "LlamaLayerStack: unknown projection kind ", kind);
     }
     return y;

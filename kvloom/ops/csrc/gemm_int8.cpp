@@ -523,7 +523,7 @@ void int8_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, const 
     kvloom::amx::prefetch_l2(packed + p0 * panel_size, count * panel_size);
     if constexpr (Blocks) kvloom::amx::prefetch_l2(w_scale + p0 * scales_size, count * scales_size * sizeof(S));
   };
-  kvloom::amx::dequantized_product(y, x, ldx, s.M, s.K, s.N, kBf16UnitPanels * kPanel, col_scale, bias, dequantize,
+  kvloom::amx::dequantized_product(y, s.N, x, ldx, s.M, s.K, s.N, kBf16UnitPanels * kPanel, col_scale, bias, dequantize,
                                    prefetch);
 }
 

@@ -37,6 +37,7 @@
 #include "cpu_capability.h"
 #include "kernels.h"
 #include "parallel.h"
+#include "q4_panels.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -347,20 +348,6 @@ struct Panels {
   const uint8_t* codes(int64_t p) const { return packed + p * blocks * kBlockBytes; }
   const uint8_t* bits(int64_t p) const { return planes ? high + p * blocks * planes * kHighBytes : nullptr; }
   const S* scales_of(int64_t p) const { return scales + p * scales_size; }
-
-  // Panels p0 and p0 + 1, as the AMX tiles take them two at a time; a panel at or past `end` has null pointers (its
-  // 8 columns zero).
-  struct Pair {
-    const uint8_t* w[2] = {};
-    const uint8_t* h[2] = {};
-    const S* sc[2] = {};
-  };
-  Pair pair(int64_t p0, int64_t end) const {
-    Pair out;
-    for (int64_t i = 0; i < 2 && p0 + i < end; ++i)
-      out.w[i] = codes(p0 + i), out.h[i] = bits(p0 + i), out.sc[i] = scales_of(p0 + i);
-    return out;
-  }
 };
 
 #if defined(KVLOOM_Q4_AMX)
@@ -447,6 +434,73 @@ void q4_amx_rows(const int8_t* xq, int64_t ldq, const float* dx, const float* sx
 }
 #endif
 
+// Where a panel's bytes are read from: the packed weight itself (InPlace), or a PanelSource (q4_panels.h) that
+// unpacks each panel into a thread's scratch as it is needed (Unpacked: fp32 block scales). A slot is one of the two
+// panels the AMX tiles take at a time.
+template <typename S>
+struct PanelView {
+  const uint8_t* w;
+  const uint8_t* h;
+  const S* sc;
+};
+
+template <typename S>
+struct InPlace {
+  using Scale = S;
+  Panels<S> at;
+  struct Scratch {
+    void fit(const InPlace&) {}
+  };
+  PanelView<S> view(int64_t p, Scratch&, int, bool = true) const {
+    return {at.codes(p), at.bits(p), at.scales_of(p)};
+  }
+  kvloom::q4::CodeRuns runs(int64_t p, const uint8_t*) const { return {at.codes(p), at.blocks, 0}; }
+  void prefetch_panel(int64_t) const {}  // the kernels fetch the panel they read ahead of themselves
+  // Panels [p0, p0 + count) toward L2 (the dequantizing product's next units).
+  void prefetch(int64_t p0, int64_t count) const {
+#if defined(KVLOOM_Q4_AMX_BF16)
+    kvloom::amx::prefetch_l2(at.codes(p0), count * at.blocks * kBlockBytes);
+    kvloom::amx::prefetch_l2(at.scales_of(p0), count * at.scales_size * static_cast<int64_t>(sizeof(S)));
+    if (at.planes) kvloom::amx::prefetch_l2(at.bits(p0), count * at.blocks * at.planes * kHighBytes);
+#endif
+  }
+};
+
+struct Unpacked {
+  using Scale = float;
+  const kvloom::q4::PanelSource* source;
+  int64_t blocks;
+  int planes;
+  // Two panels' codes, planes and scales (resized to the weight at hand: a thread's scratch lives across calls).
+  struct Scratch {
+    std::vector<uint8_t> codes, high;
+    std::vector<float> scales;
+    void fit(const Unpacked& u) {
+      codes.resize(2 * u.blocks * kBlockBytes);
+      high.resize(2 * u.blocks * std::max(u.planes, 1) * kHighBytes);
+      scales.resize(2 * u.blocks * kvloom::q4::scale_rows(4 + u.planes) * kPanel);
+    }
+  };
+  // `codes`: whether the kernels read the codes from the scratch (the tiles may take them where they lie: runs).
+  PanelView<float> view(int64_t p, Scratch& s, int slot, bool codes = true) const {
+    uint8_t* w = s.codes.data() + slot * blocks * kBlockBytes;
+    uint8_t* h = s.high.data() + slot * blocks * std::max(planes, 1) * kHighBytes;
+    float* sc = s.scales.data() + slot * blocks * kvloom::q4::scale_rows(4 + planes) * kPanel;
+    codes = codes || source->codes_in_place(p).first == nullptr;
+    source->unpack(p, codes ? w : nullptr, h, sc);
+    return {codes ? w : nullptr, planes ? h : nullptr, sc};
+  }
+  // Where the tiles read panel p's codes: in place where the source has them so, else the scratch `view` filled.
+  kvloom::q4::CodeRuns runs(int64_t p, const uint8_t* viewed) const {
+    const kvloom::q4::CodeRuns r = source->codes_in_place(p);
+    return viewed ? kvloom::q4::CodeRuns{viewed, blocks, 0} : r;
+  }
+  void prefetch_panel(int64_t p) const { source->prefetch(p); }
+  void prefetch(int64_t p0, int64_t count) const {
+    for (int64_t p = p0; p < p0 + count; ++p) source->prefetch(p);
+  }
+};
+
 // With AMX-BF16 and bf16 activations, from kBf16MinRows rows the weight is dequantized instead (in registers, for
 // larger batches; amx_bf16.h): per panel pair and block, W[n, k] = q d + m in fp32 (one FMA), rounded to bf16 into a
 // B tile, multiplied by the unquantized activations with fp32 sums over the whole K: the product of x and the weight
@@ -517,32 +571,38 @@ void dequantize_tiles(const uint8_t* const w[2], const uint8_t* const h[2], cons
 }
 
 // y = x W^T (+ bias) on bf16 tiles, a unit of two panel pairs at a time.
-template <typename S>
-void q4_bf16_amx(c10::BFloat16* y, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
-                 const Panels<S>& at, const float* bias) {
-  const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel, planes = at.planes;
+template <typename Src>
+void q4_bf16_amx(c10::BFloat16* y, int64_t ldy, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
+                 const Src& src, int planes, int rows, const float* bias) {
+  using S = typename Src::Scale;
+  const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
   constexpr int64_t kUnitPanels = kBf16Unit / kPanel;
   auto dequantize = [&](int64_t unit, uint16_t* tiles) {
+    thread_local typename Src::Scratch scratch;
+    scratch.fit(src);
     const int64_t p0 = unit * kUnitPanels, count = std::min(kUnitPanels, panels - p0), pairs = (count + 1) / 2;
     for (int64_t pair = 0; pair < pairs; ++pair) {
-      const auto two = at.pair(p0 + 2 * pair, p0 + count);
+      const uint8_t* w[2] = {};
+      const uint8_t* h[2] = {};
+      const S* sc[2] = {};
+      for (int64_t i = 0; i < 2 && 2 * pair + i < count; ++i) {
+        const PanelView<S> v = src.view(p0 + 2 * pair + i, scratch, static_cast<int>(i));
+        w[i] = v.w, h[i] = v.h, sc[i] = v.sc;
+      }
       uint16_t* out = tiles + pair * kvloom::amx::kTileWords;
       const int64_t stride = pairs * kvloom::amx::kTileWords;
       switch (planes) {
-        case 0: dequantize_tiles<4>(two.w, two.h, two.sc, at.rows, blocks, out, stride); break;
-        case 1: dequantize_tiles<5>(two.w, two.h, two.sc, at.rows, blocks, out, stride); break;
-        default: dequantize_tiles<6>(two.w, two.h, two.sc, at.rows, blocks, out, stride); break;
+        case 0: dequantize_tiles<4>(w, h, sc, rows, blocks, out, stride); break;
+        case 1: dequantize_tiles<5>(w, h, sc, rows, blocks, out, stride); break;
+        default: dequantize_tiles<6>(w, h, sc, rows, blocks, out, stride); break;
       }
     }
     return pairs;
   };
   auto prefetch = [&](int64_t unit) {
-    const int64_t p0 = unit * kUnitPanels, count = std::min(kUnitPanels, panels - p0);
-    kvloom::amx::prefetch_l2(at.codes(p0), count * blocks * kBlockBytes);
-    kvloom::amx::prefetch_l2(at.scales_of(p0), count * at.scales_size * static_cast<int64_t>(sizeof(S)));
-    if (planes) kvloom::amx::prefetch_l2(at.bits(p0), count * blocks * planes * kHighBytes);
+    src.prefetch(unit * kUnitPanels, std::min(kUnitPanels, panels - unit * kUnitPanels));
   };
-  kvloom::amx::dequantized_product(y, x, ldx, M, K, N, kBf16Unit, nullptr, bias, dequantize, prefetch);
+  kvloom::amx::dequantized_product(y, ldy, x, ldx, M, K, N, kBf16Unit, nullptr, bias, dequantize, prefetch);
 }
 #endif
 
@@ -593,17 +653,17 @@ void q4_portable_panel(const int8_t* xq, int64_t ldq, const float* dx, const flo
   }
 }
 
-template <typename T, typename S>
-void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const uint8_t* high, int planes,
-              const S* scales, int rows, const float* bias, int64_t M, int64_t K, int64_t N, bool portable,
-              bool bf16_tiles) {
+// y[:, 0 : N) (row stride ldy) = x W^T (+ bias) for the weight's panels read through `src`.
+template <typename T, typename Src>
+void q4_typed(T* ys, int64_t ldy, const at::Tensor& x, const Src& src, int planes, int rows, const float* bias,
+              int64_t M, int64_t K, int64_t N, bool portable, bool bf16_tiles) {
+  using S = typename Src::Scale;
   const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
   const bool halves = planes == 2;  // 6-bit codes: a scale and an offset per 16 k
-  const Panels<S> at{packed, high, scales, blocks, planes, rows, panel_scales_size<S>(blocks, rows)};
 #if defined(KVLOOM_Q4_AMX_BF16)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (kvloom::amx::takes_bf16_tiles(portable, bf16_tiles, M, kBf16MinRows)) {
-      q4_bf16_amx(y.data_ptr<T>(), x.data_ptr<T>(), x.stride(0), M, K, N, at, bias);
+      q4_bf16_amx(ys, ldy, x.data_ptr<T>(), x.stride(0), M, K, N, src, planes, rows, bias);
       return;
     }
   }
@@ -623,7 +683,6 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
   } else {
     for (int64_t i = 0; i < M * blocks; ++i) sx[i] = dx[i] * static_cast<float>(code_sums[i]);
   }
-  T* ys = y.data_ptr<T>();
 #if defined(KVLOOM_Q4_AVX2)
   const bool fast = !portable;
   const Q4Kernel<T, S>* kernels = planes == 2 ? kQ4Kernels<6, T, S>.data()
@@ -645,33 +704,48 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
     parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
       kvloom::amx::configure();
       std::vector<uint8_t> tiles(blocks * kTileBytes);
+      typename Src::Scratch scratch;
+      scratch.fit(src);
       for (int64_t pair = begin; pair < end; ++pair) {
         // The pair's two panels (a last odd one alone: the second's pointers null, its columns 0).
         const int64_t p0 = 2 * pair, n0 = p0 * kPanel, count = std::min<int64_t>(2, panels - p0);
-        const auto two = at.pair(p0, panels);
-        const uint8_t* const* w = two.w;
-        const uint8_t* const* h = two.h;
-        const S* const* sc = two.sc;
+        const uint8_t* w[2] = {};
+        const uint8_t* h[2] = {};
+        const S* sc[2] = {};
         const float* bs[2] = {};
         int64_t cols[2] = {};
+        kvloom::q4::CodeRuns run[2];
         for (int64_t i = 0; i < count; ++i) {
+          // The codes into the scratch only where the vector kernel takes rows past the tiles'.
+          const PanelView<S> v = src.view(p0 + i, scratch, static_cast<int>(i), whole < M);
+          w[i] = v.w, h[i] = v.h, sc[i] = v.sc;
+          run[i] = src.runs(p0 + i, v.w);
           const int64_t n = (p0 + i) * kPanel;
           bs[i] = bias ? bias + n : nullptr;
           cols[i] = std::min(kPanel, N - n);
         }
-        if (planes) {
-          unpack_tiles<5>(w[0], h[0], w[1], h[1], blocks, tiles.data());
-        } else {
-          unpack_tiles<4>(w[0], h[0], w[1], h[1], blocks, tiles.data());
+        for (int64_t next = p0 + 2; next < std::min(p0 + 4, 2 * end); ++next)
+          if (next < panels) src.prefetch_panel(next);
+        for (int64_t b0 = 0; b0 < blocks; b0 += run[0].blocks) {
+          const int64_t n = std::min(run[0].blocks, blocks - b0), r = b0 / run[0].blocks;
+          const uint8_t* c0 = run[0].first + r * run[0].stride;
+          const uint8_t* c1 = run[1].first ? run[1].first + r * run[1].stride : nullptr;
+          const uint8_t* h0 = h[0] ? h[0] + b0 * planes * kHighBytes : nullptr;
+          const uint8_t* h1 = h[1] ? h[1] + b0 * planes * kHighBytes : nullptr;
+          if (planes) {
+            unpack_tiles<5>(c0, h0, c1, h1, n, tiles.data() + b0 * kTileBytes);
+          } else {
+            unpack_tiles<4>(c0, h0, c1, h1, n, tiles.data() + b0 * kTileBytes);
+          }
         }
         for (int64_t m = 0; m < whole; m += kAmxRows)
           q4_amx_rows(xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds, tiles.data(), sc[0],
-                      sc[1], rows, blocks, bs[0], bs[1], ys + m * N + n0, N, cols[0], cols[1]);
+                      sc[1], rows, blocks, bs[0], bs[1], ys + m * ldy + n0, ldy, cols[0], cols[1]);
         for (int64_t i = 0; i < count; ++i)
           for (int64_t m = whole; m < M; m += kRows)
             kernels[std::min(kRows, M - m)](xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds,
-                                            w[i], h[i], sc[i], rows, blocks, bs[i], ys + m * N + n0 + i * kPanel,
-                                            N, cols[i]);
+                                            w[i], h[i], sc[i], rows, blocks, bs[i], ys + m * ldy + n0 + i * kPanel,
+                                            ldy, cols[i]);
       }
       _tile_release();
     });
@@ -682,13 +756,17 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
 #if defined(KVLOOM_Q4_AVX2)
     std::vector<float> wide(widen ? blocks * 2 * groups * kPanel : 0);
 #endif
+    typename Src::Scratch scratch;
+    scratch.fit(src);
     for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
       const int64_t m1 = std::min(M, m0 + kRowChunk);
       for (int64_t panel = begin; panel < end; ++panel) {
         const int64_t n0 = panel * kPanel, columns = std::min(kPanel, N - n0);
-        const uint8_t* wp = at.codes(panel);
-        const uint8_t* hp = at.bits(panel);
-        const S* sp = at.scales_of(panel);
+        const PanelView<S> v = src.view(panel, scratch, 0);
+        if (panel + 1 < end) src.prefetch_panel(panel + 1);
+        const uint8_t* wp = v.w;
+        const uint8_t* hp = v.h;
+        const S* sp = v.sc;
         const float* bp = bias ? bias + n0 : nullptr;
 #if defined(KVLOOM_Q4_AVX2)
         if (widen) {
@@ -702,8 +780,8 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
             }
           for (int64_t m = m0; m < m1; m += step)
             wide_kernels[std::min(step, m1 - m)](xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds,
-                                                 lds, wp, hp, wide.data(), 2 * groups, blocks, bp, ys + m * N + n0, N,
-                                                 columns);
+                                                 lds, wp, hp, wide.data(), 2 * groups, blocks, bp, ys + m * ldy + n0,
+                                                 ldy, columns);
           continue;
         }
 #endif
@@ -712,12 +790,12 @@ void q4_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* packed, const u
 #if defined(KVLOOM_Q4_AVX2)
           if (fast) {
             kernels[count](xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds, wp, hp, sp, rows,
-                           blocks, bp, ys + m * N + n0, N, columns);
+                           blocks, bp, ys + m * ldy + n0, ldy, columns);
             continue;
           }
 #endif
           q4_portable_panel(xq.data() + m * K, K, dx.data() + m * blocks, sx.data() + m * lds, lds, wp, hp, planes,
-                            sp, rows, blocks, bp, ys + m * N + n0, N, count, columns);
+                            sp, rows, blocks, bp, ys + m * ldy + n0, ldy, count, columns);
         }
       }
     }
@@ -782,10 +860,11 @@ void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c
   const auto* wp = packed.data_ptr<uint8_t>();
   auto run = [&](const auto* sp) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sp)>>;
+    const InPlace<S> src{Panels<S>{wp, hp, sp, blocks, planes, rows, panel_scales_size<S>(blocks, rows)}};
     if (x.scalar_type() == at::kFloat) {
-      q4_typed<float, S>(y, x, wp, hp, planes, sp, rows, bs, M, K, N, portable, bf16_tiles);
+      q4_typed(y.data_ptr<float>(), N, x, src, planes, rows, bs, M, K, N, portable, bf16_tiles);
     } else {
-      q4_typed<c10::BFloat16, S>(y, x, wp, hp, planes, sp, rows, bs, M, K, N, portable, bf16_tiles);
+      q4_typed(y.data_ptr<c10::BFloat16>(), N, x, src, planes, rows, bs, M, K, N, portable, bf16_tiles);
     }
   };
   if (split) {
@@ -824,6 +903,36 @@ void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c
   ::gemm_q4(y, x, packed, scales, bias, portable, high, bf16_tiles);
 }
 }  // namespace kvloom::kernels
+
+namespace kvloom::q4 {
+void unpacked_product(at::Tensor& y, const at::Tensor& x, int64_t col0, int64_t cols, int bits,
+                      const PanelSource& source, const float* bias, bool bf16_tiles) {
+  TORCH_CHECK(bits >= 4 && bits <= 6 && y.is_contiguous() && x.stride(1) == 1 && col0 >= 0 &&
+                  col0 + cols <= y.size(1) && y.size(0) == x.size(0) && x.size(1) % kBlock == 0,
+              "unpacked_product: bad arguments");
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+  if (M == 0 || cols == 0) return;
+  const Unpacked src{&source, K / kBlock, bits - 4};
+  const int rows = scale_rows(bits);
+  if (x.scalar_type() == at::kFloat) {
+    q4_typed(y.data_ptr<float>() + col0, N, x, src, bits - 4, rows, bias, M, K, cols, false, bf16_tiles);
+  } else {
+    q4_typed(y.data_ptr<c10::BFloat16>() + col0, N, x, src, bits - 4, rows, bias, M, K, cols, false, bf16_tiles);
+  }
+}
+
+bool unpacked_product_fast() { return ::q4_gemm_kernel(); }
+
+int64_t unpacked_bf16_tiles_from() { return ::q4_bf16_tiles_min_rows(); }
+
+int64_t unpacked_int8_tiles_from() {
+#if defined(KVLOOM_Q4_AMX)
+  return kvloom::amx::ready() ? kAmxRows : 0;
+#else
+  return 0;
+#endif
+}
+}  // namespace kvloom::q4
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("gemm_q4(Tensor(a!) y, Tensor x, Tensor packed, Tensor scales, Tensor? bias, bool portable=False, "

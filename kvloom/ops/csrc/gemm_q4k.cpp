@@ -40,6 +40,7 @@
 #include "cpu_capability.h"
 #include "kernels.h"
 #include "parallel.h"
+#include "q4_panels.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -78,7 +79,13 @@ constexpr int64_t kQ6FileBytes = 210;
 constexpr int64_t kQ6HeadBytes = kPanel * (2 + 16);                 // 144
 constexpr int64_t kQ6BlockBytes = kBlockBytes + kPanel * kBlock / 4;  // 192
 constexpr int64_t kQ6SuperBytes = kPanel * kQ6FileBytes;            // 1680 = kQ6HeadBytes + 8 * kQ6BlockBytes
-constexpr int64_t kRows = 4;                           // rows of x per micro-kernel call (AVX2's 16 registers)
+// Rows of x per micro-kernel call: with VNNI (an AVX-512 build: 32 vector registers) 8 rows of int32 and fp32 sums,
+// else 4 of 16-bit, int32 and fp32 sums in AVX2's 16 (gemm_q4.cpp's kernels alike).
+#if defined(KVLOOM_VNNI_DOT)
+constexpr int64_t kRows = 8;
+#else
+constexpr int64_t kRows = 4;
+#endif
 // Software prefetch: a panel is one sequential stream (heads between its blocks), read kSuperBytes / 8 (Q6_K:
 // kQ6SuperBytes / 8) bytes a block; each block prefetches as many whole cache lines or more, this far ahead.
 constexpr int64_t kPrefetchAhead = 1024;
@@ -268,7 +275,8 @@ template <int R, typename T>
 void q4k_kernel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, const uint8_t* panel,
                 int64_t supers, const float* bias, T* y, int64_t ldy, int64_t columns) {
   const int64_t blocks = supers * kBlocksPerSuper;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 acc[R];
   KVLOOM_UNROLL
@@ -288,9 +296,16 @@ void q4k_kernel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx,
       KVLOOM_UNROLL
       for (int line = 0; line < 3; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);  // 144 bytes a block
       const int8_t* xb = xq + block * kBlock;
+#if defined(KVLOOM_VNNI_DOT)
+      // vpdpbusd: each 4 u8 x s8 products straight into an int32 lane, the low and the high nibbles' chains apart.
+      __m256i part[R][2];
+      KVLOOM_UNROLL
+      for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm256_setzero_si256();
+#else
       __m256i sums[R];  // 16-bit: a block's 8 pair sums of at most 2 * 15 * 127 each
       KVLOOM_UNROLL
       for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+#endif
       KVLOOM_UNROLL
       for (int j = 0; j < 4; ++j) {
         const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
@@ -299,15 +314,24 @@ void q4k_kernel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx,
         KVLOOM_UNROLL
         for (int r = 0; r < R; ++r) {
           const int8_t* xr = xb + r * ldq + 8 * j;
+#if defined(KVLOOM_VNNI_DOT)
+          part[r][0] = _mm256_dpbusd_epi32(part[r][0], lo, broadcast_word(xr));
+          part[r][1] = _mm256_dpbusd_epi32(part[r][1], hi, broadcast_word(xr + 4));
+#else
           sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, broadcast_word(xr)));
           sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, broadcast_word(xr + 4)));
+#endif
         }
       }
       const __m256 d = _mm256_mul_ps(top_d, widen_bytes(subs[b / 4] + 8 * (b % 4)));
       const __m256 m = _mm256_mul_ps(top_m, widen_bytes(subs[2 + b / 4] + 8 * (b % 4)));
       KVLOOM_UNROLL
       for (int r = 0; r < R; ++r) {
+#if defined(KVLOOM_VNNI_DOT)
+        const __m256 total = _mm256_cvtepi32_ps(_mm256_add_epi32(part[r][0], part[r][1]));
+#else
         const __m256 total = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+#endif
         acc[r] = _mm256_fmadd_ps(total, _mm256_mul_ps(d, _mm256_set1_ps(dx[r * blocks + block])), acc[r]);
         acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * blocks + block]), acc[r]);
       }
@@ -333,16 +357,22 @@ inline __m256i top_bits(__m256i half) {
 // two 16-bit sums reach 2 * 2 * 63 * 127 = 32004 at most: widened at once.
 template <int R, int j>
 inline void q6_pair(const uint8_t* w, const __m256i* tops, const int8_t* xb, int64_t ldq, __m256i (*part)[2]) {
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
   const __m256i lo = _mm256_or_si256(_mm256_and_si256(bytes, low), top_bits<j, 0>(tops[j / 2]));
   const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), top_bits<j, 1>(tops[j / 2]));
   KVLOOM_UNROLL
   for (int r = 0; r < R; ++r) {
     const int8_t* xr = xb + r * ldq + 8 * j;
+#if defined(KVLOOM_VNNI_DOT)
+    part[r][j / 2] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(part[r][j / 2], lo, broadcast_word(xr)), hi,
+                                         broadcast_word(xr + 4));
+#else
     const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast_word(xr)),
                                           _mm256_maddubs_epi16(hi, broadcast_word(xr + 4)));
     part[r][j / 2] = _mm256_add_epi32(part[r][j / 2], _mm256_madd_epi16(sums, ones));
+#endif
   }
 }
 
@@ -501,13 +531,16 @@ void q6k_portable_panel(const int8_t* xq, int64_t ldq, const float* dx, const fl
   }
 }
 
-// y's columns [0, 8 panels4) from the Q4_K panels, the rest from the Q6_K ones (either may be absent).
+// y's columns [0, 8 panels4) from the Q4_K panels, the rest from the Q6_K ones (either may be absent); panels
+// [first_panel, last_panel) alone (the others written by another product).
 template <typename T>
 void kquant_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* q4k, int64_t panels4, const uint8_t* q6k,
-                  const float* bias, int64_t M, int64_t K, int64_t N, bool portable) {
+                  const float* bias, int64_t M, int64_t K, int64_t N, bool portable, int64_t first_panel,
+                  int64_t last_panel) {
   const int64_t blocks = K / kBlock, supers = K / kSuper, panels = (N + kPanel - 1) / kPanel;
   std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * blocks), sx(panels4 > 0 ? M * blocks : 0), sx16(panels > panels4 ? 2 * M * blocks : 0);
+  std::vector<float> dx(M * blocks), sx(panels4 > first_panel ? M * blocks : 0);
+  std::vector<float> sx16(last_panel > panels4 ? 2 * M * blocks : 0);
   std::vector<int32_t> code_sums(M * blocks);
   kvloom::kernels::quantize_blocks_s8(x, xq.data(), dx.data(), code_sums.data(), portable);
   for (size_t i = 0; i < sx.size(); ++i) sx[i] = dx[i] * static_cast<float>(code_sums[i]);
@@ -523,7 +556,7 @@ void kquant_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* q4k, int64_
 #else
   const bool fast = false;
 #endif
-  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(first_panel, last_panel, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
       const int64_t m1 = std::min(M, m0 + kRowChunk);
       for (int64_t panel = begin; panel < end; ++panel) {
@@ -550,12 +583,130 @@ void kquant_typed(at::Tensor& y, const at::Tensor& x, const uint8_t* q4k, int64_
   });
 }
 
+// ---- the code-block kernels' view of the panels --------------------------------------------------------------
+
+// With AMX-INT8 tiles, calls of 16 rows or more unpack each Q4_K panel into gemm_q4.cpp's code-block layout and take
+// its tile product (q4_panels.h; its 6-bit codes keep vector kernels, so Q6_K panels stay here). The same integers
+// and fp32 steps either way: bit for bit the same y. Below 16 rows (and without AMX) the kernels here read the
+// panels as they lie, with VNNI where the build has it: unpacking costs a copy per panel and call, measured
+// 1.1-1.5x slower than reading in place at 1-8 rows (benchmarks/q4k_micro.py).
+
+#if defined(KVLOOM_Q4K_AVX2)
+// Q4_K panels: the codes copied as they lie (already the code-block layout), d = D sc and m = -dmin mn in fp32 (the
+// values q4k_kernel computes).
+class Q4KPanels final : public kvloom::q4::PanelSource {
+ public:
+  Q4KPanels(const uint8_t* panels, int64_t supers) : panels_(panels), supers_(supers) {}
+  void unpack(int64_t p, uint8_t* codes, uint8_t*, float* scales) const override {
+    const uint8_t* panel = panels_ + p * supers_ * kSuperBytes;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    alignas(32) uint8_t subs[4][32];
+    for (int64_t s = 0; s < supers_; ++s) {
+      const uint8_t* head = panel + s * kSuperBytes;
+      constexpr int64_t kCodes = kBlocksPerSuper * kBlockBytes;
+      if (codes) std::memcpy(codes + s * kCodes, head + kHeadBytes, kCodes);
+      const __m256 top_d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
+      const __m256 top_m =
+          _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 2 * kPanel))), sign);
+      unpack_sub_scales(head + 4 * kPanel, subs);
+      float* out = scales + s * kBlocksPerSuper * 2 * kPanel;
+      for (int64_t b = 0; b < kBlocksPerSuper; ++b) {
+        _mm256_storeu_ps(out + 2 * b * kPanel, _mm256_mul_ps(top_d, widen_bytes(subs[b / 4] + 8 * (b % 4))));
+        _mm256_storeu_ps(out + (2 * b + 1) * kPanel, _mm256_mul_ps(top_m, widen_bytes(subs[2 + b / 4] + 8 * (b % 4))));
+      }
+    }
+  }
+
+  void prefetch(int64_t p) const override {
+    const char* at = reinterpret_cast<const char*>(panels_ + p * supers_ * kSuperBytes);
+    for (int64_t line = 0; line < supers_ * kSuperBytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T1);
+  }
+  kvloom::q4::CodeRuns codes_in_place(int64_t p) const override {
+    return {panels_ + p * supers_ * kSuperBytes + kHeadBytes, kBlocksPerSuper, kSuperBytes};
+  }
+
+ private:
+  const uint8_t* panels_;
+  int64_t supers_;
+};
+
+// Bits 0, 2, 4, 6 of each byte as its bits 0-3 (the 16-bit shifts' bits from the next byte fall outside the masks).
+inline __m256i even_bits(__m256i v) {
+  v = _mm256_and_si256(v, _mm256_set1_epi8(0x55));
+  v = _mm256_and_si256(_mm256_or_si256(v, _mm256_srli_epi16(v, 1)), _mm256_set1_epi8(0x33));
+  return _mm256_and_si256(_mm256_or_si256(v, _mm256_srli_epi16(v, 2)), _mm256_set1_epi8(0x0F));
+}
+
+// Q6_K panels: the low nibbles copied, the top 2 bits moved into pack_high_bits' planes (bit 2 j + h of plane p's
+// byte (c, i) is bit 4 + p of code (c, 8 j + 4 h + i); the panel keeps it at bit 2 (2 (j % 2) + h) + p of half
+// j / 2's byte (c, i)), d = D s and m = (-32 D) s per group of 16 in fp32 (q6k_kernel's values).
+class Q6KPanels final : public kvloom::q4::PanelSource {
+ public:
+  Q6KPanels(const uint8_t* panels, int64_t supers) : panels_(panels), supers_(supers) {}
+  void unpack(int64_t p, uint8_t* codes, uint8_t* high, float* scales) const override {
+    const uint8_t* panel = panels_ + p * supers_ * kQ6SuperBytes;
+    for (int64_t s = 0; s < supers_; ++s) {
+      const uint8_t* head = panel + s * kQ6SuperBytes;
+      const __m256 top_d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
+      const __m256 top_m = _mm256_mul_ps(top_d, _mm256_set1_ps(-32.0f));
+      const uint8_t* sub = head + 2 * kPanel;
+      for (int64_t j = 0; j < kBlocksPerSuper; ++j) {
+        const int64_t block = s * kBlocksPerSuper + j;
+        const uint8_t* w = head + kQ6HeadBytes + j * kQ6BlockBytes;
+        if (codes) std::memcpy(codes + block * kBlockBytes, w, kBlockBytes);
+        const __m256i t0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBlockBytes));
+        const __m256i t1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBlockBytes + 32));
+        auto* planes = reinterpret_cast<__m256i*>(high + block * 2 * kvloom::q4::kPlaneBytes);
+        _mm256_storeu_si256(planes, _mm256_or_si256(even_bits(t0), _mm256_slli_epi16(even_bits(t1), 4)));
+        _mm256_storeu_si256(planes + 1, _mm256_or_si256(even_bits(_mm256_srli_epi16(t0, 1)),
+                                                        _mm256_slli_epi16(even_bits(_mm256_srli_epi16(t1, 1)), 4)));
+        float* out = scales + block * 4 * kPanel;  // d0, d1, m0, m1
+        for (int g = 0; g < 2; ++g) {
+          const __m256 sg = widen_signed_bytes(sub + (2 * j + g) * kPanel);
+          _mm256_storeu_ps(out + g * kPanel, _mm256_mul_ps(top_d, sg));
+          _mm256_storeu_ps(out + (2 + g) * kPanel, _mm256_mul_ps(top_m, sg));
+        }
+      }
+    }
+  }
+
+  void prefetch(int64_t p) const override {
+    const char* at = reinterpret_cast<const char*>(panels_ + p * supers_ * kQ6SuperBytes);
+    for (int64_t line = 0; line < supers_ * kQ6SuperBytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T1);
+  }
+
+ private:
+  const uint8_t* panels_;
+  int64_t supers_;
+};
+#endif
+
+// How many of a call's M rows (the first ones) take the unpacked Q4_K and Q6_K panels (unpacked_from: -1 this build's
+// and CPU's choice, 0 never, else all rows from that many, Q6_K's too: the tests force both ways on every CPU). With
+// AMX-INT8 tiles, Q4_K's whole groups of 16 rows (the rest read in place: unpacked, they would need the codes copied
+// for the vector kernel); with bf16_tiles, every row and both kinds wherever those tiles take M bf16 rows.
+struct Unpacking {
+  int64_t q4_k = 0, q6_k = 0;
+};
+Unpacking unpacking(int64_t M, int64_t unpacked_from, bool portable, bool bf16_tiles) {
+#if defined(KVLOOM_Q4K_AVX2)
+  if (portable || !kvloom::q4::unpacked_product_fast()) return {};
+  const int64_t tiles_from = kvloom::q4::unpacked_bf16_tiles_from();
+  if (bf16_tiles && tiles_from > 0 && M >= tiles_from) return {M, M};
+  if (unpacked_from > 0) return M >= unpacked_from ? Unpacking{M, M} : Unpacking{};
+  const int64_t group = unpacked_from < 0 ? kvloom::q4::unpacked_int8_tiles_from() : 0;
+  return {group > 0 ? M - M % group : 0, 0};
+#else
+  return {};
+#endif
+}
+
 // y = the k-quant product (+ bias). x: [M, K] float32 or bfloat16 (K a multiple of 256), rows contiguous; q4_k:
 // pack_q4k's uint8 [P, K / 256, 1152] for y's columns [0, 8 P), q6_k: pack_q6k's uint8 [ceil((N - 8 P) / 8),
 // K / 256, 1680] for the rest (either empty where it has no rows; with both, the Q4_K rows fill whole panels); bias:
 // float32 [N]; y: [M, N] contiguous, in x's dtype.
 void gemm_kquant(at::Tensor y, at::Tensor x, at::Tensor q4_k, at::Tensor q6_k, c10::optional<at::Tensor> bias,
-                 bool portable) {
+                 bool portable, int64_t unpacked_from, bool bf16_tiles) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.is_contiguous() && q4_k.is_contiguous() &&
                   q6_k.is_contiguous(),
               "gemm_kquant: x must be [M, K] with contiguous rows, y [M, N] and the packed weights contiguous");
@@ -582,19 +733,45 @@ void gemm_kquant(at::Tensor y, at::Tensor x, at::Tensor q4_k, at::Tensor q6_k, c
   if (M == 0 || N == 0) return;
   const uint8_t* w4 = q4_k.numel() ? q4_k.data_ptr<uint8_t>() : nullptr;
   const uint8_t* w6 = q6_k.numel() ? q6_k.data_ptr<uint8_t>() : nullptr;
-  if (x.scalar_type() == at::kFloat) {
-    kquant_typed<float>(y, x, w4, panels4, w6, bs, M, K, N, portable);
-  } else {
-    kquant_typed<c10::BFloat16>(y, x, w4, panels4, w6, bs, M, K, N, portable);
+  const bool tiles = bf16_tiles && x.scalar_type() == at::kBFloat16;
+  [[maybe_unused]] const Unpacking unpack = unpacking(M, unpacked_from, portable, tiles);
+  auto in_place = [&](int64_t m0, int64_t m1, int64_t first, int64_t last) {  // rows [m0, m1), panels [first, last)
+    if (m0 >= m1 || first >= last) return;
+    at::Tensor ys = y.narrow(0, m0, m1 - m0);
+    const at::Tensor xs = x.narrow(0, m0, m1 - m0);
+    if (x.scalar_type() == at::kFloat) {
+      kquant_typed<float>(ys, xs, w4, panels4, w6, bs, m1 - m0, K, N, portable, first, last);
+    } else {
+      kquant_typed<c10::BFloat16>(ys, xs, w4, panels4, w6, bs, m1 - m0, K, N, portable, first, last);
+    }
+  };
+#if defined(KVLOOM_Q4K_AVX2)
+  const int64_t cols4 = std::min(N, panels4 * kPanel);
+  const int64_t rows4 = w4 ? unpack.q4_k : 0, rows6 = w6 ? unpack.q6_k : 0;
+  if (rows4 > 0) {
+    at::Tensor ys = y.narrow(0, 0, rows4);
+    kvloom::q4::unpacked_product(ys, x.narrow(0, 0, rows4), 0, cols4, 4, Q4KPanels(w4, supers), bs, tiles);
   }
+  if (rows6 > 0) {
+    at::Tensor ys = y.narrow(0, 0, rows6);
+    kvloom::q4::unpacked_product(ys, x.narrow(0, 0, rows6), cols4, N - cols4, 6, Q6KPanels(w6, supers),
+                                 bs ? bs + cols4 : nullptr, tiles);
+  }
+  // The rows the unpacked panels took skip them here (Q4_K's panels come first).
+  in_place(std::max(rows4, rows6), M, 0, panels);
+  in_place(rows6, rows4, panels4, panels);  // the Q4_K panels unpacked, the Q6_K ones not
+  in_place(rows4, rows6, 0, panels4);       // the other way round
+#else
+  in_place(0, M, 0, panels);
+#endif
 }
 
 }  // namespace
 
 namespace kvloom::kernels {
 void gemm_kquant(at::Tensor y, at::Tensor x, at::Tensor q4_k, at::Tensor q6_k, c10::optional<at::Tensor> bias,
-                 bool portable) {
-  ::gemm_kquant(y, x, q4_k, q6_k, bias, portable);
+                 bool portable, int64_t unpacked_from, bool bf16_tiles) {
+  ::gemm_kquant(y, x, q4_k, q6_k, bias, portable, unpacked_from, bf16_tiles);
 }
 }  // namespace kvloom::kernels
 
@@ -602,7 +779,8 @@ TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("pack_q4k(Tensor raw, int rows, int in_features) -> Tensor");
   m.def("pack_q6k(Tensor raw, int rows, int in_features) -> Tensor");
   m.def("pack_kquant_parts(Tensor(a!) out, Tensor[] parts, int in_features, bool six_bits) -> ()");
-  m.def("gemm_kquant(Tensor(a!) y, Tensor x, Tensor q4_k, Tensor q6_k, Tensor? bias, bool portable=False) -> ()");
+  m.def("gemm_kquant(Tensor(a!) y, Tensor x, Tensor q4_k, Tensor q6_k, Tensor? bias, bool portable=False, "
+        "int unpacked_from=-1, bool bf16_tiles=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvloom, CPU, m) {

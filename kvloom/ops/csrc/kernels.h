@@ -36,6 +36,6 @@ void gemm_q4(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, c
              bool portable, c10::optional<at::Tensor> high = c10::nullopt, bool bf16_tiles = true);
 // gemm_q4k.cpp
 void gemm_kquant(at::Tensor y, at::Tensor x, at::Tensor q4_k, at::Tensor q6_k, c10::optional<at::Tensor> bias,
-                 bool portable);
+                 bool portable, int64_t unpacked_from = -1, bool bf16_tiles = false);
 
 }  // namespace kvloom::kernels
