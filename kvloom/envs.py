@@ -39,9 +39,10 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     "KVLOOM_LOGGING_LEVEL": "log level of the kvloom logger (default INFO)",
     "KVLOOM_CACHE_DIR": "folder for kvloom's on-disk caches; compiled CPU kernels go to its extensions/ "
     "(default ~/.cache/kvloom)",
-    "KVLOOM_PACKED_CACHE": "0: a GGUF is read and packed for the CPU's kernels at every start; default 1: the first "
-    "start of a configuration writes the packed model to KVLOOM_CACHE_DIR/packed/ (as large as the packed weights) "
-    "and later ones map it from there (kvloom/worker/packed_cache.py)",
+    "KVLOOM_PACKED_CACHE": "0: a GGUF is read and packed for the CPU's kernels at every start; 1: the first start of "
+    "a configuration writes the packed model to KVLOOM_CACHE_DIR/packed/ (as large as the packed weights) and later "
+    "ones map it from there (kvloom/worker/packed_cache.py); default auto: as 1, but written only where reading and "
+    "packing took 3 s or more (not for a file packed by a C++ pass over its bytes: Q4_K / Q6_K super-blocks)",
     "KVLOOM_HUGE_PAGES": "0: packed weights and the KV cache on the CPU in ordinary 4 KiB pages; default 1: in "
     "transparent huge pages where Linux offers them (madvise), which decode streams ~10% faster "
     "(kvloom/ops/huge_pages.py)",

@@ -126,6 +126,7 @@ class ModelRunner:
         # A mapped model moves onto huge pages over the first steps (execute_async, before each).
         self.rehome = packed.rehome if model is not None else None
         if model is None:
+            packing = time.perf_counter()
             with default_dtype(self.dtype), torch.device(self.device):
                 model = build_model(self.model_config, self.ops)
             load_model_weights(model, self.config)
@@ -139,7 +140,7 @@ class ModelRunner:
                 process_weights_after_loading(model, self.ops)
             release_freed_heap()
             if packed is not None:
-                packed.save(model)
+                packed.save(model, time.perf_counter() - packing)
             if defer:  # the products' weights; a table only looked up (rows a step) stays where it is
                 lookups = tuple(m for m in model.modules() if isinstance(m, VocabEmbedding))
                 self.rehome = StepwiseRehome.start(held_tensors(model, every_view=True, skip=lookups),

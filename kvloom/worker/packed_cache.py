@@ -1,7 +1,8 @@
 """The model as packed for the CPU's kernels, kept on disk and mapped back at the next start.
 
-Reading a GGUF's blocks and packing them for kvloom's products (ops/q4.py, ops/int8.py, ops/cpu.py) is most of a
-CPU start: ~13 s of a Llama-3.2-1B Q4_K_M's 14, over a minute for an 8B. The first start of a configuration writes
+Reading a GGUF's blocks and packing them for kvloom's products (ops/q4.py, ops/int8.py, ops/cpu.py) was most of a
+CPU start where they are decoded in Python (a Llama-3.2-1B Q8_0: 4 s of its 5.7; its Q4_K_M's code blocks 8 of 10).
+The first start of a configuration writes
 the packed model once (``torch.save``: every module, packed product and layer-stack plan with its tensors); a later
 one memory-maps it (``torch.load(mmap=True)``): no block is decoded, no tensor copied, and the pages come from the
 page cache as the first steps touch them. The products are the same tensors, so every output is bit for bit a cold
@@ -18,8 +19,11 @@ disk cannot hold a new entry the file's older ones (another configuration, an ol
 entry that cannot be read (a partial copy, another version's) is deleted and packed again, with a log line.
 
 Only GGUF files on the CPU, on one rank, without LoRA or speculative decoding are cached (those wrap or share the
-model after loading). ``KVLOOM_PACKED_CACHE=0`` turns it off; the entry is as large as the packed weights (~6 GB
-for an 8B Q4_K_M), and a start checks the disk's free space first. ``rm -r ~/.cache/kvloom/packed`` clears it.
+model after loading), and by default (``KVLOOM_PACKED_CACHE`` unset: auto) only where reading and packing took
+MIN_PACKING_SECONDS or more: a file whose blocks are packed by a C++ pass over its bytes (Q4_K / Q6_K super-blocks)
+starts about as fast without an entry, which would double the disk the model takes. ``KVLOOM_PACKED_CACHE=1`` writes
+every entry, ``0`` none; the entry is as large as the packed weights (about the file), and a start checks the disk's
+free space first. ``rm -r ~/.cache/kvloom/packed`` clears it.
 Entries are pickles: this process loads only what a kvloom process wrote into its own cache directory.
 """
 
@@ -106,8 +110,24 @@ def sources_digest() -> str:
     return digest.hexdigest()[:24]
 
 
+# Under KVLOOM_PACKED_CACHE=auto (the default) an entry is written only where reading and packing the file took this
+# long or longer: where that work is a C++ pass over the file's bytes (a GGUF's Q4_K / Q6_K super-blocks), a mapped
+# entry saves little and doubles the disk the model takes. On a 2-core AMX Xeon, process start to first token: a
+# Llama-3.2-1B Q4_K_M 2.1-2.2 s without the cache against 1.65-1.68 mapped and 5.1 at the start that writes its 795 MB;
+# its Q8_0 5.7 s against 1.6-1.7 mapped (its int8 blocks are packed in Python).
+MIN_PACKING_SECONDS = 3.0
+
+
+def mode() -> str:
+    """KVLOOM_PACKED_CACHE: "auto" (unset), "on" (1: every cached kind of start writes its entry) or "off" (0)."""
+    raw = (envs.get("KVLOOM_PACKED_CACHE") or "auto").lower()
+    if raw == "auto":
+        return "auto"
+    return "on" if envs.get_bool("KVLOOM_PACKED_CACHE") else "off"
+
+
 def enabled() -> bool:
-    return envs.get_bool("KVLOOM_PACKED_CACHE", default=True)
+    return mode() != "off"
 
 
 def cache_root() -> Path:
@@ -180,9 +200,15 @@ class PackedModelCache:
         self.rehome = huge_pages.StepwiseRehome.start(held_tensors(model, every_view=True))
         return model
 
-    def save(self, model: torch.nn.Module) -> None:
-        """Write the entry once (a temporary folder renamed into place), then drop this file's oldest entries."""
+    def save(self, model: torch.nn.Module, packing_seconds: float) -> None:
+        """Write the entry once (a temporary folder renamed into place), then drop this file's oldest entries; under
+        KVLOOM_PACKED_CACHE=auto only where reading and packing took ``packing_seconds`` >= MIN_PACKING_SECONDS."""
         if (self.directory / MANIFEST).is_file():
+            return
+        if mode() == "auto" and packing_seconds < MIN_PACKING_SECONDS:
+            logger.info("packed model cache: not written (the file was read and packed in %.1f s; the cache is for "
+                        "%.0f s or more, KVLOOM_PACKED_CACHE=1 writes it anyway)", packing_seconds,
+                        MIN_PACKING_SECONDS)
             return
         size = sum(t.untyped_storage().nbytes() for t in held_tensors(model))
         try:

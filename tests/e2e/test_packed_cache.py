@@ -290,3 +290,21 @@ def test_onednn_packed_bf16_weights_map_back_and_move_onto_huge_pages(mixed_gguf
     rehome.finish()
     assert _generate(llm) == cold
     assert all(p.data.data_ptr() % huge_pages.HUGE_PAGE == 0 for p in _packed_weights(llm))
+
+
+def test_by_default_an_entry_is_written_only_where_packing_took_long(mixed_gguf: str, cache_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVLOOM_PACKED_CACHE unset (auto): a start that read and packed the file in less than MIN_PACKING_SECONDS
+    writes nothing (the next one packs again as fast); one that took longer writes its entry, which the next maps."""
+    monkeypatch.delenv("KVLOOM_PACKED_CACHE")
+    assert packed_cache.mode() == "auto"
+    monkeypatch.setattr(packed_cache, "MIN_PACKING_SECONDS", 3600.0)
+    first = _run(mixed_gguf)
+    assert _entries(cache_dir) == []
+    monkeypatch.setattr(packed_cache, "MIN_PACKING_SECONDS", 0.0)
+    assert _run(mixed_gguf) == first
+    assert len(_entries(cache_dir)) == 1
+    _no_decoding(monkeypatch)
+    assert _run(mixed_gguf) == first
+    monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
+    assert packed_cache.mode() == "off" and not packed_cache.enabled()
