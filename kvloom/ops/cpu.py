@@ -672,14 +672,25 @@ def int8_kernels_available() -> bool:
         and torch.ops.kvloom.int8_gemm_kernels() == 3
 
 
-def pack_int8_weight(qweight: torch.Tensor) -> torch.Tensor:
+def pack_int8_weight(qweight: torch.Tensor, flip: bool = False) -> torch.Tensor:
     """int8 [N, K] -> [ceil(N / 48), ceil(K / 4), 48, 4]: per panel of 48 output columns and group of
-    4 k, the 48 columns' (q[n, 4g], ..., q[n, 4g + 3]) in a row. Padding is zero."""
+    4 k, the 48 columns' (q[n, 4g], ..., q[n, 4g + 3]) in a row. Padding is zero. ``flip``: every byte's top bit
+    flipped, padding included (q + 128 as u8, in int8 storage). In one C++ pass where the library is built
+    (``pack_int8_panels``), else by torch (pack_int8_weight_reference)."""
+    if cpu_kernel_available() and hasattr(torch.ops.kvloom, "pack_int8_panels") and qweight.dtype == torch.int8 \
+            and qweight.dim() == 2 and (qweight.shape[0] <= 1 or qweight.stride(1) == 1):
+        return torch.ops.kvloom.pack_int8_panels(qweight, flip)
+    return pack_int8_weight_reference(qweight, flip)
+
+
+def pack_int8_weight_reference(qweight: torch.Tensor, flip: bool = False) -> torch.Tensor:
+    """pack_int8_weight by torch ops: pad, permute, copy (and XOR)."""
     n, k = qweight.shape
     panels, groups = -(-n // GEMM_PANEL), -(-k // INT8_GROUP)
     padded = qweight.new_zeros(panels * GEMM_PANEL, groups * INT8_GROUP)
     padded[:n, :k] = qweight
-    return padded.view(panels, GEMM_PANEL, groups, INT8_GROUP).permute(0, 2, 1, 3).contiguous()
+    out = padded.view(panels, GEMM_PANEL, groups, INT8_GROUP).permute(0, 2, 1, 3).contiguous()
+    return out.view(torch.uint8).bitwise_xor(0x80).view(torch.int8) if flip else out
 
 
 class _PackedInt8Linear:
@@ -775,7 +786,7 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
                              f"got {tuple(bias.shape)}")
         # The panels of pack_int8_weight holding q + 128 as u8 (each byte's top bit flipped): the kernel's
         # shift to vpdpbusd's unsigned operand is on the weight, so activations need no compensation per column.
-        self.data = huge_pages.rehome(pack_int8_weight(qweight).view(torch.uint8).bitwise_xor(0x80).view(torch.int8))
+        self.data = huge_pages.rehome(pack_int8_weight(qweight, flip=True))
         self.scale = pack_block_columns(compact_block_scales(scale))  # fp16 where exact: a Q8_0 file's own d
         self.bias = None if bias is None else bias.float().contiguous()
         self.bf16_tiles = bf16_tiles

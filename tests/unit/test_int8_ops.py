@@ -599,3 +599,18 @@ def test_smoothing_factors_leave_a_dead_channel_alone() -> None:
 
     s = smoothing.factors(torch.tensor([4.0, 0.0, 1.0]), torch.tensor([1.0, 2.0, 0.0]), 0.5)
     assert torch.equal(s, torch.tensor([2.0, 1.0, 1.0]))
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_the_c_plus_plus_int8_packing_equals_torchs(flip: bool) -> None:
+    """pack_int8_weight's one C++ pass (pack_int8_panels) gives the torch reference's bytes: whole and partial panels
+    of 48 columns and groups of 4 inputs, padding included (0x80 once flipped), rows any stride apart."""
+    if not cpu.cpu_kernel_available():
+        pytest.skip("the CPU kernels could not be built here")
+    g = torch.Generator().manual_seed(3)
+    for n, k in ((1, 4), (47, 33), (48, 64), (97, 3), (130, 258)):
+        wide = torch.randint(-128, 128, (n, k + 5), generator=g, dtype=torch.int8)
+        for q in (wide[:, :k].contiguous(), wide[:, 2:k + 2]):
+            packed = torch.ops.kvloom.pack_int8_panels(q, flip)
+            assert torch.equal(packed, cpu.pack_int8_weight_reference(q, flip)), (n, k, flip)
+            assert torch.equal(cpu.pack_int8_weight(q, flip), packed)

@@ -46,6 +46,7 @@
 #include "parallel.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -1084,6 +1085,50 @@ int64_t w8a8_blocks_bf16_tiles_min_rows() { return kvloom::amx::bf16_tiles_from(
 // The same for the per-row int8 weight (gemm_w8a8, gemm_int8_weight_only; K a multiple of 32).
 int64_t int8_rows_bf16_tiles_min_rows() { return kvloom::amx::bf16_tiles_from(kBf16RowsMinRows); }
 
+// ---- packing ---------------------------------------------------------------------------------------------------
+
+// q int8 [N, K] (rows contiguous, any stride apart) -> pack_int8_weight's panels [ceil(N / 48), ceil(K / 4), 48, 4]
+// (zero past N and K), each byte XOR-ed with `flip` (0x80: q + 128 as u8, the blocks product's weight): one pass,
+// parallel over panels, where torch's pad, permute and XOR made three copies.
+at::Tensor pack_int8_panels(at::Tensor q, bool flip) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && (q.size(0) <= 1 || q.stride(1) == 1) &&
+                  q.device().is_cpu(),
+              "pack_int8_panels: q must be an int8 [N, K] CPU tensor with contiguous rows, got ", q.sizes(), " ",
+              q.scalar_type());
+  const int64_t N = q.size(0), K = q.size(1), panels = (N + kPanel - 1) / kPanel, groups = (K + kGroup - 1) / kGroup;
+  at::Tensor out = at::empty({panels, groups, kPanel, kGroup}, q.options());
+  if (out.numel() == 0) return out;
+  const int8_t* src = q.data_ptr<int8_t>();
+  const int64_t ld = q.stride(0);
+  const uint8_t mask = flip ? 0x80 : 0x00;
+  const uint32_t word_mask = mask * 0x01010101u;
+  auto* dst = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
+  const int64_t whole = K / kGroup;  // groups of 4 inputs all inside K
+  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      // Written in order, a group of 4 inputs of the 48 columns at a time (each row read 4 bytes at a time: 48
+      // streams the prefetchers follow).
+      const int8_t* rows[kPanel] = {};
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < N; ++c) rows[c] = src + (p * kPanel + c) * ld;
+      uint8_t* out_group = dst + p * groups * kPanel * kGroup;
+      for (int64_t g = 0; g < groups; ++g, out_group += kPanel * kGroup) {
+        for (int64_t c = 0; c < kPanel; ++c) {
+          uint32_t word = 0;
+          if (rows[c] != nullptr && g < whole) {
+            std::memcpy(&word, rows[c] + g * kGroup, kGroup);
+          } else if (rows[c] != nullptr) {
+            for (int64_t i = 0; g * kGroup + i < K; ++i)
+              word |= uint32_t{static_cast<uint8_t>(rows[c][g * kGroup + i])} << (8 * i);
+          }
+          word ^= word_mask;
+          std::memcpy(out_group + c * kGroup, &word, kGroup);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 namespace kvloom::kernels {
@@ -1120,10 +1165,12 @@ TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("w8a8_blocks_bf16_tiles_min_rows() -> int", &w8a8_blocks_bf16_tiles_min_rows);
   m.def("int8_rows_bf16_tiles_min_rows() -> int", &int8_rows_bf16_tiles_min_rows);
   m.def("int8_gemm_kernels() -> int", &int8_gemm_kernels);
+  m.def("pack_int8_panels(Tensor q, bool flip=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
   m.impl("gemm_w8a8", &gemm_w8a8);
   m.impl("gemm_int8_weight_only", &gemm_int8_weight_only);
   m.impl("gemm_w8a8_blocks", &gemm_w8a8_blocks);
+  m.impl("pack_int8_panels", &pack_int8_panels);
 }
