@@ -114,7 +114,7 @@ def sources_digest() -> str:
 # long or longer: where that work is a C++ pass over the file's bytes (a GGUF's Q4_K / Q6_K super-blocks), a mapped
 # entry saves little and doubles the disk the model takes. On a 2-core AMX Xeon, process start to first token: a
 # Llama-3.2-1B Q4_K_M 2.1-2.2 s without the cache against 1.65-1.68 mapped and 5.1 at the start that writes its 795 MB;
-# its Q8_0 5.7 s against 1.6-1.7 mapped (its int8 blocks are packed in Python).
+# its Q8_0 4.7-5.9 s against 1.6-1.7 mapped (its blocks are decoded in Python, then packed in C++).
 MIN_PACKING_SECONDS = 3.0
 
 
