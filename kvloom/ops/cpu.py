@@ -677,8 +677,7 @@ def pack_int8_weight(qweight: torch.Tensor, flip: bool = False) -> torch.Tensor:
     4 k, the 48 columns' (q[n, 4g], ..., q[n, 4g + 3]) in a row. Padding is zero. ``flip``: every byte's top bit
     flipped, padding included (q + 128 as u8, in int8 storage). In one C++ pass where the library is built
     (``pack_int8_panels``), else by torch (pack_int8_weight_reference)."""
-    if cpu_kernel_available() and hasattr(torch.ops.kvloom, "pack_int8_panels") and qweight.dtype == torch.int8 \
-            and qweight.dim() == 2 and (qweight.shape[0] <= 1 or qweight.stride(1) == 1):
+    if cpu_kernel_available() and qweight.stride(-1) == 1:
         return torch.ops.kvloom.pack_int8_panels(qweight, flip)
     return pack_int8_weight_reference(qweight, flip)
 

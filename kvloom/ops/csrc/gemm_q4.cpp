@@ -455,7 +455,6 @@ struct InPlace {
     return {at.codes(p), at.bits(p), at.scales_of(p)};
   }
   kvloom::q4::CodeRuns runs(int64_t p, const uint8_t*) const { return {at.codes(p), at.blocks, 0}; }
-  void prefetch_panel(int64_t) const {}  // the kernels fetch the panel they read ahead of themselves
   // Panels [p0, p0 + count) toward L2 (the dequantizing product's next units).
   void prefetch(int64_t p0, int64_t count) const {
 #if defined(KVLOOM_Q4_AMX_BF16)
@@ -492,10 +491,8 @@ struct Unpacked {
   }
   // Where the tiles read panel p's codes: in place where the source has them so, else the scratch `view` filled.
   kvloom::q4::CodeRuns runs(int64_t p, const uint8_t* viewed) const {
-    const kvloom::q4::CodeRuns r = source->codes_in_place(p);
-    return viewed ? kvloom::q4::CodeRuns{viewed, blocks, 0} : r;
+    return viewed ? kvloom::q4::CodeRuns{viewed, blocks, 0} : source->codes_in_place(p);
   }
-  void prefetch_panel(int64_t p) const { source->prefetch(p); }
   void prefetch(int64_t p0, int64_t count) const {
     for (int64_t p = p0; p < p0 + count; ++p) source->prefetch(p);
   }
@@ -724,8 +721,6 @@ void q4_typed(T* ys, int64_t ldy, const at::Tensor& x, const Src& src, int plane
           bs[i] = bias ? bias + n : nullptr;
           cols[i] = std::min(kPanel, N - n);
         }
-        for (int64_t next = p0 + 2; next < std::min(p0 + 4, 2 * end); ++next)
-          if (next < panels) src.prefetch_panel(next);
         for (int64_t b0 = 0; b0 < blocks; b0 += run[0].blocks) {
           const int64_t n = std::min(run[0].blocks, blocks - b0), r = b0 / run[0].blocks;
           const uint8_t* c0 = run[0].first + r * run[0].stride;
@@ -763,7 +758,6 @@ void q4_typed(T* ys, int64_t ldy, const at::Tensor& x, const Src& src, int plane
       for (int64_t panel = begin; panel < end; ++panel) {
         const int64_t n0 = panel * kPanel, columns = std::min(kPanel, N - n0);
         const PanelView<S> v = src.view(panel, scratch, 0);
-        if (panel + 1 < end) src.prefetch_panel(panel + 1);
         const uint8_t* wp = v.w;
         const uint8_t* hp = v.h;
         const S* sp = v.sc;

@@ -36,8 +36,7 @@ class PanelSource {
   // [blocks][bits - 4][kPlaneBytes] (pack_high_bits' layout; nothing for 4-bit codes) and its fp32 scales
   // [blocks][scale_rows(bits)][8] (each group's d, then each group's m, per row of W).
   virtual void unpack(int64_t p, uint8_t* codes, uint8_t* high, float* scales) const = 0;
-  // Panel p's bytes fetched toward L2 (the next panel's, while this one's rows multiply: unpacking is a copy, which
-  // would otherwise wait on memory before any row is multiplied).
+  // Panel p's bytes fetched toward L2 (the dequantizing AMX-BF16 product's next units).
   virtual void prefetch(int64_t p) const = 0;
   virtual CodeRuns codes_in_place(int64_t) const { return {}; }
 };
