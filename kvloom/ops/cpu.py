@@ -377,6 +377,21 @@ def batch_invariant() -> bool:
     return envs.get_bool("KVLOOM_BATCH_INVARIANT", default=True)
 
 
+def q4_bf16_activations() -> bool:
+    """Whether bf16 activations on a 4-bit weight with fp16 scales per 32 take the table product, bf16 at every row
+    count on AMX-BF16 tiles (KVLOOM_Q4_ACTIVATIONS=bf16, on a CPU with them), instead of llama.cpp's int8 one."""
+    raw = (envs.get("KVLOOM_Q4_ACTIVATIONS") or "int8").lower()
+    if raw not in ("int8", "bf16"):
+        raise ValueError(f"KVLOOM_Q4_ACTIVATIONS must be int8 or bf16, got {raw!r}")
+    return raw == "bf16" and q4_table_product()
+
+
+def q4_table_product() -> bool:
+    """Whether this CPU and build run csrc/gemm_q4.cpp's table product (AMX-BF16 tiles granted, KVLOOM_CPU_AMX not
+    0): bf16 x on a 4-bit weight with fp16 scales per 32, one formula at every row count."""
+    return cpu_kernel_available() and bool(torch.ops.kvloom.q4_table_product())
+
+
 def onednn_mode() -> str:
     """KVLOOM_CPU_ONEDNN: "auto" (the default), "force" or "off"."""
     raw = (envs.get("KVLOOM_CPU_ONEDNN") or "auto").lower()

@@ -374,10 +374,13 @@ class NativeQ4Linear:
 class PackedQ4Weight:
     """A Q4 weight packed once for csrc/gemm_q4.cpp: x [..., K] (float32 or bfloat16) -> [..., N] in x's
     dtype, the product of q4_linear_reference; with ``bf16_tiles`` (the default) bf16 x of
-    cpu.bf16_tiles_min_rows("q4") rows or more take that of q4_dequantized_linear_reference (on a CPU with AMX-BF16)."""
+    cpu.bf16_tiles_min_rows("q4") rows or more take that of q4_dequantized_linear_reference (on a CPU with AMX-BF16),
+    and where ``table`` (4-bit codes, fp16 scales per 32) and cpu.q4_table_product(), bf16 x of any row count take it
+    (the table product: one formula whatever the batch, so ``table_product`` allows it where batch-dependent
+    products are not)."""
 
     def __init__(self, weight: Q4Blocks, bias: torch.Tensor | None, portable: bool = False,
-                 bf16_tiles: bool = True) -> None:
+                 bf16_tiles: bool = True, table_product: bool = False) -> None:
         self.out_features, self.in_features = weight.codes.shape
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"PackedQ4Weight: bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
@@ -400,7 +403,10 @@ class PackedQ4Weight:
         self.scales = huge_pages.rehome(pack_q4_scales(weight.d.float(), weight.m.float(), 2 if halves else 1))
         self.bias = None if bias is None else bias.float().contiguous()
         self.portable = portable
-        self.bf16_tiles = bf16_tiles
+        # The op's bf16_tiles: on an AMX-BF16 CPU a 4-bit weight with fp16 scales per 32 then takes the table product
+        # at every row count (one formula: allowed by ``table_product`` too); others the dequantizing one from 16.
+        self.table = not halves and planes == 0 and self.scales.dtype == torch.float16
+        self.bf16_tiles = bf16_tiles or (table_product and self.table)
         self._product = torch.ops.kvloom.gemm_q4.default
 
     def stack_args(self) -> StackArgs:

@@ -341,11 +341,12 @@ class PackedKQuantWeight:
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def pack_code_blocks(weight: Q4Blocks | KQuantRows, bias: torch.Tensor | None, bf16_tiles: bool = True
-                     ) -> PackedQ4Weight | PackedKQuantWeight:
+def pack_code_blocks(weight: Q4Blocks | KQuantRows, bias: torch.Tensor | None, bf16_tiles: bool = True,
+                     table_product: bool = False) -> PackedQ4Weight | PackedKQuantWeight:
     """The CPU op table's code-block product: the file's k-quant super-blocks take PackedKQuantWeight, every other code
     block PackedQ4Weight (``bf16_tiles``, either: the dequantizing AMX-BF16 product from 16 bf16 rows, on a CPU with
-    those tiles; else one formula at every row count)."""
+    those tiles; else one formula at every row count; ``table_product``: PackedQ4Weight's table product, also one
+    formula)."""
     if isinstance(weight, (KQuantRows, *SUPER_BLOCK_TYPES)):
         return PackedKQuantWeight(weight, bias, bf16_tiles=bf16_tiles)
-    return PackedQ4Weight(weight, bias, bf16_tiles=bf16_tiles)
+    return PackedQ4Weight(weight, bias, bf16_tiles=bf16_tiles, table_product=table_product)

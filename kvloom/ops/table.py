@@ -199,8 +199,10 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
     # On an AMX-BF16 CPU the dequantizing AMX-BF16 products change arithmetic at a row count, so they are taken only
     # where batch-dependent products are allowed (KVLOOM_BATCH_INVARIANT=0). A GGUF's Q4_K / Q6_K super-blocks take
     # csrc/gemm_q4k.cpp (one formula at every row count).
+    # KVLOOM_Q4_ACTIVATIONS=bf16: a Q4_0 / Q4_1 weight's table product on AMX-BF16 tiles, one formula at every row
+    # count (so allowed in batch-invariant mode too).
     tiles = not cpu.batch_invariant()
-    pack_q4 = functools.partial(q4k.pack_code_blocks, bf16_tiles=tiles)
+    pack_q4 = functools.partial(q4k.pack_code_blocks, bf16_tiles=tiles, table_product=cpu.q4_bf16_activations())
     # csrc/gemm_int8.cpp for float32 and bfloat16 activations alike, where its AVX-512 or AVX2 kernels are built.
     pack_int8, pack_int8_blocks = int8.NativeInt8Linear, int8.NativeInt8BlocksLinear
     if cpu.int8_kernels_available():

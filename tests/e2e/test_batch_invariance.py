@@ -26,7 +26,9 @@ LOADS = {
     "default": {},  # the GGUF's 4-bit weights kept 4-bit
     "bf16": {"quantization": "none"},
     "int8": {"quantization": "int8"},
+    "default-bf16-activations": {},  # the same, KVLOOM_Q4_ACTIVATIONS=bf16 (the table product, on AMX-BF16)
 }
+ENVS = {"default-bf16-activations": {"KVLOOM_Q4_ACTIVATIONS": "bf16"}}
 
 
 def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -36,7 +38,10 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("load", sorted(LOADS))
-def test_sixteen_requests_together_equal_each_alone(smollm2_gguf_path: str, load: str) -> None:
+def test_sixteen_requests_together_equal_each_alone(smollm2_gguf_path: str, load: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in ENVS.get(load, {}).items():
+        monkeypatch.setenv(key, value)
     # No prefix cache, so each request computes its whole prompt itself in both runs; a 48-token step budget so that
     # together the prompts are split across steps beside other requests' decodes (chunked prefill).
     llm = LLM(model=smollm2_gguf_path, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=48,

@@ -156,6 +156,36 @@ def test_q4_product_is_close_to_the_float_product(kernels: None) -> None:
     assert error < 0.02
 
 
+@pytest.mark.parametrize(("k", "n"), [(32, 8), (64, 33), (576, 97), (1536, 40)])
+def test_the_table_product_keeps_one_formula_at_every_row_count(kernels: None, k: int, n: int) -> None:
+    """On an AMX-BF16 CPU, bf16 activations on a 4-bit weight with fp16 scales per 32 (``table_product``, or
+    ``bf16_tiles``): the weight's bf16 values looked up per column into AMX-BF16 tiles, times x with fp32 sums, at
+    every row count: within an ulp and K fp32 roundings of q4_dequantized_linear_reference, and each row alone bit for
+    bit what it is among 300 (tiles of 16 and 32 rows, the last short; x with a row stride of its own). A 5-bit weight
+    or fp32 scales keep llama.cpp's product; so do float32 activations."""
+    if not cpu.q4_table_product():
+        pytest.skip("no AMX-BF16 tiles here: bf16 activations take llama.cpp's product at every size")
+    g = torch.Generator().manual_seed(k + n)
+    weight = random_q4(n, k, seed=k * n)
+    bias = torch.randn(n, generator=g)
+    wide = torch.randn(300, k + 32, generator=g).to(torch.bfloat16)
+    x = wide[:, 16:16 + k]
+    table = PackedQ4Weight(weight, bias, bf16_tiles=False, table_product=True)
+    assert table.bf16_tiles and table.scales.dtype == torch.float16
+    every = table(x)
+    assert torch.equal(PackedQ4Weight(weight, bias)(x), every)  # bf16_tiles allows it too
+    assert_within(every, q4_dequantized_linear_reference(x, weight, bias), ulps=1,
+                  slack=dequantized_slack(x, weight, bias))
+    for rows in ((0, 1), (7, 8), (0, 3), (5, 21), (16, 48), (33, 50), (290, 300)):
+        assert torch.equal(table(x[rows[0]:rows[1]]), every[rows[0]:rows[1]]), rows
+    x32 = x[:5].float()
+    assert torch.equal(table(x32), PackedQ4Weight(weight, bias, bf16_tiles=False)(x32))
+    for other in (random_q5(n, k, seed=k), Q4Blocks(weight.codes, weight.d * 61, weight.m * 37)):
+        packed = PackedQ4Weight(other, bias, bf16_tiles=False, table_product=True)
+        assert not packed.bf16_tiles
+        assert torch.equal(packed(x[:3]), PackedQ4Weight(other, bias, portable=True)(x[:3]))
+
+
 @pytest.mark.parametrize("bits", [4, 5, 6])
 @pytest.mark.parametrize(("m", "k", "n"), [(16, 64, 33), (17, 576, 95), (50, 96, 8), (64, 576, 961),
                                             (700, 1536, 49)])

@@ -38,6 +38,7 @@
 #include "kernels.h"
 #include "parallel.h"
 #include "q4_panels.h"
+#include "transpose.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -603,6 +604,233 @@ void q4_bf16_amx(c10::BFloat16* y, int64_t ldy, const c10::BFloat16* x, int64_t 
 }
 #endif
 
+#if defined(KVLOOM_Q4_AMX_BF16)
+// The table product: bf16 activations times 4-bit weights with one level of scales (GGUF Q4_0 / Q4_1, GPTQ, AWQ) on
+// AMX-BF16 tiles at every row count, one formula whatever the batch (the default for such a weight where the CPU has
+// AMX-BF16). The roles of the dequantizing product above are swapped: the weight is the A tile, 16 columns x 32 k of
+// a block, each column's row looked up in a 16-entry table of its bf16 values q d + m (one FMA in fp32, rounded once:
+// q4_dequantized_linear_reference's values) by vpermw, with its codes' nibbles as the indices; the activations are
+// the B tile, 16 k pairs x 16 rows, packed once per call; C holds 16 columns x 16 rows of fp32 sums over all of K. So
+// a row's sums are those of its own x and the weight alone, in one order over k, whether it comes alone or with 255
+// others: at 1 row the tiles cost what reading the weight costs, and no activation is quantized. A column's codes
+// are read from the panels as packed (a block's four 4-byte runs of a column gathered by two dword permutes per
+// panel), in the order that makes the indices one shift and mask away (lut_k); x's k are permuted to match.
+// Whether bf16 rows take the table product (where the caller allows bf16 tiles and the scales are fp16: GGUF Q4_0 /
+// Q4_1, GPTQ, AWQ): the fast kernels, 4-bit codes with a d and m per 32 k (scale rows 2), and the AMX-BF16 tiles
+// granted (KVLOOM_CPU_AMX not 0).
+inline bool takes_lut(bool portable, int planes, int rows) {
+  return !portable && planes == 0 && rows == 2 && kvloom::amx::bf16_tiles_from(1) > 0;
+}
+
+constexpr int64_t kLutUnitPanels = 4;  // columns per unit: two A tiles of 16
+constexpr int64_t kLutRows = 32;       // rows per pass of a unit's blocks: two B tiles of 16
+constexpr int64_t kLutAhead = 4;       // blocks whose codes and scales are fetched ahead, as the VNNI kernel's
+
+// A column's table row lane l (0..31) holds k = lut_k(l) of its block: lane 8 s + 2 j + h is nibble s of the column's
+// 16-bit word h of its dword j (pair j's 4 bytes: byte i holds k = 8 j + i low and 8 j + 4 + i high).
+constexpr int lut_k(int l) {
+  const int s = l / 8, j = (l % 8) / 2, h = l % 2;
+  return 8 * j + (s == 0 ? 2 * h : s == 1 ? 4 + 2 * h : s == 2 ? 2 * h + 1 : 5 + 2 * h);
+}
+
+// Block b of two panels (the second null: its 8 columns zero) as an A tile: row c = column c's 32 bf16 values in lut_k
+// order.
+template <typename S>
+inline void lut_tile(const uint8_t* const w[2], const S* const sc[2], int rows, int64_t b, uint16_t* tile) {
+  alignas(64) uint8_t codes[16][16];  // [column][its 4 dwords, j = 0..3]
+  alignas(64) float d[16], m[16];
+  __m512 dv, mv;
+  block_scales16(sc[0], sc[1], b, rows, dv, mv);
+  _mm512_store_ps(d, dv);
+  _mm512_store_ps(m, mv);
+  // Dword 8 j + c of a panel's pairs 0-1 (and 2-3) to dword 4 c + j: columns 0-3, then 4-7.
+  const __m512i gather = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+  for (int panel = 0; panel < 2; ++panel) {
+    uint8_t* out = codes[8 * panel];
+    if (w[panel] == nullptr) {
+      std::memset(out, 0, 128);
+      continue;
+    }
+    const uint8_t* wb = w[panel] + b * kBlockBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kLutAhead * kBlockBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kLutAhead * kBlockBytes + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(sc[panel] + (b + kLutAhead) * rows * kPanel), _MM_HINT_T0);
+    const __m512i pairs01 = _mm512_loadu_si512(wb), pairs23 = _mm512_loadu_si512(wb + 64);
+    _mm512_store_si512(out, _mm512_permutex2var_epi32(pairs01, gather, pairs23));
+    _mm512_store_si512(out + 64, _mm512_permutex2var_epi32(pairs01, _mm512_add_epi32(gather, _mm512_set1_epi32(4)),
+                                                           pairs23));
+  }
+  // The columns' bytes and scales are read back from memory one column at a time (broadcast loads, not shuffles).
+  asm volatile("" : : "r"(codes), "r"(d), "r"(m) : "memory");
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i shifts = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0x0008000800080008,
+                                           0x0008000800080008, 0x000C000C000C000C, 0x000C000C000C000C);
+  const __m512i low4 = _mm512_set1_epi16(15), upper = _mm512_set1_epi16(16);
+  KVLOOM_UNROLL
+  for (int c = 0; c < 16; c += 2) {
+    // Columns c and c + 1's tables in one register: words 0-15 and 16-31.
+    const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[c]), _mm512_set1_ps(m[c]));
+    const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[c + 1]), _mm512_set1_ps(m[c + 1]));
+    const __m512bh pair = _mm512_cvtne2ps_pbh(t1, t0);
+    const __m512i table = reinterpret_cast<const __m512i&>(pair);
+    const __m512i w0 = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(codes[c])));
+    const __m512i w1 = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(codes[c + 1])));
+    const __m512i i0 = _mm512_and_si512(_mm512_srlv_epi16(w0, shifts), low4);
+    const __m512i i1 = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(w1, shifts), low4, upper, 0xEA);  // a & b | c
+    _mm512_store_si512(tile + 32 * c, _mm512_permutexvar_epi16(i0, table));
+    _mm512_store_si512(tile + 32 * (c + 1), _mm512_permutexvar_epi16(i1, table));
+  }
+}
+
+// x's rows [16 g, 16 g + 16) (past M: zero) as B tiles, one per block: row kk holds (x[m, lut_k(2 kk)],
+// x[m, lut_k(2 kk + 1)]) of the block for each of the 16 rows m: [groups][blocks][16][16] dwords.
+inline void lut_pack_rows(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t blocks, int64_t g, uint32_t* out) {
+  alignas(64) static constexpr uint16_t kOrder[32] = {
+      lut_k(0),  lut_k(1),  lut_k(2),  lut_k(3),  lut_k(4),  lut_k(5),  lut_k(6),  lut_k(7),
+      lut_k(8),  lut_k(9),  lut_k(10), lut_k(11), lut_k(12), lut_k(13), lut_k(14), lut_k(15),
+      lut_k(16), lut_k(17), lut_k(18), lut_k(19), lut_k(20), lut_k(21), lut_k(22), lut_k(23),
+      lut_k(24), lut_k(25), lut_k(26), lut_k(27), lut_k(28), lut_k(29), lut_k(30), lut_k(31)};
+  const __m512i order = _mm512_load_si512(kOrder);
+  const int64_t rows = std::min<int64_t>(16, M - 16 * g);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 r[16];
+    KVLOOM_UNROLL
+    for (int i = 0; i < 16; ++i) {
+      r[i] = i < rows ? _mm512_castsi512_ps(_mm512_permutexvar_epi16(
+                            order, _mm512_loadu_si512(x + (16 * g + i) * ldx + b * kBlock)))
+                      : _mm512_setzero_ps();
+    }
+    kvloom::transpose_16x16(r);
+    uint32_t* tile = out + (g * blocks + b) * 256;
+    KVLOOM_UNROLL
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(reinterpret_cast<float*>(tile + 16 * i), r[i]);
+  }
+}
+
+// One pass: rows [16 g0, 16 g0 + 16 G) of the packed x times the unit's A tiles (V = 1 or 2 groups of 16 columns;
+// a_tile(b) gives block b's, the second group's 512 words after) into y, columns n0 on (count[v] real per group).
+template <int G, int V, typename ATile>
+void lut_pass(const uint32_t* xb, int64_t blocks, int64_t g0, int64_t M, const ATile& a_tile, const float* bias,
+              const int64_t* count, c10::BFloat16* y, int64_t ldy, int64_t n0) {
+  _tile_zero(0);
+  if constexpr (V == 2) _tile_zero(1);
+  if constexpr (G == 2) _tile_zero(2);
+  if constexpr (G == 2 && V == 2) _tile_zero(3);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint16_t* a = a_tile(b);
+    _tile_loadd(6, xb + (g0 * blocks + b) * 256, 64);
+    _tile_loadd(4, a, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (V == 2) {
+      _tile_loadd(5, a + kvloom::amx::kTileWords, 64);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+    if constexpr (G == 2) {
+      _tile_loadd(7, xb + ((g0 + 1) * blocks + b) * 256, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      if constexpr (V == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float sums[G][V][16][16];  // [row group][column group]: tile 2 g + v, [column][row]
+  _tile_stored(0, sums[0][0], 64);
+  if constexpr (V == 2) _tile_stored(1, sums[0][V - 1], 64);
+  if constexpr (G == 2) _tile_stored(2, sums[G - 1][0], 64);
+  if constexpr (G == 2 && V == 2) _tile_stored(3, sums[G - 1][V - 1], 64);
+  for (int g = 0; g < G; ++g) {
+    const int64_t m0 = 16 * (g0 + g), rows = std::min<int64_t>(16, M - m0);
+    for (int v = 0; v < V; ++v) {
+      if (count[v] <= 0) continue;
+      const __mmask16 mask = count[v] >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count[v]) - 1);
+      const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0 + 16 * v) : _mm512_setzero_ps();
+      __m512 r[16];
+      KVLOOM_UNROLL
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(sums[g][v][i]);
+      kvloom::transpose_16x16(r);
+      for (int64_t i = 0; i < rows; ++i) {
+        const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(r[i], bv));
+        _mm256_mask_storeu_epi16(y + (m0 + i) * ldy + n0 + 16 * v, mask, reinterpret_cast<const __m256i&>(out));
+      }
+    }
+  }
+}
+
+// y = x W^T (+ bias) by the table product, for a 4-bit weight with one-level scales read in place.
+template <typename S>
+void q4_lut_amx(c10::BFloat16* y, int64_t ldy, const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
+                const InPlace<S>& src, int rows, const float* bias) {
+  const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
+  const int64_t groups = (M + 15) / 16, units = (panels + kLutUnitPanels - 1) / kLutUnitPanels;
+  // x's B tiles in the calling thread's buffer (kept across calls; the lambdas below run on other threads).
+  thread_local std::vector<uint32_t> packed_rows;
+  packed_rows.resize(std::max<size_t>(packed_rows.size(), groups * blocks * 256));
+  uint32_t* xb = packed_rows.data();
+  if (groups <= 2) {
+    for (int64_t g = 0; g < groups; ++g) lut_pack_rows(x, ldx, M, blocks, g, xb);
+  } else {
+    parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) lut_pack_rows(x, ldx, M, blocks, g, xb);
+    });
+  }
+  // One pass over a unit's blocks (M <= kLutRows) makes each A tile as it goes, into a ring of slots; more rows keep
+  // the unit's tiles for the passes after the first.
+  const bool one_pass = M <= kLutRows;
+  const int64_t slots = one_pass ? 4 : blocks;
+  parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    kvloom::amx::configure_bf16();
+    thread_local std::vector<uint16_t> storage;
+    storage.resize(std::max<size_t>(storage.size(), slots * 2 * kvloom::amx::kTileWords + 32));
+    uint16_t* buffer = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) &
+                                                   ~uintptr_t{63});
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t p0 = unit * kLutUnitPanels, count_panels = std::min(kLutUnitPanels, panels - p0);
+      const int64_t n0 = p0 * kPanel;
+      // The unit's bytes (a thread's first) and the next unit's toward L2: a unit reads its four panels' blocks side by
+      // side, short runs the hardware's prefetcher does not follow early enough.
+      if (unit == begin) src.prefetch(p0, count_panels);
+      if (unit + 1 < end) src.prefetch(p0 + kLutUnitPanels, std::min(kLutUnitPanels, panels - p0 - kLutUnitPanels));
+      const uint8_t* w[2][2] = {};
+      const S* sc[2][2] = {};
+      for (int64_t i = 0; i < count_panels; ++i) {
+        w[i / 2][i % 2] = src.at.codes(p0 + i);
+        sc[i / 2][i % 2] = src.at.scales_of(p0 + i);
+      }
+      const int V = count_panels > 2 ? 2 : 1;
+      int64_t count[2] = {std::min<int64_t>(16, N - n0), std::min<int64_t>(16, N - n0 - 16)};
+      auto make = [&](int64_t b, uint16_t* a) {
+        lut_tile(w[0], sc[0], rows, b, a);
+        if (V == 2) lut_tile(w[1], sc[1], rows, b, a + kvloom::amx::kTileWords);
+      };
+      auto slot = [&](int64_t b) { return buffer + (one_pass ? b % slots : b) * 2 * kvloom::amx::kTileWords; };
+      auto fresh = [&](int64_t b) {
+        uint16_t* a = slot(b);
+        make(b, a);
+        return static_cast<const uint16_t*>(a);
+      };
+      auto kept = [&](int64_t b) { return static_cast<const uint16_t*>(slot(b)); };
+      for (int64_t g = 0; g < groups; g += 2) {
+        const bool two = g + 1 < groups;
+        if (g == 0) {
+          if (V == 2) {
+            two ? lut_pass<2, 2>(xb, blocks, g, M, fresh, bias, count, y, ldy, n0)
+                : lut_pass<1, 2>(xb, blocks, g, M, fresh, bias, count, y, ldy, n0);
+          } else {
+            two ? lut_pass<2, 1>(xb, blocks, g, M, fresh, bias, count, y, ldy, n0)
+                : lut_pass<1, 1>(xb, blocks, g, M, fresh, bias, count, y, ldy, n0);
+          }
+        } else if (V == 2) {
+          two ? lut_pass<2, 2>(xb, blocks, g, M, kept, bias, count, y, ldy, n0)
+              : lut_pass<1, 2>(xb, blocks, g, M, kept, bias, count, y, ldy, n0);
+        } else {
+          two ? lut_pass<2, 1>(xb, blocks, g, M, kept, bias, count, y, ldy, n0)
+              : lut_pass<1, 1>(xb, blocks, g, M, kept, bias, count, y, ldy, n0);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // The same integers and fp32 operations in the same order, by plain loops.
 template <typename T, typename S>
 void q4_portable_panel(const int8_t* xq, int64_t ldq, const float* dx, const float* sx, int64_t lds,
@@ -658,6 +886,12 @@ void q4_typed(T* ys, int64_t ldy, const at::Tensor& x, const Src& src, int plane
   const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
   const bool halves = planes == 2;  // 6-bit codes: a scale and an offset per 16 k
 #if defined(KVLOOM_Q4_AMX_BF16)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<Src, InPlace<S>> && std::is_same_v<S, c10::Half>) {
+    if (bf16_tiles && takes_lut(portable, planes, rows)) {
+      q4_lut_amx(ys, ldy, x.data_ptr<T>(), x.stride(0), M, K, N, src, rows, bias);
+      return;
+    }
+  }
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (kvloom::amx::takes_bf16_tiles(portable, bf16_tiles, M, kBf16MinRows)) {
       q4_bf16_amx(ys, ldy, x.data_ptr<T>(), x.stride(0), M, K, N, src, planes, rows, bias);
@@ -881,6 +1115,16 @@ bool q4_gemm_kernel() {
 
 // From how many rows bf16 activations take the dequantizing AMX-BF16 product (with bf16_tiles); 0: never (the build
 // or this process has no AMX-BF16 tiles).
+// Whether bf16 activations on a 4-bit weight with fp16 d and m per 32 k take the table product (at every row count)
+// where the call allows bf16 tiles.
+bool q4_table_product() {
+#if defined(KVLOOM_Q4_AMX_BF16)
+  return takes_lut(false, 0, 2);
+#else
+  return false;
+#endif
+}
+
 int64_t q4_bf16_tiles_min_rows() {
 #if defined(KVLOOM_Q4_AMX_BF16)
   return kvloom::amx::bf16_tiles_from(kBf16MinRows);
@@ -933,6 +1177,7 @@ TORCH_LIBRARY_FRAGMENT(kvloom, m) {
         "Tensor? high=None, bool bf16_tiles=True) -> ()");
   m.def("q4_gemm_kernel() -> bool", &q4_gemm_kernel);
   m.def("q4_bf16_tiles_min_rows() -> int", &q4_bf16_tiles_min_rows);
+  m.def("q4_table_product() -> bool", &q4_table_product);
 }
 
 TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
