@@ -14,7 +14,8 @@
 // (vpdpbusd in its 256-bit AVX512VL form) each 4 products go straight into an int32 lane: the same exact sums.
 // With AMX-INT8, 16 rows at a time take tiles (q4_amx_rows below): again the same sums and fp32 steps.
 // With AMX-BF16, bf16 activations of kBf16MinRows rows or more take another product: the weight dequantized into
-// bf16 tiles, fp32 sums, no activation quantization (q4_bf16_amx below, csrc/amx_bf16.h).
+// bf16 tiles, fp32 sums, no activation quantization (q4_bf16_amx below, csrc/amx_bf16.h); on a 4-bit weight with fp16
+// scales per 32 the table product instead, at every row count (q4_lut_amx below: KVLOOM_Q4_ACTIVATIONS=bf16).
 //
 // The weight is packed once (kvloom/ops/q4.py, pack_q4_weight) into panels of kPanel = 8 output columns:
 // packed[panel][block][pair][8][4] bytes, where byte (c, i) of pair j holds q[n0 + c, 32 b + 8 j + i] in its
