@@ -50,6 +50,11 @@ class BackendConfig:
     # rows: 1.4-1.9x faster products than weight-only, at a perplexity cost (SmolLM2: +3.3% against +0.3%
     # weight-only) that smoothing (below) cuts to +0.7%. False: weight-only products.
     int8_activations: bool = True
+    # With a GGUF's Q4_0 / Q4_1 weights kept on a CPU with AMX-BF16 and bf16 activations: "bf16" keeps the activations
+    # bf16 and takes the table product on AMX-BF16 tiles at every row count (one formula whatever the batch; SmolLM2
+    # on 2 cores of an AMX Xeon: 1.41x "int8" at 64 sequences, 1.05x at 8, 0.72x at one); "int8": llama.cpp's product
+    # (activations in int8 per 32). None: KVLOOM_Q4_ACTIVATIONS, else "int8".
+    q4_activations: str | None = None
     # With int8 activations on the CPU: SmoothQuant's migration strength alpha in [0, 1] (None: no smoothing).
     # Per input channel s = max|X|^alpha / max|W|^(1 - alpha), calibrated at quantize time and folded into
     # the weights (kvloom/layers/smoothing.py). Unused without int8_activations or off the CPU, and skipped
@@ -140,6 +145,9 @@ class BackendConfig:
                      "gguf_5bit_blocks", "gguf_6bit_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"override_backend_config: {name} must be true or false, got {getattr(self, name)!r}")
+        if self.q4_activations not in (None, "int8", "bf16"):
+            raise ValueError(f"override_backend_config: q4_activations must be 'int8', 'bf16' or None "
+                             f"(KVLOOM_Q4_ACTIVATIONS, else int8), got {self.q4_activations!r}")
         if self.gguf_super_blocks is not None and not isinstance(self.gguf_super_blocks, bool):
             raise ValueError(f"override_backend_config: gguf_super_blocks must be true, false or None (where "
                              f"measured), got {self.gguf_super_blocks!r}")

@@ -377,12 +377,13 @@ def batch_invariant() -> bool:
     return envs.get_bool("KVLOOM_BATCH_INVARIANT", default=True)
 
 
-def q4_bf16_activations() -> bool:
+def q4_bf16_activations(choice: str | None = None) -> bool:
     """Whether bf16 activations on a 4-bit weight with fp16 scales per 32 take the table product, bf16 at every row
-    count on AMX-BF16 tiles (KVLOOM_Q4_ACTIVATIONS=bf16, on a CPU with them), instead of llama.cpp's int8 one."""
-    raw = (envs.get("KVLOOM_Q4_ACTIVATIONS") or "int8").lower()
+    count on AMX-BF16 tiles (``choice`` "bf16": the backend's q4_activations, else KVLOOM_Q4_ACTIVATIONS=bf16, on a
+    CPU with them), instead of llama.cpp's int8 one."""
+    raw = (choice or envs.get("KVLOOM_Q4_ACTIVATIONS") or "int8").lower()
     if raw not in ("int8", "bf16"):
-        raise ValueError(f"KVLOOM_Q4_ACTIVATIONS must be int8 or bf16, got {raw!r}")
+        raise ValueError(f"q4_activations (KVLOOM_Q4_ACTIVATIONS) must be int8 or bf16, got {raw!r}")
     return raw == "bf16" and q4_table_product()
 
 

@@ -137,10 +137,11 @@ REFERENCE_OPS = Ops(name="reference", attention=reference.attention_reference, r
 
 
 def select_ops(device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
-               batch_hint: int = 64, int8_activations: bool = False) -> Ops:
+               batch_hint: int = 64, int8_activations: bool = False, q4_activations: str | None = None) -> Ops:
     """The op table for a model on ``device`` in ``dtype``. ``batch_hint``: the usual rows of a GEMM.
     ``int8_activations``: int8 weights multiply int8-quantized activations (W8A8) on the CPU for batches of
-    2+ rows (faster, less accurate); otherwise int8 products are weight-only."""
+    2+ rows (faster, less accurate); otherwise int8 products are weight-only. ``q4_activations``: "bf16" gives
+    Q4_0 / Q4_1 weights the table product on an AMX-BF16 CPU (cpu.q4_bf16_activations)."""
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {attention_backend!r} is unknown; known: {list(ATTENTION_BACKENDS)}")
     if attention_backend == "reference":
@@ -154,7 +155,7 @@ def select_ops(device: torch.device, dtype: torch.dtype, attention_backend: str 
     if attention_backend == "triton" and device.type != "cuda":
         raise ValueError(f"attention backend 'triton' runs on CUDA only, the model is on {device}; "
                          f"use 'auto', 'cpu' or 'native'")
-    platform = _cpu_ops(dtype, batch_hint, int8_activations) if on_cpu else _cuda_ops()
+    platform = _cpu_ops(dtype, batch_hint, int8_activations, q4_activations) if on_cpu else _cuda_ops()
     if attention_backend == "native":
         return dataclasses.replace(platform, name="native", attention=native.attention, needs_decode_mask=True,
                                    pairs_layout=None, llama_layer_stack=None, dense_attention=native.dense_attention)
@@ -183,7 +184,8 @@ def attention_for(ops: Ops, logit_softcap: float | None = None) -> AttentionFn:
     return functools.partial(reference.attention_reference, logit_softcap=logit_softcap)
 
 
-def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False) -> Ops:
+def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False,
+             q4_activations: str | None = None) -> Ops:
     from kvloom.ops import cpu
 
     fmt = cpu.linear_format(dtype)  # oneDNN's packed GEMM even where our library is not built
@@ -199,10 +201,11 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
     # On an AMX-BF16 CPU the dequantizing AMX-BF16 products change arithmetic at a row count, so they are taken only
     # where batch-dependent products are allowed (KVLOOM_BATCH_INVARIANT=0). A GGUF's Q4_K / Q6_K super-blocks take
     # csrc/gemm_q4k.cpp (one formula at every row count).
-    # KVLOOM_Q4_ACTIVATIONS=bf16: a Q4_0 / Q4_1 weight's table product on AMX-BF16 tiles, one formula at every row
-    # count (so allowed in batch-invariant mode too).
+    # q4_activations "bf16" (or KVLOOM_Q4_ACTIVATIONS=bf16): a Q4_0 / Q4_1 weight's table product on AMX-BF16
+    # tiles, one formula at every row count (so allowed in batch-invariant mode too).
     tiles = not cpu.batch_invariant()
-    pack_q4 = functools.partial(q4k.pack_code_blocks, bf16_tiles=tiles, table_product=cpu.q4_bf16_activations())
+    pack_q4 = functools.partial(q4k.pack_code_blocks, bf16_tiles=tiles,
+                                table_product=cpu.q4_bf16_activations(q4_activations))
     # csrc/gemm_int8.cpp for float32 and bfloat16 activations alike, where its AVX-512 or AVX2 kernels are built.
     pack_int8, pack_int8_blocks = int8.NativeInt8Linear, int8.NativeInt8BlocksLinear
     if cpu.int8_kernels_available():

@@ -116,7 +116,8 @@ class ModelRunner:
         engine = self.config.engine
         self.ops = select_ops(self.device, self.dtype, engine.backend.attention_backend,
                               batch_hint=min(engine.max_num_seqs, 256),
-                              int8_activations=engine.backend.int8_activations)
+                              int8_activations=engine.backend.int8_activations,
+                              q4_activations=engine.backend.q4_activations)
         if self.ops.name == "triton":
             self.artifacts = ArtifactStore.for_config(self.config, self._token_gen_buckets())
             self.artifacts.open()  # before the first kernel compiles

@@ -26,9 +26,9 @@ LOADS = {
     "default": {},  # the GGUF's 4-bit weights kept 4-bit
     "bf16": {"quantization": "none"},
     "int8": {"quantization": "int8"},
-    "default-bf16-activations": {},  # the same, KVLOOM_Q4_ACTIVATIONS=bf16 (the table product, on AMX-BF16)
+    # the same with bf16 activations (the table product, on AMX-BF16; KVLOOM_Q4_ACTIVATIONS=bf16 does the same)
+    "default-bf16-activations": {"override_backend_config": {"q4_activations": "bf16"}},
 }
-ENVS = {"default-bf16-activations": {"KVLOOM_Q4_ACTIVATIONS": "bf16"}}
 
 
 def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -38,10 +38,7 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("load", sorted(LOADS))
-def test_sixteen_requests_together_equal_each_alone(smollm2_gguf_path: str, load: str,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in ENVS.get(load, {}).items():
-        monkeypatch.setenv(key, value)
+def test_sixteen_requests_together_equal_each_alone(smollm2_gguf_path: str, load: str) -> None:
     # No prefix cache, so each request computes its whole prompt itself in both runs; a 48-token step budget so that
     # together the prompts are split across steps beside other requests' decodes (chunked prefill).
     llm = LLM(model=smollm2_gguf_path, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=48,
@@ -86,3 +83,25 @@ def test_speculative_decoding_of_the_default_load_equals_plain_greedy(smollm2_gg
     assert greedy(speculative, prompts) == greedy(plain, prompts)
     stats = speculative.llm_engine.scheduler.stats()
     assert stats.num_draft_tokens > 0, stats
+
+
+def test_bf16_q4_activations_take_the_table_product_where_the_cpu_has_it(smollm2_gguf_path: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """override_backend_config q4_activations "bf16": the default model's Q4_1 projections take the table product (the
+    op's bf16 tiles, one formula at every row count) on a CPU with AMX-BF16, and stay on llama.cpp's product
+    elsewhere; by default they keep it everywhere. A value outside int8 / bf16 is refused by name."""
+    from kvloom.ops import cpu
+    from kvloom.ops.q4 import PackedQ4Weight
+
+    monkeypatch.setenv("KVLOOM_PACKED_CACHE", "0")
+    monkeypatch.delenv("KVLOOM_Q4_ACTIVATIONS", raising=False)
+
+    def tiles(**kwargs: object) -> set[bool]:
+        llm = LLM(model=smollm2_gguf_path, max_model_len=128, **kwargs)
+        model = llm.llm_engine.executor.driver.model
+        return {m.packed.bf16_tiles for m in model.modules() if isinstance(getattr(m, "packed", None), PackedQ4Weight)}
+
+    assert tiles() == {False}
+    assert tiles(override_backend_config={"q4_activations": "bf16"}) == {cpu.q4_table_product()}
+    with pytest.raises(ValueError, match="q4_activations must be 'int8', 'bf16'"):
+        LLM(model=smollm2_gguf_path, max_model_len=128, override_backend_config={"q4_activations": "fp8"})
