@@ -38,8 +38,8 @@ A 4-bit weight with fp16 scales per 32 (GGUF Q4_0 / Q4_1) takes, for bf16 activa
 (``table_product``: ``KVLOOM_Q4_ACTIVATIONS=bf16``, or ``bf16_tiles``), the table product at every row count
 instead: the same values (q4_dequantized_linear_reference) on AMX-BF16 tiles with the weight as the A tile, each
 column's 16 bf16 values looked up from its nibbles, so one formula whatever the batch. SmolLM2's 30 layers of
-projections on 2 cores of an AMX Xeon: 8.4-9.9 ms at 1 row against 4.9-5.5 for the int8 product, even at 8 rows,
-19-21 ms against 32-35 at 64 rows.
+projections on 2 cores of an AMX Xeon: 8.4-9.9 ms at 1 row against 4.9-5.5 for the int8 product, 8.7-10.5 against
+7.4-9.1 at 8 rows, 19-21 ms against 32-35 at 64 rows: opt-in (the table lookups cost more than one row's int8 dots).
 """
 
 from __future__ import annotations
