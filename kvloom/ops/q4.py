@@ -382,7 +382,7 @@ class PackedQ4Weight:
     """A Q4 weight packed once for csrc/gemm_q4.cpp: x [..., K] (float32 or bfloat16) -> [..., N] in x's
     dtype, the product of q4_linear_reference; with ``bf16_tiles`` (the default) bf16 x of
     cpu.bf16_tiles_min_rows("q4") rows or more take that of q4_dequantized_linear_reference (on a CPU with AMX-BF16),
-    and where ``table`` (4-bit codes, fp16 scales per 32) and cpu.q4_table_product(), bf16 x of any row count take it
+    and for 4-bit codes with fp16 scales per 32 where cpu.q4_table_product(), bf16 x of any row count take it
     (the table product: one formula whatever the batch, so ``table_product`` allows it where batch-dependent
     products are not)."""
 
@@ -412,8 +412,8 @@ class PackedQ4Weight:
         self.portable = portable
         # The op's bf16_tiles: on an AMX-BF16 CPU a 4-bit weight with fp16 scales per 32 then takes the table product
         # at every row count (one formula: allowed by ``table_product`` too); others the dequantizing one from 16.
-        self.table = not halves and planes == 0 and self.scales.dtype == torch.float16
-        self.bf16_tiles = bf16_tiles or (table_product and self.table)
+        table = not halves and planes == 0 and self.scales.dtype == torch.float16
+        self.bf16_tiles = bf16_tiles or (table_product and table)
         self._product = torch.ops.kvloom.gemm_q4.default
 
     def stack_args(self) -> StackArgs:

@@ -607,8 +607,8 @@ void q4_bf16_amx(c10::BFloat16* y, int64_t ldy, const c10::BFloat16* x, int64_t 
 
 #if defined(KVLOOM_Q4_AMX_BF16)
 // The table product: bf16 activations times 4-bit weights with one level of scales (GGUF Q4_0 / Q4_1, GPTQ, AWQ) on
-// AMX-BF16 tiles at every row count, one formula whatever the batch (the default for such a weight where the CPU has
-// AMX-BF16). The roles of the dequantizing product above are swapped: the weight is the A tile, 16 columns x 32 k of
+// AMX-BF16 tiles at every row count, one formula whatever the batch (where the caller allows bf16 tiles:
+// KVLOOM_Q4_ACTIVATIONS=bf16 / q4_activations "bf16", or KVLOOM_BATCH_INVARIANT=0). The roles of the dequantizing product above are swapped: the weight is the A tile, 16 columns x 32 k of
 // a block, each column's row looked up in a 16-entry table of its bf16 values q d + m (one FMA in fp32, rounded once:
 // q4_dequantized_linear_reference's values) by vpermw, with its codes' nibbles as the indices; the activations are
 // the B tile, 16 k pairs x 16 rows, packed once per call; C holds 16 columns x 16 rows of fp32 sums over all of K. So
@@ -616,6 +616,7 @@ void q4_bf16_amx(c10::BFloat16* y, int64_t ldy, const c10::BFloat16* x, int64_t 
 // others: at 1 row the tiles cost what reading the weight costs, and no activation is quantized. A column's codes
 // are read from the panels as packed (a block's four 4-byte runs of a column gathered by two dword permutes per
 // panel), in the order that makes the indices one shift and mask away (lut_k); x's k are permuted to match.
+
 // Whether bf16 rows take the table product (where the caller allows bf16 tiles and the scales are fp16: GGUF Q4_0 /
 // Q4_1, GPTQ, AWQ): the fast kernels, 4-bit codes with a d and m per 32 k (scale rows 2), and the AMX-BF16 tiles
 // granted (KVLOOM_CPU_AMX not 0).
@@ -772,10 +773,9 @@ void q4_lut_amx(c10::BFloat16* y, int64_t ldy, const c10::BFloat16* x, int64_t l
       for (int64_t g = begin; g < end; ++g) lut_pack_rows(x, ldx, M, blocks, g, xb);
     });
   }
-  // One pass over a unit's blocks (M <= kLutRows) makes each A tile as it goes, into a ring of slots; more rows keep
-  // the unit's tiles for the passes after the first.
-  const bool one_pass = M <= kLutRows;
-  const int64_t slots = one_pass ? 4 : blocks;
+  // One pass over a unit's blocks (M <= kLutRows) makes each A tile as it goes, into a ring of 4 slots; more rows keep
+  // all the unit's tiles for the passes after the first.
+  const int64_t slots = M <= kLutRows ? 4 : blocks;
   parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     kvloom::amx::configure_bf16();
     thread_local std::vector<uint16_t> storage;
@@ -801,29 +801,28 @@ void q4_lut_amx(c10::BFloat16* y, int64_t ldy, const c10::BFloat16* x, int64_t l
         lut_tile(w[0], sc[0], rows, b, a);
         if (V == 2) lut_tile(w[1], sc[1], rows, b, a + kvloom::amx::kTileWords);
       };
-      auto slot = [&](int64_t b) { return buffer + (one_pass ? b % slots : b) * 2 * kvloom::amx::kTileWords; };
+      auto slot = [&](int64_t b) { return buffer + b % slots * 2 * kvloom::amx::kTileWords; };
       auto fresh = [&](int64_t b) {
         uint16_t* a = slot(b);
         make(b, a);
         return static_cast<const uint16_t*>(a);
       };
       auto kept = [&](int64_t b) { return static_cast<const uint16_t*>(slot(b)); };
-      for (int64_t g = 0; g < groups; g += 2) {
-        const bool two = g + 1 < groups;
-        if (g == 0) {
-          if (V == 2) {
-            two ? lut_pass<2, 2>(xb, blocks, g, M, fresh, bias, count, y, ldy, n0)
-                : lut_pass<1, 2>(xb, blocks, g, M, fresh, bias, count, y, ldy, n0);
-          } else {
-            two ? lut_pass<2, 1>(xb, blocks, g, M, fresh, bias, count, y, ldy, n0)
-                : lut_pass<1, 1>(xb, blocks, g, M, fresh, bias, count, y, ldy, n0);
-          }
-        } else if (V == 2) {
-          two ? lut_pass<2, 2>(xb, blocks, g, M, kept, bias, count, y, ldy, n0)
-              : lut_pass<1, 2>(xb, blocks, g, M, kept, bias, count, y, ldy, n0);
+      // Rows [16 g, 16 g + 32) (or + 16 where `two` is false): the first pass makes the A tiles, the later ones reuse.
+      auto pass = [&](const auto& a_tile, int64_t g, bool two) {
+        if (V == 2) {
+          two ? lut_pass<2, 2>(xb, blocks, g, M, a_tile, bias, count, y, ldy, n0)
+              : lut_pass<1, 2>(xb, blocks, g, M, a_tile, bias, count, y, ldy, n0);
         } else {
-          two ? lut_pass<2, 1>(xb, blocks, g, M, kept, bias, count, y, ldy, n0)
-              : lut_pass<1, 1>(xb, blocks, g, M, kept, bias, count, y, ldy, n0);
+          two ? lut_pass<2, 1>(xb, blocks, g, M, a_tile, bias, count, y, ldy, n0)
+              : lut_pass<1, 1>(xb, blocks, g, M, a_tile, bias, count, y, ldy, n0);
+        }
+      };
+      for (int64_t g = 0; g < groups; g += 2) {
+        if (g == 0) {
+          pass(fresh, g, g + 1 < groups);
+        } else {
+          pass(kept, g, g + 1 < groups);
         }
       }
     }
@@ -1114,8 +1113,6 @@ bool q4_gemm_kernel() {
 #endif
 }
 
-// From how many rows bf16 activations take the dequantizing AMX-BF16 product (with bf16_tiles); 0: never (the build
-// or this process has no AMX-BF16 tiles).
 // Whether bf16 activations on a 4-bit weight with fp16 d and m per 32 k take the table product (at every row count)
 // where the call allows bf16 tiles.
 bool q4_table_product() {
@@ -1126,6 +1123,8 @@ bool q4_table_product() {
 #endif
 }
 
+// From how many rows bf16 activations take the dequantizing AMX-BF16 product (with bf16_tiles); 0: never (the build
+// or this process has no AMX-BF16 tiles).
 int64_t q4_bf16_tiles_min_rows() {
 #if defined(KVLOOM_Q4_AMX_BF16)
   return kvloom::amx::bf16_tiles_from(kBf16MinRows);
