@@ -21,7 +21,9 @@ A GGUF's Q4_K and Q6_K weights may arrive as the file's super-blocks (``Q4KBlock
 stay so in ``super_blocks`` when every shard of the layer came so, Q4_K shards first (a Q4_K_M file's q and k beside
 its Q6_K v: a whole number of panels of 8 rows), for ``pack_linear_q4`` to take as they are (``KQuantRows``,
 ops/q4k.py); beside shards of any other kind, or in another order, they are decoded into ``q4`` and go the way
-above.
+above. A GGUF's Q8_0 projection may arrive likewise as the file's bytes (``int8.Q8_0Blocks``, on a CPU) and stay so in
+``q8_0`` while every shard came so, for ``pack_linear_q8_0`` to pack in one pass; beside any other kind (or where the
+table has no such packing) they are decoded into the int8 storage above.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class Linear(nn.Module):
         self.q4_shards: set[int] = set()
         # The file's Q4_K / Q6_K super-blocks by shard, while every weight shard came so.
         self.super_blocks: dict[int, Q4KBlocks | Q6KBlocks] = {}
+        # The file's Q8_0 bytes by shard, while every weight shard came so.
+        self.q8_0: dict[int, int8.Q8_0Blocks] = {}
         # The shards whose weight is held in float (read as float and not read again as int8, as smoothing's second
         # pass does): where int8 shards stay beside them (a GGUF's Q8_0 v_proj beside float q and k), the layer
         # ends in float, every shard exact.
@@ -73,13 +77,24 @@ class Linear(nn.Module):
         return self.weight_scale is not None and self.weight_scale.dim() == 2
 
     def load_shard(self, name: str, shard: int,
-                   tensor: torch.Tensor | int8.Int8Rows | int8.Int8Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks
-                   ) -> None:
+                   tensor: torch.Tensor | int8.Int8Rows | int8.Int8Blocks | int8.Q8_0Blocks | Q4Blocks | Q4KBlocks
+                   | Q6KBlocks) -> None:
         """Copy one HF tensor into row block ``shard`` of the fused weight (or bias); int8 rows or blocks (a
         weight quantized as it was read, or a GGUF Q8_0 kept) go to the int8 storage, which the first of
         them creates, and 4-bit blocks to the 4-bit storage."""
         start = sum(self.output_sizes[:shard])
         size = self.output_sizes[shard]
+        if isinstance(tensor, int8.Q8_0Blocks):
+            if name == "weight" and self.q4 is None and self.qweight is None and not self.float_shards \
+                    and not self.super_blocks:
+                if tuple(tensor.shape) != (size, self.in_features):
+                    raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected "
+                                     f"{(size, self.in_features)}")
+                self.q8_0[shard] = tensor
+                return
+            tensor = tensor.to_int8_blocks()  # beside shards of another kind: decoded
+        elif name == "weight" and self.q8_0:
+            self.q8_0_to_int8()
         if isinstance(tensor, SUPER_BLOCK_TYPES):
             if self.q4 is None and self.qweight is None and not self.float_shards:
                 self._load_super_block_shard(name, shard, size, tensor)
@@ -155,6 +170,12 @@ class Linear(nn.Module):
         for shard, tensor in sorted(held.items()):
             start, size = sum(self.output_sizes[:shard]), self.output_sizes[shard]
             self._load_q4_shard("weight", shard, start, size, tensor.to_blocks())
+
+    def q8_0_to_int8(self) -> None:
+        """The shards held as the file's Q8_0 bytes decoded into the int8 storage (codes and block scales, exact)."""
+        held, self.q8_0 = self.q8_0, {}
+        for shard, tensor in sorted(held.items()):
+            self.load_shard("weight", shard, tensor.to_int8_blocks())
 
     def _k_quant_rows(self) -> KQuantRows | None:
         """Every shard's super-blocks as the k-quant product takes them (Q4_K shards, then Q6_K ones: the Q4_K rows a
@@ -242,6 +263,13 @@ class Linear(nn.Module):
         if self.packed is not None:
             return
         bias = None if self.bias is None else self.bias.data
+        if self.q8_0:
+            if len(self.q8_0) == len(self.output_sizes) and ops.pack_linear_q8_0 is not None:
+                self.packed = ops.pack_linear_q8_0([self.q8_0[i] for i in range(len(self.output_sizes))], bias)
+                self.q8_0 = {}
+                self.weight.data = self.weight.data.new_empty(0, self.in_features)
+                return
+            self.q8_0_to_int8()  # the int8 way below
         if self.super_blocks:
             rows = self._k_quant_rows()
             if rows is not None:
@@ -277,6 +305,10 @@ class Linear(nn.Module):
         if self.super_blocks:
             weight = joined_blocks([t.to_blocks() for _, t in sorted(self.super_blocks.items())])
             return q4_linear_reference(x, weight, self.bias)
+        if self.q8_0:
+            blocks = [t.to_int8_blocks() for _, t in sorted(self.q8_0.items())]
+            return int8.w8a8_blocks_linear_reference(x, torch.cat([b.qweight for b in blocks]),
+                                                     torch.cat([b.scale for b in blocks]), self.bias)
         if self.q4 is not None:
             return q4_linear_reference(x, self.q4, self.bias)
         if self.qweight is not None:

@@ -26,7 +26,7 @@ from torch import nn
 from kvloom.layers.embedding import LMHead, VocabEmbedding
 from kvloom.layers.linear import Linear
 from kvloom.loader import gguf
-from kvloom.ops.int8 import Int8Blocks, Int8Rows
+from kvloom.ops.int8 import Int8Blocks, Int8Rows, Q8_0Blocks
 from kvloom.ops.q4 import Q4Blocks
 from kvloom.ops.q4k import SUPER_BLOCK_TYPES, Q4KBlocks, Q6KBlocks
 
@@ -60,12 +60,16 @@ def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks]], l
             yield name, tensor
 
 
-def kept_as_stored(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks]]
-                   ) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks]]:
+Stored = torch.Tensor | Int8Blocks | Q8_0Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks
+
+
+def kept_as_stored(weights: Iterable[tuple[str, Stored]]) -> Iterator[tuple[str, Stored]]:
     """``quantization="gguf"``: the projections', the embedding's and the head's code blocks, k-quant super-blocks and
     Q8_0 blocks as the file stores them (a Q4_K_M file's Q6_K table: the head takes the k-quant product, a lookup
     reads rows of the same super-blocks)."""
     for name, tensor in weights:
+        if isinstance(tensor, Q8_0Blocks) and (".experts." in name or not name.endswith(LINEAR_WEIGHTS)):
+            tensor = tensor.to_int8_blocks()  # the file's Q8_0 bytes are a dense projection's to pack alone
         if isinstance(tensor, SUPER_BLOCK_TYPES):  # the file's super-blocks: a projection's and a table's product
             if name.endswith(LINEAR_WEIGHTS + HEAD_WEIGHTS) and ".experts." not in name:  # take them as such
                 yield name, tensor

@@ -167,6 +167,7 @@ def _shard_columns_out(linear: Linear, rank: int, world_size: int) -> None:
     """Column-parallel: keep slice ``rank`` of each row block (output_sizes); biases sliced alike."""
     sizes = [size // world_size for size in linear.output_sizes]
     starts = [sum(linear.output_sizes[:i]) + rank * size for i, size in enumerate(sizes)]
+    linear.q8_0_to_int8()  # the file's Q8_0 bytes cut as int8 blocks
 
     def keep(tensor: torch.Tensor) -> nn.Parameter:
         parts = [tensor[start:start + size] for start, size in zip(starts, sizes)]
@@ -191,6 +192,7 @@ def _shard_rows_in(linear: Linear, rank: int, world_size: int, group: ProcessGro
     The bias is added once: rank 0 keeps it, the others drop it.
     """
     size = linear.in_features // world_size
+    linear.q8_0_to_int8()  # the file's Q8_0 bytes cut as int8 blocks
     if linear.super_blocks:  # whole super-blocks a rank, else the code blocks below
         if size % SUPER:
             linear.super_blocks_to_q4()

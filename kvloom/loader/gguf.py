@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvloom.ops.int8 import BLOCK, Int8Blocks
+from kvloom.ops.int8 import BLOCK, Int8Blocks, Q8_0Blocks
 from kvloom.ops.q4 import Q4Blocks
 from kvloom.ops.q4k import Q4KBlocks, Q6KBlocks, decode_k_quant
 
@@ -370,10 +370,7 @@ def _dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
 def q8_0_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> Int8Blocks:
     """A 2-D Q8_0 tensor as stored: its int8 codes [N, K] and its fp16 block scales as fp32 [N, K / 32]
     (exact), bit for bit the file's (no dequantization)."""
-    n, k = shape
-    blocks = raw.view(-1, _KNOWN_LAYOUTS[GGML_Q8_0][1])
-    return Int8Blocks(blocks[:, 2:].contiguous().view(torch.int8).reshape(n, k),
-                      _half(blocks, 0).reshape(n, k // BLOCK))
+    return Q8_0Blocks.from_gguf(raw, shape).to_int8_blocks()
 
 
 def q5_0_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> Int8Blocks:
@@ -520,10 +517,13 @@ def reverse_rotary_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor
             .transpose(1, 2).reshape(weight.shape))
 
 
+Weight = torch.Tensor | Int8Blocks | Q8_0Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks
+
+
 def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: bool = False,
                       keep_q4: bool = False, keep_q5: bool = False, keep_q6: bool = False,
-                      keep_super_blocks: bool = False
-                      ) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks]]:
+                      keep_super_blocks: bool = False, keep_q8_0_bytes: bool = False
+                      ) -> Iterator[tuple[str, Weight]]:
     """Every weight of a GGUF (ARCHITECTURES) as (HF name, float32 tensor in HF layout); with ``keep_q8_0`` a 2-D
     Q8_0 (or Q5_0) weight comes as ``Int8Blocks`` instead, its codes and scales as stored, and with ``keep_q4`` a
     2-D Q4_0 / Q4_1 / Q4_K weight (with ``keep_q5`` too a Q5_1 / Q5_K one, with ``keep_q6`` a Q6_K one) as
@@ -531,7 +531,8 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
     like the floats: a row keeps its blocks). Family transforms undone here: Llama's q/k row permutation, Gemma's 1 + w
     norms; an expert stack [E, rows, cols] comes as E tensors, one per expert (code blocks with ``keep_q4``, else
     float: Q8_0 experts are not kept as blocks); with ``keep_q4`` and ``keep_super_blocks`` a 2-D Q4_K weight (with
-    ``keep_q6`` too a Q6_K one) comes as the file's bytes, ``Q4KBlocks`` (``Q6KBlocks``), not decoded."""
+    ``keep_q6`` too a Q6_K one) comes as the file's bytes, ``Q4KBlocks`` (``Q6KBlocks``), not decoded; with
+    ``keep_q8_0`` and ``keep_q8_0_bytes`` a projection's Q8_0 weight as the file's bytes, ``Q8_0Blocks``."""
     gguf = read_gguf(path)
     arch = str(gguf.metadata.get("general.architecture"))
     permuted = arch in PERMUTED_ROTARY
@@ -554,14 +555,18 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_q8_0: b
             raise ValueError(f"{path}: GGUF tensor {info.name!r} has no counterpart in kvloom's {arch} model")
         super_blocks = keep_super_blocks and info.ggml_type in (GGML_Q4_K, GGML_Q6_K) and \
             info.ggml_type in code_types and len(info.shape) == 2
-        if super_blocks:  # packed from the file's pages as they are: no copy, no zeroed buffer first
+        q8_0_bytes = keep_q8_0_bytes and info.ggml_type == GGML_Q8_0 and info.ggml_type in int8_types and \
+            len(info.shape) == 2 and name.endswith("_proj.weight")
+        if super_blocks or q8_0_bytes:  # packed from the file's pages as they are: no copy, no zeroed buffer first
             raw = mapped_tensor_bytes(path, info)
         else:
             raw = read_tensor_bytes(path, info)
         with _single_thread():
-            kept: Int8Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks | None = None
+            kept: Int8Blocks | Q8_0Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks | None = None
             if info.ggml_type == GGML_Q5_0 and GGML_Q5_0 in code_types and name.endswith("_proj.weight"):
                 kept = q4_blocks(raw, info.ggml_type, info.shape)  # the 5-bit code-block product, not int8's
+            elif q8_0_bytes:
+                kept = Q8_0Blocks.from_gguf(raw, info.shape)
             elif info.ggml_type in int8_types and len(info.shape) == 2:
                 kept = (q8_0_blocks if info.ggml_type == GGML_Q8_0 else q5_0_blocks)(raw, info.shape)
             elif super_blocks:

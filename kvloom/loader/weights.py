@@ -19,7 +19,7 @@ import torch
 
 from kvloom.loader import gguf, int4_checkpoint, safetensors
 from kvloom.loader.model_config import ModelConfig
-from kvloom.ops.int8 import Int8Blocks
+from kvloom.ops.int8 import Int8Blocks, Q8_0Blocks
 from kvloom.ops.q4 import Q4Blocks
 from kvloom.ops.q4k import Q4KBlocks, Q6KBlocks
 
@@ -84,8 +84,8 @@ def load_model_config(source: ModelSource, hf_overrides: dict[str, Any] | None =
 
 
 def iter_weights(source: ModelSource, keep_q8_0: bool = False, keep_q4: bool = False, keep_q5: bool = False,
-                 keep_q6: bool = False, keep_super_blocks: bool = False
-                 ) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks]]:
+                 keep_q6: bool = False, keep_super_blocks: bool = False, keep_q8_0_bytes: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor | Int8Blocks | Q8_0Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks]]:
     """Every weight as (HF name, tensor in HF layout).
 
     Safetensors: the stored dtype. GGUF: dequantized to float32, q/k rows back in HF's rotary order.
@@ -95,7 +95,8 @@ def iter_weights(source: ModelSource, keep_q8_0: bool = False, keep_q4: bool = F
     checkpoint's linears (without it, their float32 values); ``keep_q5`` (with ``keep_q4``): its Q5_1 and Q5_K
     weights as 5-bit ones; ``keep_q6`` (with ``keep_q4``): its Q6_K weights as 6-bit ones with scales per 16;
     ``keep_super_blocks`` (with ``keep_q4``): its Q4_K weights (with ``keep_q6`` too its Q6_K ones) as the file's
-    super-blocks (``Q4KBlocks``, ``Q6KBlocks``).
+    super-blocks (``Q4KBlocks``, ``Q6KBlocks``); ``keep_q8_0_bytes`` (with ``keep_q8_0``): its Q8_0 projections as the
+    file's bytes (``Q8_0Blocks``).
     """
     config = load_model_config(source)
     if source.kind == "hf_dir":
@@ -105,7 +106,7 @@ def iter_weights(source: ModelSource, keep_q8_0: bool = False, keep_q4: bool = F
         yield from weights if fmt is None else int4_checkpoint.iter_int4_weights(weights, fmt, keep_q4)
     elif source.kind == "gguf":
         yield from gguf.iter_gguf_weights(source.path, config.num_attention_heads, config.num_key_value_heads,
-                                          keep_q8_0, keep_q4, keep_q5, keep_q6, keep_super_blocks)
+                                          keep_q8_0, keep_q4, keep_q5, keep_q6, keep_super_blocks, keep_q8_0_bytes)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}; expected 'hf_dir' or 'gguf'")
 

@@ -21,7 +21,7 @@ from kvloom.layers.linear import Linear
 from kvloom.layers.norm import RMSNorm, add_to_stream
 from kvloom.layers.rotary import RotaryEmbedding
 from kvloom.loader.model_config import ModelConfig
-from kvloom.ops.int8 import Int8Blocks, Int8Rows
+from kvloom.ops.int8 import Int8Blocks, Int8Rows, Q8_0Blocks
 from kvloom.ops.layer_stack import LayerShape, LayerWeights
 from kvloom.ops.metadata import AttentionMetadata, with_sliding_window
 from kvloom.ops.q4 import Q4Blocks
@@ -170,7 +170,8 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
             module.load_shard(kind, shard, tensor)
             loaded.add(f"{target_name}#{shard}")
             continue
-        if isinstance(tensor, (Int8Rows, Int8Blocks, Q4Blocks, *SUPER_BLOCK_TYPES)) and name in params:  # as read
+        # as read
+        if isinstance(tensor, (Int8Rows, Int8Blocks, Q8_0Blocks, Q4Blocks, *SUPER_BLOCK_TYPES)) and name in params:
             model.get_submodule(name.rpartition(".")[0]).load_shard("weight", 0, tensor)
             loaded.add(name)
             continue

@@ -13,11 +13,11 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from kvloom.models.llama import LlamaForCausalLM
-from kvloom.ops.int8 import Int8Blocks, Int8Rows
+from kvloom.ops.int8 import Int8Blocks, Int8Rows, Q8_0Blocks
 from kvloom.ops.q4 import Q4Blocks
 from kvloom.ops.q4k import SUPER_BLOCK_TYPES, Q4KBlocks, Q6KBlocks
 
-Weight = torch.Tensor | Int8Rows | Int8Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks
+Weight = torch.Tensor | Int8Rows | Int8Blocks | Q8_0Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks
 
 
 def split_rows(tensor: Weight, sizes: list[int]) -> list[Weight]:
@@ -27,7 +27,7 @@ def split_rows(tensor: Weight, sizes: list[int]) -> list[Weight]:
         raise ValueError(f"a fused tensor has {tuple(tensor.shape)[0]} rows, expected {sum(sizes)} ({sizes})")
     if isinstance(tensor, torch.Tensor):
         return list(tensor.split(sizes))
-    if isinstance(tensor, (Q4Blocks, *SUPER_BLOCK_TYPES)):
+    if isinstance(tensor, (Q4Blocks, Q8_0Blocks, *SUPER_BLOCK_TYPES)):
         return [type(tensor)(*parts) for parts in zip(*(t.split(sizes) for t in tensor))]
     return [type(tensor)(q, s) for q, s in zip(tensor.qweight.split(sizes), tensor.scale.split(sizes))]
 

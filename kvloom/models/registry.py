@@ -108,10 +108,12 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
         # Q4_K / Q6_K weights as the file's super-blocks for the CPU's k-quant product (ops/q4k.py); a GPU's Triton
         # product takes the decoded code blocks.
         super_blocks = engine.backend.gguf_super_blocks is not False and config.device.type == "cpu"
+        # Q8_0 projections likewise as the file's bytes, packed from them in one pass (ops' pack_linear_q8_0).
         model.load_weights(kept_as_stored(iter_weights(config.source, keep_q8_0=keep_q8_0, keep_q4=True,
                                                              keep_q5=engine.backend.gguf_5bit_blocks,
                                                              keep_q6=engine.backend.gguf_6bit_blocks,
-                                                             keep_super_blocks=super_blocks)))
+                                                             keep_super_blocks=super_blocks,
+                                                             keep_q8_0_bytes=config.device.type == "cpu")))
         finish_gguf(model, engine.backend.requantize_lm_head)
         return
     architecture = config.model.architecture

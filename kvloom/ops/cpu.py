@@ -45,7 +45,7 @@ import re
 import sys
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from kvloom import envs
 from kvloom.cpu_capability import cpu_capability
 from kvloom.ops import huge_pages
-from kvloom.ops.int8 import Int8Blocks, Int8Rows, check_blocks_shape, compact_block_scales
+from kvloom.ops.int8 import BLOCK, Int8Blocks, Int8Rows, Q8_0Blocks, check_blocks_shape, compact_block_scales
 from kvloom.ops.layer_stack import LayerShape, LayerWeights, StackArgs
 from kvloom.ops.metadata import AttentionMetadata
 from kvloom.ops.reference import write_kv_cache
@@ -801,8 +801,33 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
                              f"got {tuple(bias.shape)}")
         # The panels of pack_int8_weight holding q + 128 as u8 (each byte's top bit flipped): the kernel's
         # shift to vpdpbusd's unsigned operand is on the weight, so activations need no compensation per column.
-        self.data = huge_pages.rehome(pack_int8_weight(qweight, flip=True))
-        self.scale = pack_block_columns(compact_block_scales(scale))  # fp16 where exact: a Q8_0 file's own d
+        self._finish(huge_pages.rehome(pack_int8_weight(qweight, flip=True)),
+                     pack_block_columns(compact_block_scales(scale)), bias, bf16_tiles)  # fp16 where exact
+
+    @classmethod
+    def from_q8_0(cls, parts: Sequence[Q8_0Blocks], bias: torch.Tensor | None,
+                  bf16_tiles: bool = True) -> PackedInt8BlocksWeight:
+        """The same weight packed straight from a GGUF's Q8_0 bytes (a projection's shards in turn, each
+        ``Q8_0Blocks`` of the file's mapped pages) into its final memory: one C++ pass over every row, parallel over
+        panels, with no decoded codes, joined shards or padded copies between (``pack_q8_0_parts``)."""
+        if not parts or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError(f"PackedInt8BlocksWeight.from_q8_0 takes one or more Q8_0 parts of one in_features, got "
+                             f"shapes {[tuple(p.shape) for p in parts]}")
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"PackedInt8BlocksWeight: bias must have shape ({self.out_features},), "
+                             f"got {tuple(bias.shape)}")
+        panels, blocks = -(-self.out_features // GEMM_PANEL), self.in_features // BLOCK
+        codes = huge_pages.empty(panels * self.in_features * GEMM_PANEL).view(torch.int8)
+        codes = codes.view(panels, self.in_features // INT8_GROUP, GEMM_PANEL, INT8_GROUP)
+        scale = torch.empty(panels, blocks, GEMM_PANEL, dtype=torch.float16)
+        torch.ops.kvloom.pack_q8_0_parts(codes, scale, [p.data for p in parts], self.in_features)
+        self._finish(codes, scale, bias, bf16_tiles)
+        return self
+
+    def _finish(self, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, bf16_tiles: bool) -> None:
+        self.data, self.scale = data, scale
         self.bias = None if bias is None else bias.float().contiguous()
         self.bf16_tiles = bf16_tiles
         self._product = torch.ops.kvloom.gemm_w8a8_blocks.default

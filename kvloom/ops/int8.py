@@ -85,6 +85,48 @@ class Int8Blocks(NamedTuple):
         return Int8Rows.quantize(self.dequantize())
 
 
+Q8_0_BLOCK_BYTES = 2 + BLOCK  # a GGUF Q8_0 block as stored: fp16 d, then 32 int8 codes
+
+
+class Q8_0Blocks(NamedTuple):
+    """A GGUF Q8_0 weight [N, K] as the file stores it: uint8 [N, K / 32 * 34], each row its blocks (fp16 d, then 32
+    int8 codes). A projection's shards stay so until ``cpu.PackedInt8BlocksWeight.from_q8_0`` packs them from these
+    bytes in one pass (no decoding, no joined copy); anything else reads them as ``Int8Blocks`` (``to_int8_blocks``:
+    the same values exactly)."""
+
+    data: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        n, row_bytes = self.data.shape
+        return torch.Size((n, row_bytes // Q8_0_BLOCK_BYTES * BLOCK))
+
+    @classmethod
+    def from_gguf(cls, raw: torch.Tensor, shape: tuple[int, int]) -> Q8_0Blocks:
+        """A 2-D Q8_0 tensor's bytes (uint8, as read or mapped) of torch shape [N, K]."""
+        n, k = shape
+        if k % BLOCK:
+            raise ValueError(f"a Q8_0 weight needs in_features a multiple of {BLOCK}, got {k}")
+        if raw.numel() != n * k // BLOCK * Q8_0_BLOCK_BYTES:
+            raise ValueError(f"{raw.numel()} bytes do not hold a Q8_0 weight of shape {tuple(shape)}")
+        return cls(raw.reshape(n, k // BLOCK * Q8_0_BLOCK_BYTES))
+
+    def to_int8_blocks(self) -> Int8Blocks:
+        """The codes int8 [N, K] and the fp16 block scales as fp32 [N, K / 32] (exact)."""
+        n, k = self.shape
+        blocks = self.data.reshape(-1, Q8_0_BLOCK_BYTES)
+        codes = blocks[:, 2:].contiguous().view(torch.int8).reshape(n, k)
+        return Int8Blocks(codes, blocks[:, :2].contiguous().view(torch.float16).float().reshape(n, k // BLOCK))
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [N, K]."""
+        return self.to_int8_blocks().dequantize()
+
+    def take(self, ids: torch.Tensor) -> Q8_0Blocks:
+        """Rows ``ids`` [T]."""
+        return Q8_0Blocks(self.data[ids])
+
+
 def compact_block_scales(scale: torch.Tensor) -> torch.Tensor:
     """Block scales as the packed product streams them: fp16 where every one is exactly an fp16 value (a GGUF Q8_0's
     own d, so 8.5 bits a weight as in the file instead of 9; csrc/gemm_int8.cpp widens them exactly), else fp32."""

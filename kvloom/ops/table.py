@@ -37,7 +37,7 @@ import dataclasses
 import functools
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +59,7 @@ PackLinearFn = Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Ten
 # x [..., K] -> [..., N] (ops/int8.py).
 PackInt8Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
 PackQ4Fn = Callable[[q4.Q4Blocks, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
+PackQ8_0Fn = Callable[[Sequence[int8.Q8_0Blocks], torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
 
 
 # (w13 [E, 2I, H], w2 [E, H, I]) -> a function (hidden [T, H], topk_weights [T, k], topk_ids [T, k]) -> [T, H]:
@@ -97,6 +98,9 @@ class Ops:
     pack_linear_int8: PackInt8Fn = int8.NativeInt8Linear
     # Block-scaled int8 weights (int8.Int8Blocks): the product with activations quantized per block.
     pack_linear_int8_blocks: PackInt8Fn = int8.NativeInt8BlocksLinear
+    # A GGUF's Q8_0 projection as the file's bytes (its shards, int8.Q8_0Blocks) -> the block-scaled product packed from
+    # them in one pass; None: the shards are decoded to int8.Int8Blocks for pack_linear_int8_blocks.
+    pack_linear_q8_0: PackQ8_0Fn | None = None
     # 4-bit weights kept 4-bit (a GGUF's Q4_0 / Q4_1 / Q4_K, quantization="gguf"): the platform's Q4 product.
     pack_linear_q4: PackQ4Fn = q4.NativeQ4Linear
     # The native attention's batched decode reads a block table padded to a bucketed width and a mask.
@@ -208,8 +212,10 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
                                 table_product=cpu.q4_bf16_activations(q4_activations))
     # csrc/gemm_int8.cpp for float32 and bfloat16 activations alike, where its AVX-512 or AVX2 kernels are built.
     pack_int8, pack_int8_blocks = int8.NativeInt8Linear, int8.NativeInt8BlocksLinear
+    pack_q8_0 = None
     if cpu.int8_kernels_available():
         pack_int8_blocks = functools.partial(cpu.PackedInt8BlocksWeight, bf16_tiles=tiles)
+        pack_q8_0 = functools.partial(cpu.PackedInt8BlocksWeight.from_q8_0, bf16_tiles=tiles)
         # W8A8 (from 1 row; from 2 on AVX-512 where batch-dependent products are allowed) unless int8_activations is
         # off: per-token int8 activations cost SmolLM2 +3.3% perplexity alone, +0.7% with the default smoothing
         # (layers/smoothing.py; benchmarks/int8_quality.py).
@@ -218,7 +224,8 @@ def _cpu_ops(dtype: torch.dtype, batch_hint: int, int8_activations: bool = False
     return Ops(name="cpu", attention=cpu.attention, rms_norm=cpu.rms_norm, add_rms_norm=cpu.add_rms_norm,
                rotary_embedding=cpu.rotary_embedding, silu_and_mul=cpu.silu_and_mul, argmax=cpu.argmax,
                pack_linear=pack, pack_linear_int8=pack_int8, pack_linear_int8_blocks=pack_int8_blocks,
-               pack_linear_q4=pack_q4, pairs_layout=cpu.pairs_layout, llama_layer_stack=cpu.llama_layer_stack,
+               pack_linear_q8_0=pack_q8_0, pack_linear_q4=pack_q4, pairs_layout=cpu.pairs_layout,
+               llama_layer_stack=cpu.llama_layer_stack,
                pack_experts=pack_experts, dense_attention=cpu.dense_attention, gelu_tanh=cpu.gelu_tanh)
 
 

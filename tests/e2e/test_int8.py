@@ -421,6 +421,41 @@ def test_q8_0_gguf_loads_its_own_codes_and_block_scales_bit_exactly(q8_0_tiny, m
             assert torch.equal(linear.packed.qweight, codes) and torch.equal(linear.packed.scale, scales)
 
 
+def test_q8_0_projections_pack_from_the_files_bytes_in_one_pass(q8_0_tiny, monkeypatch) -> None:
+    """A Q8_0 GGUF as the CPU loads it by default (quantization "gguf"): each projection's shards go from the file's
+    bytes to its packed panels in one pass, never decoded to int8 codes on the way, and the panels and scales are
+    bit for bit those of the int8 blocks the file holds, joined and packed as before."""
+    from kvloom.ops import cpu
+
+    if not cpu.int8_kernels_available():
+        pytest.skip("the CPU int8 kernels are not built here")
+    from kvloom.layers.linear import Linear
+
+    decoded = []
+    real = Linear.q8_0_to_int8
+    monkeypatch.setattr(Linear, "q8_0_to_int8", lambda layer: decoded.extend(layer.q8_0) or real(layer))
+    _, path = q8_0_tiny
+    llm = LLM(model=path, dtype="bfloat16", max_model_len=128, quantization="gguf")
+    assert decoded == []
+    model = llm.llm_engine.executor.driver.model
+    stored = file_q8_0_blocks(path)
+    heads, kv_heads = SMOLLM2_SHAPE["num_attention_heads"], SMOLLM2_SHAPE["num_key_value_heads"]
+    for i, layer in enumerate(model.layers):
+        parts = {
+            layer.self_attn.qkv_proj: [[hf_rows(t, heads) for t in stored[f"blk.{i}.attn_q.weight"]],
+                                       [hf_rows(t, kv_heads) for t in stored[f"blk.{i}.attn_k.weight"]],
+                                       stored[f"blk.{i}.attn_v.weight"]],
+            layer.self_attn.o_proj: [stored[f"blk.{i}.attn_output.weight"]],
+            layer.mlp.gate_up_proj: [stored[f"blk.{i}.ffn_gate.weight"], stored[f"blk.{i}.ffn_up.weight"]],
+            layer.mlp.down_proj: [stored[f"blk.{i}.ffn_down.weight"]],
+        }
+        for linear, shards in parts.items():
+            expected = cpu.PackedInt8BlocksWeight(*(torch.cat(t) for t in zip(*shards)), None)
+            assert isinstance(linear.packed, cpu.PackedInt8BlocksWeight) and linear.q8_0 == {}
+            assert torch.equal(linear.packed.data, expected.data) and torch.equal(linear.packed.scale, expected.scale)
+    assert llm.generate(["The"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].outputs[0].text
+
+
 def blocks_llm(path: str, backend: str, dtype: str = "float32", overrides: dict | None = None, **kwargs) -> LLM:
     return LLM(model=path, dtype=dtype, max_model_len=256, quantization="int8",
                override_backend_config={"attention_backend": backend, **(overrides or {})}, **kwargs)

@@ -25,6 +25,7 @@ from kvloom.ops.int8 import (  # noqa: E402
     Int8Rows,
     NativeInt8BlocksLinear,
     NativeInt8Linear,
+    Q8_0Blocks,
     dequantize,
     dequantize_blocks,
     int8_linear_reference,
@@ -238,6 +239,42 @@ def test_q8_0_block_scales_stream_as_fp16_with_the_same_product(int8_kernels: No
     for other in results[1:]:
         assert torch.equal(other, results[0])
     assert cpu.PackedInt8BlocksWeight(qweight, scale * 1.0001, None).scale.dtype == torch.float32
+
+
+def q8_0_file_bytes(qweight: torch.Tensor, scale: torch.Tensor) -> Q8_0Blocks:
+    """A weight as a GGUF Q8_0 stores it: per row, blocks of fp16 d and 32 int8 codes."""
+    n, k = qweight.shape
+    d = scale.half().view(torch.uint8).view(n, k // BLOCK, 2)
+    codes = qweight.view(torch.uint8).view(n, k // BLOCK, BLOCK)
+    return Q8_0Blocks(torch.cat((d, codes), dim=2).reshape(n, -1))
+
+
+@pytest.mark.parametrize("sizes", [[96], [5], [64, 16, 16], [50, 47, 1]], ids=str)
+@pytest.mark.parametrize("k", [32, 576])
+def test_q8_0_bytes_pack_in_one_pass_as_the_decoded_blocks_do(int8_kernels: None, sizes: list[int], k: int) -> None:
+    """PackedInt8BlocksWeight.from_q8_0 packs a projection's shards from the file's bytes (rows read in place, some
+    strided) into the very panels and scales that decoding, joining and packing the int8 blocks give, and the same
+    product; the bytes decode to the codes and scales they hold."""
+    weights = [q8_0_weight(n, k, seed=n + k + i) for i, n in enumerate(sizes)]
+    parts = [q8_0_file_bytes(q, s) for q, s in weights]
+    for (q, s), part in zip(weights, parts, strict=True):
+        decoded = part.to_int8_blocks()
+        assert torch.equal(decoded.qweight, q) and torch.equal(decoded.scale, s)
+        assert part.shape == q.shape
+    qweight, scale = torch.cat([q for q, _ in weights]), torch.cat([s for _, s in weights])
+    bias = torch.randn(qweight.shape[0])
+    joined = cpu.PackedInt8BlocksWeight(qweight, scale, bias)
+    strided = [Q8_0Blocks(torch.cat((p.data, p.data), dim=1)[:, :p.data.shape[1]]) for p in parts]  # rows apart
+    for given in (parts, strided):
+        packed = cpu.PackedInt8BlocksWeight.from_q8_0(given, bias)
+        assert torch.equal(packed.data, joined.data) and torch.equal(packed.scale, joined.scale)
+        assert (packed.out_features, packed.in_features) == tuple(qweight.shape)
+        x = torch.randn(3, k)
+        assert torch.equal(packed(x), joined(x))
+    with pytest.raises(ValueError, match="one or more Q8_0 parts of one in_features"):
+        cpu.PackedInt8BlocksWeight.from_q8_0([parts[0], q8_0_file_bytes(*q8_0_weight(2, k + 32, seed=1))], None)
+    with pytest.raises(ValueError, match="do not hold a Q8_0 weight"):
+        Q8_0Blocks.from_gguf(torch.zeros(33, dtype=torch.uint8), (1, 32))
 
 
 @pytest.mark.parametrize(("m", "k", "n"), [(48, 576, 961), (49, 32, 3), (64, 576, 95), (70, 1536, 1), (300, 64, 200),

@@ -1129,6 +1129,67 @@ at::Tensor pack_int8_panels(at::Tensor q, bool flip) {
   return out;
 }
 
+// A GGUF Q8_0 block as stored: fp16 d, then 32 int8 codes.
+constexpr int64_t kQ8_0Bytes = 2 + kBlock;
+
+// The file's Q8_0 bytes of a weight's parts (each uint8 [rows, K / 32 * 34], rows contiguous, any stride apart: the
+// shards of a fused projection, in turn) -> PackedInt8BlocksWeight's panels in one pass, parallel over panels:
+// codes [ceil(N / 48), K / 4, 48, 4] as q + 128 in u8 (zero past N, so 0x80), scales fp16 [ceil(N / 48), K / 32, 48]
+// (zero past N). What decoding the blocks (gguf.q8_0_blocks), joining the shards and pack_int8_panels(flip) give,
+// without those copies.
+void pack_q8_0_parts(at::Tensor codes, at::Tensor scales, at::TensorList parts, int64_t in_features) {
+  TORCH_CHECK(in_features > 0 && in_features % kBlock == 0,
+              "pack_q8_0_parts: in_features must be a positive multiple of ", kBlock, ", got ", in_features);
+  const int64_t blocks = in_features / kBlock, row_bytes = blocks * kQ8_0Bytes;
+  std::vector<const uint8_t*> rows;
+  for (const at::Tensor& part : parts) {
+    TORCH_CHECK(part.scalar_type() == at::kByte && part.dim() == 2 && part.size(1) == row_bytes &&
+                    (part.size(0) <= 1 || part.stride(1) == 1) && part.device().is_cpu(),
+                "pack_q8_0_parts: each part must be the uint8 bytes [rows, ", row_bytes, "] of a Q8_0 [rows, ",
+                in_features, "] weight, each row's bytes contiguous; got ", part.sizes(), " ", part.scalar_type());
+    const uint8_t* base = part.data_ptr<uint8_t>();
+    for (int64_t r = 0; r < part.size(0); ++r) rows.push_back(base + r * part.stride(0));
+  }
+  const int64_t count = static_cast<int64_t>(rows.size()), panels = (count + kPanel - 1) / kPanel;
+  TORCH_CHECK(count > 0, "pack_q8_0_parts: a weight needs rows > 0");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.numel() == panels * in_features * kPanel,
+              "pack_q8_0_parts: codes must be contiguous int8 of ", panels * in_features * kPanel, " values, got ",
+              codes.numel(), " ", codes.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == panels * blocks * kPanel,
+              "pack_q8_0_parts: scales must be contiguous float16 of ", panels * blocks * kPanel, " values, got ",
+              scales.numel(), " ", scales.scalar_type());
+  rows.resize(panels * kPanel, nullptr);
+  auto* code_out = reinterpret_cast<uint8_t*>(codes.data_ptr<int8_t>());
+  auto* scale_out = reinterpret_cast<uint16_t*>(scales.data_ptr<c10::Half>());
+  const uint8_t* const* table = rows.data();
+  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* const* panel = table + p * kPanel;
+      for (int64_t b = 0; b < blocks; ++b) {
+        // A block of the 48 columns: its 8 groups of 4 inputs, 48 words each, and the 48 scales, written in order.
+        uint8_t* out = code_out + (p * blocks + b) * kGroupsPerBlock * kGroupBytes;
+        uint16_t* d = scale_out + (p * blocks + b) * kPanel;
+        for (int64_t c = 0; c < kPanel; ++c) {
+          uint16_t scale = 0;
+          uint32_t words[kGroupsPerBlock];
+          if (panel[c] != nullptr) {
+            const uint8_t* block = panel[c] + b * kQ8_0Bytes;
+            std::memcpy(&scale, block, 2);
+            std::memcpy(words, block + 2, kBlock);
+          } else {
+            std::memset(words, 0, sizeof(words));
+          }
+          d[c] = scale;
+          for (int64_t g = 0; g < kGroupsPerBlock; ++g) {
+            const uint32_t word = words[g] ^ 0x80808080u;
+            std::memcpy(out + g * kGroupBytes + c * kGroup, &word, kGroup);
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 namespace kvloom::kernels {
@@ -1166,6 +1227,7 @@ TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("int8_rows_bf16_tiles_min_rows() -> int", &int8_rows_bf16_tiles_min_rows);
   m.def("int8_gemm_kernels() -> int", &int8_gemm_kernels);
   m.def("pack_int8_panels(Tensor q, bool flip=False) -> Tensor");
+  m.def("pack_q8_0_parts(Tensor(a!) codes, Tensor(b!) scales, Tensor[] parts, int in_features) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
@@ -1173,4 +1235,5 @@ TORCH_LIBRARY_IMPL(kvloom, CPU, m) {
   m.impl("gemm_int8_weight_only", &gemm_int8_weight_only);
   m.impl("gemm_w8a8_blocks", &gemm_w8a8_blocks);
   m.impl("pack_int8_panels", &pack_int8_panels);
+  m.impl("pack_q8_0_parts", &pack_q8_0_parts);
 }
