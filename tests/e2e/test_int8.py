@@ -627,6 +627,23 @@ def test_tensor_parallel_q8_0_blocks_equal_one_rank(tiny_llama_dir, tmp_path) ->
         two.llm_engine.shutdown()
 
 
+def test_tensor_parallel_q8_0_bytes_equal_one_rank(tiny_llama_dir, tmp_path) -> None:
+    """quantization "gguf" on a CPU hands the Q8_0 projections over as the file's bytes: each rank cuts them as int8
+    blocks (columns and rows alike) and greedy decoding equals one rank's, which packs them from the bytes."""
+    import tiny_models
+
+    q8 = GGML_Q8_0
+    path = tiny_models.write_tiny_gguf(str(tmp_path / "q8.gguf"), tiny_llama_dir,
+                                       types={"attn": q8, "attn_o": q8, "ffn": q8, "ffn_down": q8})
+    prompts = mixed_prompts(400, count=4)
+    one = LLM(model=path, dtype="float32", max_model_len=256, quantization="gguf")
+    two = LLM(model=path, dtype="float32", max_model_len=256, quantization="gguf", tensor_parallel_size=2)
+    try:
+        assert kvloom_greedy(two, prompts, 8) == kvloom_greedy(one, prompts, 8)
+    finally:
+        two.llm_engine.shutdown()
+
+
 def test_row_parallel_split_must_keep_whole_blocks() -> None:
     from kvloom.layers.tensor_parallel import _shard_rows_in
 
