@@ -42,12 +42,18 @@ HEAD_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
 EXPERT_WEIGHTS = ("w1.weight", "w2.weight", "w3.weight")
 
 
-def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks]], lm_head: bool
-                     ) -> Iterator[tuple[str, torch.Tensor | Int8Rows | Int8Blocks]]:
+def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks | Q8_0Blocks]], lm_head: bool
+                     ) -> Iterator[tuple[str, torch.Tensor | Int8Rows | Int8Blocks | Q8_0Blocks]]:
     """The checkpoint's tensors with every projection weight (and with ``lm_head`` the embedding and the
     head) turned into int8 rows; a projection, embedding or head that arrives as int8 blocks (a kept GGUF Q8_0)
-    stays as it is (a Q8_0 table's blocks are its exact values: finer than rows re-quantized from them)."""
+    stays as it is (a Q8_0 table's blocks are its exact values: finer than rows re-quantized from them), a dense
+    projection as the file's Q8_0 bytes too."""
     for name, tensor in weights:
+        if isinstance(tensor, Q8_0Blocks):
+            if name.endswith(LINEAR_WEIGHTS) and ".experts." not in name:
+                yield name, tensor
+                continue
+            tensor = tensor.to_int8_blocks()
         if isinstance(tensor, Int8Blocks):
             if name.endswith(LINEAR_WEIGHTS + HEAD_WEIGHTS):
                 yield name, tensor
@@ -138,7 +144,7 @@ def finish_int8(model: nn.Module, lm_head: bool) -> None:
         if hasattr(module, "quantize_experts"):
             module.quantize_experts()
     float_layers = [name for name, module in model.named_modules() if isinstance(module, Linear)
-                    and not module.quantized and not getattr(module, "keep_float", False)]
+                    and not module.quantized and not module.q8_0 and not getattr(module, "keep_float", False)]
     if float_layers:
         raise ValueError(f"int8 loading left {len(float_layers)} projection(s) in float, e.g. {float_layers[:3]}")
 

@@ -157,7 +157,9 @@ def load_model_weights(model: nn.Module, config: ResolvedConfig) -> None:
         if state is not None:
             load_int8_state(model, state, lm_head)
             return
-    weights = _llama_names(model, iter_weights(config.source, keep_q8_0=keep_q8_0))
+    # Q8_0 projections as the file's bytes, packed from them in one pass, where no quantized checkpoint is written.
+    q8_0_bytes = keep_q8_0 and config.device.type == "cpu" and path is None
+    weights = _llama_names(model, iter_weights(config.source, keep_q8_0=keep_q8_0, keep_q8_0_bytes=q8_0_bytes))
     if alpha is not None:
         # Smoothing calibrates on the float model, then folds its factors into the tensors read again.
         model.load_weights(iter_weights(config.source))

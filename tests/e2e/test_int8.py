@@ -421,10 +421,11 @@ def test_q8_0_gguf_loads_its_own_codes_and_block_scales_bit_exactly(q8_0_tiny, m
             assert torch.equal(linear.packed.qweight, codes) and torch.equal(linear.packed.scale, scales)
 
 
-def test_q8_0_projections_pack_from_the_files_bytes_in_one_pass(q8_0_tiny, monkeypatch) -> None:
-    """A Q8_0 GGUF as the CPU loads it by default (quantization "gguf"): each projection's shards go from the file's
-    bytes to its packed panels in one pass, never decoded to int8 codes on the way, and the panels and scales are
-    bit for bit those of the int8 blocks the file holds, joined and packed as before."""
+@pytest.mark.parametrize("quantization", ["int8", "gguf"])
+def test_q8_0_projections_pack_from_the_files_bytes_in_one_pass(q8_0_tiny, monkeypatch, quantization: str) -> None:
+    """A Q8_0 GGUF on the CPU (quantization "int8", a Q8_0 file's default, or "gguf"): each projection's shards go
+    from the file's bytes to its packed panels in one pass, never decoded to int8 codes on the way, and the panels and
+    scales are bit for bit those of the int8 blocks the file holds, joined and packed as before."""
     from kvloom.ops import cpu
 
     if not cpu.int8_kernels_available():
@@ -435,7 +436,7 @@ def test_q8_0_projections_pack_from_the_files_bytes_in_one_pass(q8_0_tiny, monke
     real = Linear.q8_0_to_int8
     monkeypatch.setattr(Linear, "q8_0_to_int8", lambda layer: decoded.extend(layer.q8_0) or real(layer))
     _, path = q8_0_tiny
-    llm = LLM(model=path, dtype="bfloat16", max_model_len=128, quantization="gguf")
+    llm = LLM(model=path, dtype="bfloat16", max_model_len=128, quantization=quantization)
     assert decoded == []
     model = llm.llm_engine.executor.driver.model
     stored = file_q8_0_blocks(path)
