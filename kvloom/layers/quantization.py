@@ -40,6 +40,16 @@ LINEAR_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.wei
 HEAD_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
 # Mixtral's expert projections (``...experts.<e>.w1.weight``): Qwen-MoE's share the dense names above.
 EXPERT_WEIGHTS = ("w1.weight", "w2.weight", "w3.weight")
+# A weight as the loader hands it over: float, or kept in the file's blocks.
+Stored = torch.Tensor | Int8Blocks | Q8_0Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks
+
+
+def dense_projection_bytes(name: str, tensor: Stored) -> Stored:
+    """A GGUF's Q8_0 bytes stay so for a dense projection, packed from them in one pass (layers/linear.py); anything
+    else takes them as int8 blocks."""
+    if isinstance(tensor, Q8_0Blocks) and (".experts." in name or not name.endswith(LINEAR_WEIGHTS)):
+        return tensor.to_int8_blocks()
+    return tensor
 
 
 def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks | Q8_0Blocks]], lm_head: bool
@@ -49,11 +59,10 @@ def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks | Q8
     stays as it is (a Q8_0 table's blocks are its exact values: finer than rows re-quantized from them), a dense
     projection as the file's Q8_0 bytes too."""
     for name, tensor in weights:
+        tensor = dense_projection_bytes(name, tensor)
         if isinstance(tensor, Q8_0Blocks):
-            if name.endswith(LINEAR_WEIGHTS) and ".experts." not in name:
-                yield name, tensor
-                continue
-            tensor = tensor.to_int8_blocks()
+            yield name, tensor
+            continue
         if isinstance(tensor, Int8Blocks):
             if name.endswith(LINEAR_WEIGHTS + HEAD_WEIGHTS):
                 yield name, tensor
@@ -66,16 +75,12 @@ def quantize_as_read(weights: Iterable[tuple[str, torch.Tensor | Int8Blocks | Q8
             yield name, tensor
 
 
-Stored = torch.Tensor | Int8Blocks | Q8_0Blocks | Q4Blocks | Q4KBlocks | Q6KBlocks
-
-
 def kept_as_stored(weights: Iterable[tuple[str, Stored]]) -> Iterator[tuple[str, Stored]]:
     """``quantization="gguf"``: the projections', the embedding's and the head's code blocks, k-quant super-blocks and
     Q8_0 blocks as the file stores them (a Q4_K_M file's Q6_K table: the head takes the k-quant product, a lookup
     reads rows of the same super-blocks)."""
     for name, tensor in weights:
-        if isinstance(tensor, Q8_0Blocks) and (".experts." in name or not name.endswith(LINEAR_WEIGHTS)):
-            tensor = tensor.to_int8_blocks()  # the file's Q8_0 bytes are a dense projection's to pack alone
+        tensor = dense_projection_bytes(name, tensor)
         if isinstance(tensor, SUPER_BLOCK_TYPES):  # the file's super-blocks: a projection's and a table's product
             if name.endswith(LINEAR_WEIGHTS + HEAD_WEIGHTS) and ".experts." not in name:  # take them as such
                 yield name, tensor

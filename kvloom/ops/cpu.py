@@ -71,7 +71,7 @@ SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name
 # Included by them: the ISA flags (all), the thread pool's loops, the int8/4-bit GEMMs' AVX2 columns and AMX tiles.
 HEADERS = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("cpu_capability.h", "kernels.h", "parallel.h", "avx2_columns.h", "lora.h", "amx.h",
-                             "amx_bf16.h", "transpose.h"))
+                             "amx_bf16.h", "transpose.h", "q4_panels.h", "part_rows.h"))
 # Tried in order: built for the ISA level in force (kvloom.cpu_capability: this CPU's own -march=native, or
 # the capped level's baseline), then portable (for compilers that reject those flags).
 PORTABLE = ("portable", [])
@@ -795,10 +795,7 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  bf16_tiles: bool = True) -> None:
         check_blocks_shape(qweight, scale)
-        self.out_features, self.in_features = qweight.shape
-        if bias is not None and bias.shape != (self.out_features,):
-            raise ValueError(f"PackedInt8BlocksWeight: bias must have shape ({self.out_features},), "
-                             f"got {tuple(bias.shape)}")
+        self._set_shape(*qweight.shape, bias)
         # The panels of pack_int8_weight holding q + 128 as u8 (each byte's top bit flipped): the kernel's
         # shift to vpdpbusd's unsigned operand is on the weight, so activations need no compensation per column.
         self._finish(huge_pages.rehome(pack_int8_weight(qweight, flip=True)),
@@ -814,10 +811,7 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
             raise ValueError(f"PackedInt8BlocksWeight.from_q8_0 takes one or more Q8_0 parts of one in_features, got "
                              f"shapes {[tuple(p.shape) for p in parts]}")
         self = cls.__new__(cls)
-        self.out_features, self.in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
-        if bias is not None and bias.shape != (self.out_features,):
-            raise ValueError(f"PackedInt8BlocksWeight: bias must have shape ({self.out_features},), "
-                             f"got {tuple(bias.shape)}")
+        self._set_shape(sum(p.shape[0] for p in parts), parts[0].shape[1], bias)
         panels, blocks = -(-self.out_features // GEMM_PANEL), self.in_features // BLOCK
         codes = huge_pages.empty(panels * self.in_features * GEMM_PANEL).view(torch.int8)
         codes = codes.view(panels, self.in_features // INT8_GROUP, GEMM_PANEL, INT8_GROUP)
@@ -825,6 +819,11 @@ class PackedInt8BlocksWeight(_PackedInt8Linear):
         torch.ops.kvloom.pack_q8_0_parts(codes, scale, [p.data for p in parts], self.in_features)
         self._finish(codes, scale, bias, bf16_tiles)
         return self
+
+    def _set_shape(self, out_features: int, in_features: int, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = out_features, in_features
+        if bias is not None and bias.shape != (out_features,):
+            raise ValueError(f"PackedInt8BlocksWeight: bias must have shape ({out_features},), got {tuple(bias.shape)}")
 
     def _finish(self, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, bf16_tiles: bool) -> None:
         self.data, self.scale = data, scale

@@ -88,6 +88,17 @@ class Int8Blocks(NamedTuple):
 Q8_0_BLOCK_BYTES = 2 + BLOCK  # a GGUF Q8_0 block as stored: fp16 d, then 32 int8 codes
 
 
+def rows_of_bytes(raw: torch.Tensor, shape: tuple[int, int], name: str, inputs: int, block_bytes: int) -> torch.Tensor:
+    """A 2-D tensor's bytes as the file stores it (blocks of ``inputs`` values in ``block_bytes`` each, row after row)
+    -> uint8 [N, K / inputs * block_bytes]."""
+    n, k = shape
+    if k % inputs:
+        raise ValueError(f"a {name} weight needs in_features a multiple of {inputs}, got {k}")
+    if raw.numel() != n * k // inputs * block_bytes:
+        raise ValueError(f"{raw.numel()} bytes do not hold a {name} weight of shape {tuple(shape)}")
+    return raw.reshape(n, k // inputs * block_bytes)
+
+
 class Q8_0Blocks(NamedTuple):
     """A GGUF Q8_0 weight [N, K] as the file stores it: uint8 [N, K / 32 * 34], each row its blocks (fp16 d, then 32
     int8 codes). A projection's shards stay so until ``cpu.PackedInt8BlocksWeight.from_q8_0`` packs them from these
@@ -104,12 +115,7 @@ class Q8_0Blocks(NamedTuple):
     @classmethod
     def from_gguf(cls, raw: torch.Tensor, shape: tuple[int, int]) -> Q8_0Blocks:
         """A 2-D Q8_0 tensor's bytes (uint8, as read or mapped) of torch shape [N, K]."""
-        n, k = shape
-        if k % BLOCK:
-            raise ValueError(f"a Q8_0 weight needs in_features a multiple of {BLOCK}, got {k}")
-        if raw.numel() != n * k // BLOCK * Q8_0_BLOCK_BYTES:
-            raise ValueError(f"{raw.numel()} bytes do not hold a Q8_0 weight of shape {tuple(shape)}")
-        return cls(raw.reshape(n, k // BLOCK * Q8_0_BLOCK_BYTES))
+        return cls(rows_of_bytes(raw, shape, "Q8_0", BLOCK, Q8_0_BLOCK_BYTES))
 
     def to_int8_blocks(self) -> Int8Blocks:
         """The codes int8 [N, K] and the fp16 block scales as fp32 [N, K / 32] (exact)."""

@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvloom.ops import huge_pages
+from kvloom.ops.int8 import rows_of_bytes
 from kvloom.ops.layer_stack import StackArgs
 from kvloom.ops.q4 import BLOCK, PANEL, SUB_BLOCK, PackedQ4Weight, Q4Blocks, q4_linear_reference
 
@@ -90,16 +91,6 @@ def decode_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return codes.reshape(-1, SUPER), d, -32 * d
 
 
-def _rows_of_bytes(raw: torch.Tensor, shape: tuple[int, int], name: str, super_bytes: int) -> torch.Tensor:
-    """A 2-D tensor's bytes as stored -> uint8 [N, K / 256 * super_bytes]."""
-    n, k = shape
-    if k % SUPER:
-        raise ValueError(f"a {name} weight needs in_features a multiple of {SUPER}, got {k}")
-    if raw.numel() != n * k // SUPER * super_bytes:
-        raise ValueError(f"{raw.numel()} bytes do not hold a {name} weight of shape {tuple(shape)}")
-    return raw.reshape(n, k // SUPER * super_bytes)
-
-
 def _columns(data: torch.Tensor, start: int, size: int, super_bytes: int) -> torch.Tensor:
     """Inputs [start, start + size) of every row of super-block bytes, whole super-blocks."""
     if start % SUPER or size % SUPER:
@@ -122,7 +113,7 @@ class Q4KBlocks(NamedTuple):
     @classmethod
     def from_gguf(cls, raw: torch.Tensor, shape: tuple[int, int]) -> Q4KBlocks:
         """A 2-D Q4_K tensor's bytes (uint8, as read) of torch shape [N, K]."""
-        return cls(_rows_of_bytes(raw, shape, "Q4_K", SUPER_BYTES))
+        return cls(rows_of_bytes(raw, shape, "Q4_K", SUPER, SUPER_BYTES))
 
     def to_blocks(self) -> Q4Blocks:
         """The same weight as codes with a scale and an offset per block of 32 (exact)."""
@@ -156,7 +147,7 @@ class Q6KBlocks(NamedTuple):
     @classmethod
     def from_gguf(cls, raw: torch.Tensor, shape: tuple[int, int]) -> Q6KBlocks:
         """A 2-D Q6_K tensor's bytes (uint8, as read) of torch shape [N, K]."""
-        return cls(_rows_of_bytes(raw, shape, "Q6_K", Q6_K_SUPER_BYTES))
+        return cls(rows_of_bytes(raw, shape, "Q6_K", SUPER, Q6_K_SUPER_BYTES))
 
     def to_blocks(self) -> Q4Blocks:
         """The same weight as 6-bit codes with a scale and an offset per 16 inputs (exact)."""

@@ -44,6 +44,7 @@
 #include "cpu_capability.h"
 #include "kernels.h"
 #include "parallel.h"
+#include "part_rows.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -1140,24 +1141,16 @@ constexpr int64_t kQ8_0Bytes = 2 + kBlock;
 void pack_q8_0_parts(at::Tensor codes, at::Tensor scales, at::TensorList parts, int64_t in_features) {
   TORCH_CHECK(in_features > 0 && in_features % kBlock == 0,
               "pack_q8_0_parts: in_features must be a positive multiple of ", kBlock, ", got ", in_features);
-  const int64_t blocks = in_features / kBlock, row_bytes = blocks * kQ8_0Bytes;
-  std::vector<const uint8_t*> rows;
-  for (const at::Tensor& part : parts) {
-    TORCH_CHECK(part.scalar_type() == at::kByte && part.dim() == 2 && part.size(1) == row_bytes &&
-                    (part.size(0) <= 1 || part.stride(1) == 1) && part.device().is_cpu(),
-                "pack_q8_0_parts: each part must be the uint8 bytes [rows, ", row_bytes, "] of a Q8_0 [rows, ",
-                in_features, "] weight, each row's bytes contiguous; got ", part.sizes(), " ", part.scalar_type());
-    const uint8_t* base = part.data_ptr<uint8_t>();
-    for (int64_t r = 0; r < part.size(0); ++r) rows.push_back(base + r * part.stride(0));
-  }
+  const int64_t blocks = in_features / kBlock;
+  std::vector<const uint8_t*> rows = kvloom::part_rows(parts, blocks * kQ8_0Bytes, in_features, "pack_q8_0_parts");
   const int64_t count = static_cast<int64_t>(rows.size()), panels = (count + kPanel - 1) / kPanel;
-  TORCH_CHECK(count > 0, "pack_q8_0_parts: a weight needs rows > 0");
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.numel() == panels * in_features * kPanel,
-              "pack_q8_0_parts: codes must be contiguous int8 of ", panels * in_features * kPanel, " values, got ",
-              codes.numel(), " ", codes.scalar_type());
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == panels * blocks * kPanel,
-              "pack_q8_0_parts: scales must be contiguous float16 of ", panels * blocks * kPanel, " values, got ",
-              scales.numel(), " ", scales.scalar_type());
+  const int64_t code_count = panels * in_features * kPanel, scale_count = panels * blocks * kPanel;
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.numel() == code_count,
+              "pack_q8_0_parts: codes must be contiguous int8 of ", code_count, " values, got ", codes.numel(), " ",
+              codes.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == scale_count,
+              "pack_q8_0_parts: scales must be contiguous float16 of ", scale_count, " values, got ", scales.numel(),
+              " ", scales.scalar_type());
   rows.resize(panels * kPanel, nullptr);
   auto* code_out = reinterpret_cast<uint8_t*>(codes.data_ptr<int8_t>());
   auto* scale_out = reinterpret_cast<uint16_t*>(scales.data_ptr<c10::Half>());

@@ -608,14 +608,15 @@ void q4_bf16_amx(c10::BFloat16* y, int64_t ldy, const c10::BFloat16* x, int64_t 
 #if defined(KVLOOM_Q4_AMX_BF16)
 // The table product: bf16 activations times 4-bit weights with one level of scales (GGUF Q4_0 / Q4_1, GPTQ, AWQ) on
 // AMX-BF16 tiles at every row count, one formula whatever the batch (where the caller allows bf16 tiles:
-// KVLOOM_Q4_ACTIVATIONS=bf16 / q4_activations "bf16", or KVLOOM_BATCH_INVARIANT=0). The roles of the dequantizing product above are swapped: the weight is the A tile, 16 columns x 32 k of
-// a block, each column's row looked up in a 16-entry table of its bf16 values q d + m (one FMA in fp32, rounded once:
-// q4_dequantized_linear_reference's values) by vpermw, with its codes' nibbles as the indices; the activations are
-// the B tile, 16 k pairs x 16 rows, packed once per call; C holds 16 columns x 16 rows of fp32 sums over all of K. So
-// a row's sums are those of its own x and the weight alone, in one order over k, whether it comes alone or with 255
-// others: at 1 row the tiles cost what reading the weight costs, and no activation is quantized. A column's codes
-// are read from the panels as packed (a block's four 4-byte runs of a column gathered by two dword permutes per
-// panel), in the order that makes the indices one shift and mask away (lut_k); x's k are permuted to match.
+// KVLOOM_Q4_ACTIVATIONS=bf16 / q4_activations "bf16", or KVLOOM_BATCH_INVARIANT=0). The roles of the dequantizing
+// product above are swapped: the weight is the A tile, 16 columns x 32 k of a block, each column's row looked up in a
+// 16-entry table of its bf16 values q d + m (one FMA in fp32, rounded once: q4_dequantized_linear_reference's values)
+// by vpermw, with its codes' nibbles as the indices; the activations are the B tile, 16 k pairs x 16 rows, packed once
+// per call; C holds 16 columns x 16 rows of fp32 sums over all of K. So a row's sums are those of its own x and the
+// weight alone, in one order over k, whether it comes alone or with 255 others: at 1 row the tiles cost what reading
+// the weight costs, and no activation is quantized. A column's codes are read from the panels as packed (a block's four
+// 4-byte runs of a column gathered by two dword permutes per panel), in the order that makes the indices one shift and
+// mask away (lut_k); x's k are permuted to match.
 
 // Whether bf16 rows take the table product (where the caller allows bf16 tiles and the scales are fp16: GGUF Q4_0 /
 // Q4_1, GPTQ, AWQ): the fast kernels, 4-bit codes with a d and m per 32 k (scale rows 2), and the AMX-BF16 tiles

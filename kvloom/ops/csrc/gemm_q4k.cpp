@@ -40,6 +40,7 @@
 #include "cpu_capability.h"
 #include "kernels.h"
 #include "parallel.h"
+#include "part_rows.h"
 #include "q4_panels.h"
 
 #include <ATen/core/Tensor.h>
@@ -186,18 +187,9 @@ void pack_kquant_parts(at::Tensor out, at::TensorList parts, int64_t in_features
   const auto [name, type, file_bytes, super_bytes] = format_of(six_bits);
   TORCH_CHECK(in_features > 0 && in_features % kSuper == 0, name, ": in_features must be a positive multiple of ",
               kSuper, ", got ", in_features);
-  const int64_t supers = in_features / kSuper, row_bytes = supers * file_bytes;
-  std::vector<const uint8_t*> rows;
-  for (const at::Tensor& part : parts) {
-    TORCH_CHECK(part.scalar_type() == at::kByte && part.dim() == 2 && part.size(1) == row_bytes &&
-                    (part.size(0) <= 1 || part.stride(1) == 1) && part.device().is_cpu(),
-                name, ": each part must be the uint8 bytes [rows, ", row_bytes, "] of a [rows, ", in_features,
-                "] weight, each row's bytes contiguous; got ", part.sizes(), " ", part.scalar_type());
-    const uint8_t* base = part.data_ptr<uint8_t>();
-    for (int64_t r = 0; r < part.size(0); ++r) rows.push_back(base + r * part.stride(0));
-  }
+  const int64_t supers = in_features / kSuper;
+  std::vector<const uint8_t*> rows = kvloom::part_rows(parts, supers * file_bytes, in_features, name);
   const int64_t count = static_cast<int64_t>(rows.size()), panels = (count + kPanel - 1) / kPanel;
-  TORCH_CHECK(count > 0, name, ": a weight needs rows > 0");
   TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.numel() == panels * supers * super_bytes,
               name, ": out must be contiguous uint8 of ", panels * supers * super_bytes, " bytes, got ", out.numel());
   rows.resize(panels * kPanel, nullptr);
